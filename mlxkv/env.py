@@ -1,0 +1,107 @@
+"""Every ``MLXKV_*`` environment flag, read here and nowhere else.
+
+Flags are read when asked (not cached at import) so that tests and long-running servers see the
+current environment; callers go through these functions, never ``os.environ`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no"}
+
+
+def _flag(name: str, default: bool) -> bool:
+    """A boolean flag: 1/true/on/yes or 0/false/off/no (any case); anything else is an error."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/true/on/yes or 0/false/off/no")
+
+
+def _int(name: str, default: int | None, minimum: int = 0) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r}: expected an integer >= {minimum}")
+    return value
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def kv_inplace_write() -> bool:
+    """``MLXKV_KV_INPLACE_WRITE`` (default on): single-token decode appends write in place."""
+    return _flag("MLXKV_KV_INPLACE_WRITE", True)
+
+
+def padded_prefill_override() -> bool | None:
+    """Padded-prefill override: ``False`` if ``MLXKV_NO_PADDED_PREFILL`` is set (it wins), ``True`` if
+    ``MLXKV_FORCE_PADDED_PREFILL`` is set, ``None`` to let the architecture's default decide."""
+    if _flag("MLXKV_NO_PADDED_PREFILL", False):
+        return False
+    if _flag("MLXKV_FORCE_PADDED_PREFILL", False):
+        return True
+    return None
+
+
+def paged_kernel() -> str:
+    """``MLXKV_PAGED_KERNEL``: ``auto`` (Metal if available and self-checked), ``metal`` or ``reference``."""
+    return _choice("MLXKV_PAGED_KERNEL", "auto", ("auto", "metal", "reference"))
+
+
+def paged_decode_splits() -> int | None:
+    """``MLXKV_PAGED_DECODE_SPLITS``: split-K count for paged decode; ``None`` picks by context length."""
+    return _int("MLXKV_PAGED_DECODE_SPLITS", None, minimum=1)
+
+
+def cascade_attention() -> bool:
+    """``MLXKV_CASCADE_ATTENTION`` (default off): shared-prefix cascade attention."""
+    return _flag("MLXKV_CASCADE_ATTENTION", False)
+
+
+def cascade_min_group_size() -> int:
+    """``MLXKV_CASCADE_MIN_GROUP`` (default 2): fewest sequences sharing a prefix to cascade."""
+    return _int("MLXKV_CASCADE_MIN_GROUP", 2, minimum=2)
+
+
+def cascade_min_shared_pages() -> int:
+    """``MLXKV_CASCADE_MIN_SHARED_PAGES`` (default 1): fewest shared whole pages to cascade."""
+    return _int("MLXKV_CASCADE_MIN_SHARED_PAGES", 1, minimum=1)
+
+
+def mla_absorbed() -> bool:
+    """``MLXKV_MLA_ABSORBED`` (default off): absorbed multi-head latent attention."""
+    return _flag("MLXKV_MLA_ABSORBED", False)
+
+
+def mla_split_kv() -> bool:
+    """``MLXKV_MLA_SPLIT_KV`` (default off): split long latent ranges; requires the absorbed path."""
+    split = _flag("MLXKV_MLA_SPLIT_KV", False)
+    if split and not mla_absorbed():
+        raise ValueError("MLXKV_MLA_SPLIT_KV=1 requires MLXKV_MLA_ABSORBED=1")
+    return split
+
+
+def api_key() -> str | None:
+    """``MLXKV_API_KEY``: bearer token required by ``mlxkv serve`` on /v1 routes, if set."""
+    value = os.environ.get("MLXKV_API_KEY", "").strip()
+    return value or None
