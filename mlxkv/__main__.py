@@ -1,0 +1,5 @@
+"""``python -m mlxkv`` runs the command line."""
+
+from mlxkv.cli.main import app
+
+app(prog_name="mlxkv")

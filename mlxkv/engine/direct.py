@@ -1,0 +1,143 @@
+"""DirectEngine: one sequence at a time — open, prefill, step, close — over a CachePool."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence as Seq
+
+import mlx.core as mx
+
+from mlxkv.engine.prefill import prefill
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.stops import StopStringMatcher
+from mlxkv.pool import CachePool
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece of output: new text (may be empty while held back), the token, and why it ended."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" (max_tokens) | None (running)
+
+
+@dataclass
+class GenerationStats:
+    """Figures of the last generation, for ``--verbose``."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_tokens: int = 0
+    generation_seconds: float = 0.0
+    peak_memory_bytes: int = 0
+    kv_bytes: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+
+class DirectEngine:
+    """Generates for one sequence at a time over a :class:`CachePool`.
+
+    Args:
+        model: the mlx-lm model.
+        tokenizer: mlx-lm's ``TokenizerWrapper`` (EOS ids and the streaming detokenizer come from it).
+        pool: the CachePool to draw sequences from (default: a one-sequence pool over mlxkv's layouts).
+        prefill_step_size: prompt tokens per prefill forward.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, pool: CachePool | None = None,
+                 prefill_step_size: int = 2048):
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool if pool is not None else CachePool(model, max_sequences=1)
+        self.prefill_step_size = prefill_step_size
+        self.last_stats = GenerationStats()
+
+    def generate_tokens(self, prompt: Seq[int], params: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
+
+        The sequence is opened in the pool on the first ``next`` and released when the generator finishes
+        or is closed, whatever happens in between.
+        """
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        sampler = params.make_sampler()
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        self.last_stats = stats
+        mx.reset_peak_memory()
+        seq = self.pool.open(prompt_length=len(prompt))
+        try:
+            caches = seq.caches
+
+            def step(token: mx.array) -> mx.array:
+                logits = self.model(token.reshape(1, 1), cache=caches)[:, -1, :]  # (1, vocab)
+                return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (1,)
+
+            start = time.perf_counter()
+            logits = prefill(self.model, caches, mx.array(prompt, dtype=mx.uint32),
+                             step_size=self.prefill_step_size)  # (vocab,)
+            y = sampler((logits - mx.logsumexp(logits, keepdims=True))[None])  # (1,)
+            mx.eval(y)
+            stats.prompt_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            for n in range(params.max_tokens):
+                # Queue the next step before reading this token, so the host never waits on the device twice.
+                next_y = step(y) if n + 1 < params.max_tokens else None
+                if next_y is not None:
+                    mx.async_eval(next_y)
+                token = y.item()
+                stats.generation_tokens += 1
+                stats.generation_seconds = time.perf_counter() - start
+                yield token
+                y = next_y
+        finally:
+            stats.kv_bytes = self.pool.memory_usage_bytes()
+            stats.peak_memory_bytes = mx.get_peak_memory()
+            self.pool.release(seq.id)
+
+    def generate(self, prompt: Seq[int], params: SamplingParams) -> Iterator[GenerationChunk]:
+        """Stream text for ``prompt``; stops on EOS, on a stop string, or after ``max_tokens``.
+
+        The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
+        """
+        eos = set(self.tokenizer.eos_token_ids or ())
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        stops = StopStringMatcher(params.stop)
+        tokens = self.generate_tokens(prompt, params)
+        count = 0
+        try:
+            for token in tokens:
+                count += 1
+                if token in eos:
+                    detokenizer.finalize()
+                    yield GenerationChunk(stops.feed(detokenizer.last_segment) + stops.flush(), token, "stop")
+                    return
+                detokenizer.add_token(token)
+                text = stops.feed(detokenizer.last_segment)
+                if stops.stopped:
+                    yield GenerationChunk(text, token, "stop")
+                    return
+                if count == params.max_tokens:
+                    detokenizer.finalize()
+                    text += stops.feed(detokenizer.last_segment)
+                    if stops.stopped:
+                        yield GenerationChunk(text, token, "stop")
+                        return
+                    yield GenerationChunk(text + stops.flush(), token, "length")
+                    return
+                yield GenerationChunk(text, token)
+        finally:
+            tokens.close()  # releases the sequence even when the consumer stops early

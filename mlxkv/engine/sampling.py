@@ -1,0 +1,49 @@
+"""Sampling parameters for one request, validated, and the mlx-lm sampler they build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temp: temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        min_p: drop tokens below ``min_p`` x the top token's probability, in [0, 1); 0 disables it.
+        seed: seeds MLX's random generator for reproducible sampling (``None``: not seeded).
+        stop: strings that end generation; the stop string itself is not emitted.
+    """
+
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temp < 0:
+            raise ValueError(f"temp must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        self.stop = tuple(s for s in self.stop if s)
+
+    def make_sampler(self) -> Callable:
+        """mlx-lm's sampler for these settings (greedy when ``temp == 0``)."""
+        from mlx_lm.sample_utils import make_sampler
+
+        top_p = 0.0 if self.top_p >= 1.0 else self.top_p
+        return make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)

@@ -1,0 +1,33 @@
+"""Shared pytest fixtures: tiny random-weight test models written to disk once per test run.
+
+Parametrize over architectures with ``from mlxkv.testing.archs import ARCH_NAMES``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from mlxkv.testing.archs import ARCH_NAMES
+
+__all__ = ["ARCH_NAMES"]
+
+
+@pytest.fixture(scope="session")
+def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """Factory ``test_model_dir(arch, seed=0) -> Path``: the folder of that test model, written on
+    first use and reused for the rest of the session. Load it with ``mlx_lm.utils.load(str(path))``."""
+    from mlxkv.testing.models import write_test_model
+
+    root = tmp_path_factory.mktemp("test_models")
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(arch: str, seed: int = 0) -> Path:
+        key = (arch, seed)
+        if key not in built:
+            built[key] = write_test_model(arch, root / f"{arch}-seed{seed}", seed=seed)
+        return built[key]
+
+    return get
