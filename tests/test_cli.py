@@ -45,8 +45,8 @@ def test_greedy_cli_output_equals_mlx_lm_generate(llama_dir):
     "args, fragment",
     [
         (["--top-p", "1.5"], "0<x<=1"),
-        (["--temp", "-1"], "x>=0"),
-        (["--max-tokens", "0"], "x>=1"),
+        (["--temp", "-1"], "greater than or equal to 0"),
+        (["--max-tokens", "0"], "greater than or equal to 1"),
         (["--kv-bits", "3"], "4, 8"),
         (["--min-p", "1"], "0<=x<1"),
     ],
@@ -54,7 +54,8 @@ def test_greedy_cli_output_equals_mlx_lm_generate(llama_dir):
 def test_bad_values_name_the_valid_range(args, fragment):
     result = runner.invoke(app, ["generate", *args, "hello"])
     assert result.exit_code == 2
-    assert fragment in result.output
+    flat = " ".join(result.output.replace("│", " ").split())  # undo rich's boxing and wrapping
+    assert fragment in flat
 
 
 def test_missing_model_path_is_one_line_and_non_zero():

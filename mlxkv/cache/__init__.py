@@ -1,0 +1,54 @@
+"""mlxkv's layer caches: layouts per attention type over one storage interface.
+
+Layouts (each speaks mlx-lm's cache protocol exactly, plus ``attend`` and ``rewindable``):
+
+- :class:`KVCache` — full attention; token ``p`` in row ``p``.
+- :class:`RotatingKVCache` — sliding window of ``max_size`` tokens with ``keep`` sink tokens.
+- :class:`ChunkedKVCache` — Llama 4 local chunks (global offset, visible chunk start).
+- ``Quantized*`` twins of the three — rows stored as 4/8-bit ``mx.quantize`` planes.
+
+Storage (:mod:`mlxkv.cache.storage`) owns the buffers; layouts only map positions to slots. The
+attention hook (:mod:`mlxkv.cache.hook`) makes the cache decide attention; :func:`make_caches`
+picks each layer's layout from the model's own structure.
+
+Rewind: how far back ``trim(n)`` is exact
+------------------------------------------
+``trim(n)`` restores exactly the state before the last ``n`` appended tokens, or raises
+:class:`RewindError` — never silently wrong K/V. ``cache.rewindable()`` is the current limit.
+
+- standard: any ``n`` (rows are never overwritten; ``n`` beyond the offset trims everything).
+- rotating: any ``n <= max_rewind + 1`` always (default ``max_rewind`` 64); any ``n`` while the ring
+  has not wrapped. The ring holds ``max_rewind`` rows beyond the window — the undo record of the
+  rows the last writes overwrote — so a wrapped ring rewinds by moving its cursor back.
+- chunked: any ``n <= max_rewind`` always; further while the target chunk is still stored. Fronts
+  are dropped only up to the chunk start before ``offset - max_rewind``.
+- recurrent state (ArraysCache placeholders) is the model's: not trimmable.
+
+A cache rebuilt with ``from_state`` rewinds as far as the rows in its state allow.
+
+In-place decode writes
+----------------------
+A single-token append writes its row into the resident buffer (rotating: its ring slot), which MLX
+does in place because the cache is the buffer's only owner: storage keeps no views, and the views
+``update_and_fetch`` returns die with the forward pass that used them. Keep it that way: do not hold
+fetched keys/values across steps. ``MLXKV_KV_INPLACE_WRITE=0`` returns to the slice-update path:
+single-token appends go through the general update (rotating: the window is re-gathered in temporal
+order each token; chunked: fronts are dropped as soon as possible).
+"""
+
+from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache, RewindError
+from mlxkv.cache.chunked import ChunkedKVCache
+from mlxkv.cache.hook import install_attention_hook
+from mlxkv.cache.layout import describe_layout, layer_kind, make_caches
+from mlxkv.cache.persist import load_prompt_cache, save_prompt_cache
+from mlxkv.cache.quantized import QuantizedChunkedKVCache, QuantizedKVCache, QuantizedRotatingKVCache
+from mlxkv.cache.rotating import RotatingKVCache
+from mlxkv.cache.standard import KVCache
+from mlxkv.cache.storage import DenseStorage
+
+__all__ = [
+    "DEFAULT_MAX_REWIND", "LayerCache", "RewindError", "KVCache", "RotatingKVCache", "ChunkedKVCache",
+    "QuantizedKVCache", "QuantizedRotatingKVCache", "QuantizedChunkedKVCache", "DenseStorage",
+    "make_caches", "describe_layout", "layer_kind", "install_attention_hook",
+    "save_prompt_cache", "load_prompt_cache",
+]

@@ -1,0 +1,68 @@
+"""Quantized storage for every layout: K/V rows kept as ``mx.quantize`` planes (4 or 8 bits).
+
+Each row is quantized on its own along head_dim (groups of ``group_size``), so a row's bytes do not
+depend on what else is cached: writes, ring overwrites, rewinds and fronts dropped stay exact
+relative to the quantized values. ``update_and_fetch`` returns mlx-lm's ``(packed, scales, biases)``
+tuples and ``attend`` runs attention on them with ``mx.quantized_matmul`` (no dequantized copy).
+
+Tolerance (tests): logits within 5e-2 (8 bits) / 0.5 (4 bits) of the unquantized cache on the tiny
+test models; greedy tokens may differ once logits are close.
+
+Classes carry ``bits`` and ``group_size`` (mlx-lm's own attention checks ``hasattr(cache, "bits")``),
+and their state appends ``(group_size, bits)`` to the layout's state, as mlx-lm's QuantizedKVCache does.
+"""
+
+from __future__ import annotations
+
+from mlxkv.cache.chunked import ChunkedKVCache
+from mlxkv.cache.rotating import RotatingKVCache
+from mlxkv.cache.standard import KVCache
+from mlxkv.cache.storage import VALID_BITS, VALID_GROUP_SIZES
+
+
+class _Quantized:
+    """Mixin: quantized storage under a layout (put first in the bases)."""
+
+    def __init__(self, *args, bits: int = 8, group_size: int = 64, **kwargs):
+        if bits not in VALID_BITS:
+            raise ValueError(f"kv_bits must be one of {VALID_BITS}, got {bits}")
+        if group_size not in VALID_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {VALID_GROUP_SIZES}, got {group_size}")
+        self.bits = bits
+        self.group_size = group_size
+        super().__init__(*args, **kwargs)
+
+    def _scalars(self) -> tuple:
+        return (*super()._scalars(), self.group_size, self.bits)
+
+    def _restore(self, arrays: tuple, scalars: tuple) -> None:
+        group_size, bits = (int(s) for s in scalars[-2:])
+        if (group_size, bits) != (self.group_size, self.bits):
+            self.group_size, self.bits = group_size, bits
+            self._store = self._make_storage()
+        super()._restore(arrays, scalars[:-2])
+
+    @classmethod
+    def _blank(cls, scalars: tuple):
+        obj = super()._blank(scalars[:-2])
+        obj.group_size, obj.bits = (int(s) for s in scalars[-2:])
+        obj._store = obj._make_storage()
+        return obj
+
+
+class QuantizedKVCache(_Quantized, KVCache):
+    """Standard layout, quantized rows (mlx-lm ``QuantizedKVCache`` state and save/load compatible)."""
+
+
+class QuantizedRotatingKVCache(_Quantized, RotatingKVCache):
+    """Rotating layout (sinks + ring + undo rows), quantized rows."""
+
+
+class QuantizedChunkedKVCache(_Quantized, ChunkedKVCache):
+    """Chunked layout, quantized rows."""
+
+
+def quantized_class(layout: type) -> type:
+    """The quantized twin of a layout class."""
+    return {KVCache: QuantizedKVCache, RotatingKVCache: QuantizedRotatingKVCache,
+            ChunkedKVCache: QuantizedChunkedKVCache}[layout]

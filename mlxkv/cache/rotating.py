@@ -1,0 +1,242 @@
+"""Rotating (sliding-window) layout: ``keep`` sink tokens plus a ring of recent tokens.
+
+Slots ``[0, keep)`` hold the first ``keep`` tokens for good. The ring (slots ``keep ..``) holds the last
+``window + max_rewind`` tokens, token ``p`` in slot ``keep + (p - keep) % ring``; ``window =
+max_size - keep`` of them are attended, the older ``max_rewind`` rows are the undo record that makes
+``trim`` exact after the ring has wrapped (a rewind only moves the cursor back: nothing to copy).
+
+Decoding writes one row into its slot in place and returns the window in mlx-lm's own ring order,
+so logits match mlx-lm's RotatingKVCache bit for bit; once the window has wrapped that is a gathered
+copy of the window (``max_size`` rows; the ring itself is never copied).
+
+Visibility (every path, so chunked prefill equals token-by-token decoding): a query at ``q`` sees
+the sinks and the keys ``k`` with ``q - k < window`` (and ``< window_size`` when the model passes one).
+mlx-lm agrees wherever ``keep == 0`` (sliding-window layers) and for single-token decoding; for
+multi-token updates past the window with ``keep > 0`` mlx-lm masks the sinks out progressively, we don't.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache
+from mlxkv.cache.masks import visible
+
+
+class RotatingKVCache(LayerCache):
+    """Sliding-window cache (mlx-lm ``RotatingKVCache`` protocol) with exact rewind.
+
+    Rewind: ``trim(n)`` is exact for any ``n <= max_rewind + 1`` at any time, and for any ``n`` while the
+    ring has not wrapped (``offset <= keep + window + max_rewind``); beyond that it raises
+    :class:`~mlxkv.cache.base.RewindError` (``rewindable()`` says how far it can go now).
+
+    Memory: at most ``max_size + max_rewind`` rows, allocated ``step`` rows at a time.
+
+    Args:
+        max_size: tokens attended (sinks included), mlx-lm's ``max_size``.
+        keep: sink tokens kept forever (mlx-lm uses 4 for ``max_kv_size`` caches, 0 for sliding windows).
+        max_rewind: extra ring rows kept as the undo record (tokens always rewindable).
+        step: growth granularity in rows.
+    """
+
+    def __init__(self, max_size: int, keep: int = 0, max_rewind: int = DEFAULT_MAX_REWIND, step: int = 256):
+        if not 0 <= keep < max_size:
+            raise ValueError(f"need 0 <= keep < max_size, got keep={keep}, max_size={max_size}")
+        if max_rewind < 0:
+            raise ValueError(f"max_rewind must be >= 0, got {max_rewind}")
+        self.max_size = max_size
+        self.keep = keep
+        self.max_rewind = max_rewind
+        self._floor = keep  # oldest non-sink position whose row is still intact
+        self._origin = keep  # mlx-lm's ring order: token p sits in its slot keep + (p - origin) % window
+        super().__init__(step)
+
+    @property
+    def window(self) -> int:
+        """Non-sink tokens attended."""
+        return self.max_size - self.keep
+
+    @property
+    def ring(self) -> int:
+        """Non-sink rows stored: the window plus the undo record."""
+        return self.window + self.max_rewind
+
+    def _max_rows(self) -> int:
+        return self.keep + self.ring
+
+    # -- positions and slots ------------------------------------------------------------------
+    def _slot(self, p: int) -> int:
+        return p if p < self.keep else self.keep + (p - self.keep) % self.ring
+
+    def _slot_runs(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """Contiguous ``(position, slot, length)`` runs covering positions ``[a, b)`` in order."""
+        runs: list[tuple[int, int, int]] = []
+        while a < b:
+            s = self._slot(a)
+            end = self.keep if a < self.keep else self.keep + self.ring
+            n = min(b - a, end - s)
+            if runs and runs[-1][1] + runs[-1][2] == s:
+                p0, s0, n0 = runs[-1]
+                runs[-1] = (p0, s0, n0 + n)
+            else:
+                runs.append((a, s, n))
+            a += n
+        return runs
+
+    def _write_positions(self, a: int, b: int, k: tuple, v: tuple, first: int) -> None:
+        """Store positions ``[a, b)``, whose rows are ``k``/``v`` rows starting at position ``first``."""
+        for p, s, n in self._slot_runs(a, b):
+            r = p - first
+            self._store.write(s, tuple(x[..., r:r + n, :] for x in k), tuple(x[..., r:r + n, :] for x in v))
+
+    def _old_start(self) -> int:
+        """Oldest non-sink position a multi-token update returns (enough for the first new query)."""
+        return max(self.keep, self.offset - (self.window - 1))
+
+    def _advance(self, n: int) -> None:
+        self.offset += n
+        self._floor = max(self._floor, self.offset - self.ring)
+
+    def _decode_runs(self, last: int) -> list[tuple[int, int, int]]:
+        """Slot runs of the rows a single-token update at ``last`` returns: sinks, then the window in
+        mlx-lm's ring order (token ``p`` in slot ``keep + (p - origin) % window``), so attention sums
+        exactly as mlx-lm's does."""
+        if last < self.max_size:  # mlx-lm's ring is not full yet: every token, in order
+            return self._slot_runs(0, last + 1)
+        a = last - ((last - self._origin) % self.window)  # the token in mlx-lm's slot `keep`
+        return (self._slot_runs(0, self.keep) + self._slot_runs(a, last + 1)
+                + self._slot_runs(last - self.window + 1, a))
+
+    # -- protocol -----------------------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        """Append ``(B, n_kv, L, D)`` rows; return the rows the new queries may attend.
+
+        One token (in-place path): the row goes into its ring slot; returned are the sinks and the
+        window in mlx-lm's ring order — a view until the window wraps, then a gathered copy of the
+        window (never of the ring). Several tokens (or ``kv_inplace_write`` off): sinks + the last
+        ``window - 1`` tokens + the new rows in temporal order, as mlx-lm returns them.
+        """
+        L = keys.shape[2]
+        k, v = self._store.encode(keys), self._store.encode(values)
+        if L == 1 and self._inplace:
+            last = self.offset
+            self._store.write(self._slot(last), k, v)
+            self._advance(1)
+            runs = self._decode_runs(last)
+            if len(runs) == 1 and runs[0][1] == 0:
+                return self._store.read(0, runs[0][2])
+            return self._store.gather([(s, s + n) for _, s, n in runs])
+        runs = self._slot_runs(0, min(self.keep, self.offset)) + self._slot_runs(self._old_start(), self.offset)
+        fetched = self._store.gather([(s, s + n) for _, s, n in runs], k, v)  # (B, n_kv, K, D)
+        end = self.offset + L
+        self._write_positions(self.offset, min(end, self.keep), k, v, self.offset)  # new sink rows
+        self._write_positions(max(self.offset, self.keep, end - self.ring), end, k, v, self.offset)
+        self._advance(L)
+        # mlx-lm lays its ring out in temporal order after a multi-token update
+        self._origin = end if end - self.keep >= self.window else self.keep
+        return fetched
+
+    def _fetch_positions(self, N: int) -> tuple[mx.array, int, int]:
+        """For ``N`` new tokens: token positions of the rows ``update_and_fetch`` will return, the oldest
+        non-sink position among them, and how many sink rows lead them."""
+        if N == 1 and self._inplace:
+            last = self.offset
+            runs = self._decode_runs(last)
+            pos = mx.concatenate([mx.arange(p, p + n) for p, _, n in runs])
+            n_sink = min(self.keep, last + 1)
+            oldest = max(self.keep, last - self.window + 1) if last >= self.keep else last
+            return pos, oldest, n_sink
+        n_sink = min(self.keep, self.offset)
+        start = self._old_start()
+        pos = mx.concatenate([mx.arange(n_sink), mx.arange(start, self.offset + N)])
+        return pos, min(start, self.offset), n_sink
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return.
+
+        ``None`` (one query) or ``"causal"`` (several) when every earlier returned row is visible,
+        else a boolean ``(N, K)`` array.
+        """
+        w = self.window if window_size is None else min(window_size, self.window)
+        sinks = self.keep if window_size is None else 0
+        pos, oldest, n_sink = self._fetch_positions(N)
+        if n_sink and not sinks:
+            oldest = 0  # sinks are ordinary (windowed) rows when the model passes its own window
+        if not return_array and (self.offset + N - 1) - oldest < w:
+            return None if N == 1 else "causal"
+        return visible(mx.arange(self.offset, self.offset + N), pos, w, sinks)
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def rewindable(self) -> int:
+        if self._floor <= self.keep:
+            return self.offset  # no non-sink row has been overwritten
+        return max(0, self.offset - (self._floor + self.window - 1))
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens, restoring exactly the earlier state; returns the number removed.
+
+        Raises:
+            RewindError: when rows the earlier state needs have left the undo record.
+        """
+        n = self._check_rewind(n)
+        self.offset -= n
+        if self._origin > self.offset or self.offset - self.keep < self.window:
+            # as if the last multi-token update had ended here (mlx-lm's ring order after it)
+            self._origin = self.offset if self.offset - self.keep >= self.window else self.keep
+        return n
+
+    # -- state: mlx-lm's (keys, values, offset, keep, max_size, _idx), rows in temporal order --------
+    def _state_runs(self) -> list[tuple[int, int, int]]:
+        """Slot runs of every intact token, sinks first, in temporal order."""
+        return self._slot_runs(0, min(self.keep, self.offset)) + self._slot_runs(
+            max(self.keep, self._floor), self.offset)
+
+    def _arrays_state(self) -> tuple:
+        runs = self._state_runs()
+        if self._store.empty() or not runs:
+            return (None, None)
+        return self._store.gather([(s, s + n) for _, s, n in runs])
+
+    def _scalars(self) -> tuple:
+        rows = sum(n for _, _, n in self._state_runs()) if not self._store.empty() else 0
+        return (self.offset, self.keep, self.max_size, rows)
+
+    def _restore(self, arrays: tuple, scalars: tuple) -> None:
+        offset, keep, max_size, idx = (int(s) for s in scalars)
+        assert (keep, max_size) == (self.keep, self.max_size), "state is for another rotating layout"
+        self.offset = offset
+        keys, values = arrays
+        if keys is None:
+            self._store.clear()
+            self._floor = self._origin = self.keep
+            return
+        k, v = self._planes(keys), self._planes(values)
+        rows = k[0].shape[2]
+        if idx != rows:  # mlx-lm's ring order: put it in temporal order first
+            k, v = (tuple(self._temporal(x, idx, offset) for x in planes) for planes in (k, v))
+            rows = k[0].shape[2]
+        n_sink = min(self.keep, offset, rows)
+        n_old = rows - n_sink
+        if n_old > self.ring:
+            self.max_rewind = n_old - self.window
+        self._store = self._make_storage()
+        self._write_positions(0, n_sink, k, v, 0)
+        first = offset - n_old  # position of row n_sink
+        self._write_positions(first, offset, tuple(x[..., n_sink:, :] for x in k),
+                              tuple(x[..., n_sink:, :] for x in v), first)
+        self._floor = max(self.keep, first)
+        self._origin = offset if offset - self.keep >= self.window else self.keep
+
+    def _temporal(self, x: mx.array, idx: int, offset: int) -> mx.array:
+        if idx < offset:  # wrapped: sinks, then slots from the write index on, then the rest
+            return mx.concatenate([x[..., : self.keep, :], x[..., idx:, :], x[..., self.keep: idx, :]], axis=2)
+        return x[..., :idx, :]
+
+    @classmethod
+    def _blank(cls, scalars: tuple) -> "RotatingKVCache":
+        _, keep, max_size, _ = (int(s) for s in scalars)
+        return cls(max_size, keep)

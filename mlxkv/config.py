@@ -1,0 +1,108 @@
+"""Configuration dataclasses (one per concern), validated on construction. No MLX import here: callers
+measure free memory themselves and pass it in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from mlxkv.blocks.hashing import HASH_ALGOS, xxhash_available
+from mlxkv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
+
+KV_BACKENDS = ("dense", "paged")
+KV_BITS = (None, 4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class KvCacheConfig:
+    """How KV memory is laid out, sized and reused.
+
+    backend: "dense" (contiguous per-sequence buffers) or "paged" (blocks from a shared pool).
+    block_size: tokens per block, a power of two in 1..256 (paged).
+    kv_cache_budget: bytes for KV blocks, or "auto" = free_memory_fraction × free memory.
+    free_memory_fraction: share of free memory "auto" takes, in (0, 1].
+    max_tokens: cap on cached tokens; with the memory budget the smaller wins.
+    enable_block_reuse / enable_partial_reuse / copy_on_partial_reuse: prefix caching switches.
+    hash_algo: block hash, one of "sha256", "builtin", "xxhash".
+    secondary_offload_min_priority: evicted blocks go to the secondary tier only at or above this priority.
+    kv_bits / kv_group_size: quantized KV storage (None, 4 or 8 bits; groups of 32, 64 or 128).
+    max_kv_size: dense backend only: keep at most this many tokens (rotating); None for unbounded.
+    """
+
+    backend: str = "dense"
+    block_size: int = 16
+    kv_cache_budget: Union[int, str] = "auto"
+    free_memory_fraction: float = 0.9
+    max_tokens: Optional[int] = None
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+    hash_algo: str = "sha256"
+    secondary_offload_min_priority: int = 35
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    max_kv_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in KV_BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(KV_BACKENDS)}")
+        b = self.block_size
+        if not _is_int(b) or not 1 <= b <= 256 or b & (b - 1):
+            raise ValueError(f"block_size={b!r}: expected a power of two in 1..256 (1, 2, 4, ..., 256)")
+        budget = self.kv_cache_budget
+        if not (budget == "auto" or (_is_int(budget) and budget > 0)):
+            raise ValueError(f"kv_cache_budget={budget!r}: expected 'auto' or a number of bytes > 0")
+        f = self.free_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"free_memory_fraction={f!r}: expected a number in (0, 1]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r}: expected None or an integer >= 1")
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo={self.hash_algo!r}: expected one of {', '.join(HASH_ALGOS)}")
+        if self.hash_algo == "xxhash" and not xxhash_available():
+            raise ValueError("hash_algo='xxhash' needs the xxhash package (pip install xxhash); or use sha256/builtin")
+        p = self.secondary_offload_min_priority
+        if not _is_int(p) or not MIN_PRIORITY <= p <= MAX_PRIORITY:
+            raise ValueError(
+                f"secondary_offload_min_priority={p!r}: expected an integer in {MIN_PRIORITY}..{MAX_PRIORITY}"
+            )
+        if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
+            raise ValueError(f"kv_bits={self.kv_bits!r}: expected one of None, 4, 8")
+        if self.kv_group_size not in KV_GROUP_SIZES or isinstance(self.kv_group_size, bool):
+            raise ValueError(f"kv_group_size={self.kv_group_size!r}: expected one of 32, 64, 128")
+        if self.max_kv_size is not None and (not _is_int(self.max_kv_size) or self.max_kv_size < 1):
+            raise ValueError(f"max_kv_size={self.max_kv_size!r}: expected None or an integer >= 1")
+
+
+def num_blocks_for_budget(config: KvCacheConfig, bytes_per_block: int, free_bytes: Optional[int] = None) -> int:
+    """Pool size in blocks (the null block included) for a config.
+
+    Memory: ``kv_cache_budget`` bytes, or with "auto" ``free_memory_fraction × free_bytes``. When
+    ``max_tokens`` is also set, the smaller of the two wins. Raises ValueError when "auto" lacks
+    ``free_bytes`` or the result cannot hold even one block besides the null block.
+    """
+    if not _is_int(bytes_per_block) or bytes_per_block < 1:
+        raise ValueError(f"bytes_per_block={bytes_per_block!r}: expected an integer >= 1")
+    if config.kv_cache_budget == "auto":
+        if free_bytes is None or free_bytes < 0:
+            raise ValueError("kv_cache_budget='auto' needs free_bytes (the caller measures free memory)")
+        budget = int(free_bytes * config.free_memory_fraction)
+    else:
+        budget = config.kv_cache_budget
+    blocks = budget // bytes_per_block
+    if config.max_tokens is not None:
+        blocks = min(blocks, -(-config.max_tokens // config.block_size) + 1)
+    if blocks < 2:
+        raise ValueError(
+            f"KV budget of {budget} bytes gives {blocks} blocks of {bytes_per_block} bytes: need at least 2 "
+            "(raise kv_cache_budget / free_memory_fraction / max_tokens, or lower block_size)"
+        )
+    return blocks

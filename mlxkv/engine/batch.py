@@ -1,0 +1,265 @@
+"""BatchEngine: one engine thread owns MLX, the model and the CachePool; other threads submit and read events.
+
+Callers (HTTP handlers) never touch MLX: :meth:`BatchEngine.submit` validates and queues a request and returns
+a :class:`~mlxkv.engine.request.RequestHandle` at once; the engine thread runs
+:class:`~mlxkv.engine.scheduler.Scheduler` steps while there is work and sleeps on its inbox otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.engine.batch_probe import probe_batched_decode
+from mlxkv.engine.request import (EngineStoppedError, Event, GenerationRequest, PromptTooLongError, QueueFullError,
+                                  RequestHandle)
+from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
+from mlxkv.pool import CachePool
+
+log = logging.getLogger("mlxkv.engine")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Batch engine settings (``mlxkv serve`` options map onto these fields).
+
+    Attributes:
+        max_sequences: most sequences decoding or prefilling at once (a request with ``n`` choices takes ``n``).
+        max_queue_depth: most requests waiting for admission; one more raises :class:`QueueFullError`.
+        prefill_chunk_size: most prompt tokens prefilled per engine step.
+        batched_decode: ``None`` probes the model at start (batch views vs one-by-one, same tokens);
+            ``False`` always decodes sequences one by one; ``True`` requires batch views.
+    """
+
+    max_sequences: int = 8
+    max_queue_depth: int = 64
+    prefill_chunk_size: int = 512
+    batched_decode: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.max_queue_depth < 0:
+            raise ValueError(f"max_queue_depth must be >= 0, got {self.max_queue_depth}")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+
+
+def context_length_of(config: dict) -> int | None:
+    """``max_position_embeddings`` from a model config (``text_config`` first for wrapped models)."""
+    for source in (config.get("text_config") or {}, config):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class BatchEngine:
+    """Continuous-batching generation for many concurrent requests over one model.
+
+    Args:
+        model: the mlx-lm model (loaded through :func:`mlxkv.models.load` so the attention hook is installed).
+        tokenizer: mlx-lm's ``TokenizerWrapper`` (``None``: token events only).
+        config: engine settings.
+        pool: the CachePool (default: mlxkv layouts, ``config.max_sequences`` sequences).
+        context_length: longest prompt + output in tokens (``None``: unlimited).
+        observer: receives timings (time to first token, time per output token) on the engine thread.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, config: EngineConfig | None = None,
+                 pool: CachePool | None = None, context_length: int | None = None,
+                 observer: EngineObserver | None = None):
+        self.config = config or EngineConfig()
+        self.pool = pool if pool is not None else CachePool(model, max_sequences=self.config.max_sequences)
+        if self.pool.max_sequences < self.config.max_sequences:
+            raise ValueError(f"the pool holds {self.pool.max_sequences} sequences, fewer than max_sequences="
+                             f"{self.config.max_sequences}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self._scheduler = Scheduler(model, tokenizer, self.pool, max_sequences=self.config.max_sequences,
+                                    prefill_chunk_size=self.config.prefill_chunk_size, observer=observer,
+                                    on_dequeue=self._dequeued)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet admitted (or dropped)
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._batched_reason = "not probed yet"
+        self._snapshot: dict = {}
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> "BatchEngine":
+        """Start the engine thread (probes batched decode first); returns ``self``."""
+        if self._thread is not None:
+            return self
+        self._running = True
+        self._thread = threading.Thread(target=self._main, name="mlxkv-engine", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError("the engine thread did not start in time")
+        if self._start_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._start_error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; unfinished requests end with an error event and release their sequences."""
+        if self._thread is None:
+            return
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- API for other threads -----------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue ``request``; returns its handle at once (events arrive in ``loop`` if given, else a thread queue).
+
+        Raises:
+            PromptTooLongError: the prompt leaves no room in the model's context.
+            ValueError: ``n`` exceeds ``max_sequences``.
+            QueueFullError: ``max_queue_depth`` requests are already waiting.
+            EngineStoppedError: the engine is not running.
+        """
+        prompt_len = len(request.prompt)
+        if self.context_length is not None and prompt_len >= self.context_length:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_len} tokens but the model's context is {self.context_length} tokens "
+                f"(prompt + at least one generated token must fit)")
+        if request.n > self.config.max_sequences:
+            raise ValueError(f"n={request.n} exceeds the server's max_sequences={self.config.max_sequences}")
+        if not self.alive:
+            raise EngineStoppedError("the engine is not running")
+        with self._lock:
+            if self._queued >= self.config.max_queue_depth:
+                raise QueueFullError(f"the request queue is full ({self.config.max_queue_depth} waiting)")
+            self._queued += 1
+        room = self.context_length - prompt_len if self.context_length is not None else request.params.max_tokens
+        handle = RequestHandle(request, loop=loop)
+        handle._wake = lambda: self._inbox.put(("wake", None))
+        job = Job(request=request, handle=handle, max_tokens=min(request.params.max_tokens, room))
+        self._inbox.put(("submit", job))
+        return handle
+
+    def stats(self) -> dict:
+        """A snapshot of the engine's state and counters (safe from any thread; never touches MLX)."""
+        with self._lock:
+            snap = copy.deepcopy(self._snapshot)
+            snap["waiting"] = self._queued
+        snap["alive"] = self.alive
+        return snap
+
+    def reset_cache(self, timeout: float = 60.0) -> dict:
+        """Drop reusable cached state (prefix cache once paged storage lands; MLX's free-buffer cache now).
+
+        Returns what was cleared, e.g. ``{"mlx_cache_bytes_freed": ...}``.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("reset", future))
+        return future.result(timeout)
+
+    # ---- engine thread -------------------------------------------------------------------------------------
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+            assert self._queued >= 0, "queue depth went negative"
+
+    def _main(self) -> None:
+        sched = self._scheduler
+        try:
+            sched.batched, self._batched_reason = self._decide_batching()
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._start_error = exc
+            self._running = False
+        self._publish()
+        self._started.set()
+        try:
+            while self._running:
+                self._handle_commands(block=not sched.has_work())
+                if self._running and sched.has_work():
+                    try:
+                        sched.step()
+                    except Exception:  # noqa: BLE001 - the scheduler contains per-request failures; this is a bug
+                        log.exception("engine step failed")
+                        for job in sched.jobs():
+                            sched._fail(job, RuntimeError("internal engine error"))
+                self._publish()
+        finally:
+            for job in sched.jobs():
+                sched._end(job, Event("error", finish_reason="error", message="the engine stopped"), "failed")
+            self._publish()
+            # MLX streams made by this thread must be destroyed by it, else the process can abort at exit
+            # ("terminate called without an active exception"): MLX asks threads to clean up themselves.
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _decide_batching(self) -> tuple[bool, str]:
+        wanted = self.config.batched_decode
+        if wanted is False:
+            return False, "disabled by configuration"
+        if self.config.max_sequences < 2:
+            return False, "max_sequences is 1"
+        ok, reason = probe_batched_decode(self.model, self.pool)
+        if wanted and not ok:
+            raise RuntimeError(f"batched decode was required but does not work for this model: {reason}")
+        if not ok:
+            log.warning("batched decode unavailable (%s): decoding sequences one by one", reason)
+        return ok, reason
+
+    def _handle_commands(self, block: bool) -> None:
+        try:
+            command = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = command
+            if kind == "submit":
+                self._scheduler.add(payload)
+            elif kind == "reset":
+                freed = mx.get_cache_memory()
+                mx.clear_cache()
+                payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": 0})
+            elif kind == "stop":
+                self._running = False
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self) -> None:
+        sched = self._scheduler
+        snap = {
+            "running": len(sched.running),
+            "prefilling": len(sched.prefilling),
+            "pool_sequences": len(self.pool),
+            "max_sequences": self.config.max_sequences,
+            "kv_bytes": self.pool.memory_usage_bytes(),
+            "mlx_active_bytes": int(mx.get_active_memory()),
+            "mlx_cache_bytes": int(mx.get_cache_memory()),
+            "batched_decode": sched.batched,
+            "batched_decode_reason": self._batched_reason,
+            "context_length": self.context_length,
+            # Paged storage and its prefix cache are not wired in yet: these report honest zeros.
+            "prefix_cache": {"enabled": False, "queries": 0, "hits": 0},
+            "kv_blocks": {"paged": False, "used": 0, "free": 0, "cached": 0},
+            "evictions": 0,
+            "preemptions": 0,
+            **{f"{k}_total" if k not in ("max_batch",) else k: v for k, v in sched.totals.items()},
+        }
+        with self._lock:
+            self._snapshot = snap

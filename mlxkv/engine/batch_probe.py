@@ -1,0 +1,53 @@
+"""Checks once, at engine start, that batch views give the same next tokens as one-by-one decoding.
+
+Some architectures read cache internals batch views do not have (e.g. mlx-lm's llama4 builds its chunk mask
+from ``cache.start_position``), and batch views need mlxkv's attention hook. The probe runs two sequences of
+different lengths through one batched decode forward and through separate forwards on copies of their
+caches; the engine batches only when the probe passes, and otherwise decodes sequences one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.engine.batch_view import check_attended, make_batch_views
+from mlxkv.engine.forking import fork_caches
+from mlxkv.pool import CachePool
+
+_PROMPTS = ([3, 17, 9, 41, 5], [11, 7, 23])  # different lengths, small ids valid in any vocabulary
+
+
+def probe_batched_decode(model: Any, pool: CachePool) -> tuple[bool, str]:
+    """Return ``(True, "ok")`` when a batched decode step matches per-sequence decoding, else
+    ``(False, reason)``. Uses two pool sequences, released before returning."""
+    if pool.max_sequences - len(pool) < 2:
+        return False, "no room in the pool for the probe"
+    seqs = []
+    try:
+        for prompt in _PROMPTS:
+            seq = pool.open(prompt_length=len(prompt))
+            seqs.append(seq)
+            model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)
+        copies = [fork_caches(s.caches) for s in seqs]
+        last = mx.array([[p[-1]] for p in _PROMPTS], dtype=mx.uint32)  # (2, 1)
+        views = make_batch_views([s.caches for s in seqs])
+        batched = model(last, cache=views)[:, -1, :]  # (2, vocab)
+        check_attended(views)
+        single = mx.concatenate([model(last[b : b + 1], cache=c)[:, -1, :] for b, c in enumerate(copies)])
+        mx.eval(batched, single)
+        if batched.shape != single.shape:
+            return False, f"batched logits have shape {batched.shape}, expected {single.shape}"
+        if not mx.array_equal(mx.argmax(batched, axis=-1), mx.argmax(single, axis=-1)).item():
+            return False, "batched decode picks different tokens than one-by-one decode"
+        scale = mx.abs(single).max().item() + 1e-6
+        err = mx.abs(batched.astype(mx.float32) - single.astype(mx.float32)).max().item()
+        if err > 1e-2 * scale:
+            return False, f"batched logits differ from one-by-one by {err:.3g} (scale {scale:.3g})"
+        return True, "ok"
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not batch this model
+        return False, f"{type(exc).__name__}: {exc}"
+    finally:
+        for seq in seqs:
+            pool.release(seq.id)

@@ -1,0 +1,202 @@
+"""What a client hands the batch engine, and what it gets back: requests, events and the handle between them.
+
+Pure Python (no MLX): the server builds :class:`GenerationRequest` objects on its own threads and reads
+:class:`Event` objects from a :class:`RequestHandle`, while only the engine thread runs the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+from mlxkv.engine.sampling import SamplingParams
+
+#: Retention priorities run 0-100; TensorRT-LLM's default for blocks without a rule is 35.
+DEFAULT_RETENTION_PRIORITY = 35
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+_request_ids = itertools.count(1)
+
+
+class QueueFullError(RuntimeError):
+    """The engine's admission queue holds ``max_queue_depth`` requests already."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the model's context (``max_position_embeddings``)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running (not started yet, or stopped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionRange:
+    """Keep the KV of prompt tokens ``[start, end)`` at ``priority`` for ``duration`` seconds.
+
+    ``end=None`` runs to the end of the prompt; ``duration=None`` keeps the priority for as long as the blocks
+    live. Takes effect once paged storage lands; until then it is validated and carried.
+    """
+
+    start: int
+    end: int | None
+    priority: int
+    duration: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"retention range start must be >= 0, got {self.start}")
+        if self.end is not None and self.end <= self.start:
+            raise ValueError(f"retention range end must be > start ({self.start}), got {self.end}")
+        if not 0 <= self.priority <= 100:
+            raise ValueError(f"retention priority must be in 0-100, got {self.priority}")
+        if self.duration is not None and self.duration <= 0:
+            raise ValueError(f"retention duration must be > 0 seconds, got {self.duration}")
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionSpec:
+    """Retention rules of one request: prompt token ranges, then the priority of generated (decode) tokens."""
+
+    ranges: tuple[RetentionRange, ...] = ()
+    decode_priority: int = DEFAULT_RETENTION_PRIORITY
+    decode_duration: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.decode_priority <= 100:
+            raise ValueError(f"decode priority must be in 0-100, got {self.decode_priority}")
+        if self.decode_duration is not None and self.decode_duration <= 0:
+            raise ValueError(f"decode duration must be > 0 seconds, got {self.decode_duration}")
+        ordered = sorted(self.ranges, key=lambda r: r.start)
+        for a, b in zip(ordered, ordered[1:]):
+            if a.end is None or a.end > b.start:
+                raise ValueError(f"retention ranges overlap: [{a.start}, {a.end}) and [{b.start}, {b.end})")
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One completion request for the batch engine.
+
+    Attributes:
+        prompt: prompt token ids (already templated and encoded).
+        params: sampling and stopping settings shared by the ``n`` choices.
+        n: parallel samples of the prompt (prefilled once, then forked).
+        cache_salt: isolates prefix-cache sharing to requests with the same salt (paged storage).
+        retention: KV retention rules (paged storage).
+        priority: admission order: lower values are admitted first, ties in arrival order.
+        request_id: identifies the request in logs and events.
+    """
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    cache_salt: str | None = None
+    retention: RetentionSpec | None = None
+    priority: int = 0
+    request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+
+    def __post_init__(self) -> None:
+        if len(self.prompt) == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string when given")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of a finished request (``completion_tokens`` sums over the ``n`` choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing that happened to a request.
+
+    ``kind`` is ``"token"`` (choice ``index`` produced ``token``; ``text`` is the newly safe text, possibly
+    empty; ``finish_reason`` is set on the choice's last token), ``"done"`` (every choice finished; carries
+    ``usage``; always the last event of a successful request) or ``"error"`` (the request failed or was
+    cancelled; ``message`` says why; terminal).
+    """
+
+    kind: str
+    index: int = 0
+    text: str = ""
+    token: int | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    message: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in ("done", "error")
+
+
+class RequestHandle:
+    """The client's side of a submitted request: iterate its events; ``cancel()`` to stop it.
+
+    Events are delivered through a thread queue (iterate with ``for``), or into an asyncio loop when the
+    handle was created with one (iterate with ``async for``). Iteration ends after the terminal event.
+    """
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self._loop = loop
+        self._queue: queue.SimpleQueue[Event] | asyncio.Queue[Event]
+        self._queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._wake = lambda: None  # set by the engine: nudges an idle engine thread to look at us
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request at its next step and release its sequences (idempotent)."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._wake()
+
+    def put(self, event: Event) -> None:
+        """Deliver ``event`` (engine thread only). A consumer whose event loop has closed is cancelled."""
+        if self._loop is None:
+            self._queue.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody will ever read this
+            self._cancelled.set()
+
+    def get(self, timeout: float | None = None) -> Event:
+        """Next event (blocking; thread mode). Raises ``queue.Empty`` after ``timeout`` seconds."""
+        assert self._loop is None, "this handle delivers into an event loop: use `await handle.aget()`"
+        return self._queue.get(timeout=timeout)
+
+    async def aget(self, timeout: float | None = None) -> Event:
+        """Next event (asyncio mode). Raises ``asyncio.TimeoutError`` after ``timeout`` seconds."""
+        assert self._loop is not None, "this handle delivers into a thread queue: use `handle.get()`"
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self.get()
+            yield event
+            if event.terminal:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.aget()
+            yield event
+            if event.terminal:
+                return

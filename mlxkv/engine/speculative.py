@@ -1,0 +1,177 @@
+"""SpeculativeEngine: draft k tokens cheaply, verify them with one target forward, rewind what was rejected.
+
+One round, with ``y`` the last committed token (committed but not yet fed to the target):
+
+1. the drafter proposes ``d_1..d_k`` (a draft model, or prompt lookup);
+2. the target runs once over ``[y, d_1..d_k]`` -> k + 1 rows of logits;
+3. verification (:mod:`mlxkv.engine.verify`) keeps ``d_1..d_n`` and picks the next token ``t``;
+4. every cache is rewound to ``prompt + committed`` tokens: ``trim(k - n)`` on the target's caches (the
+   drafter rewinds its own). Models with recurrent layers (``ArraysCache``) cannot trim: their state is
+   snapshotted before the verify forward, and on a partial acceptance the attention caches are trimmed by
+   k + 1, the snapshot restored, and ``[y, d_1..d_n]`` replayed through the target (one extra forward, only in
+   rounds that reject something).
+
+Greedy output is token-for-token plain greedy decoding; sampled output has the target's distribution
+(rejection sampling). Streaming, EOS and stop strings come from :class:`DirectEngine`, which this subclasses.
+Unverified tokens never stay in a cache past their round: ``on_round`` reports, per round, how many tokens the
+sequence's caches hold, all verified (a paged prefix cache may register blocks up to there).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence as Seq
+
+import mlx.core as mx
+
+from mlxkv.engine.direct import DirectEngine, GenerationStats
+from mlxkv.engine.drafters import Draft, Drafter
+from mlxkv.engine.prefill import prefill
+from mlxkv.engine.rewind import CacheRewinder
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.verify import sampling_logprobs, verify_greedy, verify_sampled
+from mlxkv.pool import CachePool, Sequence
+
+
+@dataclass
+class SpeculativeRound:
+    """What one speculation round did (passed to ``on_round``)."""
+
+    drafted: int  # tokens proposed by the drafter (0 when it had nothing or the budget was 1 token)
+    accepted: int  # leading drafted tokens the target kept
+    tokens: list[int]  # tokens committed this round: the accepted drafts, then the target's own token
+    verified_length: int  # tokens held by the target's caches after the rewind; every one of them verified
+
+
+@dataclass
+class SpeculativeStats(GenerationStats):
+    """:class:`GenerationStats` plus speculation figures (for ``--verbose``)."""
+
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    decoded_tokens: int = 0  # tokens committed by rounds (every generated token but the first)
+    target_forwards: int = 0  # target decode forwards: one verify per round, plus replays
+    replay_forwards: int = 0  # replays after partial acceptance on models with recurrent layers
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens committed per target decode forward (1.0 is plain decoding; prefill not counted)."""
+        return self.decoded_tokens / self.target_forwards if self.target_forwards else 0.0
+
+
+class SpeculativeEngine(DirectEngine):
+    """A :class:`DirectEngine` that decodes by speculation: same ``generate_tokens`` / ``generate`` /
+    ``last_stats`` interface, same output for greedy decoding, same distribution when sampling.
+
+    Args:
+        model: the target mlx-lm model.
+        tokenizer: mlx-lm's ``TokenizerWrapper`` (may be ``None`` when only ``generate_tokens`` is used).
+        drafter: a :class:`~mlxkv.engine.drafters.DraftModelDrafter` or
+            :class:`~mlxkv.engine.drafters.PromptLookupDrafter`.
+        num_draft_tokens: tokens drafted per round (>= 1).
+        pool: the target's CachePool (default: one sequence over mlxkv's layouts).
+        prefill_step_size: prompt tokens per prefill forward.
+        on_round: called after each round's rewind with the sequence and the :class:`SpeculativeRound`.
+
+    Raises:
+        ValueError: ``num_draft_tokens < 1``; when generating, a cache layout that cannot rewind exactly
+            (mlx-lm's rotating or chunked caches) or a draft model with another vocabulary size.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, drafter: Drafter, *, num_draft_tokens: int = 3,
+                 pool: CachePool | None = None, prefill_step_size: int = 2048,
+                 on_round: Callable[[Sequence, SpeculativeRound], None] | None = None):
+        super().__init__(model, tokenizer, pool=pool, prefill_step_size=prefill_step_size)
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.on_round = on_round
+        self.last_stats = SpeculativeStats()
+
+    def generate_tokens(self, prompt: Seq[int], params: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
+
+        The target's sequence and the drafter's state are released when the generator finishes or is closed.
+        """
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        prompt = list(prompt)
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        stats = SpeculativeStats(prompt_tokens=len(prompt))
+        self.last_stats = stats
+        mx.reset_peak_memory()
+        seq = self.pool.open(prompt_length=len(prompt))
+        try:
+            rewinder = CacheRewinder(seq.caches, max_trim=self.num_draft_tokens + 1)
+            start = time.perf_counter()
+            logits = prefill(self.model, seq.caches, mx.array(prompt, dtype=mx.uint32),
+                             step_size=self.prefill_step_size)  # (V,)
+            y = params.make_sampler()((logits - mx.logsumexp(logits, keepdims=True))[None]).item()
+            self.drafter.begin(prompt, params, vocab_size=logits.shape[-1], max_draft=self.num_draft_tokens)
+            self.drafter.commit(Draft([]), 0, y)
+            stats.prompt_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            stats.generation_tokens = 1
+            stats.generation_seconds = time.perf_counter() - start
+            yield y
+            produced = 1
+            while produced < params.max_tokens:
+                # Draft at most one token fewer than the budget: the round always adds the target's own token.
+                k = min(self.num_draft_tokens, params.max_tokens - produced - 1)
+                draft = self.drafter.propose(k) if k > 0 else Draft([])
+                committed = self._round(seq, rewinder, y, draft, params, stats)
+                for token in committed:
+                    produced += 1
+                    stats.generation_tokens += 1
+                    stats.generation_seconds = time.perf_counter() - start
+                    yield token
+                y = committed[-1]
+        finally:
+            stats.kv_bytes = self.pool.memory_usage_bytes()
+            stats.peak_memory_bytes = mx.get_peak_memory()
+            self.drafter.end()
+            self.pool.release(seq.id)
+
+    def _round(self, seq: Sequence, rewinder: CacheRewinder, y: int, draft: Draft, params: SamplingParams,
+               stats: SpeculativeStats) -> list[int]:
+        """Verify ``draft`` after ``y``, rewind every cache to the verified tokens; return the committed ones."""
+        k = len(draft.tokens)
+        before = rewinder.snapshot() if k > 0 and rewinder.needs_replay else None
+        fed = [y, *draft.tokens]
+        logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=seq.caches)[0]  # (k + 1, V)
+        if params.temp == 0:
+            verdict = verify_greedy(logits, draft.tokens)
+        else:
+            verdict = verify_sampled(sampling_logprobs(logits, params), draft.tokens, draft.logprobs)
+        n = verdict.accepted
+        stats.target_forwards += 1
+        if n < k:
+            if rewinder.needs_replay:
+                # Recurrent state cannot be cut mid-forward: go back before it and feed the kept tokens again.
+                rewinder.trim(k + 1)
+                rewinder.restore(before)
+                self.model(mx.array(fed[: n + 1], dtype=mx.uint32)[None], cache=seq.caches)
+                stats.target_forwards += 1
+                stats.replay_forwards += 1
+            else:
+                rewinder.trim(k - n)
+        committed = [*draft.tokens[:n], verdict.token]
+        self.drafter.commit(draft, n, verdict.token)
+        stats.rounds += 1
+        stats.drafted_tokens += k
+        stats.accepted_tokens += n
+        stats.decoded_tokens += n + 1
+        verified = seq.prompt_length + stats.decoded_tokens  # prompt + committed tokens, minus the newest
+        assert seq.offset in (0, verified), f"cache offset {seq.offset} != verified length {verified}"
+        if self.on_round is not None:
+            self.on_round(seq, SpeculativeRound(k, n, committed, verified))
+        return committed

@@ -1,0 +1,54 @@
+"""Paged-attention kernels: pure-MLX references, Metal kernels, dispatch and runtime self-check.
+
+Data layout (the paged cache storage is built on this)
+-----------------------------------------------------
+- K and V page arrays, one pair per layer: ``[num_blocks, block_size, kv_heads, head_dim]``.
+  Block 0 is the null block: padding entries of block tables point at it and it is never read
+  unmasked. Flat slot ``block_id * block_size + offset`` names one token row of a page.
+- ``block_tables``: int32 ``[B, max_blocks_per_seq]``; row ``b`` lists sequence ``b``'s pages in
+  position order (page ``p`` holds positions ``p*block_size .. p*block_size + block_size - 1``),
+  padded with 0.
+- ``context_lens``: int32 ``[B]``, the tokens visible to each sequence *including* the current
+  token, which must already be written (its position is ``context_lens[b] - 1``).
+- ``queries``: ``[B, n_heads, 1, head_dim]``, one decode token per sequence;
+  ``n_heads = kv_heads * gqa`` and query head ``h`` reads kv head ``h // gqa`` (mlx-lm's order).
+- Options: ``window`` W (sliding: attend to the last W positions, the current one included),
+  ``chunk_size`` C (Llama-4 chunked: attend from ``(L-1)//C*C``), ``sinks`` (``[n_heads]`` sink
+  logits, unscaled, as ``mx.fast.scaled_dot_product_attention(..., sinks=)``), ``scale``
+  (default ``1/sqrt(head_dim)``).
+- Output: ``[B, n_heads, 1, head_dim]`` in the query dtype. Softmax state is float32 throughout.
+- KV write: ``slot_mapping`` int32 ``[T]`` (distinct flat slots) and new rows
+  ``[T, kv_heads, head_dim]`` for K and for V; returns the updated pools. Keep each pool
+  referenced in one place and rebind it to the result, or MLX copies the pool (see
+  :mod:`mlxkv.kernels.kv_write_ref`).
+
+Modules
+-------
+``layout`` (visible ranges, split plans, checks, tolerances) · ``paged_attention_ref`` (reference
+twin, split-K + log-sum-exp merge) · ``kv_write_ref`` · ``cascade`` (shared-prefix attention) ·
+``oracle`` (gather-then-SDPA, for tests) · ``metal_specs`` / ``metal`` (Metal sources, factories) ·
+``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
+"""
+
+from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
+from .dispatch import KernelDispatch, kv_write, paged_attention
+from .kv_write_ref import kv_write_reference
+from .layout import TOLERANCES, SplitPlan, plan_splits
+from .oracle import dense_paged_attention
+from .paged_attention_ref import merge_partials, paged_attention_reference
+
+__all__ = [
+    "KernelDispatch",
+    "PrefixGroup",
+    "SplitPlan",
+    "TOLERANCES",
+    "cascade_attention",
+    "dense_paged_attention",
+    "find_prefix_groups",
+    "kv_write",
+    "kv_write_reference",
+    "merge_partials",
+    "paged_attention",
+    "paged_attention_reference",
+    "plan_splits",
+]

@@ -1,0 +1,206 @@
+"""One entry point per kernel: Metal when available and self-checked, else the pure-MLX reference.
+
+``MLXKV_PAGED_KERNEL`` (:func:`mlxkv.env.paged_kernel`) decides:
+
+- ``reference``: always the reference.
+- ``auto`` (default): on a Metal device, the first call at each new shape class (dtype, head
+  dim, block size, kv heads, GQA ratio, window and chunk size, sinks present) runs the kernel against the
+  reference on small random inputs with the per-dtype tolerance; on a mismatch (or an exception)
+  it warns once and that shape class uses the reference from then on. Without Metal, or for a
+  configuration the kernel does not cover, the reference.
+- ``metal``: the kernel, self-checked the same way; a mismatch, an uncovered configuration or a
+  machine without Metal raises ``RuntimeError`` instead of falling back.
+
+KV writes go through the same modes, except that ``auto`` keeps MLX's scatter (the reference):
+a custom Metal kernel cannot write into its input buffer, so it must rewrite the whole pool,
+while the scatter is O(rows) when the pool is donated (see :mod:`mlxkv.kernels.kv_write_ref`).
+
+The factories and the Metal probe are constructor arguments of :class:`KernelDispatch`, so tests
+inject a deliberately wrong kernel and pretend Metal is present to exercise the fallback on CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from mlxkv import env
+
+from . import metal
+from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
+from .kv_write_ref import check_kv_write_inputs, kv_write_reference
+from .layout import check_paged_inputs
+from .paged_attention_ref import REFERENCE, run_paged_attention
+from .selfcheck import check_attention_impl, check_kv_write_impl
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionClass:
+    """What a compiled attention kernel and its self-check depend on."""
+
+    dtype: mx.Dtype
+    head_dim: int
+    block_size: int
+    kv_heads: int
+    gqa: int
+    window: int | None
+    chunk_size: int | None
+    sinks: bool
+
+
+class KernelDispatch:
+    """Chooses and caches the implementation per shape class; not thread-safe (engine-owned).
+
+    Args:
+        attention_factory: ``(dtype, head_dim, block_size, kv_heads, gqa) -> impl | None``.
+        kv_write_factory: ``(dtype, head_dim, kv_heads) -> callable | None``.
+        metal_available: ``() -> bool``.
+        mode: ``() -> "auto" | "metal" | "reference"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        attention_factory: Callable = metal.paged_attention_kernel,
+        kv_write_factory: Callable = metal.kv_write_kernel,
+        metal_available: Callable[[], bool] = mx.metal.is_available,
+        mode: Callable[[], str] = env.paged_kernel,
+    ):
+        self.attention_factory = attention_factory
+        self.kv_write_factory = kv_write_factory
+        self.metal_available = metal_available
+        self.mode = mode
+        self._attention: dict[tuple[str, AttentionClass], object] = {}
+        self._kv_write: dict[tuple, object] = {}
+
+    # -- choice ---------------------------------------------------------------------------
+    def _require_metal(self, what: str) -> None:
+        if not self.metal_available():
+            raise RuntimeError(
+                f"MLXKV_PAGED_KERNEL=metal but Metal is not available on this machine ({what}); "
+                "use MLXKV_PAGED_KERNEL=auto or reference"
+            )
+
+    def attention_impl(self, cls: AttentionClass):
+        """The implementation for one shape class (chosen, self-checked and cached on first use)."""
+        mode = self.mode()
+        if mode == "reference":
+            return REFERENCE
+        key = (mode, cls)
+        if key not in self._attention:
+            self._attention[key] = self._choose_attention(mode, cls)
+        return self._attention[key]
+
+    def _choose_attention(self, mode: str, cls: AttentionClass):
+        if mode == "metal":
+            self._require_metal("paged attention")
+        elif not self.metal_available():
+            return REFERENCE
+        impl = self.attention_factory(cls.dtype, cls.head_dim, cls.block_size, cls.kv_heads, cls.gqa)
+        if impl is None:
+            if mode == "metal":
+                raise RuntimeError(f"MLXKV_PAGED_KERNEL=metal: no Metal paged-attention kernel for {cls}")
+            return REFERENCE
+        ok, err = check_attention_impl(
+            impl, dtype=cls.dtype, head_dim=cls.head_dim, block_size=cls.block_size,
+            kv_heads=cls.kv_heads, gqa=cls.gqa, window=cls.window, chunk_size=cls.chunk_size,
+            sinks=cls.sinks,
+        )
+        if ok:
+            return impl
+        message = f"Metal paged-attention kernel disagrees with the reference for {cls} (max abs error {err:.3g})"
+        if mode == "metal":
+            raise RuntimeError(message)
+        warnings.warn(message + "; using the pure-MLX reference for this shape class", RuntimeWarning, stacklevel=4)
+        return REFERENCE
+
+    def kv_write_impl(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int):
+        """The KV-write implementation: the reference unless ``MLXKV_PAGED_KERNEL=metal``."""
+        mode = self.mode()
+        if mode != "metal":
+            return kv_write_reference
+        key = (dtype, head_dim, block_size, kv_heads)
+        if key not in self._kv_write:
+            self._require_metal("kv write")
+            impl = self.kv_write_factory(dtype, head_dim, kv_heads)
+            if impl is None:
+                raise RuntimeError(f"MLXKV_PAGED_KERNEL=metal: no Metal kv-write kernel for {key}")
+            ok, err = check_kv_write_impl(impl, dtype=dtype, head_dim=head_dim, block_size=block_size,
+                                          kv_heads=kv_heads)
+            if not ok:
+                raise RuntimeError(f"Metal kv-write kernel disagrees with the reference for {key} (max abs error {err:.3g})")
+            self._kv_write[key] = impl
+        return self._kv_write[key]
+
+    # -- entry points ---------------------------------------------------------------------
+    def paged_attention(
+        self,
+        queries: mx.array,
+        k_pages: mx.array,
+        v_pages: mx.array,
+        block_tables: mx.array,
+        context_lens: mx.array,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        chunk_size: int | None = None,
+        sinks: mx.array | None = None,
+        num_splits: int | None = None,
+        max_context_len: int | None = None,
+        prefix_groups: list[PrefixGroup] | None = None,
+    ) -> mx.array:
+        """Paged decode attention (arguments as ``paged_attention_reference``).
+
+        With ``MLXKV_CASCADE_ATTENTION`` on and no window/chunk, sequences sharing whole-page
+        prefixes go through cascade attention; pass ``prefix_groups`` (computed once per step
+        for all layers) to avoid reading the block tables back on every call.
+        """
+        B, H, D, bs, kv_heads, gqa = check_paged_inputs(
+            queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks
+        )
+
+        def impl_for(g: int):
+            if queries.dtype != k_pages.dtype:  # the kernel reads both as one type T
+                return REFERENCE
+            return self.attention_impl(
+                AttentionClass(k_pages.dtype, D, bs, kv_heads, g, window, chunk_size, sinks is not None)
+            )
+
+        if env.cascade_attention() and window is None and chunk_size is None:
+            if prefix_groups is None:
+                prefix_groups = find_prefix_groups(block_tables.tolist(), context_lens.tolist(), bs)
+            if prefix_groups:
+                return cascade_attention(
+                    impl_for, queries, k_pages, v_pages, block_tables, context_lens, prefix_groups,
+                    scale=scale, sinks=sinks, num_splits=num_splits,
+                )
+        return run_paged_attention(
+            impl_for(gqa), queries, k_pages, v_pages, block_tables, context_lens,
+            scale=scale, window=window, chunk_size=chunk_size, sinks=sinks,
+            num_splits=num_splits, max_context_len=max_context_len,
+        )
+
+    def kv_write(
+        self, k_pages: mx.array, v_pages: mx.array, slot_mapping: mx.array, k_new: mx.array, v_new: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write new rows into their page slots (arguments and ownership rule as ``kv_write_reference``)."""
+        check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
+        _, bs, kv_heads, D = k_pages.shape
+        impl = self.kv_write_impl(k_pages.dtype, D, bs, kv_heads)
+        return impl(k_pages, v_pages, slot_mapping, k_new, v_new)
+
+
+DEFAULT_DISPATCH = KernelDispatch()
+
+
+def paged_attention(*args, **kwargs) -> mx.array:
+    """:meth:`KernelDispatch.paged_attention` on the process-wide dispatcher."""
+    return DEFAULT_DISPATCH.paged_attention(*args, **kwargs)
+
+
+def kv_write(*args, **kwargs) -> tuple[mx.array, mx.array]:
+    """:meth:`KernelDispatch.kv_write` on the process-wide dispatcher."""
+    return DEFAULT_DISPATCH.kv_write(*args, **kwargs)

@@ -1,0 +1,222 @@
+"""Metal kernel factories: paged attention (split-K partials + merge) and paged KV write.
+
+Each factory builds its ``mx.fast.metal_kernel`` once (per source) and one wrapper per
+configuration key, and returns ``None`` where Metal is unavailable or the configuration is one
+the kernel does not cover, so the dispatcher falls back to the pure-MLX reference. Nothing here
+runs on a machine without Metal; ``tests/test_kernels_metal_syntax.py`` checks the sources as C++.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .layout import SplitPlan
+from .metal_specs import KV_WRITE, PAGED_ATTENTION, PAGED_MERGE, KernelSpec
+
+SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# Per lane the attention kernel keeps G*D/32 query and G*D/32 accumulator floats in registers.
+MAX_GQA_TIMES_HEAD_DIM = 2048
+# Threadgroup memory for combining simdgroups: NSG * G * (D + 2) floats.
+THREADGROUP_BYTES = 28 * 1024
+
+
+@functools.cache
+def _build(spec: KernelSpec):
+    """The ``mx.fast.metal_kernel`` for ``spec`` (built once), or None without Metal."""
+    if not mx.metal.is_available():
+        return None
+    return mx.fast.metal_kernel(
+        name=spec.name,
+        input_names=list(spec.input_names),
+        output_names=list(spec.output_names),
+        source=spec.source(),
+        ensure_row_contiguous=True,
+        compile_options={"math_mode": "safe"},  # masked softmax relies on exp(-inf) == 0
+    )
+
+
+def simdgroups_for(gqa: int, head_dim: int) -> int:
+    """Simdgroups per threadgroup: as many as the combine buffer fits (4, 2 or 1)."""
+    for nsg in (4, 2, 1):
+        if nsg * gqa * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
+            return nsg
+    return 1
+
+
+def supports_attention(dtype: mx.Dtype, head_dim: int, gqa: int) -> bool:
+    """Whether the attention kernel covers this configuration (else the reference runs)."""
+    return dtype in SUPPORTED_DTYPES and head_dim % 32 == 0 and gqa * head_dim <= MAX_GQA_TIMES_HEAD_DIM
+
+
+@dataclass(slots=True)
+class KernelCall:
+    """Everything one launch passes to ``mx.fast.metal_kernel``, keyed by the spec's names."""
+
+    spec: KernelSpec
+    inputs: dict[str, mx.array]
+    template: dict[str, object]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: dict[str, tuple[int, ...]]
+    output_dtypes: dict[str, mx.Dtype]
+
+    def launch(self) -> list[mx.array]:
+        """Run the kernel (Metal only)."""
+        kernel = _build(self.spec)
+        assert kernel is not None, "KernelCall.launch needs Metal"
+        spec = self.spec
+        return kernel(
+            inputs=[self.inputs[n] for n in spec.input_names],
+            template=[(n, self.template[n]) for n, _ in spec.template_params],
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=[self.output_shapes[n] for n in spec.output_names],
+            output_dtypes=[self.output_dtypes[n] for n in spec.output_names],
+        )
+
+
+class MetalPagedAttention:
+    """The Metal kernel pair with the ``partials``/``merge`` interface of the reference."""
+
+    name = "metal"
+
+    def __init__(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int):
+        self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
+        self.kv_heads, self.gqa = kv_heads, gqa
+        self.nsg = simdgroups_for(gqa, head_dim)
+        self.max_gqa = MAX_GQA_TIMES_HEAD_DIM // head_dim  # cascade splits groups to fit
+
+    def partials_call(
+        self,
+        queries: mx.array,
+        k_pages: mx.array,
+        v_pages: mx.array,
+        block_tables: mx.array,
+        context_lens: mx.array,
+        plan: SplitPlan,
+        *,
+        scale: float,
+        window: int | None,
+        chunk_size: int | None,
+    ) -> KernelCall:
+        """The launch of the attention kernel (built without running it)."""
+        B, H, _, D = queries.shape
+        S = plan.num_splits
+        params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1]]
+        threads = 32 * simdgroups_for(H // self.kv_heads, D)
+        return KernelCall(
+            spec=PAGED_ATTENTION,
+            inputs=dict(queries=queries, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+                        context_lens=context_lens, params=mx.array(params, dtype=mx.int32),
+                        scale=mx.array(scale, dtype=mx.float32)),
+            template=dict(T=self.dtype, D=D, BS=self.block_size, KVH=self.kv_heads,
+                          G=H // self.kv_heads, NSG=threads // 32),
+            grid=(threads, self.kv_heads, B * S),
+            threadgroup=(threads, 1, 1),
+            output_shapes=dict(o_part=(B, H, S, D), lse=(B, H, S)),
+            output_dtypes=dict(o_part=mx.float32, lse=mx.float32),
+        )
+
+    def merge_call(
+        self, o_part: mx.array, lse: mx.array, sinks: mx.array | None, dtype: mx.Dtype
+    ) -> KernelCall:
+        """The launch of the merge kernel (built without running it)."""
+        B, H, S, D = o_part.shape
+        has_sinks = sinks is not None
+        sink_arr = sinks.astype(mx.float32) if has_sinks else mx.zeros((H,), dtype=mx.float32)
+        return KernelCall(
+            spec=PAGED_MERGE,
+            inputs=dict(o_part=o_part, lse=lse, sinks=sink_arr, params=mx.array([S], dtype=mx.int32)),
+            template=dict(T=dtype, D=D, HAS_SINKS=has_sinks),
+            grid=(D, H, B),
+            threadgroup=(min(D, 256), 1, 1),
+            output_shapes=dict(out=(B, H, 1, D)),
+            output_dtypes=dict(out=dtype),
+        )
+
+    def partials(self, *args, **kwargs) -> tuple[mx.array, mx.array]:
+        """Split-K partials ``(B, H, S, D)`` and ``(B, H, S)``, float32, as the reference's."""
+        o_part, lse = self.partials_call(*args, **kwargs).launch()
+        return o_part, lse
+
+    def merge(
+        self, o_part: mx.array, lse: mx.array, sinks: mx.array | None, dtype: mx.Dtype
+    ) -> mx.array:
+        """Log-sum-exp merge of the partials (and sinks) into ``(B, H, 1, D)`` of ``dtype``."""
+        (out,) = self.merge_call(o_part, lse, sinks, dtype).launch()
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def paged_attention_kernel(
+    dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int
+) -> MetalPagedAttention | None:
+    """The Metal paged-attention pair for one configuration, or None (no Metal / unsupported)."""
+    if not mx.metal.is_available() or not supports_attention(dtype, head_dim, gqa):
+        return None
+    return MetalPagedAttention(dtype, head_dim, block_size, kv_heads, gqa)
+
+
+class MetalKvWrite:
+    """Writes new K/V rows into their page slots with one kernel for both pools.
+
+    ``mx.fast.metal_kernel`` cannot alias an output to an input, so the kernel rewrites the
+    whole pool (O(pool) per call); see :mod:`mlxkv.kernels.dispatch` for when it is used.
+    """
+
+    name = "metal"
+
+    def __init__(self, dtype: mx.Dtype, head_dim: int, kv_heads: int):
+        self.dtype, self.head_dim, self.kv_heads = dtype, head_dim, kv_heads
+
+    def call(
+        self, k_pages: mx.array, v_pages: mx.array, slot_mapping: mx.array, k_new: mx.array,
+        v_new: mx.array,
+    ) -> KernelCall:
+        """The launch of the write kernel (built without running it)."""
+        NB, bs, KVH, D = k_pages.shape
+        slot_rows = mx.full((NB * bs,), -1, dtype=mx.int32)  # (slots,): new row per slot or -1
+        slot_rows[slot_mapping] = mx.arange(slot_mapping.shape[0], dtype=mx.int32)
+        return KernelCall(
+            spec=KV_WRITE,
+            inputs=dict(k_pages=k_pages, v_pages=v_pages, k_new=k_new.astype(self.dtype),
+                        v_new=v_new.astype(self.dtype), slot_rows=slot_rows),
+            template=dict(T=self.dtype, D=D, KVH=KVH),
+            grid=(D, KVH, NB * bs),
+            threadgroup=(min(D, 256), 1, 1),
+            output_shapes=dict(k_out=k_pages.shape, v_out=v_pages.shape),
+            output_dtypes=dict(k_out=self.dtype, v_out=self.dtype),
+        )
+
+    def __call__(self, *args) -> tuple[mx.array, mx.array]:
+        k_out, v_out = self.call(*args).launch()
+        return k_out, v_out
+
+
+@functools.lru_cache(maxsize=None)
+def kv_write_kernel(dtype: mx.Dtype, head_dim: int, kv_heads: int) -> MetalKvWrite | None:
+    """The Metal KV-write kernel for one configuration, or None without Metal."""
+    if not mx.metal.is_available() or dtype not in SUPPORTED_DTYPES:
+        return None
+    return MetalKvWrite(dtype, head_dim, kv_heads)
+
+
+def paged_attention_metal(queries, k_pages, v_pages, block_tables, context_lens, **kwargs) -> mx.array:
+    """Run the Metal kernel directly (no self-check, no fallback); for benchmarks and checks.
+
+    Raises:
+        RuntimeError: no Metal, or a configuration the kernel does not cover.
+    """
+    from .paged_attention_ref import run_paged_attention
+
+    _, bs, kv_heads, D = k_pages.shape
+    impl = paged_attention_kernel(k_pages.dtype, D, bs, kv_heads, queries.shape[1] // kv_heads)
+    if impl is None:
+        raise RuntimeError(
+            f"no Metal paged-attention kernel here (metal available: {mx.metal.is_available()}, "
+            f"dtype={k_pages.dtype}, head_dim={D}, gqa={queries.shape[1] // kv_heads})"
+        )
+    return run_paged_attention(impl, queries, k_pages, v_pages, block_tables, context_lens, **kwargs)

@@ -1,0 +1,175 @@
+"""What each Metal kernel looks like to ``mx.fast.metal_kernel``: names, sources, signatures.
+
+One :class:`KernelSpec` per body-only source in ``metal_kernels/``. The factories in
+:mod:`mlxkv.kernels.metal` build kernels from these specs, and :func:`render_kernel` writes the
+full source MLX would compile (generated signature + body), which the C++ syntax test feeds to
+``g++ -fsyntax-only`` through a shim header because no Metal compiler exists off macOS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+# MLX passes inputs with fewer elements than this in the constant address space.
+MAX_CONSTANT_ARRAY_SIZE = 8
+
+# Type names MLX's generated signature uses (mlx get_type_string).
+TYPE_NAMES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.bool_: "bool",
+}
+
+# Thread-position attributes MLX adds to the signature when the body mentions them.
+METAL_ATTRIBUTES = {
+    "dispatch_quadgroups_per_threadgroup": "uint",
+    "dispatch_simdgroups_per_threadgroup": "uint",
+    "dispatch_threads_per_threadgroup": "uint3",
+    "grid_origin": "uint3",
+    "grid_size": "uint3",
+    "quadgroup_index_in_threadgroup": "uint",
+    "quadgroups_per_threadgroup": "uint",
+    "simdgroup_index_in_threadgroup": "uint",
+    "simdgroups_per_threadgroup": "uint",
+    "thread_execution_width": "uint",
+    "thread_index_in_quadgroup": "uint",
+    "thread_index_in_simdgroup": "uint",
+    "thread_index_in_threadgroup": "uint",
+    "thread_position_in_grid": "uint3",
+    "thread_position_in_threadgroup": "uint3",
+    "threadgroup_position_in_grid": "uint3",
+    "threadgroups_per_grid": "uint3",
+    "threads_per_grid": "uint3",
+    "threads_per_simdgroup": "uint",
+    "threads_per_threadgroup": "uint3",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """A body-only kernel: its MLX name, source file, argument names and template parameters."""
+
+    name: str  # mx.fast.metal_kernel name
+    source_file: str  # in metal_kernels/
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    template_params: tuple[tuple[str, str], ...]  # (name, "typename" | "int" | "bool"), in order
+
+    def source(self) -> str:
+        """The body text."""
+        return read_source(self.source_file)
+
+
+PAGED_ATTENTION = KernelSpec(
+    name="mlxkv_paged_attention",
+    source_file="paged_attention.metal",
+    input_names=("queries", "k_pages", "v_pages", "block_tables", "context_lens", "params", "scale"),
+    output_names=("o_part", "lse"),
+    template_params=(("T", "typename"), ("D", "int"), ("BS", "int"), ("KVH", "int"), ("G", "int"),
+                     ("NSG", "int")),
+)
+PAGED_MERGE = KernelSpec(
+    name="mlxkv_paged_merge",
+    source_file="paged_merge.metal",
+    input_names=("o_part", "lse", "sinks", "params"),
+    output_names=("out",),
+    template_params=(("T", "typename"), ("D", "int"), ("HAS_SINKS", "bool")),
+)
+KV_WRITE = KernelSpec(
+    name="mlxkv_kv_write",
+    source_file="kv_write.metal",
+    input_names=("k_pages", "v_pages", "k_new", "v_new", "slot_rows"),
+    output_names=("k_out", "v_out"),
+    template_params=(("T", "typename"), ("D", "int"), ("KVH", "int")),
+)
+ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, KV_WRITE)
+
+
+def read_source(filename: str) -> str:
+    """Read a ``.metal`` body from the installed package data, or from the source tree."""
+    try:
+        from mlxkv import metal_kernels as package  # installed: package-dir mapping
+    except ImportError:
+        package = None
+    if package is None:
+        try:
+            import metal_kernels as package  # source checkout on sys.path
+        except ImportError:
+            path = Path(__file__).resolve().parents[2] / "metal_kernels" / filename
+            return path.read_text(encoding="utf-8")
+    return package.read_source(filename)
+
+
+@dataclass(frozen=True, slots=True)
+class ArgInfo:
+    """How MLX passes one input: element type, 0-d (by reference) or small (constant space)."""
+
+    dtype: mx.Dtype
+    scalar: bool = False  # ndim == 0 -> `const constant T& name`
+    small: bool = False  # size < 8 -> constant address space
+
+
+def render_kernel(
+    spec: KernelSpec,
+    inputs: dict[str, ArgInfo],
+    output_dtypes: dict[str, mx.Dtype],
+    template: dict[str, object],
+    header: str = "",
+    *,
+    body: str | None = None,
+    func_name: str | None = None,
+) -> str:
+    """The full source MLX generates for ``spec``: header, templated signature, body, instantiation.
+
+    Mirrors ``write_signature`` in MLX's ``mlx/backend/metal/custom_kernel`` (shape/stride
+    buffers for ``<name>_shape``/``_strides``/``_ndim`` mentions, attributes the body mentions),
+    plus an explicit instantiation with ``template`` so a C++ compiler checks the body's types.
+    ``body`` replaces the source text (tests plant typos); ``func_name`` renames the function so
+    several instantiations with different argument types can share one translation unit.
+    """
+    body = spec.source() if body is None else body
+    params = []
+    index = 0
+    for name in spec.input_names:
+        info = inputs[name]
+        space = "constant" if (info.scalar or info.small) else "device"
+        ref = "&" if info.scalar else "*"
+        params.append(f"  const {space} {TYPE_NAMES[info.dtype]}{ref} {name} [[buffer({index})]]")
+        index += 1
+        if info.scalar:
+            continue
+        for suffix, ctype in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
+                              ("_ndim", "const constant int&")):
+            if name + suffix in body:
+                params.append(f"  {ctype} {name}{suffix} [[buffer({index})]]")
+                index += 1
+    for name in spec.output_names:
+        params.append(f"  device {TYPE_NAMES[output_dtypes[name]]}* {name} [[buffer({index})]]")
+        index += 1
+    for attr, ctype in METAL_ATTRIBUTES.items():
+        if attr in body:
+            params.append(f"  {ctype} {attr} [[{attr}]]")
+    fname = func_name or f"custom_kernel_{spec.name}"
+    tparams = ", ".join(f"{kind} {name}" for name, kind in spec.template_params)
+    targs = []
+    for name, kind in spec.template_params:
+        value = template[name]
+        if kind == "typename":
+            targs.append(TYPE_NAMES[value])
+        elif kind == "bool":
+            targs.append("true" if value else "false")
+        else:
+            targs.append(str(int(value)))
+    arg_types = ", ".join(p.split(" [[")[0].rsplit(" ", 1)[0].strip() for p in params)
+    return (
+        f"{header}\n"
+        f"template <{tparams}>\n[[kernel]] void {fname}(\n" + ",\n".join(params) + ") {\n"
+        f"{body}\n}}\n"
+        f"template void {fname}<{', '.join(targs)}>({arg_types});\n"
+    )

@@ -1,0 +1,137 @@
+"""Random paged inputs and kernel-vs-reference comparisons (runtime self-check, scripts, tests)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .kv_write_ref import kv_write_reference
+from .layout import TOLERANCES
+from .paged_attention_ref import REFERENCE, run_paged_attention
+
+
+@dataclass(slots=True)
+class PagedCase:
+    """One random decode step over a shuffled block pool (block 0 is the null block)."""
+
+    queries: mx.array  # (B, H, 1, D)
+    k_pages: mx.array  # (num_blocks, bs, KVH, D)
+    v_pages: mx.array
+    block_tables: mx.array  # (B, max_blocks) int32, padded with 0
+    context_lens: mx.array  # (B,) int32
+    sinks: mx.array | None  # (H,) or None
+
+    def args(self) -> tuple[mx.array, ...]:
+        return self.queries, self.k_pages, self.v_pages, self.block_tables, self.context_lens
+
+
+def random_paged_case(
+    *,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    kv_heads: int,
+    gqa: int,
+    context_lens: list[int],
+    sinks: bool = False,
+    extra_blocks: int = 2,
+    seed: int = 0,
+) -> PagedCase:
+    """Random queries/pages; each sequence gets distinct shuffled blocks, tables padded with 0."""
+    rng = random.Random(seed)
+    key = mx.random.key(seed)
+    kq, kk, kv, ks = mx.random.split(key, 4)
+    pages = [-(-L // block_size) for L in context_lens]
+    max_blocks = max(pages) + 1  # at least one padding entry per row
+    num_blocks = sum(pages) + 1 + extra_blocks
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    table = [[free.pop() for _ in range(n)] + [0] * (max_blocks - n) for n in pages]
+    H = kv_heads * gqa
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return PagedCase(
+        queries=mx.random.normal((len(context_lens), H, 1, head_dim), key=kq).astype(dtype),
+        k_pages=mx.random.normal(shape, key=kk).astype(dtype),
+        v_pages=mx.random.normal(shape, key=kv).astype(dtype),
+        block_tables=mx.array(table, dtype=mx.int32),
+        context_lens=mx.array(context_lens, dtype=mx.int32),
+        sinks=mx.random.normal((H,), key=ks).astype(dtype) if sinks else None,
+    )
+
+
+def max_abs_error(a: mx.array, b: mx.array) -> float:
+    """Largest elementwise |a - b| in float32 (inf if either has a NaN)."""
+    diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32))
+    return float("inf") if bool(mx.any(mx.isnan(diff)).item()) else float(mx.max(diff).item())
+
+
+def close(a: mx.array, b: mx.array, dtype: mx.Dtype) -> bool:
+    """``allclose`` with atol = rtol = the dtype's tolerance (``TOLERANCES``)."""
+    tol = TOLERANCES[dtype]
+    return a.shape == b.shape and bool(mx.allclose(a.astype(mx.float32), b.astype(mx.float32),
+                                                   atol=tol, rtol=tol).item())
+
+
+def check_attention_impl(
+    impl,
+    *,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    kv_heads: int,
+    gqa: int,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: bool = False,
+    seed: int = 0,
+) -> tuple[bool, float]:
+    """Run ``impl`` and the reference on small random inputs (1 and 2 splits); ``(ok, max err)``.
+
+    Exceptions from ``impl`` count as a mismatch (err = inf).
+    """
+    lens = [1, block_size + 1, 3 * block_size + 5]
+    if window is not None:
+        lens.append(window + 2 * block_size + 3)
+    if chunk_size is not None:
+        lens.append(chunk_size + block_size // 2 + 1)
+    case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
+                             gqa=gqa, context_lens=lens, sinks=sinks, seed=seed)
+    ok, worst = True, 0.0
+    for splits in (1, 2):
+        kw = dict(window=window, chunk_size=chunk_size, sinks=case.sinks, num_splits=splits)
+        want = run_paged_attention(REFERENCE, *case.args(), **kw)
+        try:
+            got = run_paged_attention(impl, *case.args(), **kw)
+            mx.eval(got)
+        except Exception:  # a kernel that fails to compile or run is a failed self-check
+            return False, float("inf")
+        ok = ok and close(got, want, dtype)
+        worst = max(worst, max_abs_error(got, want))
+    return ok, worst
+
+
+def check_kv_write_impl(
+    impl, *, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, seed: int = 0
+) -> tuple[bool, float]:
+    """Write random rows with ``impl`` and the reference; ``(exactly equal, max err)``."""
+    rng = random.Random(seed)
+    num_blocks = 6
+    slots = rng.sample(range(block_size, num_blocks * block_size), 5)  # never the null block
+    key = mx.random.key(seed)
+    k1, k2, k3, k4 = mx.random.split(key, 4)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_pages = mx.random.normal(shape, key=k1).astype(dtype)
+    v_pages = mx.random.normal(shape, key=k2).astype(dtype)
+    k_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k3).astype(dtype)
+    v_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k4).astype(dtype)
+    slot_mapping = mx.array(slots, dtype=mx.int32)
+    want = kv_write_reference(k_pages, v_pages, slot_mapping, k_new, v_new)
+    try:
+        got = impl(k_pages, v_pages, slot_mapping, k_new, v_new)
+        mx.eval(got)
+    except Exception:
+        return False, float("inf")
+    ok = all(g.shape == w.shape and bool(mx.array_equal(g, w).item()) for g, w in zip(got, want))
+    return ok, max(max_abs_error(g, w) for g, w in zip(got, want))

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible HTTP app: routes over a running :class:`~mlxkv.engine.batch.BatchEngine`.
+
+Handlers tokenize, validate and submit; they never touch MLX. Events come back into the handler's event loop
+through the request handle. A client that disconnects (streaming or not) cancels its request, which the engine
+drops at its next step, releasing the sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Union
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from mlxkv.engine.batch import BatchEngine
+from mlxkv.engine.request import (EngineStoppedError, GenerationRequest, PromptTooLongError, QueueFullError,
+                                  RequestHandle, Usage)
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.server.auth import bearer_auth
+from mlxkv.server.errors import APIError, error_body, install_error_handlers
+from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.responses import ResponseBuilder, sse, usage_dict
+from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+
+#: OpenAI's default ``max_tokens`` for /v1/completions (chat defaults to the rest of the context).
+DEFAULT_COMPLETION_TOKENS = 16
+#: Chat default when the model's context length is unknown.
+DEFAULT_CHAT_TOKENS = 4096
+_DISCONNECT_POLL_S = 0.25
+
+
+def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
+               manage_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    Args:
+        engine: the batch engine (its tokenizer encodes prompts).
+        model_name: the id reported by ``/v1/models`` and in responses.
+        api_key: require ``Authorization: Bearer <api_key>`` on /v1 routes (``None``: open).
+        max_body_bytes: larger request bodies get 413.
+        metrics: the Prometheus registry fed by the engine (the engine's observer); a fresh one if ``None``.
+        manage_engine: start the engine when the app starts and stop it when the app stops.
+    """
+    metrics = metrics or ServerMetrics()
+    metrics.bind(engine.stats)
+    tokenizer = engine.tokenizer
+
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await run_in_threadpool(engine.start)
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="mlxkv", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "mlxkv"}]}
+
+    @v1.get("/cache/stats")
+    async def cache_stats() -> dict:
+        return engine.stats()
+
+    @v1.post("/cache/reset")
+    async def cache_reset() -> dict:
+        return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
+        try:
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
+        return await _generate(request, body, prompt, chat=True)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
+            prompt = list(body.prompt)
+            vocab = _vocab_size(tokenizer)
+            if vocab is not None and any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
+        else:
+            text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+            prompt = list(tokenizer.encode(text))
+        return await _generate(request, body, prompt, chat=False)
+
+    async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
+                        chat: bool) -> Any:
+        if not prompt:
+            raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
+        max_tokens = body.max_new_tokens()
+        if max_tokens is None:
+            room = (engine.context_length or DEFAULT_CHAT_TOKENS + len(prompt)) - len(prompt)
+            max_tokens = max(1, room) if chat else DEFAULT_COMPLETION_TOKENS
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temp=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    min_p=body.min_p, seed=body.seed, stop=body.stop_strings())
+            gen = GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
+                                    retention=body.retention.to_spec() if body.retention else None,
+                                    priority=body.priority)
+            handle = engine.submit(gen, loop=asyncio.get_running_loop())
+        except PromptTooLongError as exc:
+            raise APIError(400, str(exc), "context_length_exceeded", "messages" if chat else "prompt") from None
+        except QueueFullError as exc:
+            raise APIError(429, f"{exc}: retry later", "queue_full") from None
+        except EngineStoppedError as exc:
+            raise APIError(503, str(exc), "engine_stopped") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_value") from None
+        builder = ResponseBuilder(chat=chat, model=body.model or model_name)
+        if body.stream:
+            return StreamingResponse(_stream(handle, builder, body.n, body.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, handle, builder, body.n)
+
+    app.include_router(v1)
+    return app
+
+
+async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, n: int) -> Any:
+    """Wait for the whole response; cancel the request if the client goes away meanwhile."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    done = False
+    try:
+        while True:
+            try:
+                event = await handle.aget(timeout=_DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it; the finally cancels the request
+                continue
+            if event.kind == "token":
+                texts[event.index].append(event.text)
+                if event.finish_reason:
+                    finish[event.index] = event.finish_reason
+            elif event.kind == "done":
+                done = True
+                return builder.complete(["".join(t) for t in texts], finish, event.usage)
+            else:
+                done = True
+                raise APIError(500, f"generation failed: {event.message}", "generation_failed")
+    finally:
+        if not done:
+            handle.cancel()
+
+
+async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; the request is cancelled if the client disconnects (the generator is closed)."""
+    try:
+        if builder.chat:
+            for i in range(n):
+                yield sse(builder.role_chunk(i))
+        async for event in handle:
+            if event.kind == "token":
+                if event.text or not builder.chat:
+                    if event.text:
+                        yield sse(builder.delta_chunk(event.index, event.text))
+                if event.finish_reason:
+                    yield sse(builder.delta_chunk(event.index, "", event.finish_reason))
+            elif event.kind == "done":
+                if include_usage:
+                    yield sse(builder.usage_chunk(event.usage or Usage(0, 0)))
+            else:
+                yield sse(error_body(500, f"generation failed: {event.message}", "generation_failed"))
+                return
+        yield sse("[DONE]")
+    finally:
+        handle.cancel()  # a no-op once the request has finished
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else len(tokenizer)
+    except TypeError:
+        return None
+
+
+__all__ = ["create_app", "usage_dict"]

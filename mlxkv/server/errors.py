@@ -1,0 +1,67 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """Raise in a route to answer ``status`` with an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def _describe(errors: list[dict[str, Any]]) -> tuple[str, str | None, str]:
+    """One readable message for pydantic's error list, the first offending field, and a code."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None, \
+            "invalid_json"
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    return "; ".join(parts), loc, "invalid_value"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can raise answers in OpenAI's shape (never FastAPI's ``{"detail": ...}``)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = _describe(list(exc.errors()))
+        return error_response(400, message, code, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None, None, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal server error: {type(exc).__name__}", "internal_error")

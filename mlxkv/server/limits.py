@@ -1,0 +1,68 @@
+"""Request body size limit as ASGI middleware: bodies over the limit get 413 before any route runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from mlxkv.server.errors import error_body
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class BodySizeLimit:
+    """Answer 413 (OpenAI error shape) when a request body exceeds ``max_bytes``.
+
+    A declared ``Content-Length`` over the limit is refused without reading the body; otherwise (chunked
+    uploads) the body is read up to the limit and replayed to the app, whose later ``receive`` calls go to
+    the server again (so streaming responses still see client disconnects).
+    """
+
+    def __init__(self, app: Callable, max_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # disconnected before the body was complete: let the app see it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps(error_body(413, f"the request body is larger than {self.max_bytes} bytes",
+                                     "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

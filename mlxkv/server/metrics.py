@@ -1,0 +1,94 @@
+"""Prometheus metrics for ``/metrics``: engine gauges and counters read at scrape time, latency histograms.
+
+Every figure comes from the engine's own stats snapshot (never from MLX on the HTTP thread). Paged storage and
+its prefix cache are not wired in yet, so KV block gauges, prefix-cache counters, evictions and preemptions
+report the engine's honest zeros; ``mlxkv_kv_cache_bytes`` reports the bytes the pool's dense caches hold.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mlxkv.engine.request import Usage
+from mlxkv.engine.scheduler import EngineObserver
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# (stats key, metric name, help): gauges, then counters (exposed with a _total suffix)
+_GAUGES = (
+    ("waiting", "mlxkv_queue_depth", "Requests waiting for admission."),
+    ("running", "mlxkv_running_sequences", "Sequences decoding."),
+    ("prefilling", "mlxkv_prefilling_requests", "Requests whose prompt is being prefilled."),
+    ("pool_sequences", "mlxkv_open_sequences", "Sequences open in the cache pool."),
+    ("kv_bytes", "mlxkv_kv_cache_bytes", "Bytes held by the open sequences' KV caches."),
+)
+_BLOCK_GAUGES = (
+    ("used", "mlxkv_kv_blocks_used", "KV blocks in use (paged storage; 0 until it lands)."),
+    ("free", "mlxkv_kv_blocks_free", "Free KV blocks (paged storage; 0 until it lands)."),
+    ("cached", "mlxkv_kv_blocks_cached", "Cached reusable KV blocks (paged storage; 0 until it lands)."),
+)
+_COUNTERS = (
+    ("prompt_tokens_total", "mlxkv_prompt_tokens", "Prompt tokens admitted."),
+    ("generation_tokens_total", "mlxkv_generation_tokens", "Tokens generated."),
+    ("evictions", "mlxkv_kv_evictions", "KV blocks evicted (paged storage)."),
+    ("preemptions", "mlxkv_preemptions", "Sequences preempted (paged storage)."),
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        for key, name, doc in _GAUGES:
+            yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+        blocks = s.get("kv_blocks", {})
+        for key, name, doc in _BLOCK_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=float(blocks.get(key, 0)))
+        for key, name, doc in _COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
+        prefix = s.get("prefix_cache", {})
+        yield CounterMetricFamily("mlxkv_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=float(prefix.get("queries", 0)))
+        yield CounterMetricFamily("mlxkv_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=float(prefix.get("hits", 0)))
+
+
+class ServerMetrics(EngineObserver):
+    """The server's metrics registry; also the engine's observer for latency histograms.
+
+    Args:
+        stats: the engine's ``stats`` function, read at each scrape (call :meth:`bind` if not known yet).
+    """
+
+    def __init__(self, stats: Callable[[], dict] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._stats = stats or (lambda: {})
+        self.registry.register(_EngineCollector(lambda: self._stats()))
+        self.ttft = Histogram("mlxkv_time_to_first_token_seconds", "Time from submission to the first token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("mlxkv_time_per_output_token_seconds", "Mean time between a request's tokens.",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.requests = Counter("mlxkv_requests", "Finished requests by finish reason.", ["finish_reason"],
+                                registry=self.registry)
+
+    def bind(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_request_finished(self, finish_reason: str, usage: Usage, time_per_output_token: float | None) -> None:
+        self.requests.labels(finish_reason=finish_reason).inc()
+        if time_per_output_token is not None:
+            self.tpot.observe(time_per_output_token)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

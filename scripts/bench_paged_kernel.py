@@ -1,0 +1,102 @@
+"""Micro-benchmark: paged decode attention (reference, and Metal where available) vs dense SDPA.
+
+Function level, no model: one decode query per sequence over K/V stored in pages, at 1K, 4K and
+16K context, batch 1 and 8. Prints milliseconds per call (median of ``--iters``) and the ratio to
+``mx.fast.scaled_dot_product_attention`` over the same K/V already laid out densely.
+
+    PYTHONPATH=. python scripts/bench_paged_kernel.py [--contexts 1024 4096 16384] [--batches 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlxkv.kernels.paged_attention_ref import paged_attention_reference
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def timed(fn, iters: int) -> float:
+    """Median wall time of ``fn`` (evaluated) in milliseconds, after one warm-up call."""
+    mx.eval(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def build(batch: int, context: int, kv_heads: int, gqa: int, head_dim: int, block_size: int, dtype):
+    """Random pages with shuffled block tables, plus the same K/V laid out densely."""
+    pages = -(-context // block_size)
+    num_blocks = batch * pages + 1  # block 0 is the null block
+    ids = list(range(1, num_blocks))
+    random.Random(0).shuffle(ids)
+    table = mx.array(ids, dtype=mx.int32).reshape(batch, pages)  # (B, pages)
+    k_pages = mx.random.normal((num_blocks, block_size, kv_heads, head_dim)).astype(dtype)
+    v_pages = mx.random.normal((num_blocks, block_size, kv_heads, head_dim)).astype(dtype)
+    q = mx.random.normal((batch, kv_heads * gqa, 1, head_dim)).astype(dtype)
+    lens = mx.full((batch,), context, dtype=mx.int32)
+
+    def dense(p):
+        d = mx.take(p, table, axis=0).reshape(batch, pages * block_size, kv_heads, head_dim)
+        return mx.contiguous(d[:, :context].transpose(0, 2, 1, 3))  # (B, KVH, L, D)
+
+    k_dense, v_dense = dense(k_pages), dense(v_pages)
+    mx.eval(k_pages, v_pages, q, k_dense, v_dense)
+    return q, k_pages, v_pages, table, lens, k_dense, v_dense
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--gqa", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    dtype = DTYPES[args.dtype]
+
+    metal_attention = None
+    if mx.metal.is_available():
+        from mlxkv.kernels import metal
+
+        metal_attention = metal.paged_attention_metal
+    print(
+        f"device={'metal' if metal_attention else 'cpu'} dtype={args.dtype} kv_heads={args.kv_heads} "
+        f"gqa={args.gqa} head_dim={args.head_dim} block_size={args.block_size}"
+    )
+    print(f"{'B':>3} {'context':>8} {'sdpa ms':>9} {'ref ms':>9} {'ref/sdpa':>9}"
+          + (f" {'metal ms':>9} {'metal/sdpa':>10}" if metal_attention else ""))
+    for batch in args.batches:
+        for context in args.contexts:
+            q, kp, vp, table, lens, kd, vd = build(
+                batch, context, args.kv_heads, args.gqa, args.head_dim, args.block_size, dtype
+            )
+            scale = args.head_dim**-0.5
+            t_sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale), args.iters)
+            t_ref = timed(
+                lambda: paged_attention_reference(q, kp, vp, table, lens, max_context_len=context), args.iters
+            )
+            line = f"{batch:>3} {context:>8} {t_sdpa:>9.2f} {t_ref:>9.2f} {t_ref / t_sdpa:>9.2f}"
+            if metal_attention:
+                t_metal = timed(
+                    lambda: metal_attention(q, kp, vp, table, lens, max_context_len=context), args.iters
+                )
+                line += f" {t_metal:>9.2f} {t_metal / t_sdpa:>10.2f}"
+            print(line, flush=True)
+            del q, kp, vp, table, lens, kd, vd
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

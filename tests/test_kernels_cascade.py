@@ -1,0 +1,141 @@
+"""Cascade (shared-prefix) attention: grouping rules and exactness against flat attention."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.kernels import (
+    TOLERANCES,
+    KernelDispatch,
+    PrefixGroup,
+    cascade_attention,
+    dense_paged_attention,
+    find_prefix_groups,
+    paged_attention_reference,
+)
+from mlxkv.kernels.paged_attention_ref import REFERENCE
+from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
+
+
+def shared_case(*, dtype=mx.float32, gqa=4, head_dim=64, bs=16, lens, share, sinks=False, seed=0):
+    """Random case where rows in each ``share`` entry (rows, pages) reuse row rows[0]'s first pages."""
+    case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=bs, kv_heads=2, gqa=gqa,
+                             context_lens=lens, sinks=sinks, seed=seed)
+    table = case.block_tables.tolist()
+    for rows, pages in share:
+        for r in rows[1:]:
+            table[r][:pages] = table[rows[0]][:pages]
+    case.block_tables = mx.array(table, dtype=mx.int32)
+    return case
+
+
+def test_groups_follow_shared_whole_pages():
+    bs = 16
+    a, b, c = [5, 6, 7, 8], [9, 10, 11, 0], [12, 13, 14, 15]
+    tables = [
+        a,
+        [5, 6, 20, 21],  # shares 2 pages with row 0
+        [5, 6, 7, 30],  # shares 3 pages with row 0, 2 with row 1
+        b,
+        c,
+        [12, 13, 40, 41],  # shares 2 with row 4
+        [0, 0, 0, 0],  # empty row (first block is the null block)
+    ]
+    lens = [60, 64, 49, 40, 64, 33, 0]
+    groups = find_prefix_groups(tables, lens, bs, min_group=2, min_shared_pages=1)
+    # rows 0-2: common prefix 2 pages; row 5 (L=33) keeps its current token as suffix -> 2 pages.
+    assert groups == [PrefixGroup(rows=(0, 1, 2), shared_pages=2), PrefixGroup(rows=(4, 5), shared_pages=2)]
+    assert find_prefix_groups(tables, lens, bs, min_group=3, min_shared_pages=1) == [groups[0]]
+    assert find_prefix_groups(tables, lens, bs, min_group=2, min_shared_pages=3) == []
+    # A page that is full for every member but would leave one member no suffix is not shared.
+    assert find_prefix_groups([a, [5, 6, 7, 9]], [48, 64], bs, min_group=2, min_shared_pages=1) == [
+        PrefixGroup(rows=(0, 1), shared_pages=2)
+    ]
+
+
+def test_group_defaults_come_from_env(monkeypatch):
+    tables, lens = [[5, 6, 7], [5, 6, 8]], [40, 40]
+    monkeypatch.setenv("MLXKV_CASCADE_MIN_SHARED_PAGES", "3")
+    assert find_prefix_groups(tables, lens, 16) == []
+    monkeypatch.setenv("MLXKV_CASCADE_MIN_SHARED_PAGES", "2")
+    assert find_prefix_groups(tables, lens, 16) == [PrefixGroup(rows=(0, 1), shared_pages=2)]
+    monkeypatch.setenv("MLXKV_CASCADE_MIN_GROUP", "3")
+    assert find_prefix_groups(tables, lens, 16) == []
+
+
+CASES = [
+    dict(dtype=mx.float32, gqa=4, lens=[100, 70, 130, 40, 55], share=[((0, 1, 2), 4), ((3, 4), 2)],
+         sinks=True, splits=None),
+    dict(dtype=mx.float32, gqa=1, lens=[33, 33, 33], share=[((0, 1, 2), 2)], sinks=False, splits=2),
+    dict(dtype=mx.float32, gqa=8, lens=[300, 290, 17], share=[((0, 1), 18)], sinks=False, splits=4),
+    dict(dtype=mx.float16, gqa=4, lens=[200, 180, 150, 90], share=[((0, 1, 2, 3), 5)], sinks=True, splits=3),
+    dict(dtype=mx.bfloat16, gqa=4, lens=[80, 96], share=[((0, 1), 5)], sinks=False, splits=1),
+]
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: f"{c['dtype']}-g{c['gqa']}-{len(c['lens'])}seq")
+def test_cascade_equals_flat_attention(c):
+    case = shared_case(dtype=c["dtype"], gqa=c["gqa"], lens=c["lens"], share=c["share"], sinks=c["sinks"],
+                       seed=len(c["lens"]))
+    groups = find_prefix_groups(case.block_tables.tolist(), c["lens"], 16, min_group=2, min_shared_pages=1)
+    assert {g.rows for g in groups} == {rows for rows, _ in c["share"]}
+    got = cascade_attention(lambda g: REFERENCE, *case.args(), groups, sinks=case.sinks,
+                            num_splits=c["splits"])
+    flat = paged_attention_reference(*case.args(), sinks=case.sinks, num_splits=c["splits"])
+    dense = dense_paged_attention(*case.args(), sinks=case.sinks)
+    tol = TOLERANCES[c["dtype"]]
+    assert got.dtype == c["dtype"]
+    for want in (flat, dense):
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item(), (
+            max_abs_error(got, want)
+        )
+
+
+class CountingReference:
+    """The reference with a small ``max_gqa`` (like the Metal kernel's), recording each pass."""
+
+    def __init__(self, max_gqa):
+        self.max_gqa = max_gqa
+        self.shared_query_heads = []
+
+    def partials(self, queries, *args, **kwargs):
+        self.shared_query_heads.append(queries.shape[1])
+        return REFERENCE.partials(queries, *args, **kwargs)
+
+    def merge(self, *args):
+        return REFERENCE.merge(*args)
+
+
+def test_shared_pass_is_one_pass_per_group_or_per_allowed_slice():
+    case = shared_case(gqa=2, lens=[100, 90, 80, 70, 60], share=[((0, 1, 2, 3, 4), 3)], seed=3)
+    groups = find_prefix_groups(case.block_tables.tolist(), [100, 90, 80, 70, 60], 16, min_group=2,
+                                min_shared_pages=1)
+    flat = paged_attention_reference(*case.args())
+    whole = CountingReference(max_gqa=None)
+    out = cascade_attention(lambda g: whole, *case.args(), groups)
+    assert whole.shared_query_heads == [4, 2 * 2 * 5]  # suffix pass (H=4), one shared pass
+    sliced = CountingReference(max_gqa=4)  # two rows' queries per shared pass
+    out2 = cascade_attention(lambda g: sliced, *case.args(), groups)
+    assert sliced.shared_query_heads == [4, 8, 8, 4]
+    for o in (out, out2):
+        assert mx.allclose(o, flat, atol=1e-6, rtol=1e-6).item()
+
+
+def test_dispatch_cascades_when_enabled(monkeypatch):
+    lens = [120, 100, 77]
+    case = shared_case(lens=lens, share=[((0, 1, 2), 4)], sinks=True, seed=9)
+    flat = paged_attention_reference(*case.args(), sinks=case.sinks)
+    seen = CountingReference(max_gqa=None)
+    dispatch = KernelDispatch(attention_factory=lambda *key: seen, metal_available=lambda: True,
+                              mode=lambda: "auto")
+    monkeypatch.setenv("MLXKV_CASCADE_ATTENTION", "1")
+    out = dispatch.paged_attention(*case.args(), sinks=case.sinks)
+    assert mx.allclose(out, flat, atol=1e-6, rtol=1e-6).item()
+    assert 4 * 3 * 2 in seen.shared_query_heads  # the grouped pass ran (3 rows x gqa 4 x 2 kv heads)
+    # Windowed layers never cascade.
+    seen.shared_query_heads.clear()
+    dispatch.paged_attention(*case.args(), window=50)
+    assert all(h == 8 for h in seen.shared_query_heads)

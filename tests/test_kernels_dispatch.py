@@ -1,0 +1,170 @@
+"""Dispatch: mode selection, the runtime self-check, and its fallback with an injected bad kernel."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.kernels import KernelDispatch, kv_write_reference, paged_attention, paged_attention_reference
+from mlxkv.kernels.dispatch import DEFAULT_DISPATCH, AttentionClass
+from mlxkv.kernels.paged_attention_ref import REFERENCE
+from mlxkv.kernels.selfcheck import random_paged_case
+
+
+def case(dtype=mx.float32):
+    return random_paged_case(dtype=dtype, head_dim=64, block_size=16, kv_heads=2, gqa=4,
+                             context_lens=[70, 5, 33], sinks=True, seed=11)
+
+
+class ScaledKernel:
+    """A kernel-shaped object: the reference with its score scale multiplied by ``factor``.
+
+    ``factor=1`` is a correct kernel; anything else is a deliberately wrong one.
+    """
+
+    name = "fake-metal"
+
+    def __init__(self, factor=1.0):
+        self.factor = factor
+        self.calls = 0
+
+    def partials(self, *args, scale, **kwargs):
+        self.calls += 1
+        return REFERENCE.partials(*args, scale=scale * self.factor, **kwargs)
+
+    def merge(self, *args):
+        return REFERENCE.merge(*args)
+
+
+class Factory:
+    def __init__(self, kernel):
+        self.kernel, self.keys = kernel, []
+
+    def __call__(self, dtype, head_dim, block_size, kv_heads, gqa):
+        self.keys.append((dtype, head_dim, block_size, kv_heads, gqa))
+        return self.kernel
+
+
+def dispatch_with(kernel, mode="auto", metal=True):
+    factory = Factory(kernel)
+    return KernelDispatch(attention_factory=factory, metal_available=lambda: metal, mode=lambda: mode), factory
+
+
+def test_cpu_default_picks_the_reference(monkeypatch):
+    monkeypatch.delenv("MLXKV_PAGED_KERNEL", raising=False)
+    c = case()
+    assert not mx.metal.is_available()  # this suite runs on the CPU backend
+    impl = DEFAULT_DISPATCH.attention_impl(AttentionClass(mx.float32, 64, 16, 2, 4, None, None, True))
+    assert impl is REFERENCE
+    want = paged_attention_reference(*c.args(), sinks=c.sinks)
+    assert mx.array_equal(paged_attention(*c.args(), sinks=c.sinks), want).item()
+
+
+def test_metal_mode_without_metal_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MLXKV_PAGED_KERNEL", "metal")
+    c = case()
+    with pytest.raises(RuntimeError, match="MLXKV_PAGED_KERNEL=metal but Metal is not available"):
+        KernelDispatch().paged_attention(*c.args())
+    with pytest.raises(RuntimeError, match="Metal is not available"):
+        KernelDispatch().kv_write(c.k_pages, c.v_pages, mx.array([20], dtype=mx.int32),
+                                  mx.zeros((1, 2, 64)), mx.zeros((1, 2, 64)))
+
+
+def test_bad_mode_value_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("MLXKV_PAGED_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="auto, metal, reference"):
+        KernelDispatch().paged_attention(*case().args())
+
+
+def test_a_correct_kernel_passes_the_self_check_and_is_used():
+    kernel = ScaledKernel(1.0)
+    dispatch, factory = dispatch_with(kernel)
+    c = case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = dispatch.paged_attention(*c.args(), sinks=c.sinks)
+    assert factory.keys == [(mx.float32, 64, 16, 2, 4)]
+    calls_after_check = kernel.calls
+    dispatch.paged_attention(*c.args(), sinks=c.sinks)
+    assert kernel.calls == calls_after_check + 1  # used, and checked only once
+    assert mx.allclose(out, paged_attention_reference(*c.args(), sinks=c.sinks), atol=1e-6, rtol=1e-6).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_a_wrong_kernel_warns_once_and_falls_back(dtype):
+    kernel = ScaledKernel(1.05)  # 5% off in the score scale
+    dispatch, factory = dispatch_with(kernel)
+    c = case(dtype)
+    want = paged_attention_reference(*c.args(), sinks=c.sinks)
+    with pytest.warns(RuntimeWarning, match="disagrees with the reference"):
+        out = dispatch.paged_attention(*c.args(), sinks=c.sinks)
+    assert mx.array_equal(out, want).item()
+    calls = kernel.calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning for the same shape class
+        again = dispatch.paged_attention(*c.args(), sinks=c.sinks)
+    assert kernel.calls == calls  # the bad kernel is never used for real
+    assert mx.array_equal(again, want).item()
+    # A new shape class (here: no sinks) is checked afresh.
+    with pytest.warns(RuntimeWarning):
+        dispatch.paged_attention(*c.args())
+    assert len(factory.keys) == 2
+
+
+def test_a_wrong_kernel_in_metal_mode_raises():
+    dispatch, _ = dispatch_with(ScaledKernel(1.05), mode="metal")
+    with pytest.raises(RuntimeError, match="disagrees with the reference"):
+        dispatch.paged_attention(*case().args())
+
+
+def test_a_crashing_kernel_falls_back():
+    class Crashing(ScaledKernel):
+        def partials(self, *args, **kwargs):
+            raise RuntimeError("metal compile error")
+
+    dispatch, _ = dispatch_with(Crashing())
+    c = case()
+    with pytest.warns(RuntimeWarning, match="inf"):
+        out = dispatch.paged_attention(*c.args())
+    assert mx.array_equal(out, paged_attention_reference(*c.args())).item()
+
+
+def test_uncovered_configuration_uses_the_reference():
+    dispatch, factory = dispatch_with(None)
+    c = case()
+    assert mx.array_equal(dispatch.paged_attention(*c.args()), paged_attention_reference(*c.args())).item()
+    assert len(factory.keys) == 1
+    strict, _ = dispatch_with(None, mode="metal")
+    with pytest.raises(RuntimeError, match="no Metal paged-attention kernel"):
+        strict.paged_attention(*c.args())
+
+
+def test_reference_mode_never_asks_the_factory():
+    dispatch, factory = dispatch_with(ScaledKernel(2.0), mode="reference")
+    c = case()
+    assert mx.array_equal(dispatch.paged_attention(*c.args()), paged_attention_reference(*c.args())).item()
+    assert factory.keys == []
+
+
+def test_kv_write_dispatch():
+    c = case()
+    slots = mx.array([20, 47], dtype=mx.int32)
+    rows = mx.random.normal((2, 2, 64))
+    want = kv_write_reference(c.k_pages, c.v_pages, slots, rows, rows)
+
+    def good(k, v, s, kn, vn):
+        return kv_write_reference(k, v, s, kn, vn)
+
+    def bad(k, v, s, kn, vn):
+        return kv_write_reference(k, v, s + 1, kn, vn)  # off by one slot
+
+    # auto keeps MLX's scatter even where Metal exists (a custom kernel must rewrite the pool).
+    auto = KernelDispatch(kv_write_factory=lambda *k: bad, metal_available=lambda: True, mode=lambda: "auto")
+    assert all(mx.array_equal(g, w).item() for g, w in zip(auto.kv_write(c.k_pages, c.v_pages, slots, rows, rows), want))
+    forced = KernelDispatch(kv_write_factory=lambda *k: good, metal_available=lambda: True, mode=lambda: "metal")
+    assert all(mx.array_equal(g, w).item() for g, w in zip(forced.kv_write(c.k_pages, c.v_pages, slots, rows, rows), want))
+    broken = KernelDispatch(kv_write_factory=lambda *k: bad, metal_available=lambda: True, mode=lambda: "metal")
+    with pytest.raises(RuntimeError, match="kv-write kernel disagrees"):
+        broken.kv_write(c.k_pages, c.v_pages, slots, rows, rows)

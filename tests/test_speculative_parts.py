@@ -1,0 +1,127 @@
+"""Speculation's parts alone: prompt-lookup proposals, cache rewinding, greedy and sampled verification."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mlx_cache
+
+from mlxkv.cache import ChunkedKVCache, KVCache, RotatingKVCache
+from mlxkv.engine.drafters import Draft, PromptLookupDrafter
+from mlxkv.engine.rewind import CacheRewinder, RewindError, check_rewindable
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.verify import verify_greedy, verify_sampled
+
+GREEDY = SamplingParams()
+
+
+def lookup(history, k=4, ngram_size=3, min_ngram_size=1):
+    drafter = PromptLookupDrafter(ngram_size, min_ngram_size)
+    drafter.begin(history, GREEDY, vocab_size=100, max_draft=k)
+    return drafter.propose(k).tokens
+
+
+def test_lookup_continues_the_latest_occurrence():
+    #        0  1  2  3  4  5  6  7  8  9
+    hist = [5, 6, 7, 1, 2, 5, 6, 7, 3, 4, 9, 5, 6, 7]
+    assert lookup(hist) == [3, 4, 9, 5]  # (5, 6, 7) last seen at 5..7, followed by 3 4 9 5
+
+
+def test_lookup_prefers_the_longest_ngram():
+    hist = [1, 2, 3, 8, 8, 2, 3, 9, 9, 7, 1, 2, 3]
+    assert lookup(hist, k=2) == [8, 8]  # 3-gram (1, 2, 3) beats the later 2-gram (2, 3) -> 9 9
+    assert lookup(hist, k=2, ngram_size=2) == [9, 9]
+
+
+def test_lookup_min_size_and_no_match():
+    assert lookup([1, 2, 3, 4]) == []
+    assert lookup([4, 1, 2, 3, 4], k=2) == [1, 2]  # 1-gram (4,)
+    assert lookup([4, 1, 2, 3, 4], k=2, min_ngram_size=2) == []
+
+
+def test_lookup_repeats_a_match_that_runs_into_the_present():
+    assert lookup([7, 1, 2, 1, 2], k=5, ngram_size=2) == [1, 2, 1, 2, 1]
+    assert lookup([3, 3, 3], k=4, ngram_size=2) == [3, 3, 3, 3]
+
+
+def test_lookup_commit_extends_the_history():
+    drafter = PromptLookupDrafter(ngram_size=2)
+    drafter.begin([1, 2, 3, 4, 1, 2], GREEDY, vocab_size=100, max_draft=3)
+    draft = drafter.propose(3)
+    assert draft.tokens == [3, 4, 1]
+    drafter.commit(draft, 1, 9)  # keeps 3, then the target's 9
+    assert drafter.history == [1, 2, 3, 4, 1, 2, 3, 9]
+    assert drafter.propose(3).tokens == []  # (3, 9) and (9,) never seen before
+    drafter.commit(Draft([]), 0, 1)
+    assert drafter.propose(2).tokens == [2, 3]
+
+
+def filled(cache, n):
+    kv = mx.arange(n, dtype=mx.float32).reshape(1, 1, n, 1)  # (B, heads, L, D)
+    cache.update_and_fetch(kv, kv)
+    return cache
+
+
+def test_rewinder_refuses_mlx_lm_layouts_that_cannot_rewind():
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        check_rewindable([mlx_cache.KVCache(), mlx_cache.RotatingKVCache(8)])
+    with pytest.raises(ValueError, match="ChunkedKVCache"):
+        CacheRewinder([mlx_cache.CacheList(mlx_cache.ChunkedKVCache(16))])
+    CacheRewinder([mlx_cache.KVCache(), RotatingKVCache(8), ChunkedKVCache(16)])  # ours are fine
+
+
+def test_rewinder_needs_a_large_enough_undo_record():
+    with pytest.raises(ValueError, match="max_rewind"):
+        CacheRewinder([RotatingKVCache(8, max_rewind=2)], max_trim=5)
+    CacheRewinder([RotatingKVCache(8, max_rewind=5)], max_trim=5)
+
+
+def test_rewinder_trims_exactly_or_raises():
+    caches = [filled(KVCache(), 10), filled(RotatingKVCache(4), 10)]
+    CacheRewinder(caches).trim(3)
+    assert [c.offset for c in caches] == [7, 7]
+
+    class Stubborn(mlx_cache.KVCache):
+        def trim(self, n):
+            return super().trim(min(n, 1))
+
+    with pytest.raises(RewindError, match="removed 1"):
+        CacheRewinder([filled(Stubborn(), 5)]).trim(2)
+
+
+def test_rewinder_snapshots_recurrent_state():
+    state = mlx_cache.ArraysCache(2)
+    state[0], state[1] = mx.zeros((1, 3)), mx.ones((1, 2))
+    attn = filled(KVCache(), 6)
+    rewinder = CacheRewinder([state, mlx_cache.CacheList(attn)])
+    assert rewinder.needs_replay and rewinder.recurrent == [state] and rewinder.trimmable == [attn]
+    snap = rewinder.snapshot()
+    state[0] = mx.full((1, 3), 5.0)  # what a forward does: replace the state arrays
+    filled(attn, 2)
+    rewinder.trim(2)
+    rewinder.restore(snap)
+    assert mx.array_equal(state[0], mx.zeros((1, 3))) and attn.offset == 6
+    state[1] = mx.zeros((1, 2))
+    rewinder.restore(snap)  # a snapshot can be restored more than once
+    assert mx.array_equal(state[1], mx.ones((1, 2)))
+    assert CacheRewinder([attn]).snapshot() is None
+
+
+def test_verify_greedy():
+    logits = mx.array([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 4.0]])  # argmaxes 1, 0, 2
+    v = verify_greedy(logits, [1, 0])
+    assert (v.accepted, v.token) == (2, 2)  # both accepted, bonus token from the last row
+    v = verify_greedy(logits, [1, 2])
+    assert (v.accepted, v.token) == (1, 0)  # second rejected: the target's own token replaces it
+    v = verify_greedy(logits[:1], [])
+    assert (v.accepted, v.token) == (0, 1)
+
+
+def test_verify_sampled_edge_cases():
+    mx.random.seed(0)
+    p = mx.log(mx.array([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0]]))
+    for _ in range(50):
+        # Point-mass draft of a token the target never samples: always rejected, never re-drawn.
+        v = verify_sampled(p, [0, 1], None)
+        assert v.accepted == 0 and v.token in (1, 2)
+        # Draft distribution equal to the target's: always accepted, bonus from the last row.
+        v = verify_sampled(p, [1, 2], p[:2])
+        assert (v.accepted, v.token) == (2, 0)
