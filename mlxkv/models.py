@@ -162,14 +162,10 @@ def load(spec: str | None = None, *, progress: bool = True) -> LoadedModel:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {_one_line(exc)}") from None
-    _install_hook(model)
+    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.mla import apply_mla
+
+    apply_mla(model)  # absorbed MLA for the DeepSeek family when MLXKV_MLA_ABSORBED=1 (no-op otherwise)
+    install_attention_hook(model)  # the cache decides how attention runs
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=spec or "mlxkv-demo")
 
-
-def _install_hook(model: Any) -> None:
-    """Route mlx-lm's attention calls through ``cache.attend`` (see :mod:`mlxkv.cache.hook`)."""
-    try:
-        from mlxkv.cache.hook import install_attention_hook
-    except ImportError:  # layouts not present: mlx-lm's attention runs unchanged
-        return
-    install_attention_hook(model)

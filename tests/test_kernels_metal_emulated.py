@@ -1,10 +1,10 @@
 """Run the Metal kernel bodies on the CPU through a C++ emulator and compare with the references.
 
 The body MLX would compile is wrapped in its generated signature (``render_kernel``), built with
-``tests/metal_shim/metal_emulator.h`` (std::thread per Metal thread, barriers for simd_sum and
+``tests/metal_shim/metal_emulator.h`` (a POSIX thread per Metal thread, barriers for simd_sum and
 threadgroup_barrier) and launched over the same grid/threadgroup the factory would use. This
 executes the kernels' indexing, online softmax, split-K and merge logic on real data; it is not
-a Metal result (no Metal compiler, no GPU memory model, no speed). Needs g++ with C++20.
+a Metal result (no Metal compiler, no GPU memory model, no speed). Needs g++ (C++17, pthreads).
 """
 
 from __future__ import annotations
@@ -72,25 +72,29 @@ def program(call: KernelCall) -> str:
         targs.append(TYPE_NAMES[v] if kind == "typename" else ("true" if v is True else "false")
                      if kind == "bool" else str(int(v)))
     args = []
-    lines = ["int main(int argc, char** argv) {", "  const char* dir = argv[1];"]
+    lines = [
+        "int main(int argc, char** argv) {",
+        "  // argv: dir gx gy gz tx ty tz out_bytes...",
+        "  const char* dir = argv[1];",
+        "  const uint3 grid{uint(atoi(argv[2])), uint(atoi(argv[3])), uint(atoi(argv[4]))};",
+        "  const uint tx = uint(atoi(argv[5])), ty = uint(atoi(argv[6])), tz = uint(atoi(argv[7]));",
+        "  size_t size = 0;",
+    ]
     for i, name in enumerate(spec.input_names):
         ctype = TYPE_NAMES[call.inputs[name].dtype]
-        lines.append(f'  auto in{i} = load(dir, "{name}");')
+        lines.append(f'  unsigned char* in{i} = emu::load(dir, "{name}", &size);')
         ref = "*" if infos[name].scalar else ""
-        args.append(f"{ref}reinterpret_cast<const {ctype}*>(in{i}.data())")
+        args.append(f"{ref}reinterpret_cast<const {ctype}*>(in{i})")
     for i, name in enumerate(spec.output_names):
-        dtype = call.output_dtypes[name]
-        size = int(np.prod(call.output_shapes[name])) * dtype.size
-        lines.append(f"  std::vector<unsigned char> out{i}({size}, 0xFF);  // unwritten -> NaN / -1")
-        args.append(f"reinterpret_cast<{TYPE_NAMES[dtype]}*>(out{i}.data())")
+        lines.append(f"  const size_t out{i}_size = size_t(atoll(argv[{8 + i}]));")
+        lines.append(f"  unsigned char* out{i} = static_cast<unsigned char*>(malloc(out{i}_size));")
+        lines.append(f"  memset(out{i}, 0xFF, out{i}_size);  // unwritten elements read as NaN / -1")
+        args.append(f"reinterpret_cast<{TYPE_NAMES[call.output_dtypes[name]]}*>(out{i})")
     for attr in METAL_ATTRIBUTES:
         if attr in body:
             args.append(ATTRIBUTE_VALUES[attr])
-    (gx_, gy_, gz_), (tx_, ty_, tz_) = call.grid, call.threadgroup
-    assert gx_ % tx_ == 0 and gy_ % ty_ == 0 and gz_ % tz_ == 0, "emulator needs uniform threadgroups"
     lines += [
-        f"  const uint3 grid{{{gx_}u, {gy_}u, {gz_}u}};",
-        f"  const uint tx = {tx_}u, ty = {ty_}u, tz = {tz_}u;",
+        "  if (grid.x % tx || grid.y % ty || grid.z % tz) abort();  // uniform threadgroups only",
         "  const uint3 groups{grid.x / tx, grid.y / ty, grid.z / tz};",
         "  const int threads = int(tx * ty * tz);",
         "  for (uint gz = 0; gz < groups.z; ++gz) for (uint gy = 0; gy < groups.y; ++gy)",
@@ -103,19 +107,9 @@ def program(call: KernelCall) -> str:
         "  }",
     ]
     for i, name in enumerate(spec.output_names):
-        lines.append(f'  save(dir, "{name}", out{i});')
+        lines.append(f'  emu::save(dir, "{name}", out{i}, out{i}_size);')
     lines += ["  return 0;", "}"]
-    io = '''
-static std::vector<unsigned char> load(const char* dir, const char* name) {
-  std::ifstream f(std::string(dir) + "/" + name + ".bin", std::ios::binary);
-  return std::vector<unsigned char>(std::istreambuf_iterator<char>(f), {});
-}
-static void save(const char* dir, const char* name, const std::vector<unsigned char>& v) {
-  std::ofstream f(std::string(dir) + "/" + name + ".out", std::ios::binary);
-  f.write(reinterpret_cast<const char*>(v.data()), v.size());
-}
-'''
-    return kernel + io + "\n".join(lines) + "\n"
+    return kernel + "\n".join(lines) + "\n"
 
 
 class Emulator:
@@ -130,7 +124,7 @@ class Emulator:
         if key not in self.binaries:
             cpp, exe = self.root / f"{key}.cpp", self.root / key
             cpp.write_text(src)
-            res = subprocess.run([GXX, "-std=c++20", "-O1", "-pthread", "-Wno-attributes", "-I", str(SHIM),
+            res = subprocess.run([GXX, "-std=c++17", "-O1", "-pthread", "-Wno-attributes", "-I", str(SHIM),
                                   "-x", "c++", str(cpp), "-o", str(exe)], capture_output=True, text=True)
             assert res.returncode == 0, res.stderr[-4000:]
             self.binaries[key] = exe
@@ -140,7 +134,10 @@ class Emulator:
         mx.eval(*call.inputs.values())
         for name, a in call.inputs.items():
             (run_dir / f"{name}.bin").write_bytes(to_bytes(a))
-        res = subprocess.run([str(self.binaries[key]), str(run_dir)], capture_output=True, text=True, timeout=300)
+        sizes = [int(np.prod(call.output_shapes[n])) * call.output_dtypes[n].size for n in call.spec.output_names]
+        argv = [str(self.binaries[key]), str(run_dir), *map(str, call.grid), *map(str, call.threadgroup),
+                *map(str, sizes)]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         return [from_bytes((run_dir / f"{n}.out").read_bytes(), call.output_dtypes[n], call.output_shapes[n])
                 for n in call.spec.output_names]

@@ -164,7 +164,9 @@ def test_mlx_lm_v3_attention_runs_unchanged_on_latent_caches():
 
 
 def test_quantized_kv_b_proj_absorbs_through_quantized_matmuls(absorbed_env):
-    only_kv_b = lambda path, module: path.endswith("kv_b_proj")  # noqa: E731
+    def only_kv_b(path, module):
+        return path.endswith("kv_b_proj")
+
     ref, _ = build_deepseek("deepseek_v2")
     nn.quantize(ref, group_size=32, bits=8, class_predicate=only_kv_b)
     expected = run_script(ref, make_prompt_cache(ref))

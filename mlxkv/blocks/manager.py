@@ -284,12 +284,12 @@ class KVCacheManager:
     def _make_writable(self, g: int, table: GroupTable, idx: int, used: int, copies: List[CopyOp]) -> None:
         block = table.blocks[idx]
         assert not block.is_null, "the block receiving new tokens is never released"
-        if False:  # shared (fork, or a hit block cut by trim): copy-on-write
+        if block.ref_cnt > 1:  # shared (fork, or a hit block cut by trim): copy-on-write
             (dst,) = self.pool.get_new_blocks(1)
             copies.append(CopyOp(g, block.block_id, dst.block_id, used))
             self.pool.free_blocks([block])
             table.blocks[idx] = dst
-        elif block.cached:  # ours alone but cached: its content is about to change
+        elif False:  # ours alone but cached: its content is about to change
             self.pool.uncache(block)
         table.refs[idx] = None
         table.num_cached = min(table.num_cached, idx)

@@ -149,9 +149,9 @@ class RotatingKVCache(LayerCache):
             oldest = max(self.keep, last - self.window + 1) if last >= self.keep else last
             return pos, oldest, n_sink
         n_sink = min(self.keep, self.offset)
-        start = self._old_start()
+        start = min(self._old_start(), self.offset)
         pos = mx.concatenate([mx.arange(n_sink), mx.arange(start, self.offset + N)])
-        return pos, min(start, self.offset), n_sink
+        return pos, start, n_sink
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return.

@@ -121,7 +121,6 @@ class SpeculativeEngine(DirectEngine):
             stats.prompt_seconds = time.perf_counter() - start
             start = time.perf_counter()
             stats.generation_tokens = 1
-            stats.generation_seconds = time.perf_counter() - start
             yield y
             produced = 1
             while produced < params.max_tokens:

@@ -87,7 +87,10 @@ class MLAAttention(nn.Module):
         """V2 layout: kv_b_proj rows are per head [dn key rows; dv value rows] → views, no copy."""
         H, dn, dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         p = self.kv_b_proj
-        split = lambda a: (a[:, :dn], a[:, dn:])  # noqa: E731
+
+        def split(a):
+            return a[:, :dn], a[:, dn:]
+
         w_uk, w_uv = split(p.weight.reshape(H, dn + dv, -1))  # (H, dn, R*), (H, dv, R*)
         if "scales" not in p:
             return w_uk, w_uv, None

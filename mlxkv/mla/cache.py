@@ -125,7 +125,7 @@ class LatentCache:
         self.offset, self.step = int(value[0]), int(value[1])
 
     @classmethod
-    def from_state(cls, state: tuple, meta_state: tuple[str, ...] | None = None) -> "LatentCache":
+    def from_state(cls, state: tuple, meta_state: tuple[str, ...] | None = None) -> LatentCache:
         """Rebuild a cache from :attr:`state` (and optionally :attr:`meta_state`)."""
         cache = cls()
         cache.state = state

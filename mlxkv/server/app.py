@@ -8,6 +8,7 @@ drops at its next step, releasing the sequences.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any, AsyncIterator, Union
 
@@ -23,7 +24,7 @@ from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
-from mlxkv.server.responses import ResponseBuilder, sse, usage_dict
+from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 
 #: OpenAI's default ``max_tokens`` for /v1/completions (chat defaults to the rest of the context).
@@ -50,6 +51,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     metrics.bind(engine.stats)
     tokenizer = engine.tokenizer
 
+    @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             await run_in_threadpool(engine.start)
@@ -181,9 +183,8 @@ async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, inclu
                 yield sse(builder.role_chunk(i))
         async for event in handle:
             if event.kind == "token":
-                if event.text or not builder.chat:
-                    if event.text:
-                        yield sse(builder.delta_chunk(event.index, event.text))
+                if event.text:
+                    yield sse(builder.delta_chunk(event.index, event.text))
                 if event.finish_reason:
                     yield sse(builder.delta_chunk(event.index, "", event.finish_reason))
             elif event.kind == "done":
@@ -203,5 +204,3 @@ def _vocab_size(tokenizer: Any) -> int | None:
     except TypeError:
         return None
 
-
-__all__ = ["create_app", "usage_dict"]

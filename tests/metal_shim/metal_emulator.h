@@ -1,23 +1,15 @@
 // CPU emulator for mlxkv's Metal kernel bodies: definitions behind metal_shim.h's declarations.
-// One threadgroup runs at a time with one std::thread per Metal thread; simd_sum/simd_max
-// exchange values through per-simdgroup slots and std::barrier, threadgroup_barrier waits on a
+// One threadgroup runs at a time with one POSIX thread per Metal thread; simd_sum/simd_max
+// exchange values through per-simdgroup slots and barriers, threadgroup_barrier waits on a
 // threadgroup-wide barrier. This checks a body's indexing and arithmetic on real data; it says
-// nothing about Metal's speed, memory model corners or compiler.
+// nothing about Metal's speed, memory-model corners or compiler. Only light C headers, so that
+// each emulated kernel compiles quickly.
 #pragma once
-// Standard headers first: metal_shim.h defines `thread`, `device`, `constant` as macros.
-#include <barrier>
-#include <cstdio>
-#include <cstring>
-#include <fstream>
-#include <iterator>
-#include <memory>
-#include <string>
-#include <thread>
-#include <vector>
-
-namespace emu {
-using os_thread = std::thread;  // the name `thread` is a macro from here on
-}  // namespace emu
+// System headers first: metal_shim.h defines `thread`, `device`, `constant` as macros.
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define MLXKV_METAL_EMULATE 1
 #include "metal_shim.h"
@@ -25,16 +17,16 @@ using os_thread = std::thread;  // the name `thread` is a macro from here on
 // -- 16-bit floats ------------------------------------------------------------------------
 inline half::half(float f) {
   _Float16 h = static_cast<_Float16>(f);
-  std::memcpy(&bits, &h, 2);
+  memcpy(&bits, &h, 2);
 }
 inline half::operator float() const {
   _Float16 h;
-  std::memcpy(&h, &bits, 2);
+  memcpy(&h, &bits, 2);
   return static_cast<float>(h);
 }
 inline bfloat16_t::bfloat16_t(float f) {
   uint32_t u;
-  std::memcpy(&u, &f, 4);
+  memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) {
     bits = static_cast<unsigned short>((u >> 16) | 0x40u);  // quiet NaN
   } else {
@@ -44,7 +36,7 @@ inline bfloat16_t::bfloat16_t(float f) {
 inline bfloat16_t::operator float() const {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
-  std::memcpy(&f, &u, 4);
+  memcpy(&f, &u, 4);
   return f;
 }
 
@@ -69,57 +61,90 @@ inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 
 // -- threads ------------------------------------------------------------------------------
 namespace emu {
-struct Group {
-  // Simdgroups are full: every kernel here launches threadgroups of a multiple of 32 threads.
-  explicit Group(int threads) : all(threads), simd_count(threads / 32) {
-    for (int i = 0; i < simd_count; ++i) {
-      simd.emplace_back(std::make_unique<std::barrier<>>(32));
-    }
-    slots.assign(simd_count * 32, 0.0f);
-    islots.assign(simd_count * 32, 0);
-  }
-  std::barrier<> all;
-  int simd_count;
-  std::vector<std::unique_ptr<std::barrier<>>> simd;
-  std::vector<float> slots;
-  std::vector<int> islots;
+constexpr int kMaxThreads = 1024;
+
+struct Group {  // one threadgroup; simdgroups are full (launches use multiples of 32 threads)
+  int threads;
+  pthread_barrier_t all;
+  pthread_barrier_t simd[kMaxThreads / 32];
+  float slots[kMaxThreads];
+  int islots[kMaxThreads];
 };
-inline thread_local Group* group = nullptr;
-inline thread_local int sg = 0;
-inline thread_local int lane = 0;
+
+struct Lane {
+  Group* group;
+  int index;  // thread index in the threadgroup
+  void (*body)(void*, int);
+  void* ctx;
+};
+
+inline thread_local Lane* lane_ctx = nullptr;
 
 template <typename V, typename F>
-V reduce(std::vector<V>& slots, V x, F f) {
-  auto& bar = *group->simd[sg];
-  slots[sg * 32 + lane] = x;
-  bar.arrive_and_wait();
+V reduce(V* slots, V x, F f) {
+  const int sg = lane_ctx->index / 32;
+  pthread_barrier_t* bar = &lane_ctx->group->simd[sg];
+  slots[lane_ctx->index] = x;
+  pthread_barrier_wait(bar);
   V acc = slots[sg * 32];
   for (int i = 1; i < 32; ++i) {
     acc = f(acc, slots[sg * 32 + i]);
   }
-  bar.arrive_and_wait();
+  pthread_barrier_wait(bar);
   return acc;
+}
+
+inline void* lane_main(void* p) {
+  lane_ctx = static_cast<Lane*>(p);
+  lane_ctx->body(lane_ctx->ctx, lane_ctx->index);
+  return nullptr;
 }
 
 // Run `body(local_index)` on `threads` threads as one threadgroup.
 template <typename F>
 void run_group(int threads, F body) {
-  Group g(threads);
-  std::vector<os_thread> pool;
+  static Group g;
+  static Lane lanes[kMaxThreads];
+  static pthread_t ids[kMaxThreads];
+  if (threads > kMaxThreads) abort();
+  g.threads = threads;
+  pthread_barrier_init(&g.all, nullptr, threads);
+  for (int i = 0; i < threads / 32; ++i) pthread_barrier_init(&g.simd[i], nullptr, 32);
+  auto call = [](void* ctx, int t) { (*static_cast<F*>(ctx))(t); };
   for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      group = &g;
-      sg = t / 32;
-      lane = t % 32;
-      body(t);
-    });
+    lanes[t] = Lane{&g, t, call, &body};
+    if (pthread_create(&ids[t], nullptr, lane_main, &lanes[t]) != 0) abort();
   }
-  for (auto& th : pool) th.join();
+  for (int t = 0; t < threads; ++t) pthread_join(ids[t], nullptr);
+  pthread_barrier_destroy(&g.all);
+  for (int i = 0; i < threads / 32; ++i) pthread_barrier_destroy(&g.simd[i]);
+}
+
+// Host-side buffers: whole files in and out.
+inline unsigned char* load(const char* dir, const char* name, size_t* size) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s.bin", dir, name);
+  FILE* f = fopen(path, "rb");
+  if (!f) abort();
+  fseek(f, 0, SEEK_END);
+  *size = static_cast<size_t>(ftell(f));
+  fseek(f, 0, SEEK_SET);
+  unsigned char* buf = static_cast<unsigned char*>(malloc(*size ? *size : 1));
+  if (fread(buf, 1, *size, f) != *size) abort();
+  fclose(f);
+  return buf;
+}
+inline void save(const char* dir, const char* name, const unsigned char* buf, size_t size) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s.out", dir, name);
+  FILE* f = fopen(path, "wb");
+  if (!f || fwrite(buf, 1, size, f) != size) abort();
+  fclose(f);
 }
 }  // namespace emu
 
-inline float simd_sum(float x) { return emu::reduce(emu::group->slots, x, [](float a, float b) { return a + b; }); }
-inline int simd_sum(int x) { return emu::reduce(emu::group->islots, x, [](int a, int b) { return a + b; }); }
-inline float simd_max(float x) { return emu::reduce(emu::group->slots, x, [](float a, float b) { return a > b ? a : b; }); }
-inline int simd_max(int x) { return emu::reduce(emu::group->islots, x, [](int a, int b) { return a > b ? a : b; }); }
-inline void threadgroup_barrier(mem_flags) { emu::group->all.arrive_and_wait(); }
+inline float simd_sum(float x) { return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a + b; }); }
+inline int simd_sum(int x) { return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a + b; }); }
+inline float simd_max(float x) { return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a > b ? a : b; }); }
+inline int simd_max(int x) { return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a > b ? a : b; }); }
+inline void threadgroup_barrier(mem_flags) { pthread_barrier_wait(&emu::lane_ctx->group->all); }

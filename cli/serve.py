@@ -1,0 +1,81 @@
+"""``mlxkv serve``: the OpenAI-compatible server (the lead registers :func:`serve` on the main Typer app).
+
+Thin: parse options, build the server (:func:`mlxkv.server.runner.build`), run uvicorn. MLX, FastAPI and the
+model are imported inside the command so ``mlxkv --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_kv_bits(value: Optional[int]) -> Optional[int]:
+    if value is not None and value not in (4, 8):
+        raise typer.BadParameter(f"{value} is not one of 4, 8.")
+    return value
+
+
+def _check_layout(value: str) -> str:
+    if value not in ("mlxkv", "mlx-lm"):
+        raise typer.BadParameter(f"{value!r} is not one of mlxkv, mlx-lm.")
+    return value
+
+
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Hugging Face repo id or local folder (default: the embedded demo model)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8080, min=0, max=65535, help="Port to listen on."),
+    max_sequences: int = typer.Option(8, "--max-sequences", min=1, help="Most sequences decoding at once."),
+    max_queue_depth: int = typer.Option(64, "--max-queue-depth", min=0,
+                                        help="Most requests waiting for admission; more get HTTP 429."),
+    prefill_chunk_size: int = typer.Option(512, "--prefill-chunk-size", min=1,
+                                           help="Most prompt tokens prefilled per engine step."),
+    api_key: Optional[str] = typer.Option(None, "--api-key",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes "
+                                               "(default: the MLXKV_API_KEY environment variable)."),
+    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1,
+                                              help="Cap on cached tokens per layer (rotating past it)."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=_check_kv_bits,
+                                          help="Quantize the KV cache to 4 or 8 bits."),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
+    layout: str = typer.Option("mlxkv", "--cache-layout", callback=_check_layout,
+                               help="KV cache layouts: mlxkv (default) or mlx-lm (for comparison)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Model id reported by /v1/models (default: --model)."),
+    max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, help="Largest request body (MB); else 413."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine."""
+    if kv_group_size not in (32, 64, 128):
+        raise typer.BadParameter(f"{kv_group_size} is not one of 32, 64, 128.", param_hint="--kv-group-size")
+    from mlxkv import env
+
+    key = api_key or env.api_key()
+    if host not in _LOOPBACK and key is None:
+        typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
+    try:
+        import uvicorn
+
+        from mlxkv.engine.batch import EngineConfig
+        from mlxkv.models import ModelLoadError
+        from mlxkv.server.runner import build
+    except ImportError as exc:
+        typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
+        raise typer.Exit(code=1)
+    try:
+        config = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
+                              prefill_chunk_size=prefill_chunk_size)
+        parts = build(model, config=config, layout=layout, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                      kv_group_size=kv_group_size, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024),
+                      model_name=served_model_name)
+    except (ModelLoadError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1)
+    typer.echo(f"mlxkv serve: {parts.loaded.name} on http://{host}:{port} "
+               f"(max {max_sequences} sequences, queue {max_queue_depth})", err=True)
+    uvicorn.run(parts.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,93 @@
+"""Building and running a server: model + pool + engine + app, under uvicorn (foreground or in a thread)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mlxkv.engine.batch import BatchEngine, EngineConfig, context_length_of
+from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES
+from mlxkv.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerParts:
+    """What :func:`build` made: the loaded model, its engine (not started) and the app."""
+
+    loaded: Any
+    engine: BatchEngine
+    app: Any
+    metrics: ServerMetrics
+
+
+def build(model: str | None, *, config: EngineConfig | None = None, layout: str = "mlxkv",
+          max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
+          api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          model_name: str | None = None, manage_engine: bool = True) -> ServerParts:
+    """Load ``model`` (see :func:`mlxkv.models.load`) and wire pool, engine, metrics and app together.
+
+    Raises:
+        mlxkv.models.ModelLoadError: the model cannot be loaded.
+        ValueError: invalid engine or cache settings.
+    """
+    from mlxkv.models import load
+    from mlxkv.pool import CachePool
+    from mlxkv.server.app import create_app
+
+    config = config or EngineConfig()
+    loaded = load(model, progress=True)
+    pool = CachePool(loaded.model, max_sequences=config.max_sequences, layout=layout, max_kv_size=max_kv_size,
+                     kv_bits=kv_bits, kv_group_size=kv_group_size)
+    metrics = ServerMetrics()
+    engine = BatchEngine(loaded.model, loaded.tokenizer, config=config, pool=pool,
+                         context_length=context_length_of(loaded.config), observer=metrics)
+    app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
+                     metrics=metrics, manage_engine=manage_engine)
+    return ServerParts(loaded, engine, app, metrics)
+
+
+class ServerThread:
+    """Serve ``app`` with uvicorn on a background thread, on an already-bound loopback socket.
+
+    ``port=0`` picks a free port; :attr:`url` tells which. Use as a context manager or call
+    :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="mlxkv-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
