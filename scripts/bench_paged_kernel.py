@@ -53,6 +53,21 @@ def build(batch: int, context: int, kv_heads: int, gqa: int, head_dim: int, bloc
     return q, k_pages, v_pages, table, lens, k_dense, v_dense
 
 
+def bench_one(batch: int, context: int, args, dtype, metal_attention) -> str:
+    """One table row: dense SDPA, the paged reference and (on Metal) the paged kernel."""
+    q, kp, vp, table, lens, kd, vd = build(
+        batch, context, args.kv_heads, args.gqa, args.head_dim, args.block_size, dtype
+    )
+    scale = args.head_dim**-0.5
+    t_sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale), args.iters)
+    t_ref = timed(lambda: paged_attention_reference(q, kp, vp, table, lens, max_context_len=context), args.iters)
+    line = f"{batch:>3} {context:>8} {t_sdpa:>9.2f} {t_ref:>9.2f} {t_ref / t_sdpa:>9.2f}"
+    if metal_attention:
+        t_metal = timed(lambda: metal_attention(q, kp, vp, table, lens, max_context_len=context), args.iters)
+        line += f" {t_metal:>9.2f} {t_metal / t_sdpa:>10.2f}"
+    return line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -79,22 +94,7 @@ def main() -> int:
           + (f" {'metal ms':>9} {'metal/sdpa':>10}" if metal_attention else ""))
     for batch in args.batches:
         for context in args.contexts:
-            q, kp, vp, table, lens, kd, vd = build(
-                batch, context, args.kv_heads, args.gqa, args.head_dim, args.block_size, dtype
-            )
-            scale = args.head_dim**-0.5
-            t_sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale), args.iters)
-            t_ref = timed(
-                lambda: paged_attention_reference(q, kp, vp, table, lens, max_context_len=context), args.iters
-            )
-            line = f"{batch:>3} {context:>8} {t_sdpa:>9.2f} {t_ref:>9.2f} {t_ref / t_sdpa:>9.2f}"
-            if metal_attention:
-                t_metal = timed(
-                    lambda: metal_attention(q, kp, vp, table, lens, max_context_len=context), args.iters
-                )
-                line += f" {t_metal:>9.2f} {t_metal / t_sdpa:>10.2f}"
-            print(line, flush=True)
-            del q, kp, vp, table, lens, kd, vd
+            print(bench_one(batch, context, args, dtype, metal_attention), flush=True)
     return 0
 
 

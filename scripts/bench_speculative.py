@@ -10,13 +10,16 @@ Modes, run alternately (plain, lookup, draft, self-draft, plain, ...), medians c
   costs a full target forward, so this measures the verify/rewind machinery, not a realistic speed-up.
 
 The prompt is a repeated block of tokens. Random-weight models do not continue a repetition by copying
-it; the default random llama (mlx-lm's initialisation) decodes a constant token, which prompt lookup
-predicts perfectly — so ``lookup`` on it shows the high-acceptance regime (what a trained model reaches on
-repetitive text such as code edits or quoting), not a typical acceptance. Every mode's greedy output is
-checked to equal plain decoding's.
+it. With mlx-lm's initialisation a random llama decodes one token over and over (the distinct-token count
+is printed), which prompt lookup predicts perfectly and a different random draft sometimes matches: that
+run shows the high-acceptance regime (what a trained model reaches on repetitive text such as code edits
+or quoting), not a typical acceptance. ``--spread-init`` re-draws the weights as the test models do (gain
+2): outputs stop repeating and acceptance drops to about zero, which shows what failed speculation costs.
+Every mode's greedy output is checked to equal plain decoding's.
 
     python scripts/bench_speculative.py                   # random llama ~100M target, ~10M draft
-    python scripts/bench_speculative.py --model demo      # the embedded demo model (self-draft + lookup)
+    python scripts/bench_speculative.py --spread-init     # the same, non-repeating outputs
+    python scripts/bench_speculative.py --model demo      # the embedded demo model (lookup + self-draft)
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4, help="times the block is repeated in the prompt")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spread-init", action="store_true", help="re-draw random weights with gain 2")
     args = parser.parse_args()
     blas = ensure_openblas()
 
@@ -59,6 +63,13 @@ def main() -> None:
         draft, d_params = random_llama(args.draft_hidden, args.draft_layers, vocab, heads=4, kv_heads=2, seed=1)
         label = (f"random-weight llama float32, hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.0f}M "
                  f"params; draft hidden {args.draft_hidden}, {args.draft_layers} layers, {d_params / 1e6:.0f}M")
+        if args.spread_init:
+            from mlxkv.testing.archs import _init_weights
+
+            for seed, m in enumerate((model, draft)):
+                _init_weights(m, seed)
+                mx.eval(m.parameters())
+            label += "; weights re-drawn with gain 2 (--spread-init)"
     else:
         loaded = load(None if args.model == "demo" else args.model, progress=True)
         model, vocab = loaded.model, loaded.config["vocab_size"]
@@ -87,15 +98,16 @@ def main() -> None:
     print(f"BLAS: {blas}; MLX {mx.__version__}, device {mx.default_device()}")
     print(f"prompt {len(prompt)} tokens ({args.repeats} x {args.block_tokens}-token block), {args.new_tokens} new "
           f"tokens, {k} draft tokens, n-gram {args.ngram_size}, {args.rounds} alternating rounds (median), greedy")
-    print(f"greedy output identical to plain decoding in every mode: {'yes' if same else 'NO'}")
+    print(f"greedy output identical to plain decoding in every mode: {'yes' if same else 'NO'}; "
+          f"{len(set(outputs['plain']))} distinct tokens in {args.new_tokens}")
     base = statistics.median(r[1] for r in results["plain"])
     for name, engine in engines.items():
         decode = statistics.median(r[1] for r in results[name])
         stats = engine.last_stats
         extra = ""
         if name != "plain":
-            extra = (f"   acceptance {stats.acceptance_rate:5.1%}   tokens/target forward "
-                     f"{stats.tokens_per_forward:4.2f}")
+            extra = (f"   drafted {stats.drafted_tokens:3d}, accepted {stats.acceptance_rate:5.1%}, "
+                     f"{stats.tokens_per_forward:4.2f} tokens/target forward")
         print(f"  {name:10s} decode {decode:7.2f} tok/s   x{decode / base:5.2f} vs plain{extra}")
 
 

@@ -15,6 +15,7 @@ import itertools
 import statistics
 import sys
 import time
+from functools import partial
 
 import mlx.core as mx
 
@@ -88,8 +89,8 @@ def check_metal(quick: bool) -> bool:
             good &= close(got, want, dtype)
             errs.append(max_abs_error(got, want))
         ok &= good
-        t_metal = timed_ms(lambda: run_paged_attention(impl, *case.args(), **kw))
-        t_ref = timed_ms(lambda: run_paged_attention(REFERENCE, *case.args(), **kw))
+        t_metal = timed_ms(partial(run_paged_attention, impl, *case.args(), **kw))
+        t_ref = timed_ms(partial(run_paged_attention, REFERENCE, *case.args(), **kw))
         print(f"metal {str(dtype):>18} D={D:<3} bs={bs:<2} gqa={gqa} {option:<6} max_err={max(errs):.2e} "
               f"(tol {TOLERANCES[dtype]:.0e}) {'ok' if good else 'MISMATCH'} "
               f"metal={t_metal:.2f}ms ref={t_ref:.2f}ms")
@@ -101,9 +102,9 @@ def check_metal(quick: bool) -> bool:
         table = case.block_tables[:, :512]
         k = mx.contiguous(mx.take(case.k_pages, table, axis=0).reshape(4, 8192, 8, 128).transpose(0, 2, 1, 3))
         v = mx.contiguous(mx.take(case.v_pages, table, axis=0).reshape(4, 8192, 8, 128).transpose(0, 2, 1, 3))
-        t_sdpa = timed_ms(lambda: mx.fast.scaled_dot_product_attention(case.queries, k, v, scale=128**-0.5))
-        t_metal = timed_ms(lambda: run_paged_attention(impl, *case.args()))
-        t_ref = timed_ms(lambda: run_paged_attention(REFERENCE, *case.args()))
+        t_sdpa = timed_ms(partial(mx.fast.scaled_dot_product_attention, case.queries, k, v, scale=128**-0.5))
+        t_metal = timed_ms(partial(run_paged_attention, impl, *case.args()))
+        t_ref = timed_ms(partial(run_paged_attention, REFERENCE, *case.args()))
         print(f"speed {str(dtype):>18} B=4 ctx=8192: sdpa={t_sdpa:.2f}ms metal={t_metal:.2f}ms "
               f"({t_metal / t_sdpa:.2f}x) ref={t_ref:.2f}ms ({t_ref / t_sdpa:.2f}x)")
     # Cascade through the Metal pair.

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--val-every-nth-topic", type=int, default=10, help="every n-th topic is held out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--probe", action="store_true", help="time 12 steps, print tokens/s, write nothing")
@@ -190,12 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         best = (final_val, model.parameters(), step_i)
     val_loss, params, best_step = best
     model.update(params)
+    # round to the stored float16 values, but evaluate in float32: float16 matmuls on CPU are slow
     model.set_dtype(mx.float16)
+    model.set_dtype(mx.float32)
 
-    # train loss of the saved (float16) weights on a fixed sample, for the record
+    # losses of the saved (float16-rounded) weights: train on a fixed sample, val on all of it
     starts = np.random.default_rng(1).integers(0, len(train_ids) - T - 1, size=64)
     saved_train = sum(loss_fn(model, *batch_at(train_ids, starts[i : i + B])).item() for i in range(0, 64, B)) / (64 // B)
     saved_val = evaluate()
+    model.set_dtype(mx.float16)
     write_folder(args, config, model, {
         "corpus": "pydoc_data.topics (Python " + platform.python_version() + " standard library), "
         f"{len(train_ids)} train / {len(val_ids)} val tokens; every {args.val_every_nth_topic}th topic held out",

@@ -71,7 +71,9 @@ class HoldingKVCache(KVCache):
 
 
 def decode_profile(model, caches, steps=16):
-    """DirectEngine-style pipelined greedy decode; returns (seconds per step, peak bytes above the start)."""
+    """Pipelined greedy decode in the documented order (build step n+1 while step n runs, wait for step n,
+    then schedule n+1: MLX decides donation when a write is scheduled); returns (seconds per step, peak
+    bytes above the start)."""
     y = mx.argmax(model(mx.array([[5, 6, 7, 8]]), cache=caches)[:, -1], axis=-1)
     mx.eval(y)  # the buffers exist from here on
     mx.reset_peak_memory()
@@ -82,8 +84,8 @@ def decode_profile(model, caches, steps=16):
     t0 = time.perf_counter()
     for _ in range(steps):
         nxt = mx.argmax(model(y[:, None], cache=caches)[:, -1], axis=-1)
-        mx.async_eval(nxt)
         y.item()
+        mx.async_eval(nxt)
         y = nxt
     y.item()
     return (time.perf_counter() - t0) / steps, mx.get_peak_memory() - start_mem
@@ -98,11 +100,15 @@ def llama():
 
 def test_decode_write_is_in_place(llama):
     buffer_bytes = BIG * N_KV * D * 4
-    small_t, small_peak = decode_profile(llama, [KVCache(step=SMALL) for _ in llama.layers])
-    big_t, big_peak = decode_profile(llama, [KVCache(step=BIG) for _ in llama.layers])
-    # a copy of any one buffer would raise the peak by a whole buffer (32 MiB); in place it stays flat
-    assert big_peak < buffer_bytes / 4, big_peak
-    assert big_t < 3 * small_t + 2e-3, (big_t, small_t)  # copying 4 x 32 MiB per step would be >> 3x
+    times = {SMALL: [], BIG: []}
+    for _ in range(2):  # alternate, keep the best of each (the machine is shared)
+        for cap in (SMALL, BIG):
+            t, peak = decode_profile(llama, [KVCache(step=cap) for _ in llama.layers])
+            times[cap].append(t)
+            # a copy of any one buffer would raise the peak by a whole buffer (32 MiB); in place it stays flat
+            assert peak < buffer_bytes / 4, (cap, peak)
+    # copying 4 x 32 MiB per step would make the big buffers >10x slower here; in place they are not
+    assert min(times[BIG]) < 5 * min(times[SMALL]), times
 
 
 def test_the_measurement_sees_copies(llama):
@@ -122,7 +128,7 @@ def test_ring_and_chunk_writes_are_in_place(layout):
             "chunked": lambda: ChunkedKVCache(BIG, step=BIG)}[layout]
     cache = make()
     kv = mx.random.normal((1, N_KV, 64, D), key=mx.random.key(1))
-    mx.eval(cache.update_and_fetch(kv[..., :40, :], kv[..., :40, :]))
+    mx.eval(cache.update_and_fetch(kv[..., :40, :], kv[..., :40, :]), cache.arrays())  # as prefill() does
     mx.reset_peak_memory()
     start_mem = mx.get_active_memory()
     prev = None
@@ -130,9 +136,9 @@ def test_ring_and_chunk_writes_are_in_place(layout):
         k, v = cache.update_and_fetch(kv[..., i:i + 1, :], kv[..., i:i + 1, :])
         out = k.sum() + v.sum()  # what attention does with them
         del k, v
-        mx.async_eval(out)
         if prev is not None:
-            prev.item()
+            prev.item()  # step n done before step n+1 is scheduled
+        mx.async_eval(out)
         prev = out
     prev.item()
     assert mx.get_peak_memory() - start_mem < BIG * N_KV * D * 4 / 4

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 import pytest
 

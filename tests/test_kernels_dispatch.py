@@ -168,3 +168,16 @@ def test_kv_write_dispatch():
     broken = KernelDispatch(kv_write_factory=lambda *k: bad, metal_available=lambda: True, mode=lambda: "metal")
     with pytest.raises(RuntimeError, match="kv-write kernel disagrees"):
         broken.kv_write(c.k_pages, c.v_pages, slots, rows, rows)
+
+
+def test_factories_return_none_without_metal():
+    from mlxkv.kernels import metal
+
+    assert metal.paged_attention_kernel(mx.float16, 128, 16, 8, 4) is None
+    assert metal.kv_write_kernel(mx.float16, 128, 8) is None
+    c = case()
+    with pytest.raises(RuntimeError, match="no Metal paged-attention kernel"):
+        metal.paged_attention_metal(*c.args())
+    # What the factory would build on a Mac: one simdgroup count per GQA x head_dim, within limits.
+    assert metal.simdgroups_for(4, 128) == 4 and metal.simdgroups_for(16, 256) == 1
+    assert metal.supports_attention(mx.bfloat16, 128, 16) and not metal.supports_attention(mx.float16, 80, 4)

@@ -117,6 +117,12 @@ def test_disconnect_mid_stream_releases_the_sequence(server):
     wait_for(lambda: stats(server)["pool_sequences"] == 0)
     s = stats(server)
     assert s["running"] == 0 and s["kv_bytes"] == 0
+    # a non-streaming client that gives up is noticed too
+    body.pop("stream")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    wait_for(lambda: stats(server)["cancelled_total"] == cancelled + 2)
+    wait_for(lambda: stats(server)["pool_sequences"] == 0)
 
 
 def test_bad_requests_get_openai_shaped_4xx(server):
@@ -187,7 +193,8 @@ def test_queue_full_answers_429(llama_dir):
         with httpx.Client(timeout=60) as http:
             long_body = {"prompt": "The import statement", "max_tokens": 100000, "temperature": 0, "stream": True}
             with http.stream("POST", url, json=long_body) as long:  # greedy: no EOS for > 2000 tokens
-                next(long.iter_lines())  # decoding: the one slot is taken
+                lines = long.iter_lines()  # keep it: dropping the iterator closes the connection
+                next(lines)  # decoding: the one slot is taken
                 waiting = threading.Thread(target=lambda: httpx.post(url, json={"prompt": "y", "max_tokens": 2},
                                                                      timeout=60))
                 waiting.start()
@@ -214,7 +221,7 @@ def test_api_key_required_on_v1_routes(llama_dir):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
-def test_streamed_error_event_is_json(server):
+def test_sse_lines_are_json_and_end_with_done(server):
     body = {"prompt": "x", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         lines = [line for line in r.iter_lines() if line]

@@ -196,3 +196,40 @@ def test_make_test_models_cli(tmp_path):
     expected = dict(tree_flatten(build_model("qwen3", seed=3)[0].parameters()))
     loaded = dict(tree_flatten(model.parameters()))
     assert all(mx.array_equal(loaded[k], v).item() for k, v in expected.items())
+
+
+# --- the shipped demo model --------------------------------------------------------------------
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "mlxkv" / "demo_model"
+
+
+def test_demo_model_folder_is_complete_and_small():
+    names = {p.name for p in DEMO_DIR.iterdir()}
+    for required in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "TRAINING.md"):
+        assert required in names, required
+    assert sum(p.stat().st_size for p in DEMO_DIR.iterdir()) < 9.5e6
+    record = json.loads((DEMO_DIR / "training.json").read_text())
+    assert record["saved_val_loss_float16"] < record["log"][0]["val_loss"]  # it learned something
+
+
+def test_demo_model_writes_english_like_text():
+    from mlx_lm.generate import generate
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(DEMO_DIR))
+    assert model.model.embed_tokens.weight.dtype == mx.float16
+    assert model.args.vocab_size == len(tokenizer._tokenizer)
+
+    # loss on a passage of the training prose: far below uniform (ln 2048 = 7.6 nats)
+    from mlxkv.testing.tokenizer import corpus_documents
+
+    ids = tokenizer.encode(corpus_documents()[40][:600])[:96]
+    logits = model(mx.array([ids[:-1]])).astype(mx.float32)
+    nll = -mx.take_along_axis(logits - mx.logsumexp(logits, axis=-1, keepdims=True), mx.array([ids[1:]])[..., None], axis=-1)
+    assert nll.mean().item() < 5.0
+
+    text = generate(model, tokenizer, "The import statement", max_tokens=40)
+    words = text.split()
+    assert len(words) >= 10
+    # mostly alphabetic words, not byte soup
+    assert sum(w.strip(".,;:()\"'").isalpha() for w in words) >= 0.6 * len(words), text

@@ -28,12 +28,25 @@ A cache rebuilt with ``from_state`` rewinds as far as the rows in its state allo
 
 In-place decode writes
 ----------------------
-A single-token append writes its row into the resident buffer (rotating: its ring slot), which MLX
-does in place because the cache is the buffer's only owner: storage keeps no views, and the views
-``update_and_fetch`` returns die with the forward pass that used them. Keep it that way: do not hold
-fetched keys/values across steps. ``MLXKV_KV_INPLACE_WRITE=0`` returns to the slice-update path:
-single-token appends go through the general update (rotating: the window is re-gathered in temporal
-order each token; chunked: fronts are dropped as soon as possible).
+A single-token append writes its row into the resident buffer (rotating: its ring slot; chunked:
+fronts are dropped once per ``step`` rows, never per token), which MLX does in place — it donates the
+buffer — when the cache is the buffer's only owner *at the moment the write is scheduled*
+(``mx.eval`` / ``mx.async_eval``). Storage keeps no views of its buffers; the views
+``update_and_fetch`` returns are read by that step's attention. So:
+
+- never hold fetched keys/values across steps;
+- pipelined engines: build step n+1 while step n runs, but wait for step n before scheduling step n+1.
+  Scheduling first (``async_eval(next); y.item()``, mlx-lm's generate order) lets step n's pending
+  attention still hold the buffer, and MLX copies the whole K/V buffer on every write (measured:
+  ~100 ms per step at 2^18 rows vs ~1 ms; tests/test_cache_memory.py, scripts/bench_cache.py).
+
+The rotating window is returned in mlx-lm's ring order (bit-equal logits), a gathered copy of the
+window once it has wrapped — ``max_size`` rows, never the whole ring.
+
+``MLXKV_KV_INPLACE_WRITE=0`` returns to the slice-update path: single-token appends go through the
+general multi-row update (rotating: the window re-gathered in temporal order, as mlx-lm's multi-token
+path does; chunked: fronts dropped as soon as possible). For the standard layout both paths are the
+same slice write.
 """
 
 from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache, RewindError

@@ -114,8 +114,8 @@ class RotatingKVCache(LayerCache):
         """Append ``(B, n_kv, L, D)`` rows; return the rows the new queries may attend.
 
         One token (in-place path): the row goes into its ring slot; returned are the sinks and the
-        window in mlx-lm's ring order — a view until the window wraps, then a gathered copy of the
-        window (never of the ring). Several tokens (or ``kv_inplace_write`` off): sinks + the last
+        window in mlx-lm's ring order — a view where those rows are one run of slots (always before
+        the window wraps), else a gathered copy of the window (never of the ring). Several tokens (or ``kv_inplace_write`` off): sinks + the last
         ``window - 1`` tokens + the new rows in temporal order, as mlx-lm returns them.
         """
         L = keys.shape[2]
@@ -125,8 +125,8 @@ class RotatingKVCache(LayerCache):
             self._store.write(self._slot(last), k, v)
             self._advance(1)
             runs = self._decode_runs(last)
-            if len(runs) == 1 and runs[0][1] == 0:
-                return self._store.read(0, runs[0][2])
+            if len(runs) == 1:  # one contiguous run of slots: a view, nothing copied
+                return self._store.read(runs[0][1], runs[0][1] + runs[0][2])
             return self._store.gather([(s, s + n) for _, s, n in runs])
         runs = self._slot_runs(0, min(self.keep, self.offset)) + self._slot_runs(self._old_start(), self.offset)
         fetched = self._store.gather([(s, s + n) for _, s, n in runs], k, v)  # (B, n_kv, K, D)

@@ -116,13 +116,10 @@ class DenseStorage:
         end = slot + k[0].shape[2]
         if end > self.capacity:
             self._grow(end, k, v)
-        # Rebinding the tuples drops the old buffer references, so the assignment can donate them.
-        ks, vs = list(self._k), list(self._v)
-        for i, p in enumerate(k):
-            ks[i][..., slot:end, :] = p
-        for i, p in enumerate(v):
-            vs[i][..., slot:end, :] = p
-        self._k, self._v = tuple(ks), tuple(vs)
+        # Slice assignment rebinds each buffer handle to the updated array; the old array is then held only
+        # by the update itself, so MLX donates it (writes in place) when the update is scheduled.
+        for buf, rows in zip((*self._k, *self._v), (*k, *v)):
+            buf[..., slot:end, :] = rows
 
     def read(self, start: int, end: int) -> tuple[Presented, Presented]:
         """Rows ``[start, end)`` as views (the whole buffer when the range covers it)."""

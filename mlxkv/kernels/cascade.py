@@ -47,7 +47,7 @@ def find_prefix_groups(
     min_group = env.cascade_min_group_size() if min_group is None else min_group
     min_shared_pages = env.cascade_min_shared_pages() if min_shared_pages is None else min_shared_pages
     buckets: dict[int, list[int]] = defaultdict(list)
-    for row, (table, L) in enumerate(zip(block_tables, context_lens)):
+    for row, (table, L) in enumerate(zip(block_tables, context_lens, strict=True)):
         if table and table[0] != 0 and (L - 1) // block_size >= min_shared_pages:
             buckets[table[0]].append(row)
     groups = []
@@ -104,7 +104,7 @@ def cascade_attention(
     shift_arr = mx.array(shift, dtype=mx.int32)  # (B,)
     cols = mx.minimum(shift_arr[:, None] + mx.arange(max_blocks, dtype=mx.int32), max_blocks - 1)
     suffix_tables = mx.take_along_axis(block_tables, cols, axis=1)  # (B, max_blocks)
-    suffix_lens = [L - s * bs for L, s in zip(lens, shift)]
+    suffix_lens = [L - s * bs for L, s in zip(lens, shift, strict=True)]
     base = impl_for(G)
     plan = plan_splits(max(suffix_lens), bs, num_splits=num_splits, max_blocks_per_seq=max_blocks)
     o_suffix, lse_suffix = base.partials(

@@ -86,7 +86,6 @@ class MetalPagedAttention:
     def __init__(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int):
         self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
         self.kv_heads, self.gqa = kv_heads, gqa
-        self.nsg = simdgroups_for(gqa, head_dim)
         self.max_gqa = MAX_GQA_TIMES_HEAD_DIM // head_dim  # cascade splits groups to fit
 
     def partials_call(

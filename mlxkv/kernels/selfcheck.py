@@ -133,5 +133,7 @@ def check_kv_write_impl(
         mx.eval(got)
     except Exception:
         return False, float("inf")
-    ok = all(g.shape == w.shape and bool(mx.array_equal(g, w).item()) for g, w in zip(got, want))
-    return ok, max(max_abs_error(g, w) for g, w in zip(got, want))
+    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):  # noqa: B905
+        return False, float("inf")
+    ok = all(bool(mx.array_equal(g, w).item()) for g, w in zip(got, want))  # noqa: B905
+    return ok, max(max_abs_error(g, w) for g, w in zip(got, want))  # noqa: B905

@@ -152,13 +152,18 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
     texts: list[list[str]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     done = False
+    next_check = time.monotonic() + _DISCONNECT_POLL_S
     try:
         while True:
             try:
                 event = await handle.aget(timeout=_DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if time.monotonic() >= next_check:  # tokens may arrive faster than the poll: check by the clock
+                next_check = time.monotonic() + _DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     return Response(status_code=499)  # nobody reads it; the finally cancels the request
+            if event is None:
                 continue
             if event.kind == "token":
                 texts[event.index].append(event.text)
