@@ -119,6 +119,11 @@ def generate(
         )
 
 
+from mlxkv.cli.serve import serve  # noqa: E402  (registered after generate: help lists generate first)
+
+app.command()(serve)
+
+
 def main() -> None:  # pragma: no cover - entry point
     app()
 

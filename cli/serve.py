@@ -27,11 +27,11 @@ def _check_layout(value: str) -> str:
 
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Hugging Face repo id or local folder (default: the embedded demo model)."),
+                                        help="Hugging Face repo id or local folder (default: the demo model)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8080, min=0, max=65535, help="Port to listen on."),
     max_sequences: int = typer.Option(8, "--max-sequences", min=1, help="Most sequences decoding at once."),
-    max_queue_depth: int = typer.Option(64, "--max-queue-depth", min=0,
+    max_queue_depth: int = typer.Option(64, "--max-queue-depth", min=1,
                                         help="Most requests waiting for admission; more get HTTP 429."),
     prefill_chunk_size: int = typer.Option(512, "--prefill-chunk-size", min=1,
                                            help="Most prompt tokens prefilled per engine step."),
@@ -66,7 +66,7 @@ def serve(
         from mlxkv.server.runner import build
     except ImportError as exc:
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=1) from None
     try:
         config = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size)
@@ -75,7 +75,11 @@ def serve(
                       model_name=served_model_name)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=1) from None
     typer.echo(f"mlxkv serve: {parts.loaded.name} on http://{host}:{port} "
                f"(max {max_sequences} sequences, queue {max_queue_depth})", err=True)
     uvicorn.run(parts.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.clear_streams()  # MLX asks each thread that used it to clean up, else the process may abort at exit

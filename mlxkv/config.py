@@ -4,7 +4,6 @@ measure free memory themselves and pass it in."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from mlxkv.blocks.hashing import HASH_ALGOS, xxhash_available
 from mlxkv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
@@ -36,17 +35,17 @@ class KvCacheConfig:
 
     backend: str = "dense"
     block_size: int = 16
-    kv_cache_budget: Union[int, str] = "auto"
+    kv_cache_budget: int | str = "auto"
     free_memory_fraction: float = 0.9
-    max_tokens: Optional[int] = None
+    max_tokens: int | None = None
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = True
     copy_on_partial_reuse: bool = True
     hash_algo: str = "sha256"
     secondary_offload_min_priority: int = 35
-    kv_bits: Optional[int] = None
+    kv_bits: int | None = None
     kv_group_size: int = 64
-    max_kv_size: Optional[int] = None
+    max_kv_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in KV_BACKENDS:
@@ -64,7 +63,7 @@ class KvCacheConfig:
             raise ValueError(f"max_tokens={self.max_tokens!r}: expected None or an integer >= 1")
         for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")  # noqa: TRY004
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo={self.hash_algo!r}: expected one of {', '.join(HASH_ALGOS)}")
         if self.hash_algo == "xxhash" and not xxhash_available():
@@ -82,7 +81,7 @@ class KvCacheConfig:
             raise ValueError(f"max_kv_size={self.max_kv_size!r}: expected None or an integer >= 1")
 
 
-def num_blocks_for_budget(config: KvCacheConfig, bytes_per_block: int, free_bytes: Optional[int] = None) -> int:
+def num_blocks_for_budget(config: KvCacheConfig, bytes_per_block: int, free_bytes: int | None = None) -> int:
     """Pool size in blocks (the null block included) for a config.
 
     Memory: ``kv_cache_budget`` bytes, or with "auto" ``free_memory_fraction × free_bytes``. When

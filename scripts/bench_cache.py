@@ -1,16 +1,17 @@
 """Decode speed by cache: mlxkv with in-place writes on and off, and mlx-lm's own caches.
 
-Same random-weight float32 llama for every side, one process, same BLAS. For each context length the
-caches are filled with one multi-row update of random K/V (decode work does not depend on the values),
-then each side decodes ``--steps`` greedy tokens; sides alternate round-robin ``--rounds`` times and the
-best round counts. Two decode loops:
+Same random-weight float32 llama for every side, one process, same BLAS. For each context length each
+side's caches are filled with one multi-row update of random K/V (decode work does not depend on the
+values); then the sides decode greedily in alternating blocks of ``--block`` steps, ``--rounds`` blocks
+each, and the median block speed counts (the machine may be shared: alternation and medians keep the
+comparison fair). Two decode loops:
 
 - ``ordered`` (the documented engine order): build step n+1 while step n runs, wait for step n, then
   schedule step n+1 — MLX decides buffer donation when a write is *scheduled*, so writes land in place;
-- ``eager``: schedule step n+1 before waiting for step n (mlx-lm's generate order): the write is scheduled
-  while step n still reads the buffer, so MLX copies the whole K/V buffer every step.
+- ``eager``: schedule step n+1 before waiting for step n (mlx-lm's generate order): a write scheduled while
+  step n still reads the buffer makes MLX copy the whole K/V buffer.
 
-    python scripts/bench_cache.py                 # contexts 512, 2048, 8192, full attention
+    python scripts/bench_cache.py                      # contexts 512, 2048, 8192, full attention
     python scripts/bench_cache.py --max-kv-size 1024   # rotating caches (keep 4) instead
 """
 
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import ensure_openblas, random_llama  # noqa: E402
+from bench_common import ensure_openblas, random_llama
 
 
 def fill(model, caches, context: int, seed: int) -> None:
@@ -38,15 +40,13 @@ def fill(model, caches, context: int, seed: int) -> None:
     mx.eval([c.arrays() if hasattr(c, "arrays") else c.state for c in caches])
 
 
-def decode(model, caches, steps: int, ordered: bool) -> float:
-    """Greedy decode ``steps`` tokens; return tok/s."""
+def decode_block(model, caches, y, steps: int, ordered: bool):
+    """Greedy-decode ``steps`` tokens after the (evaluated) token ``y``; return (tok/s, last token)."""
     import mlx.core as mx
 
-    def step(y):
-        return mx.argmax(model(y.reshape(1, 1), cache=caches)[0, -1])
+    def step(token):
+        return mx.argmax(model(token.reshape(1, 1), cache=caches)[0, -1])
 
-    y = step(mx.array(1))
-    mx.eval(y)
     start = time.perf_counter()
     for _ in range(steps):
         nxt = step(y)
@@ -58,7 +58,7 @@ def decode(model, caches, steps: int, ordered: bool) -> float:
             y.item()
         y = nxt
     y.item()
-    return steps / (time.perf_counter() - start)
+    return steps / (time.perf_counter() - start), y
 
 
 def make(side: str, model, max_kv_size):
@@ -81,8 +81,8 @@ def main() -> None:
     blas = ensure_openblas()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--block", type=int, default=4, help="decode steps per timed block")
+    parser.add_argument("--rounds", type=int, default=6, help="timed blocks per side and loop")
     parser.add_argument("--max-kv-size", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
@@ -98,22 +98,33 @@ def main() -> None:
     print(f"BLAS: {blas}")
     print(f"model: random llama, {params / 1e6:.0f}M params float32, {opts.layers} layers, 4 KV heads x 64; "
           f"mlx {mx.__version__}; caches: {'rotating ' + str(opts.max_kv_size) if opts.max_kv_size else 'full'}")
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     sides = ["mlxkv in-place", "mlxkv slice-update", "mlx-lm"]
+    results = {}
+    for context in opts.contexts:
+        caches = {side: make(side, model, opts.max_kv_size) for side in sides}
+        tokens = {}
+        for side in sides:
+            fill(model, caches[side], context, seed=context)
+            _, tokens[side] = decode_block(model, caches[side], mx.array(1), 2, True)  # warm up
+        for ordered in (True, False):
+            speeds = {side: [] for side in sides}
+            for _ in range(opts.rounds):
+                for side in sides:  # alternate sides block by block
+                    tps, tokens[side] = decode_block(model, caches[side], tokens[side], opts.block, ordered)
+                    speeds[side].append(tps)
+            results[ordered, context] = {s: statistics.median(v) for s, v in speeds.items()}
+        del caches
     for ordered in (True, False):
-        print(f"\n{'ordered' if ordered else 'eager'} loop: decode tok/s (best of {opts.rounds} rounds, "
-              f"{opts.steps} steps)")
+        print(f"\n{'ordered' if ordered else 'eager'} loop: decode tok/s, median of {opts.rounds} blocks of "
+              f"{opts.block} steps")
         print(f"{'context':>8} " + " ".join(f"{s:>19}" for s in sides) + "   in-place/mlx-lm   in-place/off")
         for context in opts.contexts:
-            best = {s: 0.0 for s in sides}
-            for r in range(opts.rounds):
-                for side in sides:  # alternate sides within a round
-                    caches = make(side, model, opts.max_kv_size)
-                    fill(model, caches, context, seed=context)
-                    best[side] = max(best[side], decode(model, caches, opts.steps, ordered))
-                    del caches
-            row = " ".join(f"{best[s]:19.1f}" for s in sides)
+            best = results[ordered, context]
+            row = " ".join(f"{best[s]:19.2f}" for s in sides)
             print(f"{context:>8} {row}   {best[sides[0]] / best['mlx-lm']:15.2f}x "
                   f"{best[sides[0]] / best[sides[1]]:13.2f}x", flush=True)
+    print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

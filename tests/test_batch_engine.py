@@ -26,8 +26,8 @@ def tokens_of(handle):
     return [e.token for e in events if e.kind == "token"], events
 
 
-def direct_tokens(model, prompt, params, layout="mlxkv"):
-    engine = DirectEngine(model, tokenizer=None, pool=CachePool(model, layout=layout, max_sequences=1))
+def direct_tokens(model, prompt, params):
+    engine = DirectEngine(model, tokenizer=None, pool=CachePool(model, max_sequences=1))
     return list(engine.generate_tokens(prompt, params))
 
 
@@ -50,19 +50,43 @@ def make_engine(model, tokenizer=None, layout="mlxkv", context_length=4096, **co
     return BatchEngine(model, tokenizer, config=cfg, pool=pool, context_length=context_length).start()
 
 
-@pytest.mark.parametrize("arch,layout,batched", [
-    ("llama", "mlxkv", True), ("llama", "mlx-lm", True),
-    ("gemma3_text", "mlxkv", True),  # sliding window: rows past the window masked per sequence
-    ("qwen3_next", "mlxkv", True),  # recurrent state layer: stacked state view
-    ("llama4", "mlxkv", False),  # reads chunk internals from cache[0]: probe says decode one by one
+def quantizable_llama():
+    """The test llama with head_dim 32, so K/V can be quantized in groups of 32 (the test models have 16)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxkv.testing.archs import get_config
+
+    config = get_config("llama")
+    config.update(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model_class, args_class = _get_classes(config=config)
+    model = model_class(args_class.from_dict(config))
+    mx.random.seed(3)
+    model.update(tree_unflatten([(k, mx.random.normal(v.shape) * (2.0 / v.shape[-1] ** 0.5) if v.ndim > 1 else v)
+                                 for k, v in tree_flatten(model.parameters())]))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("arch,pool_options,batched", [
+    ("llama", {}, True),
+    ("llama", {"layout": "mlx-lm"}, True),
+    ("llama", {"max_kv_size": 24}, True),  # rotating with 4 sink tokens, past its window
+    ("quantized", {"kv_bits": 4, "kv_group_size": 32, "max_kv_size": 24}, True),
+    ("gemma3_text", {}, True),  # sliding window: per-sequence masks, some None and some arrays in one step
+    ("qwen3_next", {}, True),  # recurrent state layer: stacked state view
+    ("llama4", {}, False),  # reads chunk internals from cache[0]: the probe says decode one by one
 ])
-def test_concurrent_greedy_equals_direct_engine(arch, layout, batched):
-    model, _ = build_model(arch)
+def test_concurrent_greedy_equals_direct_engine(arch, pool_options, batched):
+    model = quantizable_llama() if arch == "quantized" else build_model(arch)[0]
     install_attention_hook(model)
     params = SamplingParams(max_tokens=NEW)
-    expected = [direct_tokens(model, p, params, layout) for p in PROMPTS]
+    expected = [list(DirectEngine(model, None, pool=CachePool(model, max_sequences=1, **pool_options))
+                     .generate_tokens(p, params)) for p in PROMPTS]
     # 5 requests over 4 slots with 8-token prefill chunks: admissions, chunked prefill and decode interleave.
-    engine = make_engine(model, layout=layout, max_sequences=4, prefill_chunk_size=8)
+    cfg = EngineConfig(max_sequences=4, prefill_chunk_size=8)
+    engine = BatchEngine(model, None, config=cfg, pool=CachePool(model, max_sequences=4, **pool_options),
+                         context_length=4096).start()
     try:
         handles = [engine.submit(GenerationRequest(p, params)) for p in PROMPTS]
         got = [tokens_of(h)[0] for h in handles]
@@ -73,7 +97,7 @@ def test_concurrent_greedy_equals_direct_engine(arch, layout, batched):
     assert all(len(set(t)) > 1 for t in got), "degenerate test model"
     assert stats["batched_decode"] is batched, stats["batched_decode_reason"]
     if batched:
-        assert stats["batched_steps_total"] > 0 and stats["max_batch"] == 4
+        assert stats["batched_steps_total"] > 0 and stats["unbatched_steps_total"] == 0 and stats["max_batch"] == 4
     assert stats["pool_sequences"] == 0 and stats["running"] == 0 and stats["kv_bytes"] == 0
 
 

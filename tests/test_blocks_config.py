@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from mlxkv.blocks.hashing import (
-    HashContext, builtin_block_hash, encode_key, extend_block_hashes, make_hash_fn, sha256_block_hash,
+    HashContext,
+    builtin_block_hash,
+    encode_key,
+    extend_block_hashes,
+    make_hash_fn,
+    sha256_block_hash,
     xxhash_available,
 )
 from mlxkv.blocks.retention import RetentionConfig, TokenRangeRetention, merge_retention
@@ -49,7 +54,7 @@ def test_sha256_is_stable_across_processes():
 def test_hash_algorithms_and_choices():
     assert make_hash_fn("builtin") is builtin_block_hash
     assert isinstance(builtin_block_hash(None, (1, 2), ()), int)
-    custom = lambda parent, tokens, extra: 0  # noqa: E731
+    custom = lambda parent, tokens, extra: 0
     assert make_hash_fn(custom) is custom
     with pytest.raises(ValueError, match="sha256, builtin, xxhash"):
         make_hash_fn("md5")

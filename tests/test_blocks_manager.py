@@ -143,7 +143,7 @@ def test_speculative_tokens_are_cached_only_once_verified():
 
 
 def test_hash_collisions_never_serve_wrong_kv():
-    collide = lambda parent, tokens, extra: 0  # noqa: E731  every block hashes alike
+    collide = lambda parent, tokens, extra: 0
     m = KVCacheManager(21, 4, hash_algo=collide)
     x, y, t = [1, 2, 3, 4], [9, 9, 9, 9], [5, 6, 7, 8]
     a = m.open(x + t + [0])
@@ -358,6 +358,7 @@ def test_block_reuse_disabled():
 def test_allocation_failure_changes_nothing_and_errors_are_clear():
     m = KVCacheManager(3, 4)
     a = m.open(list(range(12)))
+    assert not m.can_allocate(a.seq_id, 12) and m.can_allocate(a.seq_id, 8)
     assert m.allocate_slots(a.seq_id) is None
     assert m.num_tokens(a.seq_id) == 0 and m.pool.num_used_blocks == 0
     assert m.allocate_slots(a.seq_id, 8) is not None
@@ -377,3 +378,72 @@ def test_slot_mapping_helper():
     a = m.open(list(range(6)))
     prefill(m, a.seq_id)
     assert m.slot_mapping(a.seq_id, 2, 6) == [[6, 7, 8, 9]]
+
+
+def test_sliding_window_start_is_anchored_to_the_full_attention_chain():
+    # every block hashes alike and holds the same tokens: only the anchor tells position 4..7 from 0..3
+    m = hybrid(hash_algo=lambda parent, tokens, extra: 0)
+    a = m.open([0] * 8)
+    prefill(m, a.seq_id)
+    full_a, sliding_a = m.block_tables(a.seq_id)
+    b = m.open([0] * 9)
+    assert b.num_cached_tokens == 8
+    assert b.block_tables[0] == full_a and b.block_tables[1][1] == sliding_a[1]
+
+
+def test_pure_sliding_model_links_blocks_inside_the_window():
+    m = KVCacheManager(32, 4, [KVCacheGroupSpec("sliding", window=9)], hash_algo=lambda p, t, e: 0)
+    seqs = [m.open([x] * 4 + [5] * 4 + [0]) for x in (1, 2)]
+    for s in seqs:
+        prefill(m, s.seq_id)
+    tables = [m.block_tables(s.seq_id)[0] for s in seqs]
+    for s in seqs:
+        m.free(s.seq_id)
+    m.pool.uncache(m.pool.blocks[tables[1][1]])  # [5,5,5,5] after [2,2,2,2] is gone; after [1,1,1,1] is not
+    hit = m.find_prefix_hit([2] * 4 + [5] * 4 + [9])
+    assert hit.num_full_blocks == 1 and [b.block_id for b in hit.blocks[0]] == [tables[1][0]]
+
+
+def test_unverified_draft_tokens_never_enter_a_partial_block():
+    m = KVCacheManager(21, 4)
+    a = m.open([1, 2, 3, 4, 5])
+    prefill(m, a.seq_id)
+    m.allocate_slots(a.seq_id, token_ids=[6, 7])  # one sampled token and one draft, neither verified
+    m.free(a.seq_id)
+    tail = m.pool.blocks[2]  # holds tokens 5, 6, 7; only 5 is verified
+    assert tail.cached and tail.token_ids == (5,)
+    assert m.find_prefix_hit([1, 2, 3, 4, 5, 6, 7, 8]).num_tokens == 5
+
+
+def test_copy_target_is_not_cached_before_a_commit_proves_the_copy_ran():
+    m = KVCacheManager(21, 4)
+    prompt = list(range(8))
+    a = m.open(prompt)
+    prefill(m, a.seq_id)
+    m.free(a.seq_id)
+    b = m.open(prompt)
+    (copy,) = b.copies
+    m.free(b.seq_id)  # cancelled before any model step: the copy may never have happened
+    assert not m.pool.blocks[copy.dst_block].cached
+
+
+def test_partial_reuse_uses_the_shortest_match_over_groups():
+    from mlxkv.blocks.block_pool import BlockPool
+    from mlxkv.blocks.coordinator import KVCacheCoordinator
+    from mlxkv.blocks.hashing import HashContext, extend_block_hashes, sha256_block_hash
+
+    pool = BlockPool(10, 4)
+    specs = [KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=3)]
+    tokens = [0, 1, 2, 3, 4, 5, 6, 9]
+    hashes = extend_block_hashes(sha256_block_hash, tokens, len(tokens), 4, HashContext(), [])
+    head0, head1, tail0, tail1 = pool.get_new_blocks(4)
+    pool.cache_full_block(head0, group_id=0, block_hash=hashes[0], parent_hash=None, parent_ref=None,
+                          token_ids=(0, 1, 2, 3), extra_keys=())
+    pool.cache_full_block(head1, group_id=1, block_hash=hashes[0], parent_hash=None, parent_ref=None,
+                          token_ids=(0, 1, 2, 3), extra_keys=(), anchor=head0.ref)
+    pool.cache_partial_block(tail0, group_id=0, parent_ref=head0.ref, token_ids=(4, 5, 6), extra_keys=())
+    pool.cache_partial_block(tail1, group_id=1, parent_ref=head1.ref, token_ids=(4, 5), extra_keys=())
+    pool.free_blocks([tail1, tail0, head1, head0])
+    hit = KVCacheCoordinator(pool, specs).find_prefix_hit(tokens, hashes, HashContext(), max_tokens=7)
+    assert hit.num_full_blocks == 1 and hit.num_tokens == 6
+    assert [(p.block.block_id, p.num_tokens) for p in hit.partial] == [(tail0.block_id, 2), (tail1.block_id, 2)]

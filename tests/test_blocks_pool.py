@@ -4,7 +4,12 @@ import pytest
 
 from mlxkv.blocks.block import DEFAULT_PRIORITY, KVCacheBlock
 from mlxkv.blocks.block_pool import BlockPool, NoFreeBlocksError
-from mlxkv.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
+from mlxkv.blocks.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBuffer,
+)
 from mlxkv.blocks.eviction import LFUPolicy, make_eviction_policy
 from mlxkv.blocks.free_queue import BucketedFreeQueue, FreeBlockQueue
 

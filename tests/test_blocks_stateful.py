@@ -8,9 +8,19 @@ invariants are checked too: free + used == total, each ref count equals the numb
 the block, nothing is both free and referenced.
 """
 
+from typing import ClassVar
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from mlxkv.blocks.manager import KVCacheManager
 from mlxkv.blocks.sequence import SeqStatus
@@ -31,9 +41,9 @@ class _Seq:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    GROUPS = [KVCacheGroupSpec("full")]
+    GROUPS: ClassVar[list] = [KVCacheGroupSpec("full")]
     NUM_BLOCKS = 20
-    KWARGS: dict = {}
+    KWARGS: ClassVar[dict] = {}
 
     seqs = Bundle("seqs")
 
@@ -41,7 +51,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = KVCacheManager(self.NUM_BLOCKS, B, self.GROUPS, event_capacity=64, **self.KWARGS)
         self.model = {}
-        self.store = [dict() for _ in self.GROUPS]
+        self.store = [{} for _ in self.GROUPS]
         self.history = []  # (tokens, salt) of sequences seen: later prompts extend them (multi-turn)
 
     # ---- the fake storage layer ------------------------------------------------------------------------
@@ -233,20 +243,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 class HybridMachine(BlockManagerMachine):
-    GROUPS = [KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=6), KVCacheGroupSpec("chunked", chunk_size=8)]
+    GROUPS: ClassVar[list] = [
+        KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=6), KVCacheGroupSpec("chunked", chunk_size=8),
+    ]
     NUM_BLOCKS = 64
 
 
 class CollidingHashMachine(BlockManagerMachine):
     """Hashes ignore the parent, the salt and most tokens: collisions everywhere must still be harmless."""
 
-    GROUPS = [KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=5)]
+    GROUPS: ClassVar[list] = [KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=5)]
     NUM_BLOCKS = 32
-    KWARGS = {"hash_algo": lambda parent, tokens, extra: tokens[0] % 2}
+    KWARGS: ClassVar[dict] = {"hash_algo": lambda parent, tokens, extra: tokens[0] % 2}
 
 
 class NoCopyLFUMachine(BlockManagerMachine):
-    KWARGS = {"copy_on_partial_reuse": False, "eviction_policy": "lfu", "hash_algo": "builtin"}
+    KWARGS: ClassVar[dict] = {"copy_on_partial_reuse": False, "eviction_policy": "lfu", "hash_algo": "builtin"}
 
 
 TestFullAttention = BlockManagerMachine.TestCase

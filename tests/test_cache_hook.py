@@ -36,7 +36,7 @@ def test_every_attention_layer_goes_through_the_cache(arch, hooked, monkeypatch)
     assert "mlx_lm.models.base" in patched and type(model).__module__ in patched
     assert install_attention_hook(model) == patched  # idempotent
     for name in patched:
-        assert getattr(sys.modules[name], "scaled_dot_product_attention") is dispatch_attention
+        assert sys.modules[name].scaled_dot_product_attention is dispatch_attention
     calls = []
     original = LayerCache.attend
 

@@ -1,7 +1,8 @@
 """mlxkv layouts against mlx-lm's own caches, model by model: same logits (float32, 1e-5) over a chunked
 prefill and 64 decode steps — past gemma3's 8-token window, across llama4's 16-token chunks."""
 
-from functools import lru_cache
+from functools import cache
+from itertools import pairwise
 
 import mlx.core as mx
 import pytest
@@ -14,7 +15,7 @@ PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]  # 40 tokens: 5 gemma3 wi
 STEPS = 64
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_for(arch):
     model, _ = build_model(arch)
     install_attention_hook(model)
@@ -25,7 +26,7 @@ def run(model, caches, prompt=PROMPT, chunks=(24,), feed=None, steps=STEPS):
     """Prefill ``prompt`` in chunks (split at ``chunks``), then decode ``steps`` tokens. Decoding feeds
     ``feed`` (teacher forcing) when given, else the greedy token. Returns (logits per step, tokens fed)."""
     bounds = [0, *chunks, len(prompt)]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         logits = model(mx.array(prompt[a:b])[None], cache=caches)[0, -1]  # (vocab,)
     out, fed = [logits], []
     for i in range(steps):

@@ -1,20 +1,25 @@
 """Prefill: chunked and padded prefill give the unpadded, unchunked logits; which architectures pad; flags."""
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache import install_attention_hook, make_caches
-from mlxkv.engine.prefill import (PAD_TILE, PADDED_PREFILL_DEFAULT, padded_prefill_enabled, prefill,
-                                  supports_padded_prefill)
+from mlxkv.engine.prefill import (
+    PAD_TILE,
+    PADDED_PREFILL_DEFAULT,
+    padded_prefill_enabled,
+    prefill,
+    supports_padded_prefill,
+)
 from mlxkv.testing.archs import ARCH_NAMES, build_model
 
 PROMPT = mx.array([(i * 37 + 11) % 1000 + 3 for i in range(45)])  # 45: padded to 64 (19 pad tokens)
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_for(arch):
     model, _ = build_model(arch)
     install_attention_hook(model)

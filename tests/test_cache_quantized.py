@@ -1,15 +1,14 @@
 """Quantized storage (4/8-bit K/V) under every layout: exactly attention over the quantize-dequantized K/V,
 mlx-lm's QuantizedKVCache logits for the standard layout, and within the documented tolerance of dense."""
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.utils import _get_classes
 
-from mlxkv.cache import (ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, install_attention_hook,
-                         make_caches)
+from mlxkv.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, install_attention_hook, make_caches
 from mlxkv.cache.attention import quantized_attend
 from mlxkv.testing.archs import _init_weights, get_config
 
@@ -20,7 +19,7 @@ WIDER = {"llama": {"hidden_size": 128}, "gemma3_text": {"head_dim": 32, "query_p
          "llama4": {"head_dim": 32}}
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_for(arch):
     config = get_config(arch)
     config.get("text_config", config).update(WIDER[arch])

@@ -1,19 +1,27 @@
 """Exact rewind: ``trim(n)`` restores the state before the last n tokens for every layout — wrapped rotating
 caches and chunked caches trimmed back across a chunk boundary included — or raises RewindError."""
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import pytest
 
-from mlxkv.cache import (ChunkedKVCache, KVCache, QuantizedChunkedKVCache, QuantizedRotatingKVCache, RewindError,
-                         RotatingKVCache, install_attention_hook, make_caches)
+from mlxkv.cache import (
+    ChunkedKVCache,
+    KVCache,
+    QuantizedChunkedKVCache,
+    QuantizedRotatingKVCache,
+    RewindError,
+    RotatingKVCache,
+    install_attention_hook,
+    make_caches,
+)
 from mlxkv.testing.archs import build_model
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_for(arch):
     model, _ = build_model(arch)
     install_attention_hook(model)

@@ -1,14 +1,24 @@
 """State round trips (mx.array_equal) for every layout, and prompt-cache files in mlx-lm's format both ways."""
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache import (ChunkedKVCache, KVCache, LayerCache, QuantizedChunkedKVCache, QuantizedKVCache,
-                         QuantizedRotatingKVCache, RotatingKVCache, install_attention_hook, load_prompt_cache,
-                         make_caches, save_prompt_cache)
+from mlxkv.cache import (
+    ChunkedKVCache,
+    KVCache,
+    LayerCache,
+    QuantizedChunkedKVCache,
+    QuantizedKVCache,
+    QuantizedRotatingKVCache,
+    RotatingKVCache,
+    install_attention_hook,
+    load_prompt_cache,
+    make_caches,
+    save_prompt_cache,
+)
 from mlxkv.testing.archs import build_model
 
 LAYOUTS = {
@@ -68,7 +78,7 @@ def test_state_round_trip(layout, n):
         equal_states(kv_a, kv_b)
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_for(arch):
     model, _ = build_model(arch)
     install_attention_hook(model)

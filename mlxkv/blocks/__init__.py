@@ -40,19 +40,64 @@ search), tables (per-sequence operations), sequence (records), manager (the API)
 from mlxkv.blocks.block import DEFAULT_PRIORITY, NULL_BLOCK_ID, KVCacheBlock
 from mlxkv.blocks.block_pool import BlockPool, NoFreeBlocksError, PoolStats
 from mlxkv.blocks.coordinator import KVCacheCoordinator, PartialMatch, PrefixHit
-from mlxkv.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventBuffer
-from mlxkv.blocks.eviction import EVICTION_POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy, PriorityLRUPolicy
+from mlxkv.blocks.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventBuffer,
+)
+from mlxkv.blocks.eviction import (
+    EVICTION_POLICIES,
+    EvictionPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PriorityLRUPolicy,
+)
 from mlxkv.blocks.hashing import HASH_ALGOS, HashContext, make_hash_fn
 from mlxkv.blocks.manager import KVCacheManager
 from mlxkv.blocks.retention import RetentionConfig, TokenRangeRetention
-from mlxkv.blocks.sequence import CopyOp, ManagerStats, OpenResult, SeqStatus, SlotAllocation, slot_mapping
+from mlxkv.blocks.sequence import (
+    CopyOp,
+    ManagerStats,
+    OpenResult,
+    SeqStatus,
+    SlotAllocation,
+    slot_mapping,
+)
 from mlxkv.blocks.specs import KVCacheGroupSpec
 
 __all__ = [
-    "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CopyOp", "DEFAULT_PRIORITY",
-    "EVICTION_POLICIES", "EventBatch", "EvictionPolicy", "HASH_ALGOS", "HashContext", "KVCacheBlock",
-    "KVCacheCoordinator", "KVCacheGroupSpec", "KVCacheManager", "KVEventBuffer", "LFUPolicy", "LRUPolicy",
-    "ManagerStats", "NULL_BLOCK_ID", "NoFreeBlocksError", "OpenResult", "PartialMatch", "PoolStats",
-    "PrefixHit", "PriorityLRUPolicy", "RetentionConfig", "SeqStatus", "SlotAllocation", "TokenRangeRetention",
-    "make_hash_fn", "slot_mapping",
+    "DEFAULT_PRIORITY",
+    "EVICTION_POLICIES",
+    "HASH_ALGOS",
+    "NULL_BLOCK_ID",
+    "AllBlocksCleared",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CopyOp",
+    "EventBatch",
+    "EvictionPolicy",
+    "HashContext",
+    "KVCacheBlock",
+    "KVCacheCoordinator",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVEventBuffer",
+    "LFUPolicy",
+    "LRUPolicy",
+    "ManagerStats",
+    "NoFreeBlocksError",
+    "OpenResult",
+    "PartialMatch",
+    "PoolStats",
+    "PrefixHit",
+    "PriorityLRUPolicy",
+    "RetentionConfig",
+    "SeqStatus",
+    "SlotAllocation",
+    "TokenRangeRetention",
+    "make_hash_fn",
+    "slot_mapping",
 ]

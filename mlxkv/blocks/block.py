@@ -6,8 +6,8 @@ holds the block, what content it is known to hold (when cached), and where it si
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable, Optional, Tuple, Union
 
 NULL_BLOCK_ID = 0
 """Block id 0 is the null block: a placeholder in block tables for positions a layer no longer needs
@@ -16,12 +16,12 @@ NULL_BLOCK_ID = 0
 DEFAULT_PRIORITY = 35
 """Retention priority of a block that no rule raised or lowered (TensorRT-LLM's default)."""
 
-BlockHash = Union[bytes, int, Hashable]
-BlockRef = Tuple[int, int]
+BlockHash = bytes | int | Hashable
+BlockRef = tuple[int, int]
 """``(block_id, generation)``: names one cached *content* of a block. The generation changes whenever the
 block is cached or uncached, so a stale ref never matches a block that was evicted and refilled."""
 
-ROOT_PARENT: Optional[BlockRef] = None
+ROOT_PARENT: BlockRef | None = None
 """Parent ref of the first block of a sequence."""
 
 UNKNOWN_PARENT: BlockRef = (-1, -1)
@@ -37,23 +37,23 @@ class KVCacheBlock:
     ref_cnt: int = 0  # BlockPool only (get_new_blocks / touch / free_blocks): number of block tables holding it
     # --- cache identity: BlockPool only (cache_full_block / cache_partial_block / uncache) -----------------
     cached: bool = False  # in the pool's cache index (full blocks by hash, every cached block by parent)
-    block_hash: Optional[BlockHash] = None  # chained hash; set only for a cached *full* block
+    block_hash: BlockHash | None = None  # chained hash; set only for a cached *full* block
     group_id: int = -1  # KV-cache group whose cache index holds the block (valid while cached)
-    token_ids: Tuple[int, ...] = ()  # tokens whose K/V the cached content holds (len < block_size: partial)
+    token_ids: tuple[int, ...] = ()  # tokens whose K/V the cached content holds (len < block_size: partial)
     extra_keys: tuple = ()  # extra hash keys of the cached content (salt on first blocks, LoRA, media...)
-    parent: Optional[BlockRef] = None  # ref of the chain predecessor when cached (None: first block)
-    anchor: Optional[BlockRef] = None  # sliding/chunked groups: ref of the full-attention block at the same
+    parent: BlockRef | None = None  # ref of the chain predecessor when cached (None: first block)
+    anchor: BlockRef | None = None  # sliding/chunked groups: ref of the full-attention block at the same
     #                                    index of the sequence that filled it (pins the whole prefix)
     generation: int = 0  # bumped on every cache / uncache; see BlockRef
     # --- retention: BlockPool only (set_retention; read by eviction policies) --------------------------
     priority: int = DEFAULT_PRIORITY  # 0..100, higher is kept longer
-    priority_expiry: Optional[float] = None  # clock time when `priority` falls back to DEFAULT_PRIORITY
+    priority_expiry: float | None = None  # clock time when `priority` falls back to DEFAULT_PRIORITY
     last_access: float = 0.0  # clock time of the last touch or free
     hit_count: int = 0  # prefix-cache hits since the block was last cached (LFU)
     # --- free queue links: FreeBlockQueue / BucketedFreeQueue only ----------------------------------------
-    prev_free: Optional["KVCacheBlock"] = None
-    next_free: Optional["KVCacheBlock"] = None
-    free_bucket: Optional[int] = None  # bucket of the free queue holding it; None while not free
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+    free_bucket: int | None = None  # bucket of the free queue holding it; None while not free
     free_stamp: int = 0  # order inside its bucket (smaller is evicted first)
     is_null: bool = False  # fixed at creation: the null block
 

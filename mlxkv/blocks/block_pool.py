@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from mlxkv.blocks.block import DEFAULT_PRIORITY, BlockHash, BlockRef, KVCacheBlock
+from mlxkv.blocks.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBuffer,
+)
 from mlxkv.blocks.eviction import EvictionPolicy, make_eviction_policy
-from mlxkv.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
 from mlxkv.blocks.free_queue import UNCACHED_BUCKET, BucketedFreeQueue
 from mlxkv.blocks.retention import merge_retention
 
@@ -34,7 +39,7 @@ class PoolStats:
     free: int  # unused: never-used, uncached, or cached and evictable
     cached: int  # holding cached content (used or free)
     evictable: int  # free and cached
-    cached_by_priority: Dict[int, int]  # cached blocks per effective retention priority
+    cached_by_priority: dict[int, int]  # cached blocks per effective retention priority
     evictions: int  # cached blocks evicted so far
 
 
@@ -56,8 +61,8 @@ class BlockPool:
         block_size: int,
         *,
         enable_caching: bool = True,
-        eviction_policy: Union[str, EvictionPolicy, None] = "lru",
-        events: Optional[KVEventBuffer] = None,
+        eviction_policy: str | EvictionPolicy | None = "lru",
+        events: KVEventBuffer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 2:
@@ -75,10 +80,10 @@ class BlockPool:
         self._free = BucketedFreeQueue()
         for block in self.blocks[1:]:
             self._free.push(block, UNCACHED_BUCKET)
-        self._by_hash: Dict[Tuple[int, BlockHash], Dict[int, KVCacheBlock]] = {}
-        self._by_parent: Dict[tuple, Dict[int, KVCacheBlock]] = {}
-        self._expiry_heap: List[Tuple[float, int, int]] = []  # (expiry, block_id, free_stamp) of free blocks
-        self._evict_hooks: List[Callable[[KVCacheBlock], None]] = []
+        self._by_hash: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
+        self._by_parent: dict[tuple, dict[int, KVCacheBlock]] = {}
+        self._expiry_heap: list[tuple[float, int, int]] = []  # (expiry, block_id, free_stamp) of free blocks
+        self._evict_hooks: list[Callable[[KVCacheBlock], None]] = []
         self.num_evictions = 0
 
     # ---- sizes ---------------------------------------------------------------------------------------
@@ -100,7 +105,7 @@ class BlockPool:
         return self.num_used_blocks / self.num_usable_blocks
 
     # ---- allocation and reference counts --------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> List[KVCacheBlock]:
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` blocks (ref_cnt 1), evicting cached content in eviction order. Raises NoFreeBlocksError."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} blocks, only {len(self._free)} free or evictable")
@@ -191,11 +196,11 @@ class BlockPool:
         *,
         group_id: int,
         block_hash: BlockHash,
-        parent_hash: Optional[BlockHash],
-        parent_ref: Optional[BlockRef],
+        parent_hash: BlockHash | None,
+        parent_ref: BlockRef | None,
         token_ids: Sequence[int],
         extra_keys: tuple,
-        anchor: Optional[BlockRef] = None,
+        anchor: BlockRef | None = None,
     ) -> bool:
         """Make a held, filled block findable by hash; emits BlockStored. False when caching is off."""
         if not self.enable_caching:
@@ -210,7 +215,7 @@ class BlockPool:
         return True
 
     def cache_partial_block(
-        self, block: KVCacheBlock, *, group_id: int, parent_ref: Optional[BlockRef], token_ids: Sequence[int],
+        self, block: KVCacheBlock, *, group_id: int, parent_ref: BlockRef | None, token_ids: Sequence[int],
         extra_keys: tuple,
     ) -> bool:
         """Make a held, partly filled block findable for partial reuse (no hash, no event)."""
@@ -259,19 +264,19 @@ class BlockPool:
         self.uncache(block)
         self.num_evictions += 1
 
-    def lookup(self, group_id: int, block_hash: BlockHash) -> List[KVCacheBlock]:
+    def lookup(self, group_id: int, block_hash: BlockHash) -> list[KVCacheBlock]:
         """Cached full blocks of ``group_id`` whose hash is ``block_hash`` (verify tokens before use)."""
         found = self._by_hash.get((group_id, block_hash))
         return list(found.values()) if found else []
 
     def children(
-        self, group_id: int, parent_ref: Optional[BlockRef], extra_keys: tuple, first_token: int
-    ) -> List[KVCacheBlock]:
+        self, group_id: int, parent_ref: BlockRef | None, extra_keys: tuple, first_token: int
+    ) -> list[KVCacheBlock]:
         """Cached blocks (full or partial) following ``parent_ref`` whose first token is ``first_token``."""
         found = self._by_parent.get((group_id, parent_ref, extra_keys, first_token))
         return list(found.values()) if found else []
 
-    def resolve(self, ref: Optional[BlockRef]) -> Optional[KVCacheBlock]:
+    def resolve(self, ref: BlockRef | None) -> KVCacheBlock | None:
         """The block still holding the cached content ``ref`` names, or None."""
         if ref is None or ref[0] <= 0:
             return None
@@ -279,7 +284,7 @@ class BlockPool:
         return block if block.cached and block.generation == ref[1] else None
 
     def set_retention(
-        self, block: KVCacheBlock, priority: int, expiry: Optional[float], merge: bool = True
+        self, block: KVCacheBlock, priority: int, expiry: float | None, merge: bool = True
     ) -> None:
         """Set a block's retention: assign it (``merge=False``: the block's content is new) or merge a
         sharing request's rules into it (higher effective priority wins; see retention.merge_retention)."""
@@ -321,7 +326,7 @@ class BlockPool:
     def stats(self) -> PoolStats:
         self._expire_priorities()
         now = self.clock()
-        by_prio: Dict[int, int] = {}
+        by_prio: dict[int, int] = {}
         cached = evictable = 0
         for block in self.blocks[1:]:
             if block.cached:
@@ -335,7 +340,7 @@ class BlockPool:
             evictions=self.num_evictions,
         )
 
-    def eviction_order(self) -> List[KVCacheBlock]:
+    def eviction_order(self) -> list[KVCacheBlock]:
         """Free blocks in the order allocations would take them (tests and cache inspection)."""
         self._expire_priorities()
         return list(self._free)

@@ -20,8 +20,8 @@ common length is used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from mlxkv.blocks.block import BlockHash, KVCacheBlock
 from mlxkv.blocks.block_pool import BlockPool
@@ -47,8 +47,8 @@ class PrefixHit:
 
     block_size: int
     num_full_blocks: int
-    blocks: List[List[KVCacheBlock]]
-    partial: Optional[List[PartialMatch]] = None
+    blocks: list[list[KVCacheBlock]]
+    partial: list[PartialMatch] | None = None
 
     @property
     def num_partial_tokens(self) -> int:
@@ -66,9 +66,9 @@ class _Search:
     def __init__(self, pool: BlockPool, tokens: Sequence[int], hashes: Sequence[BlockHash], ctx: HashContext):
         self.pool, self.tokens, self.hashes, self.ctx = pool, tokens, hashes, ctx
         self.B = pool.block_size
-        self._memo: Dict[Tuple[int, int], List[KVCacheBlock]] = {}
+        self._memo: dict[tuple[int, int], list[KVCacheBlock]] = {}
 
-    def candidates(self, g: int, i: int) -> List[KVCacheBlock]:
+    def candidates(self, g: int, i: int) -> list[KVCacheBlock]:
         """Cached blocks of group g holding exactly our block i (tokens, extra keys; hash via lookup)."""
         key = (g, i)
         found = self._memo.get(key)
@@ -79,9 +79,9 @@ class _Search:
             self._memo[key] = found
         return found
 
-    def full(self, g: int, max_blocks: int) -> List[List[KVCacheBlock]]:
+    def full(self, g: int, max_blocks: int) -> list[list[KVCacheBlock]]:
         """Left to right: per block index, the candidates linked to a candidate of the previous index."""
-        sets: List[List[KVCacheBlock]] = []
+        sets: list[list[KVCacheBlock]] = []
         allowed = {None}  # the first block's parent is the root
         for i in range(max_blocks):
             valid = [c for c in self.candidates(g, i) if c.parent in allowed]
@@ -92,8 +92,8 @@ class _Search:
         return sets
 
     def windowed(
-        self, g: int, spec: KVCacheGroupSpec, max_blocks: int, anchors: Optional[List[set]]
-    ) -> Tuple[int, Dict[int, KVCacheBlock]]:
+        self, g: int, spec: KVCacheGroupSpec, max_blocks: int, anchors: list[set] | None
+    ) -> tuple[int, dict[int, KVCacheBlock]]:
         """Right to left: the largest end <= max_blocks whose needed blocks form a linked cached chain.
         ``anchors[i]``: refs of the verified full-attention blocks at index i (None: no full group)."""
         end = max_blocks
@@ -101,7 +101,7 @@ class _Search:
             needed = spec.needed_blocks(end * self.B, self.B)
             if len(needed) == 0:
                 return end, {}
-            sets: Dict[int, List[KVCacheBlock]] = {}
+            sets: dict[int, list[KVCacheBlock]] = {}
             allowed = None  # parent refs the block at index i must have (None: unconstrained)
             broken = None
             for i in reversed(needed):
@@ -118,7 +118,7 @@ class _Search:
                 sets[i] = linked
                 allowed = {c.parent for c in linked}
             if broken is None:
-                chain: Dict[int, KVCacheBlock] = {}
+                chain: dict[int, KVCacheBlock] = {}
                 prev = None
                 for i in needed:
                     prev = sets[i][0] if prev is None else next(c for c in sets[i] if c.parent == prev.ref)
@@ -138,7 +138,7 @@ class KVCacheCoordinator:
         self.specs = list(specs)
         self.enable_partial_reuse = enable_partial_reuse
         full = [g for g, spec in enumerate(self.specs) if spec.is_full]
-        self.anchor_group: Optional[int] = full[0] if full else None
+        self.anchor_group: int | None = full[0] if full else None
         """Full-attention group whose blocks anchor the windowed groups' blocks (None: no full group)."""
 
     def find_prefix_hit(
@@ -150,15 +150,15 @@ class KVCacheCoordinator:
         null = self.pool.null_block
         search = _Search(self.pool, tokens, hashes, ctx)
         length = min(len(hashes), max(0, max_tokens) // B)
-        full_sets: Dict[int, List[List[KVCacheBlock]]] = {}
+        full_sets: dict[int, list[list[KVCacheBlock]]] = {}
         for g, spec in enumerate(self.specs):
             if spec.is_full:
                 full_sets[g] = search.full(g, length)
                 length = min(length, len(full_sets[g]))
         anchors = None
-        if self.anchor_group is not None:
+        if self.anchor_group is not None and len(full_sets) < len(self.specs):
             anchors = [{c.ref for c in cands} for cands in full_sets[self.anchor_group]]
-        windowed: Dict[int, Dict[int, KVCacheBlock]] = {}
+        windowed: dict[int, dict[int, KVCacheBlock]] = {}
         while True:  # fixed point: lengths only shrink
             before = length
             for g, spec in enumerate(self.specs):
@@ -166,7 +166,7 @@ class KVCacheCoordinator:
                     length, windowed[g] = search.windowed(g, spec, length, anchors)
             if length == before:
                 break
-        blocks: List[List[KVCacheBlock]] = []
+        blocks: list[list[KVCacheBlock]] = []
         for g, spec in enumerate(self.specs):
             if spec.is_full:
                 blocks.append(self._full_chain(full_sets[g], length))
@@ -179,7 +179,7 @@ class KVCacheCoordinator:
         return hit
 
     @staticmethod
-    def _full_chain(sets: List[List[KVCacheBlock]], length: int) -> List[KVCacheBlock]:
+    def _full_chain(sets: list[list[KVCacheBlock]], length: int) -> list[KVCacheBlock]:
         if length == 0:
             return []
         chain = [sets[length - 1][0]]
@@ -189,12 +189,12 @@ class KVCacheCoordinator:
         chain.reverse()
         return chain
 
-    def _partial(self, tokens, ctx: HashContext, hit: PrefixHit, limit: int) -> Optional[List[PartialMatch]]:
+    def _partial(self, tokens, ctx: HashContext, hit: PrefixHit, limit: int) -> list[PartialMatch] | None:
         B = self.pool.block_size
         j = hit.num_full_blocks
         want = tuple(tokens[j * B : min(limit, (j + 1) * B)])
         extra = ctx.block_extra_keys(j, B)
-        matches: List[PartialMatch] = []
+        matches: list[PartialMatch] = []
         for g in range(len(self.specs)):
             if j == 0:
                 parent = None
@@ -203,7 +203,7 @@ class KVCacheCoordinator:
                 if prev.is_null:
                     return None  # the parent's identity is unknown here: no partial reuse
                 parent = prev.ref
-            best: Optional[PartialMatch] = None
+            best: PartialMatch | None = None
             for cand in self.pool.children(g, parent, extra, want[0]):
                 n = _common_prefix(cand.token_ids, want)
                 if best is None or n > best.num_tokens or (

@@ -12,18 +12,17 @@ consumed). ``drain()`` returns everything held and empties the buffer (a single 
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Tuple, Union
+from itertools import islice
 
 from mlxkv.blocks.block import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    block_hashes: Tuple[BlockHash, ...]
-    parent_block_hash: Optional[BlockHash]
-    token_ids: Tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
     block_size: int
     group_id: int
     priority: int
@@ -31,7 +30,7 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    block_hashes: Tuple[BlockHash, ...]
+    block_hashes: tuple[BlockHash, ...]
     group_id: int
 
 
@@ -40,7 +39,7 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +47,7 @@ class EventBatch:
     """Result of ``KVEventBuffer.read``: ``events`` as (seq_no, event), the next ``cursor``, and
     ``dropped``: events after the old cursor that the buffer no longer holds."""
 
-    events: List[Tuple[int, KVEvent]]
+    events: list[tuple[int, KVEvent]]
     cursor: int
     dropped: int
 
@@ -61,7 +60,7 @@ class KVEventBuffer:
             raise ValueError(f"event buffer capacity={capacity}: expected >= 1")
         self.capacity = capacity
         self.enabled = enabled
-        self._buf: Deque[Tuple[int, KVEvent]] = deque(maxlen=capacity)
+        self._buf: deque[tuple[int, KVEvent]] = deque(maxlen=capacity)
         self._last_seq = 0  # number of the newest event ever recorded
 
     def __len__(self) -> int:
@@ -90,7 +89,7 @@ class KVEventBuffer:
         events = list(islice(self._buf, start, None))
         return EventBatch(events=events, cursor=max(since, self._last_seq), dropped=dropped)
 
-    def drain(self) -> List[KVEvent]:
+    def drain(self) -> list[KVEvent]:
         """Every held event, oldest first; empties the buffer."""
         events = [event for _, event in self._buf]
         self._buf.clear()

@@ -9,8 +9,6 @@ the least shareable, goes before its first). Blocks with no cached content are a
 
 from __future__ import annotations
 
-from typing import Dict, Type, Union
-
 from mlxkv.blocks.block import KVCacheBlock
 
 
@@ -59,14 +57,14 @@ class LFUPolicy(EvictionPolicy):
         return min(block.hit_count, self.cap)
 
 
-EVICTION_POLICIES: Dict[str, Type[EvictionPolicy]] = {
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "priority": PriorityLRUPolicy,
     "lfu": LFUPolicy,
 }
 
 
-def make_eviction_policy(policy: Union[str, EvictionPolicy, None] = "lru") -> EvictionPolicy:
+def make_eviction_policy(policy: str | EvictionPolicy | None = "lru") -> EvictionPolicy:
     """A policy instance from a name in EVICTION_POLICIES (or an instance, returned as is; None → LRU)."""
     if policy is None:
         return LRUPolicy()

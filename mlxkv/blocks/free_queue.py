@@ -9,7 +9,7 @@ bucket, so eviction order is (bucket, order of arrival in the bucket).
 from __future__ import annotations
 
 import bisect
-from typing import Dict, Iterator, List, Optional
+from collections.abc import Iterator
 
 from mlxkv.blocks.block import KVCacheBlock
 
@@ -20,7 +20,7 @@ UNCACHED_BUCKET = -1
 class FreeBlockQueue:
     """One doubly linked list of free blocks; the head is evicted first."""
 
-    __slots__ = ("_head", "_tail", "_len")
+    __slots__ = ("_head", "_len", "_tail")
 
     def __init__(self) -> None:
         self._head = KVCacheBlock(block_id=-1)
@@ -38,7 +38,7 @@ class FreeBlockQueue:
             yield node
             node = node.next_free
 
-    def peek(self) -> Optional[KVCacheBlock]:
+    def peek(self) -> KVCacheBlock | None:
         """The head block, or None when empty."""
         return None if self._len == 0 else self._head.next_free
 
@@ -78,11 +78,11 @@ class FreeBlockQueue:
 class BucketedFreeQueue:
     """Free blocks ordered by (bucket, stamp); ``popleft`` takes the lowest bucket's head."""
 
-    __slots__ = ("_queues", "_keys", "_len", "_next_stamp", "_front_stamp")
+    __slots__ = ("_front_stamp", "_keys", "_len", "_next_stamp", "_queues")
 
     def __init__(self) -> None:
-        self._queues: Dict[int, FreeBlockQueue] = {}
-        self._keys: List[int] = []  # sorted buckets with at least one block
+        self._queues: dict[int, FreeBlockQueue] = {}
+        self._keys: list[int] = []  # sorted buckets with at least one block
         self._len = 0
         self._next_stamp = 0  # stamps for tail appends grow upward ...
         self._front_stamp = 0  # ... and for head inserts downward, so stamp order is queue order
@@ -95,7 +95,7 @@ class BucketedFreeQueue:
         for key in list(self._keys):
             yield from self._queues[key]
 
-    def bucket_sizes(self) -> Dict[int, int]:
+    def bucket_sizes(self) -> dict[int, int]:
         """Number of free blocks per bucket."""
         return {key: len(self._queues[key]) for key in self._keys}
 
@@ -129,7 +129,7 @@ class BucketedFreeQueue:
         block.free_bucket = None
         self._len -= 1
 
-    def peek(self) -> Optional[KVCacheBlock]:
+    def peek(self) -> KVCacheBlock | None:
         """The next victim, or None when empty."""
         return self._queues[self._keys[0]].peek() if self._keys else None
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import struct
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple, Union
 
 from mlxkv.blocks.block import BlockHash
 
-HashFn = Callable[[Optional[BlockHash], Tuple[int, ...], tuple], BlockHash]
+HashFn = Callable[[BlockHash | None, tuple[int, ...], tuple], BlockHash]
 HASH_ALGOS = ("sha256", "builtin", "xxhash")
 
 _SEED = hashlib.sha256(b"mlxkv.block-hash.v1").digest()
@@ -54,21 +54,21 @@ def encode_key(obj: object) -> bytes:
     )
 
 
-def _encode_tokens(tokens: Tuple[int, ...]) -> bytes:
+def _encode_tokens(tokens: tuple[int, ...]) -> bytes:
     return struct.pack(f"<I{len(tokens)}q", len(tokens), *tokens)
 
 
-def _canonical(parent: Optional[BlockHash], tokens: Tuple[int, ...], extra_keys: tuple) -> bytes:
+def _canonical(parent: BlockHash | None, tokens: tuple[int, ...], extra_keys: tuple) -> bytes:
     head = _SEED if parent is None else (parent if isinstance(parent, bytes) else encode_key(parent))
     return encode_key(head) + _encode_tokens(tokens) + encode_key(extra_keys)
 
 
-def sha256_block_hash(parent: Optional[BlockHash], tokens: Tuple[int, ...], extra_keys: tuple) -> bytes:
+def sha256_block_hash(parent: BlockHash | None, tokens: tuple[int, ...], extra_keys: tuple) -> bytes:
     """32-byte sha256 of the canonical encoding; identical in every process."""
     return hashlib.sha256(_canonical(parent, tokens, extra_keys)).digest()
 
 
-def builtin_block_hash(parent: Optional[BlockHash], tokens: Tuple[int, ...], extra_keys: tuple) -> int:
+def builtin_block_hash(parent: BlockHash | None, tokens: tuple[int, ...], extra_keys: tuple) -> int:
     """Python's tuple hash: fastest, 64-bit, stable only within one process (str keys are salted)."""
     return hash((_BUILTIN_SEED if parent is None else parent, tokens, extra_keys))
 
@@ -76,7 +76,7 @@ def builtin_block_hash(parent: Optional[BlockHash], tokens: Tuple[int, ...], ext
 def _xxhash_fn() -> HashFn:
     import xxhash  # optional dependency
 
-    def xxhash_block_hash(parent: Optional[BlockHash], tokens: Tuple[int, ...], extra_keys: tuple) -> bytes:
+    def xxhash_block_hash(parent: BlockHash | None, tokens: tuple[int, ...], extra_keys: tuple) -> bytes:
         return xxhash.xxh3_128_digest(_canonical(parent, tokens, extra_keys))
 
     return xxhash_block_hash
@@ -87,7 +87,7 @@ def xxhash_available() -> bool:
     return importlib.util.find_spec("xxhash") is not None
 
 
-def make_hash_fn(algo: Union[str, HashFn] = "sha256") -> HashFn:
+def make_hash_fn(algo: str | HashFn = "sha256") -> HashFn:
     """The block hash function for ``algo`` (a name in HASH_ALGOS or a callable, returned as is)."""
     if callable(algo):
         return algo
@@ -111,9 +111,9 @@ class HashContext:
     spans: ``(start, end, key)`` token ranges with a key for every block they overlap (e.g. image hashes).
     """
 
-    salt: Optional[Union[str, bytes]] = None
+    salt: str | bytes | None = None
     extra: tuple = ()
-    spans: Tuple[Tuple[int, int, Hashable], ...] = ()
+    spans: tuple[tuple[int, int, Hashable], ...] = ()
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple:
         """Extra keys of block ``block_index`` (tokens ``[i*B, (i+1)*B)``)."""
@@ -136,8 +136,8 @@ def extend_block_hashes(
     num_tokens: int,
     block_size: int,
     ctx: HashContext,
-    hashes: List[BlockHash],
-) -> List[BlockHash]:
+    hashes: list[BlockHash],
+) -> list[BlockHash]:
     """Append to ``hashes`` the hashes of the full blocks within ``tokens[:num_tokens]`` it lacks; return it."""
     for i in range(len(hashes), num_tokens // block_size):
         parent = hashes[i - 1] if i > 0 else None

@@ -14,16 +14,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from mlxkv.blocks.block_pool import BlockPool
 from mlxkv.blocks.coordinator import PrefixHit
-from mlxkv.blocks.eviction import EvictionPolicy
 from mlxkv.blocks.events import KVEventBuffer
+from mlxkv.blocks.eviction import EvictionPolicy
 from mlxkv.blocks.hashing import HashContext, HashFn, extend_block_hashes, make_hash_fn
 from mlxkv.blocks.retention import DEFAULT_RETENTION, RetentionConfig
 from mlxkv.blocks.sequence import (
-    GroupTable, ManagerStats, OpenResult, SeqStatus, SequenceState, SlotAllocation, slot_mapping,
+    GroupTable,
+    ManagerStats,
+    OpenResult,
+    SeqStatus,
+    SequenceState,
+    SlotAllocation,
 )
 from mlxkv.blocks.specs import KVCacheGroupSpec
 from mlxkv.blocks.tables import BlockTables, ceil_div
@@ -52,13 +58,13 @@ class KVCacheManager:
         self,
         num_blocks: int,
         block_size: int,
-        groups: Optional[Sequence[KVCacheGroupSpec]] = None,
+        groups: Sequence[KVCacheGroupSpec] | None = None,
         *,
         enable_block_reuse: bool = True,
         enable_partial_reuse: bool = True,
         copy_on_partial_reuse: bool = True,
-        hash_algo: Union[str, HashFn] = "sha256",
-        eviction_policy: Union[str, EvictionPolicy] = "priority",
+        hash_algo: str | HashFn = "sha256",
+        eviction_policy: str | EvictionPolicy = "priority",
         event_capacity: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -73,16 +79,16 @@ class KVCacheManager:
             self.pool, self.specs, self.hash_fn, enable_block_reuse=enable_block_reuse,
             enable_partial_reuse=enable_partial_reuse, copy_on_partial_reuse=copy_on_partial_reuse,
         )
-        self._seqs: Dict[int, SequenceState] = {}
+        self._seqs: dict[int, SequenceState] = {}
         self._ids = itertools.count(1)
         self._arrivals = itertools.count()
-        self._preempted_log: List[int] = []
+        self._preempted_log: list[int] = []
         self._prompt_tokens = self._hit_tokens = self._preemptions = 0
 
     @classmethod
     def from_config(
-        cls, config: "KvCacheConfig", num_blocks: int, groups: Optional[Sequence[KVCacheGroupSpec]] = None, **kw
-    ) -> "KVCacheManager":
+        cls, config: KvCacheConfig, num_blocks: int, groups: Sequence[KVCacheGroupSpec] | None = None, **kw
+    ) -> KVCacheManager:
         """A manager with the block size, reuse and hashing settings of a KvCacheConfig."""
         return cls(
             num_blocks, config.block_size, groups, enable_block_reuse=config.enable_block_reuse,
@@ -106,10 +112,10 @@ class KVCacheManager:
         self,
         tokens: Sequence[int],
         *,
-        salt: Optional[Union[str, bytes]] = None,
+        salt: str | bytes | None = None,
         extra: tuple = (),
         spans: tuple = (),
-        retention: Optional[RetentionConfig] = None,
+        retention: RetentionConfig | None = None,
         priority: int = 0,
     ) -> OpenResult:
         """Register a sequence with its prompt and take its prefix hit.
@@ -148,11 +154,11 @@ class KVCacheManager:
     def allocate_slots(
         self,
         seq_id: int,
-        num_new_tokens: Optional[int] = None,
-        token_ids: Optional[Sequence[int]] = None,
+        num_new_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
         *,
         preempt: bool = False,
-    ) -> Optional[SlotAllocation]:
+    ) -> SlotAllocation | None:
         """Slots for the next tokens of a sequence.
 
         Either ``num_new_tokens`` of its pending prompt tokens (default: all), or new ``token_ids`` (decode
@@ -171,7 +177,7 @@ class KVCacheManager:
             if not 0 <= n <= pending:
                 raise ValueError(f"num_new_tokens={num_new_tokens}: expected 0..{pending} (pending prompt tokens)")
         self.tables.release_skipped(seq)
-        preempted: List[int] = []
+        preempted: list[int] = []
         while self.tables.blocks_needed(seq, n) > self.pool.num_free_blocks:
             victim = self.choose_victim(requester=seq_id) if preempt else None
             if victim is None:
@@ -186,7 +192,7 @@ class KVCacheManager:
         slots = self.slot_mapping(seq_id, start, start + n)
         return SlotAllocation(seq_id, start, n, slots, new_blocks, copies, preempted)
 
-    def commit(self, seq_id: int, num_tokens: Optional[int] = None) -> None:
+    def commit(self, seq_id: int, num_tokens: int | None = None) -> None:
         """Mark the next ``num_tokens`` allocated tokens as written and verified (default: all); full
         blocks of verified tokens become cached. Call it after the model step; unverified (draft) tokens
         are never cached."""
@@ -211,7 +217,7 @@ class KVCacheManager:
         self.tables.trim(seq, target)
         return removed
 
-    def fork(self, seq_id: int, n: int = 1) -> List[int]:
+    def fork(self, seq_id: int, n: int = 1) -> list[int]:
         """``n`` new sequences sharing every block of ``seq_id`` (ref counts); a shared partial tail is copied
         on its first write (a CopyOp from ``allocate_slots``). Fork after the model step that wrote the
         parent's allocated slots. Returns the new ids."""
@@ -239,7 +245,7 @@ class KVCacheManager:
             self.tables.release(seq)
         del self._seqs[seq_id]
 
-    def choose_victim(self, requester: Optional[int] = None) -> Optional[int]:
+    def choose_victim(self, requester: int | None = None) -> int | None:
         """The running sequence to preempt: lowest priority, then newest. With ``requester``, only one
         ranking strictly below it (never the requester itself); None when there is none."""
         def rank(s: SequenceState):
@@ -262,7 +268,7 @@ class KVCacheManager:
         seq.status = SeqStatus.PREEMPTED
         self._preemptions += 1
 
-    def take_preempted(self) -> List[int]:
+    def take_preempted(self) -> list[int]:
         """Sequences preempted by ``allocate_slots(preempt=True)`` since the last call."""
         out, self._preempted_log = self._preempted_log, []
         return out
@@ -293,7 +299,7 @@ class KVCacheManager:
     def status(self, seq_id: int) -> SeqStatus:
         return self._get(seq_id).status
 
-    def sequences(self) -> List[int]:
+    def sequences(self) -> list[int]:
         return list(self._seqs)
 
     def num_tokens(self, seq_id: int) -> int:
@@ -304,20 +310,21 @@ class KVCacheManager:
         """Positions whose K/V is written and verified."""
         return self._get(seq_id).num_committed
 
-    def token_ids(self, seq_id: int) -> List[int]:
+    def token_ids(self, seq_id: int) -> list[int]:
         """Known tokens: those with slots, then pending prompt tokens."""
         return list(self._get(seq_id).tokens)
 
-    def block_tables(self, seq_id: int) -> List[List[int]]:
+    def block_tables(self, seq_id: int) -> list[list[int]]:
         """Per group, the block ids of a sequence (0, the null block, where a group released a block)."""
         return [[b.block_id for b in t.blocks] for t in self._get(seq_id).tables]
 
-    def slot_mapping(self, seq_id: int, start: int, end: int) -> List[List[int]]:
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[list[int]]:
         """Per group, the flat slot of each position in ``[start, end)``."""
         seq = self._get(seq_id)
         if not 0 <= start <= end <= seq.num_allocated:
             raise ValueError(f"positions [{start}, {end}): expected within [0, {seq.num_allocated}]")
-        return [slot_mapping([b.block_id for b in t.blocks], range(start, end), self.block_size) for t in seq.tables]
+        B = self.block_size  # O(end - start), not O(table length): this runs every decode step
+        return [[t.blocks[p // B].block_id * B + p % B for p in range(start, end)] for t in seq.tables]
 
     def stats(self) -> ManagerStats:
         running = sum(s.status is SeqStatus.RUNNING for s in self._seqs.values())
@@ -329,7 +336,7 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests): each ref count equals the tables holding the block."""
         self.pool.check_invariants()
-        held: Dict[int, int] = {}
+        held: dict[int, int] = {}
         for seq in self._seqs.values():
             for spec, table in zip(self.specs, seq.tables):
                 assert len(table.blocks) == len(table.refs) == ceil_div(seq.num_allocated, self.block_size)

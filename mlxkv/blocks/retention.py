@@ -8,8 +8,9 @@ was set and then reads as the default 35 again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from itertools import pairwise
 
 from mlxkv.blocks.block import DEFAULT_PRIORITY
 
@@ -23,7 +24,7 @@ def _check_priority(value: object, what: str) -> int:
     return value
 
 
-def _check_duration(value: object, what: str) -> Optional[float]:
+def _check_duration(value: object, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -36,9 +37,9 @@ class TokenRangeRetention:
     """Priority for prompt tokens ``[start, end)`` (``end=None``: to the end of the prompt)."""
 
     start: int
-    end: Optional[int]
+    end: int | None
     priority: int
-    duration_s: Optional[float] = None
+    duration_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
@@ -60,12 +61,12 @@ class RetentionConfig:
     Raises ValueError for priorities outside 0..100, bad bounds or durations, and overlapping ranges.
     """
 
-    ranges: Tuple[TokenRangeRetention, ...] = ()
+    ranges: tuple[TokenRangeRetention, ...] = ()
     decode_priority: int = DEFAULT_PRIORITY
-    decode_duration_s: Optional[float] = None
+    decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        ranges: List[TokenRangeRetention] = []
+        ranges: list[TokenRangeRetention] = []
         for item in self.ranges:
             if isinstance(item, TokenRangeRetention):
                 ranges.append(item)
@@ -76,7 +77,7 @@ class RetentionConfig:
                     f"retention range {item!r}: expected (start, end|None, priority[, duration_s|None])"
                 )
         ranges.sort(key=lambda r: r.start)
-        for prev, cur in zip(ranges, ranges[1:]):
+        for prev, cur in pairwise(ranges):
             if prev.end is None or cur.start < prev.end:
                 raise ValueError(
                     f"retention ranges [{prev.start}, {prev.end}) and [{cur.start}, {cur.end}) overlap: "
@@ -86,7 +87,7 @@ class RetentionConfig:
         _check_priority(self.decode_priority, "decode_priority")
         object.__setattr__(self, "decode_duration_s", _check_duration(self.decode_duration_s, "decode_duration_s"))
 
-    def _rules(self, start: int, end: int, prompt_len: int) -> Iterable[Tuple[int, Optional[float]]]:
+    def _rules(self, start: int, end: int, prompt_len: int) -> Iterable[tuple[int, float | None]]:
         """(priority, duration) of every rule that touches tokens [start, end)."""
         lo, hi = start, min(end, prompt_len)
         if lo < hi:
@@ -102,7 +103,7 @@ class RetentionConfig:
         if end > prompt_len:
             yield self.decode_priority, self.decode_duration_s
 
-    def block_retention(self, start: int, end: int, prompt_len: int, now: float) -> Tuple[int, Optional[float]]:
+    def block_retention(self, start: int, end: int, prompt_len: int, now: float) -> tuple[int, float | None]:
         """``(priority, expiry)`` of a block holding tokens ``[start, end)`` of a sequence whose prompt has
         ``prompt_len`` tokens, set at clock time ``now``: the highest priority among its tokens; among equal
         priorities the longest-lived (no duration beats any duration). ``expiry`` is None for no expiry."""
@@ -120,8 +121,8 @@ DEFAULT_RETENTION = RetentionConfig()
 
 
 def merge_retention(
-    current: Tuple[int, Optional[float]], new: Tuple[int, Optional[float]], now: float
-) -> Tuple[int, Optional[float]]:
+    current: tuple[int, float | None], new: tuple[int, float | None], now: float
+) -> tuple[int, float | None]:
     """Combine a block's retention with a new request's: the higher effective priority wins; at equal
     priority the later expiry (None = never) wins. An expired current priority counts as the default."""
     cur_p, cur_exp = current

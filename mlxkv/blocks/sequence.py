@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Set
 
 from mlxkv.blocks.block import BlockHash, BlockRef, KVCacheBlock
 from mlxkv.blocks.block_pool import PoolStats
@@ -34,8 +34,8 @@ class OpenResult:
 
     seq_id: int
     num_cached_tokens: int
-    copies: List[CopyOp]
-    block_tables: List[List[int]]
+    copies: list[CopyOp]
+    block_tables: list[list[int]]
 
 
 @dataclass(slots=True)
@@ -51,10 +51,10 @@ class SlotAllocation:
     seq_id: int
     start: int
     num_tokens: int
-    slot_mapping: List[List[int]]
-    new_blocks: List[List[int]]
-    copies: List[CopyOp] = field(default_factory=list)
-    preempted: List[int] = field(default_factory=list)
+    slot_mapping: list[list[int]]
+    new_blocks: list[list[int]]
+    copies: list[CopyOp] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +76,10 @@ class ManagerStats:
 class GroupTable:
     """One sequence's block table in one group."""
 
-    blocks: List[KVCacheBlock] = field(default_factory=list)  # block i holds positions [i*B, (i+1)*B)
-    refs: List[Optional[BlockRef]] = field(default_factory=list)  # content ref of block i once cached/hit
+    blocks: list[KVCacheBlock] = field(default_factory=list)  # block i holds positions [i*B, (i+1)*B)
+    refs: list[BlockRef | None] = field(default_factory=list)  # content ref of block i once cached/hit
     num_cached: int = 0  # leading blocks already cached (committed or hit)
+    num_released: int = 0  # sliding/chunked: leading entries already replaced by the null block
 
 
 @dataclass(slots=True, eq=False)
@@ -86,21 +87,21 @@ class SequenceState:
     """Owned by KVCacheManager; the engine sees it only through the manager's methods."""
 
     seq_id: int
-    tokens: List[int]  # known tokens: [0, num_allocated) have slots, the rest are prompt tokens pending
+    tokens: list[int]  # known tokens: [0, num_allocated) have slots, the rest are prompt tokens pending
     prompt_len: int
     ctx: HashContext
     retention: RetentionConfig
     priority: int  # scheduling priority: higher is preempted later
     arrival: int  # open/fork order: among equal priorities the newest is preempted first
-    tables: List[GroupTable]
-    block_hashes: List[BlockHash] = field(default_factory=list)  # chained hashes of full blocks of `tokens`
+    tables: list[GroupTable]
+    block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks of `tokens`
     num_allocated: int = 0  # positions with a slot
     num_committed: int = 0  # positions whose K/V is written and verified (cacheable)
     status: SeqStatus = SeqStatus.RUNNING
-    unconfirmed_copies: Set[int] = field(default_factory=set)  # copy targets not yet followed by a commit
+    unconfirmed_copies: set[int] = field(default_factory=set)  # copy targets not yet followed by a commit
 
 
-def slot_mapping(block_table: Sequence[int], positions: Sequence[int], block_size: int) -> List[int]:
+def slot_mapping(block_table: Sequence[int], positions: Sequence[int], block_size: int) -> list[int]:
     """Flat slot index of each position: ``block_table[p // B] * B + p % B`` (page arrays viewed as
     ``[num_blocks * block_size, ...]``)."""
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]

@@ -10,7 +10,6 @@ the tokens of the current chunk only. Blocks wholly before ``first_needed`` can 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 ATTENTION_KINDS = ("full", "sliding", "chunked")
 
@@ -24,9 +23,9 @@ class KVCacheGroupSpec:
     """
 
     kind: str = "full"
-    window: Optional[int] = None
-    chunk_size: Optional[int] = None
-    layer_ids: Tuple[int, ...] = ()
+    window: int | None = None
+    chunk_size: int | None = None
+    layer_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ATTENTION_KINDS:

@@ -8,7 +8,7 @@ from the cache. Only verified (committed) tokens ever enter the cache.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from mlxkv.blocks.block import UNKNOWN_PARENT, KVCacheBlock
 from mlxkv.blocks.block_pool import BlockPool
@@ -46,7 +46,7 @@ class BlockTables:
             return PrefixHit(self.B, 0, [[] for _ in self.specs])
         return self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=len(tokens) - 1)
 
-    def attach(self, seq: SequenceState) -> Tuple[int, List[CopyOp]]:
+    def attach(self, seq: SequenceState) -> tuple[int, list[CopyOp]]:
         """Take the prefix hit of a sequence with empty tables; returns (cached tokens, copies)."""
         B, pool = self.B, self.pool
         hashes = extend_block_hashes(self.hash_fn, seq.tokens, len(seq.tokens), B, seq.ctx, seq.block_hashes)
@@ -65,12 +65,12 @@ class BlockTables:
         seq.num_allocated = seq.num_committed = n
         return n, copies or []
 
-    def _take_partial(self, seq: SequenceState, hit: PrefixHit) -> Optional[List[CopyOp]]:
+    def _take_partial(self, seq: SequenceState, hit: PrefixHit) -> list[CopyOp] | None:
         """Append every group's partially matching block, taken or copied; None (nothing taken) if not
         possible."""
         pool, n = self.pool, hit.num_partial_tokens
-        takes: List[KVCacheBlock] = []
-        srcs: List[KVCacheBlock] = []
+        takes: list[KVCacheBlock] = []
+        srcs: list[KVCacheBlock] = []
         for m in hit.partial:
             if m.block.ref_cnt == 0 and (m.block.block_hash is None or not self.copy_on_partial_reuse):
                 takes.append(m.block)  # nobody holds it: write into it directly (it leaves the cache)
@@ -105,11 +105,13 @@ class BlockTables:
             if spec.is_full:
                 continue
             stop = min(spec.first_needed(seq.num_committed) // self.B, len(table.blocks))
-            gone = [table.blocks[i] for i in range(stop) if not table.blocks[i].is_null]
-            if gone:
-                for i in range(stop):
-                    table.blocks[i] = self.pool.null_block
-                self.pool.free_blocks(gone[::-1])
+            if stop <= table.num_released:
+                continue
+            gone = [table.blocks[i] for i in range(table.num_released, stop) if not table.blocks[i].is_null]
+            for i in range(table.num_released, stop):
+                table.blocks[i] = self.pool.null_block
+            table.num_released = stop
+            self.pool.free_blocks(gone[::-1])
 
     def blocks_needed(self, seq: SequenceState, n: int) -> int:
         """New blocks ``grow(seq, n)`` takes from the pool."""
@@ -120,11 +122,11 @@ class BlockTables:
                 total += 1  # copy-on-write of a shared tail
         return total
 
-    def grow(self, seq: SequenceState, n: int) -> Tuple[List[CopyOp], List[List[int]]]:
+    def grow(self, seq: SequenceState, n: int) -> tuple[list[CopyOp], list[list[int]]]:
         """Slots for positions ``[num_allocated, num_allocated + n)`` (the caller checked they fit)."""
         B, start = self.B, seq.num_allocated
-        copies: List[CopyOp] = []
-        new_blocks: List[List[int]] = []
+        copies: list[CopyOp] = []
+        new_blocks: list[list[int]] = []
         for g, table in enumerate(seq.tables):
             if n > 0 and start % B:
                 self._make_writable(g, table, start // B, start % B, copies)
@@ -136,7 +138,7 @@ class BlockTables:
         seq.unconfirmed_copies.update(c.dst_block for c in copies)
         return copies, new_blocks
 
-    def _make_writable(self, g: int, table: GroupTable, idx: int, used: int, copies: List[CopyOp]) -> None:
+    def _make_writable(self, g: int, table: GroupTable, idx: int, used: int, copies: list[CopyOp]) -> None:
         block = table.blocks[idx]
         assert not block.is_null, "the block receiving new tokens is never released"
         if block.ref_cnt > 1:  # shared (fork, or a hit block cut by trim): copy-on-write
@@ -211,7 +213,9 @@ class BlockTables:
             pool.free_blocks(dropped[::-1])
             table.num_cached = min(table.num_cached, target // B)
             if not spec.is_full:
-                for i in spec.needed_blocks(target, B):
+                needed = spec.needed_blocks(target, B)
+                table.num_released = min(table.num_released, needed.start)
+                for i in needed:
                     if table.blocks[i].is_null:
                         block = pool.resolve(table.refs[i])
                         pool.touch([block], hit=False)
@@ -221,9 +225,9 @@ class BlockTables:
         seq.num_allocated = target
         seq.num_committed = min(seq.num_committed, target)
 
-    def share(self, seq: SequenceState) -> List[GroupTable]:
+    def share(self, seq: SequenceState) -> list[GroupTable]:
         """Copies of a sequence's tables holding one more reference on every block (fork)."""
-        tables = [GroupTable(list(t.blocks), list(t.refs), t.num_cached) for t in seq.tables]
+        tables = [GroupTable(list(t.blocks), list(t.refs), t.num_cached, t.num_released) for t in seq.tables]
         for table in tables:
             self.pool.touch(table.blocks, hit=False)
         return tables
@@ -246,4 +250,4 @@ class BlockTables:
                     )
             pool.free_blocks(table.blocks[::-1])
         for table in seq.tables:
-            table.blocks, table.refs, table.num_cached = [], [], 0
+            table.blocks, table.refs, table.num_cached, table.num_released = [], [], 0, 0

@@ -60,8 +60,20 @@ from mlxkv.cache.standard import KVCache
 from mlxkv.cache.storage import DenseStorage
 
 __all__ = [
-    "DEFAULT_MAX_REWIND", "LayerCache", "RewindError", "KVCache", "RotatingKVCache", "ChunkedKVCache",
-    "QuantizedKVCache", "QuantizedRotatingKVCache", "QuantizedChunkedKVCache", "DenseStorage",
-    "make_caches", "describe_layout", "layer_kind", "install_attention_hook",
-    "save_prompt_cache", "load_prompt_cache",
+    "DEFAULT_MAX_REWIND",
+    "ChunkedKVCache",
+    "DenseStorage",
+    "KVCache",
+    "LayerCache",
+    "QuantizedChunkedKVCache",
+    "QuantizedKVCache",
+    "QuantizedRotatingKVCache",
+    "RewindError",
+    "RotatingKVCache",
+    "describe_layout",
+    "install_attention_hook",
+    "layer_kind",
+    "load_prompt_cache",
+    "make_caches",
+    "save_prompt_cache",
 ]

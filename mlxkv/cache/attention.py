@@ -8,15 +8,13 @@ without dequantizing the cache, the same way mlx-lm's quantized attention does, 
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import mlx.core as mx
 
-Mask = Union[None, str, mx.array]
+Mask = None | str | mx.array
 
 
 def attend(queries: mx.array, keys, values, scale: float, mask: Mask = None,
-           sinks: Optional[mx.array] = None, bits: int | None = None, group_size: int = 64) -> mx.array:
+           sinks: mx.array | None = None, bits: int | None = None, group_size: int = 64) -> mx.array:
     """Scaled dot-product attention of ``queries`` over ``keys``/``values``.
 
     Args:
@@ -38,7 +36,7 @@ def attend(queries: mx.array, keys, values, scale: float, mask: Mask = None,
 
 
 def quantized_attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask: Mask,
-                     sinks: Optional[mx.array], bits: int, group_size: int) -> mx.array:
+                     sinks: mx.array | None, bits: int, group_size: int) -> mx.array:
     """Attention over quantized K/V planes (see :func:`attend`)."""
     B, n_q, L, D = queries.shape
     n_kv = keys[0].shape[1]

@@ -8,7 +8,7 @@ decides how attention runs) and ``rewindable`` (how many tokens ``trim`` can rem
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 
@@ -34,7 +34,7 @@ class LayerCache:
     """
 
     step = 256
-    bits: Optional[int]  # only quantized subclasses define these (mlx-lm checks hasattr(cache, "bits"))
+    bits: int | None  # only quantized subclasses define these (mlx-lm checks hasattr(cache, "bits"))
 
     def __init__(self, step: int = 256):
         self.step = step
@@ -43,7 +43,7 @@ class LayerCache:
         self._store = self._make_storage()
 
     # -- storage -----------------------------------------------------------------------------
-    def _max_rows(self) -> Optional[int]:
+    def _max_rows(self) -> int | None:
         """Cap on storage rows (a ring's size); ``None`` for unbounded."""
         return None
 
@@ -60,6 +60,11 @@ class LayerCache:
         """Bytes held by this cache's buffers (allocated capacity, not only filled rows)."""
         return self._store.nbytes
 
+    @property
+    def capacity(self) -> int:
+        """Token rows allocated in the storage buffers (grows ``step`` rows at a time)."""
+        return self._store.capacity
+
     def empty(self) -> bool:
         """True until the first ``update_and_fetch`` (or a loaded state)."""
         return self._store.empty()
@@ -70,7 +75,7 @@ class LayerCache:
 
     # -- attention ---------------------------------------------------------------------------
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
-               sinks: Optional[mx.array] = None) -> mx.array:
+               sinks: mx.array | None = None) -> mx.array:
         """Attention of ``queries`` over ``keys``/``values`` as returned by ``update_and_fetch``
         (or derived from them by the model, as MLA does). See :func:`mlxkv.cache.attention.attend`."""
         return attend(queries, keys, values, scale, mask, sinks,
@@ -127,15 +132,17 @@ class LayerCache:
         return ("keys", "values")
 
     @classmethod
-    def _blank(cls, scalars: tuple) -> "LayerCache":
+    def _blank(cls, scalars: tuple) -> LayerCache:
         raise NotImplementedError
 
     @classmethod
-    def from_state(cls, state, meta_state=None) -> "LayerCache":
+    def from_state(cls, state, meta_state=None) -> LayerCache:
         """Rebuild a cache from ``state`` (mlx-lm's format for the same-named class; also accepts the
         older split ``(arrays, meta_state)`` form)."""
         n = len(cls._arrays_state_names())
         arrays = tuple(state[:n])
+        if len(state) == n and meta_state is None:
+            raise ValueError(f"{cls.__name__}.from_state: the state holds only arrays; pass its meta_state too")
         scalars = tuple(state[n:]) if len(state) > n else tuple(int(s) for s in meta_state)
         obj = cls._blank(scalars)
         obj._restore(arrays, scalars)

@@ -8,8 +8,6 @@ llama4's own chunk mask expects. Storage keeps rows from ``_base``, a chunk star
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache
@@ -81,7 +79,7 @@ class ChunkedKVCache(LayerCache):
         self.offset += L
         return self._store.read(start - self._base, self.offset - self._base)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Chunk mask for ``N`` new queries over rows ``[start_position, offset + N)`` (llama4 builds its
         own; this serves any model that asks the cache)."""
         start = self.start_position
@@ -131,5 +129,5 @@ class ChunkedKVCache(LayerCache):
                          tuple(p[..., :rows, :] for p in self._planes(values)))
 
     @classmethod
-    def _blank(cls, scalars: tuple) -> "ChunkedKVCache":
+    def _blank(cls, scalars: tuple) -> ChunkedKVCache:
         return cls(int(scalars[1]))

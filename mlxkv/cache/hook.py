@@ -12,7 +12,7 @@ edited; models keep working with mlx-lm's own caches after the hook is installed
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
@@ -22,7 +22,7 @@ _ORIGINAL = getattr(mlx_base.scaled_dot_product_attention, "__wrapped__", mlx_ba
 
 
 def dispatch_attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
-                       mask: Optional[Any], sinks: Optional[mx.array] = None) -> mx.array:
+                       mask: Any | None, sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` signature; the cache decides how attention runs."""
     attend = getattr(cache, "attend", None)
     if attend is not None:

@@ -23,7 +23,7 @@ latents directly) refuse it.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
 
@@ -47,7 +47,7 @@ def _model_caches(model: Any) -> list:
     return mlx_cache.make_prompt_cache(model)
 
 
-def make_caches(model: Any, max_kv_size: Optional[int] = None, kv_bits: Optional[int] = None,
+def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None = None,
                 kv_group_size: int = 64, max_rewind: int = DEFAULT_MAX_REWIND) -> list:
     """mlxkv layer caches for ``model``, one per layer, in the layout its attention needs.
 
@@ -118,7 +118,7 @@ def layer_kind(cache: Any) -> str:
     return f"recurrent({type(cache).__name__})"
 
 
-def describe_layout(model: Any, max_kv_size: Optional[int] = None, kv_bits: Optional[int] = None,
+def describe_layout(model: Any, max_kv_size: int | None = None, kv_bits: int | None = None,
                     kv_group_size: int = 64) -> str:
     """One line for a README table: each layer kind with its count, in order of first layer,
     e.g. ``"chunked(16) x3, standard x1"``."""

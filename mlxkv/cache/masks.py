@@ -10,14 +10,12 @@ Rows that hold no token get position ``EMPTY`` (never visible).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 EMPTY = 2**30  # position of a row with no token: greater than any query position, so never visible
 
 
-def visible(q_pos: mx.array, k_pos: mx.array, window: Optional[int] = None, sinks: int = 0) -> mx.array:
+def visible(q_pos: mx.array, k_pos: mx.array, window: int | None = None, sinks: int = 0) -> mx.array:
     """Boolean ``(N, K)`` mask: query ``i`` (at ``q_pos[i]``) may attend key ``j`` (at ``k_pos[j]``)."""
     q = q_pos[:, None]  # (N, 1)
     k = k_pos[None]  # (1, K)
@@ -30,12 +28,12 @@ def visible(q_pos: mx.array, k_pos: mx.array, window: Optional[int] = None, sink
     return mask  # (N, K)
 
 
-def causal_window(N: int, offset: int, window: Optional[int] = None) -> mx.array:
+def causal_window(N: int, offset: int, window: int | None = None) -> mx.array:
     """``(N, offset + N)`` mask for keys at positions ``0 .. offset+N-1`` (mlx-lm's causal mask)."""
     return visible(mx.arange(offset, offset + N), mx.arange(offset + N), window)
 
 
-def standard_mask(N: int, offset: int, return_array: bool = False, window_size: Optional[int] = None):
+def standard_mask(N: int, offset: int, return_array: bool = False, window_size: int | None = None):
     """The mask a full-attention cache holding ``offset`` tokens gives ``N`` new queries.
 
     ``"causal"`` or ``None`` where no array is needed, like mlx-lm (so attention takes its fast path).

@@ -17,8 +17,6 @@ multi-token updates past the window with ``keep > 0`` mlx-lm masks the sinks out
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache
@@ -153,7 +151,7 @@ class RotatingKVCache(LayerCache):
         pos = mx.concatenate([mx.arange(n_sink), mx.arange(start, self.offset + N)])
         return pos, start, n_sink
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return.
 
         ``None`` (one query) or ``"causal"`` (several) when every earlier returned row is visible,
@@ -237,6 +235,6 @@ class RotatingKVCache(LayerCache):
         return x[..., :idx, :]
 
     @classmethod
-    def _blank(cls, scalars: tuple) -> "RotatingKVCache":
+    def _blank(cls, scalars: tuple) -> RotatingKVCache:
         _, keep, max_size, _ = (int(s) for s in scalars)
         return cls(max_size, keep)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from mlxkv.cache.base import LayerCache
 from mlxkv.cache.masks import standard_mask
 
@@ -28,7 +26,7 @@ class KVCache(LayerCache):
         self.offset += keys.shape[2]
         return self._store.read(0, self.offset)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for ``N`` new queries: ``"causal"`` / ``None`` / an array exactly as mlx-lm's KVCache."""
         return standard_mask(N, self.offset, return_array, window_size)
 
@@ -64,5 +62,5 @@ class KVCache(LayerCache):
         self._store.load(k, v)
 
     @classmethod
-    def _blank(cls, scalars: tuple) -> "KVCache":
+    def _blank(cls, scalars: tuple) -> KVCache:
         return cls()

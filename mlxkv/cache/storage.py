@@ -15,12 +15,10 @@ of its own buffers; the views ``read`` returns belong to the caller's forward pa
 
 from __future__ import annotations
 
-from typing import Union
-
 import mlx.core as mx
 
 Planes = tuple  # tuple[mx.array, ...]: one dense plane, or (packed, scales, biases)
-Presented = Union[mx.array, tuple]  # what the model sees: an array (dense) or mlx-lm's quantized tuple
+Presented = mx.array | tuple  # what the model sees: an array (dense) or mlx-lm's quantized tuple
 
 VALID_BITS = (4, 8)
 VALID_GROUP_SIZES = (32, 64, 128)

@@ -47,8 +47,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
-        if self.max_queue_depth < 0:
-            raise ValueError(f"max_queue_depth must be >= 0, got {self.max_queue_depth}")
+        if self.max_queue_depth < 1:  # every request passes through the queue, if only for one step
+            raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
 

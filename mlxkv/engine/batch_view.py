@@ -42,6 +42,7 @@ class KVBatchView:
         self.attended = False  # set by attend: proves the attention hook routed this layer to us
         self._fetched: list | None = None  # per sequence: what its cache returned, (1, n_kv, L_i, D) each
         self._returned: tuple | None = None  # the padded (B, ...) pair handed back to the model
+        self._lengths: list[int] = []  # keys each sequence's cache returned this step
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any):
         """The decode mask: ``None`` when every sequence sees all of its fetched keys (the usual case).
@@ -52,7 +53,10 @@ class KVBatchView:
         """
         if N != 1:
             raise BatchUnsupported(f"batch views run decode steps of one token, got {N}")
-        ask = lambda c, arr: c.make_mask(N, return_array=arr, window_size=window_size)  # noqa: E731
+
+        def ask(c: Any, arr: bool) -> Any:
+            return c.make_mask(N, return_array=arr, window_size=window_size)
+
         masks = [ask(c, return_array) if hasattr(c, "make_mask") else None for c in self.caches]
         if all(m is None for m in masks):
             return None
@@ -76,18 +80,17 @@ class KVBatchView:
         """
         fetched = []
         for b, cache in enumerate(self.caches):
-            row = lambda x: x[b : b + 1]  # noqa: E731
-            fetched.append(cache.update_and_fetch(tree_map(row, keys), tree_map(row, values)))
+            k, v = (tree_map(lambda x, b=b: x[b : b + 1], t) for t in (keys, values))  # (1, n_kv, 1, D)
+            fetched.append(cache.update_and_fetch(k, v))  # (1, n_kv, L_b, D) each
         self._fetched = fetched
-        lengths = [_length(k) for k, _ in fetched]
-        width = max(lengths)
-        pad = lambda x, n: mx.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n), (0, 0)]) if n else x  # noqa: E731
+        self._lengths = [_length(k) for k, _ in fetched]
+        width = max(self._lengths)
         stacked = []
         for part in (0, 1):
-            per_seq = [tree_map(lambda x, n=width - n_i: pad(x, n), f[part]) for f, n_i in zip(fetched, lengths)]
+            per_seq = [tree_map(lambda x, n=width - n_b: _pad_rows(x, n), f[part])
+                       for f, n_b in zip(fetched, self._lengths)]
             stacked.append(tree_map(lambda *xs: mx.concatenate(xs, axis=0), *per_seq))  # (B, n_kv, Lmax, D)
         self._returned = (stacked[0], stacked[1])
-        self._lengths = lengths
         return self._returned
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
@@ -104,7 +107,7 @@ class KVBatchView:
             if own:
                 k, v = self._fetched[b]
             else:  # the model transformed what we returned (e.g. latent attention): slice its rows
-                k, v = (tree_map(lambda x: x[b : b + 1, ..., :n, :], t) for t in (keys, values))
+                k, v = (tree_map(lambda x, b=b, n=n: x[b : b + 1, ..., :n, :], t) for t in (keys, values))
             m = _row_mask(mask, b, n)
             q = queries[b : b + 1]  # (1, n_q, 1, D)
             if hasattr(cache, "attend"):
@@ -112,6 +115,11 @@ class KVBatchView:
             else:
                 outs.append(scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=m, sinks=sinks))
         return mx.concatenate(outs, axis=0)  # (B, n_q, 1, D_v)
+
+
+def _pad_rows(x: mx.array, n: int) -> mx.array:
+    """``x`` (..., L, D) with ``n`` zero rows appended along L."""
+    return mx.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n), (0, 0)]) if n else x
 
 
 def _length(fetched_keys: Any) -> int:

@@ -18,7 +18,8 @@ supported; ``MLXKV_NO_PADDED_PREFILL=1`` turns it off and wins over FORCE.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache

@@ -17,7 +17,6 @@ from mlxkv.engine.sampling import SamplingParams
 
 #: Retention priorities run 0-100; TensorRT-LLM's default for blocks without a rule is 35.
 DEFAULT_RETENTION_PRIORITY = 35
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _request_ids = itertools.count(1)
 
 

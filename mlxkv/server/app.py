@@ -137,7 +137,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(503, str(exc), "engine_stopped") from None
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_value") from None
-        builder = ResponseBuilder(chat=chat, model=body.model or model_name)
+        builder = ResponseBuilder(chat=chat, model=model_name)
         if body.stream:
             return StreamingResponse(_stream(handle, builder, body.n, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,160 @@
+"""PagedLayerCache: one sequence's view of one attention layer's pages, in mlx-lm's cache protocol.
+
+``update_and_fetch`` writes the new rows into their page slots (``kv_write``) and returns the rows the new
+queries may attend as *lazy* gathers of the pages: full attention all rows, a sliding window of W the last
+``W - 1`` before the new ones, chunked attention the rows from the current chunk's start (what the dense
+layouts return for the same positions, so masks and logits match). ``attend`` runs ``paged_attention`` over
+the page arrays for a single-token decode step when it is handed exactly the arrays it returned (so the
+gather is never computed); anything else — prefill chunks, tensors the model derived (MLA) — goes to dense
+SDPA on the given tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.blocks import KVCacheGroupSpec
+from mlxkv.cache.attention import attend as dense_attend
+from mlxkv.cache.masks import standard_mask, visible
+from mlxkv.kernels import paged_attention
+from mlxkv.paged.sequence import PagedSequence
+
+
+class PagedLayerCache:
+    """Paged cache of one layer of one sequence (full, sliding window or chunked, from ``spec``).
+
+    Args:
+        seq: the sequence (manager bridge, shared by its layers).
+        layer: model layer index (selects the page arrays).
+        group: manager group index of this layer; spec: that group's spec.
+    """
+
+    def __init__(self, seq: PagedSequence, layer: int, group: int, spec: KVCacheGroupSpec):
+        self.seq = seq
+        self.layer = layer
+        self.group = group
+        self.spec = spec
+        self.offset = seq.num_cached
+        self._returned: tuple[mx.array, mx.array] | None = None  # this step's fetched K/V (identity check)
+
+    # -- geometry ----------------------------------------------------------------------------------
+    @property
+    def window(self) -> int | None:
+        return self.spec.window if self.spec.kind == "sliding" else None
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.spec.chunk_size if self.spec.kind == "chunked" else None
+
+    @property
+    def start_position(self) -> int:
+        """First position returned for the next tokens (llama4 reads it to build its chunk mask)."""
+        return self._first_returned(self.offset)
+
+    def _first_returned(self, offset: int) -> int:
+        """First key position ``update_and_fetch`` returns for new tokens starting at ``offset``."""
+        if self.spec.kind == "sliding":
+            return max(0, offset - self.spec.window + 1)
+        if self.spec.kind == "chunked":
+            return offset // self.spec.chunk_size * self.spec.chunk_size
+        return 0
+
+    def maybe_trim_front(self) -> None:
+        """llama4 calls this before each forward; the manager releases blocks leaving the chunk."""
+
+    # -- protocol ----------------------------------------------------------------------------------
+    def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        bs = self.seq.storage.block_size
+        first_block = start // bs
+        ids = self.seq.table(self.group)[first_block:-(-end // bs)]  # (n,)
+        return self.seq.storage.gather(self.layer, ids, start - first_block * bs, end - start)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``(1, n_kv, N, D)`` rows at ``offset``; return the attendable rows ``(1, n_kv, K, D)`` (lazy)."""
+        self._returned = None  # no view of the old pages may outlive this write
+        if keys.shape[0] != 1:
+            raise ValueError(f"a paged layer cache holds one sequence; got a batch of {keys.shape[0]}")
+        o, N = self.offset, keys.shape[2]
+        slots = self.seq.slots(self.group, o, o + N)  # (N,)
+        self.seq.storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+        self.offset = o + N
+        self._returned = self._fetch(self._first_returned(o), o + N)
+        return self._returned
+
+    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """Decode through ``paged_attention`` on the pages when handed this step's own fetched K/V with no
+        mask; otherwise dense SDPA on the given tensors."""
+        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        self._returned = None
+        storage = self.seq.storage
+        if (own and mask is None and queries.shape[0] == 1 and queries.shape[2] == 1
+                and storage.keys[self.layer].shape == storage.values[self.layer].shape
+                and queries.shape[-1] == storage.keys[self.layer].shape[-1]):
+            return paged_attention(
+                queries, storage.keys[self.layer], storage.values[self.layer], self.seq.table(self.group)[None],
+                mx.array([self.offset], dtype=mx.int32), scale=scale, window=self.window,
+                chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset,
+            )  # (1, n_q, 1, D)
+        return dense_attend(queries, keys, values, scale, mask, sinks)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return (as the dense layouts)."""
+        o = self.offset
+        if self.spec.kind == "full":
+            return standard_mask(N, o, return_array, window_size)
+        start = self._first_returned(o)
+        q, k = mx.arange(o, o + N), mx.arange(start, o + N)
+        if self.spec.kind == "sliding":
+            w = self.spec.window if window_size is None else min(window_size, self.spec.window)
+            if not return_array and (o + N - 1) - start < w:
+                return None if N == 1 else "causal"
+            return visible(q, k, w)
+        C = self.spec.chunk_size
+        if not return_array and window_size is None and (o + N - 1) // C * C == start:
+            return None if N == 1 else "causal"
+        return visible(q, k, window_size) & ((q[:, None] // C) == (k[None] // C))  # (N, K)
+
+    def size(self) -> int:
+        return self.offset - self._first_returned(self.offset)
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def rewindable(self) -> int:
+        return self.offset
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens through the manager (emptied blocks go back to the pool); returns the
+        number removed (less when a window's released block was evicted meanwhile)."""
+        target = self.offset - min(max(int(n), 0), self.offset)
+        self._returned = None
+        if self.seq.num_tokens > target:
+            self.seq.trim_to(target)
+        new = min(self.offset, max(target, self.seq.num_tokens))
+        removed, self.offset = self.offset - new, new
+        return removed
+
+    @property
+    def nbytes(self) -> int:
+        """This sequence's share of this layer's pages: its blocks x bytes per block of the layer."""
+        return self.seq.blocks_held(self.group) * self.seq.layer_block_bytes[self.layer]
+
+    def arrays(self) -> list[mx.array]:
+        """The layer's page arrays (for ``mx.eval`` between prefill chunks)."""
+        s = self.seq.storage
+        return [a for a in (s.keys[self.layer], s.values[self.layer]) if a is not None]
+
+    @property
+    def state(self) -> tuple:
+        """``(keys, values, offset)``: the attendable rows gathered densely (read-only; no ``from_state``)."""
+        if self.offset == 0 or not self.seq.storage.allocated(self.layer):
+            return (None, None, self.offset)
+        start = self._first_returned(self.offset - 1) if self.spec.kind != "full" else 0
+        k, v = self._fetch(start, self.offset)
+        return (k, v, self.offset)

@@ -1,0 +1,85 @@
+"""Page arrays: the K/V storage every paged sequence of one model shares.
+
+One pair of page arrays per attention layer, ``[num_blocks, block_size, kv_heads, head_dim]``, indexed by the
+block ids of :mod:`mlxkv.blocks` (block 0 is the null block, never read unmasked). A layer's arrays are
+allocated at its first write, from that write's kv_heads / head_dim / dtype, so models whose keys and values
+differ in width (MLA caches a latent and a rope key) work too.
+
+Ownership: this object is the only holder of each page array, and rebinds it to every write's result, so a
+decode write is O(rows) (MLX donates the buffer) — see :mod:`mlxkv.kernels.kv_write_ref`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxkv.kernels import kv_write
+
+
+def _scatter(pages: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
+    """Write ``rows`` ``(T, H, D)`` into flat ``slots`` of ``pages`` (for K/V pairs of unequal shapes)."""
+    flat = pages.reshape(-1, *pages.shape[2:])  # (slots, H, D)
+    flat[slots] = rows.astype(pages.dtype)
+    return flat.reshape(pages.shape)
+
+
+class PagedStorage:
+    """Per-layer page arrays over one block pool.
+
+    Args:
+        num_blocks: pages per layer (the null block included), the manager's pool size.
+        block_size: token rows per page.
+        num_layers: model layers (recurrent layers simply never write).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_layers: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.keys: list[mx.array | None] = [None] * num_layers  # (num_blocks, bs, kv_heads, D_k) once written
+        self.values: list[mx.array | None] = [None] * num_layers
+
+    def allocated(self, layer: int) -> bool:
+        return self.keys[layer] is not None
+
+    def _ensure(self, layer: int, k: mx.array, v: mx.array) -> None:
+        if self.keys[layer] is None:
+            shape = (self.num_blocks, self.block_size)
+            self.keys[layer] = mx.zeros((*shape, *k.shape[1:]), dtype=k.dtype)  # (NB, bs, H, D_k)
+            self.values[layer] = mx.zeros((*shape, *v.shape[1:]), dtype=v.dtype)  # (NB, bs, H, D_v)
+
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """Write rows ``k``/``v`` ``(T, kv_heads, D)`` into the flat ``slots`` (int32 ``(T,)``) of a layer."""
+        self._ensure(layer, k, v)
+        kp, vp = self.keys[layer], self.values[layer]
+        self.keys[layer] = self.values[layer] = None  # keep the pages sole-owned while the write is built
+        if kp.shape == vp.shape:
+            kp, vp = kv_write(kp, vp, slots, k, v)
+        else:
+            kp, vp = _scatter(kp, slots, k), _scatter(vp, slots, v)
+        self.keys[layer], self.values[layer] = kp, vp
+
+    def copy_block(self, layer: int, src: int, dst: int, num_tokens: int) -> None:
+        """Copy rows ``[0, num_tokens)`` of page ``src`` into page ``dst`` (a CopyOp, for one layer)."""
+        if self.keys[layer] is None:
+            return  # nothing was ever written in this layer, so the source holds nothing either
+        for pages in (self.keys, self.values):
+            p = pages[layer]
+            p[dst, :num_tokens] = p[src, :num_tokens]
+
+    def gather(self, layer: int, block_ids: mx.array, first: int, length: int) -> tuple[mx.array, mx.array]:
+        """Rows ``[first, first + length)`` of the concatenated pages ``block_ids`` (int32 ``(n,)``), as
+        ``(1, kv_heads, length, D)`` keys and values. Lazy: nothing is computed unless it is used."""
+        out = []
+        for pages in (self.keys, self.values):
+            p = mx.take(pages[layer], block_ids, axis=0)  # (n, bs, H, D)
+            p = p.reshape(-1, *p.shape[2:])[first:first + length]  # (length, H, D)
+            out.append(p.transpose(1, 0, 2)[None])  # (1, H, length, D)
+        return out[0], out[1]
+
+    def arrays(self) -> list[mx.array]:
+        """Every allocated page array (for ``mx.eval``)."""
+        return [a for a in (*self.keys, *self.values) if a is not None]
+
+    def nbytes(self) -> int:
+        """Bytes of the allocated page arrays (the whole pool share of every layer written so far)."""
+        return sum(a.nbytes for a in self.arrays())

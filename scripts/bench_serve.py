@@ -1,0 +1,246 @@
+"""Serving benchmark: ``mlxkv serve`` vs ``mlx_lm.server`` on the same model folder, same shared-prefix workload.
+
+Each server runs alone (one after the other) as a subprocess on 127.0.0.1. The workload: chat requests that
+share a long system prompt and differ in the user question, streamed, greedy, ``--max-tokens`` each. At each
+concurrency level (1, 4, 8 clients by default) every client sends ``--requests-per-client`` requests back to
+back. Reported: time to first token (TTFT) p50/p95, aggregate output tok/s, and mlxkv/mlx-lm ratios; a PNG plot
+when matplotlib is installed.
+
+Note: mlx_lm.server reuses shared prompt prefixes through its prompt cache; mlxkv serve has no prefix cache
+until paged storage lands, so this workload favours mlx-lm on TTFT for now.
+
+    python scripts/bench_serve.py                      # a random llama (hidden 256, 4 layers) + test tokenizer
+    python scripts/bench_serve.py --model path/to/model --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+PREFIX = ("You are a patient teacher of the Python language. Answer with short, correct explanations and one "
+          "example. The import statement binds names in a module namespace; generators yield values lazily; "
+          "context managers release resources when their block ends; classes bundle data and behaviour. ") * 4
+MODEL_NAME = ["default"]  # mlx_lm.server loads whatever `model` names: send the folder both servers serve
+QUESTIONS = ["What is a tuple?", "How does import work?", "What is a generator?", "Explain the with statement.",
+             "What is a decorator?", "How do exceptions propagate?", "What is a list comprehension?",
+             "What does yield from do?", "How are arguments passed?", "What is a closure?"]
+
+
+def write_model(out: Path, hidden: int, layers: int, seed: int = 0) -> Path:
+    """A random-weight float32 llama with the test tokenizer, saved where both servers can load it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes, save_config
+
+    from mlxkv.testing.archs import TEST_VOCAB_SIZE, get_config
+    from mlxkv.testing.tokenizer import write_tokenizer
+
+    config = get_config("llama")
+    heads = max(1, hidden // 64)
+    config.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
+                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+    model_class, args_class = _get_classes(config=config)
+    model = model_class(args_class.from_dict(config))
+    mx.random.seed(seed)
+    params = [(k, mx.random.normal(v.shape) * (2.0 / v.shape[-1] ** 0.5) if v.ndim > 1 else mx.ones(v.shape))
+              for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    save_config(config, out / "config.json")
+    write_tokenizer(out, vocab_size=TEST_VOCAB_SIZE, model_max_length=config["max_position_embeddings"])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(name: str, model: str, port: int, max_sequences: int) -> subprocess.Popen:
+    if name == "mlxkv":
+        cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+               "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning"]
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "WARNING"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{name} server did not come up")
+        time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def one_request(url: str, question: str, max_tokens: int, system: str = PREFIX) -> tuple[float, int]:
+    """Stream one chat completion; return (seconds to the first content, completion tokens)."""
+    import httpx
+
+    body = {"model": MODEL_NAME[0], "messages": [{"role": "system", "content": system},
+                                                 {"role": "user", "content": question}],
+            "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, chunks, usage = None, 0, None
+    with httpx.Client(timeout=300) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]["completion_tokens"]
+            for choice in data.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+    return (ttft if ttft is not None else time.perf_counter() - start), (usage if usage is not None else chunks)
+
+
+def run_level(url: str, clients: int, per_client: int, max_tokens: int, distinct: bool) -> dict:
+    ttfts: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for i in range(per_client):
+            k = c * per_client + i
+            # distinct: a unique opening line defeats prefix reuse (mlx-lm's prompt cache) for every request
+            system = f"Session {clients}-{k}. {PREFIX}" if distinct else PREFIX
+            t, n = one_request(url, QUESTIONS[k % len(QUESTIONS)], max_tokens, system)
+            with lock:
+                ttfts.append(t)
+                tokens[0] += n
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    q = statistics.quantiles(ttfts, n=20, method="inclusive") if len(ttfts) > 1 else ttfts * 19
+    return {"clients": clients, "requests": len(ttfts), "ttft_p50": statistics.median(ttfts), "ttft_p95": q[18],
+            "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall}
+
+
+def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, distinct: bool) -> list[dict]:
+    port = free_port()
+    proc = start_server(name, model, port, max(levels))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        one_request(url, "warm up", 4)
+        results = []
+        for clients in levels:
+            r = run_level(url, clients, per_client, max_tokens, distinct)
+            print(f"  {name:6s} clients={clients}: TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  p95 "
+                  f"{r['ttft_p95'] * 1e3:7.1f} ms  {r['tok_s']:7.1f} tok/s  ({r['tokens']} tokens, "
+                  f"{r['wall_s']:.1f}s)", flush=True)
+            results.append(r)
+        return results
+    finally:
+        stop_server(proc)
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, rows in results.items():
+        x = [r["clients"] for r in rows]
+        a.plot(x, [r["ttft_p50"] * 1e3 for r in rows], marker="o", label=f"{name} p50")
+        a.plot(x, [r["ttft_p95"] * 1e3 for r in rows], marker="x", linestyle="--", label=f"{name} p95")
+        b.plot(x, [r["tok_s"] for r in rows], marker="o", label=name)
+    a.set(xlabel="concurrent clients", ylabel="TTFT (ms)", title="Time to first token")
+    b.set(xlabel="concurrent clients", ylabel="output tok/s", title="Aggregate throughput")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model folder both servers load (default: write a random llama)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--workload", choices=["shared", "distinct"], default="shared",
+                   help="shared: one long system prompt for all requests; distinct: each request's prompt differs "
+                        "from its first tokens (no prefix reuse on either side)")
+    p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
+    args = p.parse_args()
+    try:
+        from bench_common import ensure_openblas
+
+        print(f"BLAS: {ensure_openblas()}")  # both server processes inherit it
+    except ImportError:
+        pass
+    tmp = None
+    model = args.model
+    if model is None:
+        tmp = tempfile.TemporaryDirectory()
+        model = str(write_model(Path(tmp.name) / "llama", args.hidden, args.layers))
+        print(f"model: random llama hidden={args.hidden} layers={args.layers} (test tokenizer) in {model}")
+    MODEL_NAME[0] = model
+    results = {}
+    for name in ("mlxkv", "mlx-lm"):
+        results[name] = bench(name, model, args.clients, args.requests_per_client, args.max_tokens,
+                              args.workload == "distinct")
+    print(f"\nworkload: {args.workload} prefix; ratios mlxkv / mlx-lm (TTFT: lower is better; tok/s: higher is better)")
+    for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
+        print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
+              f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")
+    if plot(results, Path(args.plot)):
+        print(f"plot: {args.plot}")
+    else:
+        print("plot: skipped (matplotlib not installed)")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
