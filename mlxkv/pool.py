@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 CacheFactory = Callable[[Any], list]
 LAYOUTS = ("mlxkv", "mlx-lm")
+BACKENDS = ("dense", "paged")
 
 
 class PoolFullError(RuntimeError):
@@ -41,6 +42,22 @@ class Sequence:
     caches: list  # one per model layer; the layout follows the layer's attention
     prompt_length: int  # tokens in the prompt (set by the engine at prefill)
     created_at: float = field(default_factory=time.monotonic)
+    paged: Any = None  # paged backend: the mlxkv.paged.PagedSequence (block manager bridge); None when dense
+
+    @property
+    def num_cached(self) -> int:
+        """Prompt tokens served by the prefix cache (paged backend); prefill starts there."""
+        return self.paged.num_cached if self.paged is not None else 0
+
+    def feed(self, token_ids: list[int]) -> None:
+        """Announce the tokens the next model step appends (paged: allocates their slots; dense: no-op)."""
+        if self.paged is not None:
+            self.paged.feed(token_ids)
+
+    def commit(self) -> None:
+        """After a model step: its tokens are verified (paged: full blocks become cached; dense: no-op)."""
+        if self.paged is not None:
+            self.paged.commit()
 
     @property
     def offset(self) -> int:
@@ -97,11 +114,16 @@ class CachePool:
         kv_bits: quantize K/V to 4 or 8 bits (``None``: full precision).
         kv_group_size: quantization group size.
         cache_factory: overrides ``layout``: ``factory(model) -> list`` of layer caches.
+        backend: ``"dense"`` (per-sequence buffers, default) or ``"paged"`` (blocks of one shared pool, with
+            prefix caching: :class:`mlxkv.paged.PagedBackend`; ``open`` then takes the prompt tokens).
+        kv_config: paged backend: block size, budget and reuse settings (default ``KvCacheConfig()``).
+        num_blocks: paged backend: pool size in blocks, overriding the budget.
     """
 
     def __init__(self, model: Any, *, max_sequences: int = 16, layout: str = "mlxkv",
                  max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
-                 cache_factory: CacheFactory | None = None):
+                 cache_factory: CacheFactory | None = None, backend: str = "dense", kv_config: Any = None,
+                 num_blocks: int | None = None):
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         if layout not in LAYOUTS:
@@ -110,9 +132,20 @@ class CachePool:
             raise ValueError(f"kv_bits must be 4, 8 or None, got {kv_bits}")
         if max_kv_size is not None and max_kv_size < 1:
             raise ValueError(f"max_kv_size must be >= 1, got {max_kv_size}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.model = model
         self.max_sequences = max_sequences
         self.layout = layout
+        self.backend = backend
+        self.paged = None
+        if backend == "paged":
+            from mlxkv.config import KvCacheConfig
+            from mlxkv.paged import PagedBackend
+
+            if layout != "mlxkv" or cache_factory is not None:
+                raise ValueError("backend='paged' builds its own caches: use layout='mlxkv' and no cache_factory")
+            self.paged = PagedBackend(model, kv_config or KvCacheConfig(backend="paged"), num_blocks=num_blocks)
         if cache_factory is None:
             build = mlxkv_caches if layout == "mlxkv" else mlx_lm_caches
             options = dict(max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
@@ -121,16 +154,30 @@ class CachePool:
         self._ids = itertools.count(1)
         self._sequences: dict[SequenceId, Sequence] = {}
 
-    def open(self, prompt_length: int = 0) -> Sequence:
+    def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None,
+             salt: str | bytes | None = None) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
+
+        Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
+        and takes its prefix hit (``seq.num_cached`` tokens need no compute); ``salt`` isolates caches
+        (sequences with different salts never share blocks).
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
+            ValueError: paged backend without ``prompt``.
         """
         if len(self._sequences) >= self.max_sequences:
             raise PoolFullError(
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
+        if self.paged is not None:
+            if not prompt:
+                raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
+            caches, paged = self.paged.open(prompt, salt=salt)
+            seq = Sequence(id=SequenceId(next(self._ids)), caches=caches,
+                           prompt_length=prompt_length or len(prompt), paged=paged)
+            self._sequences[seq.id] = seq
+            return seq
         seq = Sequence(id=SequenceId(next(self._ids)), caches=self._factory(self.model),
                        prompt_length=prompt_length)
         self._sequences[seq.id] = seq
@@ -148,6 +195,14 @@ class CachePool:
         seq = self.get(seq_id)
         del self._sequences[seq_id]
         seq.caches.clear()  # drop our references so MLX can free the buffers
+        if seq.paged is not None:
+            self.paged.release(seq.paged)  # blocks back to the pool, tail first; verified ones stay cached
+
+    def check_invariants(self) -> None:
+        """Assert pool consistency (tests): paged: manager invariants, open sequences == manager sequences."""
+        if self.paged is not None:
+            self.paged.check_invariants()
+            assert sorted(s.paged.seq_id for s in self._sequences.values()) == sorted(self.paged.sequences)
 
     def memory_usage_bytes(self) -> int:
         """Bytes allocated by the K/V buffers (and recurrent state) of every open sequence."""

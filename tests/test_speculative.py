@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxkv.cache import install_attention_hook
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.engine.drafters import Draft, DraftModelDrafter, Drafter, PromptLookupDrafter
+from mlxkv.engine.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupDrafter
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculative import SpeculativeEngine, SpeculativeStats
 from mlxkv.models import load
@@ -134,9 +134,29 @@ def test_other_seed_draft_greedy_is_exact(arch_case):
 def test_perturbed_draft_greedy_is_exact_with_partial_rounds(arch_case):
     arch, model, reference = arch_case
     rounds = []
-    tokens, stats = speculate(model, draft_model(perturbed(arch, 0.03)), on_round=lambda s, r: rounds.append(r))
+    tokens, _ = speculate(model, draft_model(perturbed(arch, 0.03)), on_round=lambda s, r: rounds.append(r))
     assert tokens == reference
     assert any(r.accepted > 0 for r in rounds) and any(r.accepted < r.drafted for r in rounds)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "llama4", "qwen3_next"])
+def test_draft_model_caches_follow_the_committed_tokens(arch):
+    """After any accept/reject pattern the draft model proposes exactly its own greedy continuation of the
+    committed text: its caches (rotating, chunked, recurrent restored from snapshots) were rewound right."""
+    draft = build(arch, seed=1)
+    drafter = draft_model(draft)
+    direct = DirectEngine(draft, None, pool=CachePool(draft, layout=LAYOUT))
+    context = [*PROMPT, 500]
+    drafter.begin(PROMPT, SamplingParams(), vocab_size=TEST_VOCAB_SIZE, max_draft=K)
+    drafter.commit(Draft([]), 0, 500)
+    for accepted in [0, 2, K, 1, K, 3, 0]:
+        proposal = drafter.propose(K)
+        assert proposal.tokens == list(direct.generate_tokens(context, SamplingParams(max_tokens=K)))
+        token = (proposal.tokens[accepted] + 1) % TEST_VOCAB_SIZE if accepted < K else 7
+        drafter.commit(proposal, accepted, token)
+        context += [*proposal.tokens[:accepted], token]
+    drafter.end()
+    assert len(drafter.pool) == 0
 
 
 def wide(arch: str):

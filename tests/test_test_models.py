@@ -201,6 +201,12 @@ def test_make_test_models_cli(tmp_path):
 # --- the shipped demo model --------------------------------------------------------------------
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "mlxkv" / "demo_model"
+DEMO_TRAIN_PASSAGE = """When the statement contains multiple clauses (separated by commas) the
+two steps are carried out separately for each clause, just as though
+the clauses had been separated out into individual import statements."""
+DEMO_NEW_PASSAGE = """A module is loaded once and cached, so a second import of the same name
+returns the object that the first import created, and the value of the
+variable is not evaluated again unless the module is reloaded."""
 
 
 def test_demo_model_folder_is_complete_and_small():
@@ -220,13 +226,17 @@ def test_demo_model_writes_english_like_text():
     assert model.model.embed_tokens.weight.dtype == mx.float16
     assert model.args.vocab_size == len(tokenizer._tokenizer)
 
-    # loss on a passage of the training prose: far below uniform (ln 2048 = 7.6 nats)
-    from mlxkv.testing.tokenizer import corpus_documents
+    def nll(text: str) -> float:
+        ids = tokenizer.encode(text)
+        logits = model(mx.array([ids[:-1]])).astype(mx.float32)  # (1, L, V)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return -mx.take_along_axis(logp, mx.array([ids[1:]])[..., None], axis=-1).mean().item()
 
-    ids = tokenizer.encode(corpus_documents()[40][:600])[:96]
-    logits = model(mx.array([ids[:-1]])).astype(mx.float32)
-    nll = -mx.take_along_axis(logits - mx.logsumexp(logits, axis=-1, keepdims=True), mx.array([ids[1:]])[..., None], axis=-1)
-    assert nll.mean().item() < 5.0
+    seen = nll(DEMO_TRAIN_PASSAGE)  # from the "import" topic, a training topic
+    unseen = nll(DEMO_NEW_PASSAGE)
+    gibberish = nll("zq xv 1923 kettle umbrella purple violin #@! quantum banana drift")
+    # uniform over 2048 tokens is 7.6 nats; measured at commit: 3.06, 4.72, 8.01
+    assert seen < 3.8 and unseen < 5.5 and gibberish > unseen + 2.0, (seen, unseen, gibberish)
 
     text = generate(model, tokenizer, "The import statement", max_tokens=40)
     words = text.split()

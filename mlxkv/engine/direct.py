@@ -33,6 +33,7 @@ class GenerationStats:
     generation_seconds: float = 0.0
     peak_memory_bytes: int = 0
     kv_bytes: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache (paged backend)
 
     @property
     def prompt_tps(self) -> float:
@@ -63,11 +64,13 @@ class DirectEngine:
         self.prefill_step_size = prefill_step_size
         self.last_stats = GenerationStats()
 
-    def generate_tokens(self, prompt: Seq[int], params: SamplingParams) -> Iterator[int]:
+    def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *,
+                        salt: str | bytes | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The sequence is opened in the pool on the first ``next`` and released when the generator finishes
-        or is closed, whatever happens in between.
+        or is closed, whatever happens in between. With a paged pool, a cached prefix of the prompt is not
+        recomputed (``salt`` isolates caches: different salts never share blocks).
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -77,7 +80,10 @@ class DirectEngine:
         stats = GenerationStats(prompt_tokens=len(prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
-        seq = self.pool.open(prompt_length=len(prompt))
+        seq = self.pool.open(prompt_length=len(prompt), prompt=list(prompt), salt=salt)
+        # Paged: one pool array per layer holds every sequence's K/V, so step n must finish before step n+1's
+        # write is scheduled (else MLX copies the whole pool); decode tokens are fed to the block manager.
+        paged = seq.paged is not None
         try:
             caches = seq.caches
 
@@ -86,18 +92,31 @@ class DirectEngine:
                 return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (1,)
 
             start = time.perf_counter()
-            logits = prefill(self.model, caches, mx.array(prompt, dtype=mx.uint32),
+            cached = stats.cached_prompt_tokens = seq.num_cached  # < len(prompt): the last token is recomputed
+            logits = prefill(self.model, caches, mx.array(prompt[cached:], dtype=mx.uint32),
                              step_size=self.prefill_step_size)  # (vocab,)
             y = sampler((logits - mx.logsumexp(logits, keepdims=True))[None])  # (1,)
             mx.eval(y)
+            seq.commit()
             stats.prompt_seconds = time.perf_counter() - start
             start = time.perf_counter()
             for n in range(params.max_tokens):
-                # Queue the next step before reading this token, so the host never waits on the device twice.
-                next_y = step(y) if n + 1 < params.max_tokens else None
-                if next_y is not None:
-                    mx.async_eval(next_y)
-                token = y.item()
+                more = n + 1 < params.max_tokens
+                if paged:
+                    token, next_y = y.item(), None
+                    if more:
+                        seq.feed([token])  # slots for the token the next step appends
+                        next_y = step(y)
+                        mx.async_eval(next_y)
+                        seq.commit()
+                else:
+                    # Build the next step's graph while this token computes, but schedule it only after
+                    # reading the token: MLX decides at scheduling time whether the K/V write can reuse the
+                    # buffer, and the running step's attention still holds it (see mlxkv.cache docs).
+                    next_y = step(y) if more else None
+                    token = y.item()
+                    if next_y is not None:
+                        mx.async_eval(next_y)
                 stats.generation_tokens += 1
                 stats.generation_seconds = time.perf_counter() - start
                 yield token

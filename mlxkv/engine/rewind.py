@@ -9,7 +9,8 @@ afterwards; whoever rewinds then replays the tokens that were kept (see :class:`
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # mlx-lm layouts that report themselves trimmable but cannot rewind exactly: a RotatingKVCache that has
 # wrapped trims 0 (or moves its cursor over overwritten rows), and a ChunkedKVCache trimmed back into a chunk

@@ -20,8 +20,10 @@ sequence's caches hold, all verified (a paged prefix cache may register blocks u
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence as Seq
+from typing import Any
 
 import mlx.core as mx
 

@@ -90,7 +90,7 @@ class PagedLayerCache:
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         self._returned = None
         storage = self.seq.storage
-        if (own and mask is None and queries.shape[0] == 1 and queries.shape[2] == 1
+        if (own and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1 and queries.shape[2] == 1
                 and storage.keys[self.layer].shape == storage.values[self.layer].shape
                 and queries.shape[-1] == storage.keys[self.layer].shape[-1]):
             return paged_attention(
@@ -99,6 +99,15 @@ class PagedLayerCache:
                 chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset,
             )  # (1, n_q, 1, D)
         return dense_attend(queries, keys, values, scale, mask, sinks)
+
+    def _kernel_mask_ok(self, mask: Any, keys: mx.array) -> bool:
+        """Whether the kernel's own visibility rule covers ``mask`` for a decode query: no mask, or (chunked
+        layers) llama4's boolean chunk mask over exactly the returned rows — for one query at the newest
+        position every returned row (current chunk, up to the query) is visible, which is the kernel's rule."""
+        if mask is None:
+            return True
+        return (self.spec.kind == "chunked" and isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                and mask.shape[-1] == keys.shape[2] and mask.shape[-2] == 1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return (as the dense layouts)."""
@@ -152,9 +161,8 @@ class PagedLayerCache:
 
     @property
     def state(self) -> tuple:
-        """``(keys, values, offset)``: the attendable rows gathered densely (read-only; no ``from_state``)."""
+        """``(keys, values)``: the rows the last token attended, gathered densely (read-only: no
+        ``from_state``; the offset is ``self.offset``)."""
         if self.offset == 0 or not self.seq.storage.allocated(self.layer):
-            return (None, None, self.offset)
-        start = self._first_returned(self.offset - 1) if self.spec.kind != "full" else 0
-        k, v = self._fetch(start, self.offset)
-        return (k, v, self.offset)
+            return (None, None)
+        return self._fetch(self._first_returned(self.offset - 1), self.offset)

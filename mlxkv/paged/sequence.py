@@ -32,15 +32,17 @@ class PagedSequence:
         storage: the page arrays.
         group_layers: per manager group, the layers whose pages it addresses.
         seq_id: the manager's id; num_cached: prompt tokens served by the prefix cache.
+        layer_block_bytes: bytes one block takes in each layer (for ``nbytes``).
     """
 
     def __init__(self, manager: KVCacheManager, storage: PagedStorage, group_layers: list[list[int]],
-                 seq_id: int, num_cached: int):
+                 seq_id: int, num_cached: int, layer_block_bytes: list[int]):
         self.manager = manager
         self.storage = storage
         self.group_layers = group_layers
         self.seq_id = seq_id
         self.num_cached = num_cached
+        self.layer_block_bytes = layer_block_bytes
         self.released = False
         self._slots: tuple[int, int, list[mx.array]] | None = None  # (start, end, per group (T,) int32)
         self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)

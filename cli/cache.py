@@ -1,0 +1,184 @@
+"""``mlxkv cache``: inspect and clear secondary-tier folders, and read a running server's cache stats.
+
+Registered by the main app as ``app.add_typer(cache_app, name="cache")``. Thin: the library reads the files.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+cache_app = typer.Typer(name="cache", help="Inspect the KV cache: tier folders and a server's stats.",
+                        no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _folder(path: Path) -> Path:
+    if not path.is_dir():
+        typer.echo(f"error: {path} is not a folder", err=True)
+        raise typer.Exit(code=1)
+    return path
+
+
+def _scan(folder: Path) -> tuple[list[dict], int]:
+    """Headers of our block files (with ``_size`` and ``_ok``), and the count of unreadable ones."""
+    from mlxkv.tier.format import FILE_SUFFIX, FormatError
+    from mlxkv.tier.store import read_header_file
+
+    entries, bad = [], 0
+    for path in sorted(folder.iterdir()):
+        if not path.name.endswith(FILE_SUFFIX) or path.name.startswith("."):
+            continue
+        try:
+            header, expected = read_header_file(path)
+            size = path.stat().st_size
+            header["_size"], header["_ok"] = size, size == expected
+            entries.append(header)
+        except (OSError, FormatError, KeyError, TypeError, ValueError):
+            bad += 1
+    return entries, bad
+
+
+def _chains(entries: list[dict]) -> list[list[dict]]:
+    """Group block headers into chains: per model and group, each root (parent not present) with the
+    blocks reachable from it through parent hashes."""
+    by_hash = {(e["fingerprint"]["digest"], e["group_id"], e["block_hash"]): e for e in entries}
+    children: dict[tuple, list[dict]] = {}
+    roots = []
+    for e in entries:
+        pkey = (e["fingerprint"]["digest"], e["group_id"], e["parent_hash"])
+        if e["parent_hash"] is not None and pkey in by_hash:
+            children.setdefault(pkey, []).append(e)
+        else:
+            roots.append(e)
+    out = []
+    for root in roots:
+        chain, stack = [], [root]
+        while stack:
+            e = stack.pop()
+            chain.append(e)
+            stack.extend(children.get((e["fingerprint"]["digest"], e["group_id"], e["block_hash"]), []))
+        out.append(chain)
+    return out
+
+
+@cache_app.command("ls")
+def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> None:
+    """List the cached chains in a tier folder: blocks, tokens, priority, bytes, model, age."""
+    from rich.console import Console
+    from rich.table import Table
+
+    entries, bad = _scan(_folder(folder))
+    table = Table(title=f"KV tier {folder}")
+    for col in ("chain", "group", "blocks", "tokens", "priority", "bytes", "model", "age"):
+        text = col in ("chain", "model")
+        table.add_column(col, justify="left" if text else "right", no_wrap=text)
+    now = time.time()
+    total_blocks = total_bytes = 0
+    for chain in sorted(_chains(entries), key=lambda c: -max(e["created"] for e in c)):
+        root = chain[0]
+        fp = root["fingerprint"]
+        prios = sorted({e["priority"] for e in chain})
+        nbytes = sum(e["_size"] for e in chain)
+        total_blocks += len(chain)
+        total_bytes += nbytes
+        table.add_row(
+            root["block_hash"][:12] + ("" if all(e["_ok"] for e in chain) else " (truncated)"),
+            str(root["group_id"]), str(len(chain)), str(sum(len(e["token_ids"]) for e in chain)),
+            str(prios[0]) if len(prios) == 1 else f"{prios[0]}-{prios[-1]}", _fmt_bytes(nbytes),
+            f"{fp.get('architecture', '?')} {str(fp.get('digest', ''))[:8]}",
+            _fmt_age(now - max(e["created"] for e in chain)),
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"{total_blocks} blocks, {_fmt_bytes(total_bytes)}" + (f", {bad} unreadable file(s)" if bad else ""))
+
+
+@cache_app.command("clear")
+def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
+          yes: bool = typer.Option(True, "--yes/--ask", help="Ask before deleting.")) -> None:
+    """Delete the tier's block files (and leftover temp files) in a folder; other files are left alone."""
+    from mlxkv.tier.store import is_tier_file, is_tier_temp
+
+    folder = _folder(folder)
+    ours = [p for p in sorted(folder.iterdir()) if is_tier_temp(p) or is_tier_file(p)]
+    if not yes and ours and not typer.confirm(f"delete {len(ours)} file(s) in {folder}?"):
+        raise typer.Exit(code=1)
+    for p in ours:
+        p.unlink(missing_ok=True)
+    typer.echo(f"removed {len(ours)} file(s) from {folder}")
+
+
+def _rate(x) -> str:
+    return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
+
+
+@cache_app.command("stats")
+def stats(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Base URL of a running mlxkv server."),
+          api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token.")) -> None:
+    """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    endpoint = url.rstrip("/") + "/v1/cache/stats"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(endpoint, headers=headers, timeout=10.0)
+        resp.raise_for_status()
+        snap = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        typer.echo(f"error: cannot read {endpoint}: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    if not isinstance(snap, dict):
+        typer.echo(f"error: {endpoint} returned {type(snap).__name__}, expected a JSON object", err=True)
+        raise typer.Exit(code=1)
+    console = Console()
+    tier = snap.get("tier")
+    if not isinstance(tier, dict):
+        console.print("the server reports no secondary tier")
+    else:
+        sec = tier.get("secondary", {})
+        hits = Table(title="prefix hits per tier (blocks)")
+        for col in ("tier", "hits", "rate", "blocks held", "bytes", "capacity"):
+            hits.add_column(col, justify="left" if col == "tier" else "right")
+        prompt = tier.get("prompt_blocks", 0)
+        hits.add_row("primary", str(tier.get("primary_hit_blocks", 0)), _rate(tier.get("primary_hit_rate")),
+                     "-", "-", "-")
+        for name in ("memory", "disk"):
+            store = sec.get(name)
+            if isinstance(store, dict):
+                n = sec.get(f"hits_{name}", 0)
+                hits.add_row(name, str(n), _rate(n / prompt if prompt else 0.0), str(store.get("blocks", 0)),
+                             _fmt_bytes(store.get("bytes", 0)), _fmt_bytes(store.get("capacity_bytes", 0)))
+        console.print(hits)
+        console.print(f"prompt blocks {prompt}; offloaded {sec.get('stored_memory', 0)} to memory, "
+                      f"{sec.get('stored_disk', 0)} to disk; dropped {sec.get('dropped_low_priority', 0)} "
+                      f"below priority {sec.get('min_priority', '?')}, {sec.get('dropped_no_room', 0)} for room")
+        prios = Table(title="blocks per retention priority")
+        cols = [("primary", snap.get("blocks_by_priority") or {})]
+        cols += [(n, sec[n].get("blocks_by_priority", {})) for n in ("memory", "disk") if isinstance(sec.get(n), dict)]
+        prios.add_column("priority", justify="right")
+        for name, _ in cols:
+            prios.add_column(name, justify="right")
+        keys = sorted({int(p) for _, d in cols for p in d})
+        for p in keys:
+            prios.add_row(str(p), *(str(d.get(str(p), d.get(p, 0))) for _, d in cols))
+        console.print(prios)

@@ -1,0 +1,19 @@
+"""Paged K/V storage: mlxkv's layer layouts over pages of one shared block pool.
+
+- :class:`PagedStorage` (storage.py): per-layer page arrays ``[num_blocks, block_size, kv_heads, D]``,
+  allocated at the first write; writes through ``kv_write``.
+- :class:`PagedSequence` (sequence.py): one sequence against the block manager — slots, block tables,
+  copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``.
+- :class:`PagedLayerCache` (layer_cache.py): mlx-lm's cache protocol for full, sliding and chunked layers;
+  decode attention through ``paged_attention`` on the pages, dense SDPA otherwise.
+- :class:`PagedBackend` (pool_backend.py): groups from the model's layouts, manager, storage; what
+  ``CachePool(model, backend="paged", kv_config=...)`` uses.
+"""
+
+from mlxkv.paged.layer_cache import PagedLayerCache
+from mlxkv.paged.pool_backend import PagedBackend, probe_block_bytes
+from mlxkv.paged.sequence import PagedPoolExhausted, PagedSequence
+from mlxkv.paged.storage import PagedStorage
+
+__all__ = ["PagedBackend", "PagedLayerCache", "PagedPoolExhausted", "PagedSequence", "PagedStorage",
+           "probe_block_bytes"]

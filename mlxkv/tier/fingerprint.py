@@ -1,0 +1,73 @@
+"""Model identity for the secondary KV tier: K/V written by one model must never be served to another.
+
+A fingerprint is a small JSON-able dict: the architecture (``model_type``), a weights identity, and a digest
+over both. The weights identity is, in order of preference:
+
+- ``files``: sha256 of ``config.json``'s bytes plus the name, size and mtime of every ``*.safetensors`` file
+  of a model folder (cheap; changes when the weights are replaced or touched);
+- ``sample``: sha256 over every parameter's name, shape and dtype plus a strided sample of its bytes (for
+  models built in memory, such as the tiny test models, which have no folder).
+
+Only ``digest`` is compared; the other fields are for people (``mlxkv cache ls``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+FINGERPRINT_VERSION = 1
+_SAMPLE_BYTES = 4096  # bytes hashed per parameter (strided over the whole array)
+
+
+def _digest(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def make_fingerprint(architecture: str, weights_kind: str, weights_id: str) -> dict:
+    """A fingerprint dict from its parts (``digest`` derived from them)."""
+    parts = {"v": FINGERPRINT_VERSION, "architecture": architecture, "weights_kind": weights_kind,
+             "weights_id": weights_id}
+    return {**parts, "digest": _digest(parts)}
+
+
+def fingerprint_folder(path: str | Path) -> dict:
+    """Fingerprint of a model folder: config.json content plus safetensors names / sizes / mtimes.
+
+    Raises:
+        ValueError: the folder has no config.json.
+    """
+    folder = Path(path)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{folder}: no config.json (expected an mlx-lm model folder)")
+    raw = config.read_bytes()
+    h = hashlib.sha256(raw)
+    for f in sorted(folder.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    arch = json.loads(raw).get("model_type", "unknown")
+    return make_fingerprint(str(arch), "files", h.hexdigest())
+
+
+def fingerprint_model(model: Any, path: str | Path | None = None) -> dict:
+    """Fingerprint of a loaded mlx-lm model: by its folder when ``path`` is given, else by a weight sample."""
+    if path is not None:
+        return fingerprint_folder(path)
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    for name, w in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        h.update(f"{name}\0{tuple(w.shape)}\0{w.dtype}\0".encode())
+        flat = w.reshape(-1)
+        if w.dtype == mx.bfloat16:
+            flat = flat.view(mx.uint16)
+        step = max(1, flat.size * flat.itemsize // _SAMPLE_BYTES)
+        h.update(np.array(flat[::step]).tobytes())
+    args = getattr(model, "args", None)
+    arch = getattr(args, "model_type", None) or getattr(model, "model_type", None) or type(model).__module__
+    return make_fingerprint(str(arch), "sample", h.hexdigest())

@@ -1,0 +1,120 @@
+"""Secondary tier behind the paged backend: evicted blocks offload, a later prompt restores them, and the
+logits equal a never-evicted run's (tiny llama, float32: the restored pages are bit-exact)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.blocks.hashing import HashContext, extend_block_hashes
+from mlxkv.cache import install_attention_hook
+from mlxkv.config import KvCacheConfig
+from mlxkv.paged import PagedBackend
+from mlxkv.testing.archs import build_model
+from mlxkv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
+from mlxkv.tier.paged import TierBridge
+
+B = 4
+PROMPT = [(7 * i + 3) % 900 + 10 for i in range(22)]  # 5 full usable blocks
+OTHER = [(11 * i + 5) % 900 + 10 for i in range(44)]  # 11 blocks: evicts all of a 12-block pool
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_model("llama")
+    install_attention_hook(m)
+    return m
+
+
+def backend(model, num_blocks=12):
+    return PagedBackend(model, KvCacheConfig(backend="paged", block_size=B), num_blocks=num_blocks)
+
+
+def run(be, bridge, tokens, salt=None):
+    """Open (restoring from the tier first), prefill the uncached rest, release; (last logits, cached)."""
+    if bridge is not None:
+        bridge.restore(tokens, salt)
+    caches, seq = be.open(tokens, salt=salt)
+    cached = seq.num_cached
+    logits = model_call(be.model, caches, tokens[cached:])
+    seq.commit()
+    be.release(seq)
+    return logits, cached
+
+
+def model_call(model, caches, tokens):
+    out = model(mx.array(tokens, dtype=mx.uint32)[None], cache=caches)[0, -1]
+    mx.eval(out)
+    return out
+
+
+def tier_for(model, tmp_path, memory_bytes, disk_bytes, min_priority=35):
+    fp = fingerprint_model(model)
+    disk = DiskStore(tmp_path, fp, disk_bytes, block_size=B) if disk_bytes else None
+    mem = HostMemoryStore(memory_bytes) if memory_bytes else None
+    return SecondaryTier(min_priority, memory=mem, disk=disk)
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_evict_offload_restore_gives_never_evicted_logits(model, tmp_path, where):
+    reference, _ = run(backend(model, num_blocks=64), None, PROMPT)  # cold, never evicted
+    be = backend(model)
+    bridge = TierBridge(be, tier_for(model, tmp_path, 1 << 20 if where == "memory" else 0,
+                                     1 << 20 if where == "disk" else 0))
+    cold, cached = run(be, bridge, PROMPT)
+    assert cached == 0 and mx.array_equal(cold, reference).item()
+    run(be, bridge, OTHER)  # evicts PROMPT's blocks from the primary pool into the tier
+    assert be.manager.find_prefix_hit(PROMPT).num_full_blocks == 0
+    assert bridge.tier.counters.offered >= 5
+    logits, cached = run(be, bridge, PROMPT)
+    assert cached == 20  # all 5 usable full blocks came back from the tier
+    assert mx.array_equal(logits, reference).item()
+    s = bridge.stats()
+    assert s["secondary_hit_blocks"] == 5 and s["secondary"][f"hits_{where}"] == 5
+    be.check_invariants()
+
+
+def test_restart_restores_from_disk(model, tmp_path):
+    reference, _ = run(backend(model, num_blocks=64), None, PROMPT)
+    be = backend(model)
+    bridge = TierBridge(be, tier_for(model, tmp_path, 0, 1 << 20))
+    run(be, bridge, PROMPT)
+    run(be, bridge, OTHER)
+    be2 = backend(model)  # a "restart": fresh pool and pages, same folder
+    bridge2 = TierBridge(be2, tier_for(model, tmp_path, 0, 1 << 20))
+    logits, cached = run(be2, bridge2, PROMPT)
+    assert cached == 20 and mx.array_equal(logits, reference).item()
+
+
+def test_low_priority_blocks_are_dropped_and_salt_is_respected(model, tmp_path):
+    be = backend(model)
+    bridge = TierBridge(be, tier_for(model, tmp_path, 1 << 20, 0, min_priority=36))  # default 35 < 36
+    run(be, bridge, PROMPT)
+    run(be, bridge, OTHER)
+    assert bridge.tier.counters.dropped_low_priority >= 5 and len(bridge.tier.memory) == 0
+    be = backend(model)
+    bridge = TierBridge(be, tier_for(model, tmp_path, 1 << 20, 0))
+    run(be, bridge, PROMPT, salt="tenant-a")
+    run(be, bridge, OTHER)
+    _, cached = run(be, bridge, PROMPT, salt="tenant-b")  # another salt: different chain, no hit
+    assert cached == 0
+    _, cached = run(be, bridge, PROMPT, salt="tenant-a")
+    assert cached == 20
+
+
+def test_corrupt_disk_block_stops_restore_and_is_recomputed(model, tmp_path, caplog):
+    reference, _ = run(backend(model, num_blocks=64), None, PROMPT)
+    be = backend(model)
+    bridge = TierBridge(be, tier_for(model, tmp_path, 0, 1 << 20))
+    run(be, bridge, PROMPT)
+    run(be, bridge, OTHER)
+    disk = bridge.tier.disk
+    hashes = extend_block_hashes(be.manager.hash_fn, PROMPT, 20, B, HashContext(), [])
+    path = disk.path_for((0, hashes[2]))  # the third block: restore must stop after two
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", logger="mlxkv.tier"):
+        logits, cached = run(be, bridge, PROMPT)
+    assert cached == 8 and "checksum" in caplog.text and not path.exists()
+    assert mx.abs(logits - reference).max().item() <= 1e-5 * max(1.0, mx.abs(reference).max().item())
