@@ -49,6 +49,18 @@ def _check_kv_bits(value: Optional[int]) -> Optional[int]:
     return value
 
 
+def _check_backend(value: str) -> str:
+    if value not in ("dense", "paged"):
+        raise typer.BadParameter(f"{value!r} is not one of dense, paged.")
+    return value
+
+
+def _check_block_size(value: int) -> int:
+    if not 1 <= value <= 256 or value & (value - 1):
+        raise typer.BadParameter(f"{value} is not a power of two in the range 1<=x<=256.")
+    return value
+
+
 def _read_prompt(prompt: str) -> str:
     if prompt == "-":
         return sys.stdin.read()
@@ -75,6 +87,16 @@ def generate(
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=_check_kv_bits,
                                           help="Quantize the KV cache to 4 or 8 bits."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
+    kv_backend: str = typer.Option("dense", "--kv-backend", callback=_check_backend,
+                                   help="KV storage: dense buffers or paged blocks with prefix caching."),
+    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=_check_block_size,
+                                      help="Tokens per KV block (paged; a power of two 1..256)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model",
+                                              help="Speculative decoding with this draft model (same vocabulary)."),
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup",
+                                       help="Speculative decoding by n-gram lookup in the prompt (no draft model)."),
+    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, help="Tokens drafted per round."),
+    ngram_size: int = typer.Option(3, "--ngram-size", min=1, help="N-gram length for --prompt-lookup."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory figures; tracebacks on errors."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
@@ -84,30 +106,28 @@ def generate(
     if not text.strip():
         _fail("the prompt is empty", verbose)
     try:
-        from mlxkv.engine.direct import DirectEngine
+        from mlxkv.engine.build import EngineOptions, build_engine
         from mlxkv.engine.sampling import SamplingParams
         from mlxkv.models import ModelLoadError, load
-        from mlxkv.pool import CachePool
         from mlxkv.prompt import encode_prompt
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
 
     try:
-        loaded = load(model)
-    except ModelLoadError as exc:
-        _fail(str(exc), verbose)
-    try:
+        options = EngineOptions(kv_backend=kv_backend, kv_block_size=kv_block_size, max_kv_size=max_kv_size,
+                                kv_bits=kv_bits, kv_group_size=kv_group_size, draft_model=draft_model,
+                                prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
+                                ngram_size=ngram_size)
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=seed, stop=tuple(stop or ()))
+        loaded = load(model)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
-        pool = CachePool(loaded.model, max_sequences=1, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                         kv_group_size=kv_group_size)
-        engine = DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
+        engine = build_engine(loaded, options)
         for chunk in engine.generate(tokens, params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
-    except (ValueError, RuntimeError) as exc:
+    except (ModelLoadError, ValueError, RuntimeError) as exc:
         _fail(str(exc), verbose)
     if verbose:
         s = engine.last_stats
@@ -117,11 +137,18 @@ def generate(
             f"peak memory: {s.peak_memory_bytes / 1e9:.3f} GB | KV cache: {s.kv_bytes / 1e6:.2f} MB",
             err=True,
         )
+        if getattr(s, "cached_prompt_tokens", 0):
+            typer.echo(f"prefix cache: {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens reused", err=True)
+        if hasattr(s, "acceptance_rate"):
+            typer.echo(f"speculative: acceptance {s.acceptance_rate:.1%}, "
+                       f"{s.tokens_per_forward:.2f} tokens per target forward", err=True)
 
 
-from mlxkv.cli.serve import serve  # noqa: E402  (registered after generate: help lists generate first)
+from mlxkv.cli.cache import cache_app  # noqa: E402  (registered after generate: help lists generate first)
+from mlxkv.cli.serve import serve  # noqa: E402
 
 app.command()(serve)
+app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
 
 
 def main() -> None:  # pragma: no cover - entry point

@@ -139,6 +139,22 @@ def _check_architecture(config: dict) -> None:
         ) from None
 
 
+def _upcast_on_cpu(model: Any, config: dict) -> bool:
+    """On the CPU backend, run float16/bfloat16 (unquantized) weights as float32; returns whether it did.
+
+    float32 is MLX's fast CPU dtype (half-precision matmuls bypass BLAS there), and float32 arithmetic makes
+    every KV path (dense SDPA, paged reference kernel) agree token for token. GPUs keep the stored dtype.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    if mx.default_device() != mx.cpu or "quantization" in config:
+        return False
+    halves = (mx.float16, mx.bfloat16)
+    model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in halves else p, model.parameters()))
+    return True
+
+
 def load(spec: str | None = None, *, progress: bool = True) -> LoadedModel:
     """Load a model and its tokenizer through mlx-lm.
 
@@ -148,6 +164,7 @@ def load(spec: str | None = None, *, progress: bool = True) -> LoadedModel:
 
     Returns:
         The loaded model with mlxkv's attention hook installed (the cache decides how attention runs).
+        On the CPU backend, half-precision weights are upcast to float32 (see :func:`_upcast_on_cpu`).
 
     Raises:
         ModelLoadError: with a one-line message for any failure a user can cause.
@@ -162,6 +179,7 @@ def load(spec: str | None = None, *, progress: bool = True) -> LoadedModel:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"could not load the model in {path}: {_one_line(exc)}") from None
+    _upcast_on_cpu(model, config)
     from mlxkv.cache.hook import install_attention_hook
     from mlxkv.mla import apply_mla
 

@@ -29,8 +29,8 @@ from bench_common import ensure_openblas, random_llama
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--system", type=int, default=1024)
@@ -88,7 +88,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         return times
 
-    cfg = dict(backend="paged", block_size=args.block_size)
+    cfg = {"backend": "paged", "block_size": args.block_size}
     sides = {
         "dense (mlxkv layouts, no reuse)": lambda: run_engine(CachePool(model, max_sequences=1)),
         "paged, no prefix reuse": lambda: run_engine(CachePool(

@@ -177,3 +177,55 @@ def test_pages_hold_exactly_the_dense_rows(arch, monkeypatch):
         assert mx.array_equal(lp, ld).item(), step
     pool.release(seq.id)
     pool.check_invariants()
+
+
+def test_decode_writes_in_place_and_gathers_nothing():
+    """A decode step allocates far less than one page array: kv_write donates the sole-owned pages (no pool
+    copy) and the lazily fetched K/V, unused by the paged kernel, is never materialised."""
+    model, _ = build_model("llama")
+    install_attention_hook(model)
+    pool = paged_pool(model, block_size=16, num_blocks=4096)  # 8 MiB per page array
+    seq = pool.open(prompt=PROMPT)
+    run_chunks(model, seq.caches, PROMPT, 64)
+    seq.commit()
+    page_bytes = pool.paged.storage.keys[0].nbytes
+    for tok in (5, 6, 7, 8):
+        seq.feed([tok])
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(model(mx.array([[tok]], dtype=mx.uint32), cache=seq.caches))
+        seq.commit()
+        assert mx.get_peak_memory() - base < page_bytes // 100
+    pool.release(seq.id)
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("block_size", [1, 32])
+@pytest.mark.parametrize("arch", ["gemma3_text", "llama4"])
+def test_blocks_smaller_and_larger_than_window_or_chunk(arch, block_size):
+    """Block size 1 and 32 around gemma3's window 8 and llama4's chunk 16: still equal to dense, and a rerun
+    hits the prefix cache with equal logits."""
+    model, _ = build_model(arch)
+    install_attention_hook(model)
+    pool = paged_pool(model, block_size=block_size, num_blocks=400)
+    seq = pool.open(prompt=PROMPT)
+    dense = make_caches(model)
+    lp, ld = run_chunks(model, seq.caches, PROMPT, 13), run_chunks(model, dense, PROMPT, 13)
+    seq.commit()
+    assert close(lp, ld)
+    for _ in range(20):
+        tok = int(mx.argmax(ld).item())
+        seq.feed([tok])
+        lp = model(mx.array([[tok]], dtype=mx.uint32), cache=seq.caches)[0, -1]
+        ld = model(mx.array([[tok]], dtype=mx.uint32), cache=dense)[0, -1]
+        seq.commit()
+        assert close(lp, ld)
+    pool.release(seq.id)
+    again = pool.open(prompt=PROMPT)
+    assert again.num_cached >= 32
+    logits = model(mx.array(PROMPT[again.num_cached:], dtype=mx.uint32)[None], cache=again.caches)[0, -1]
+    assert close(logits, model(mx.array(PROMPT, dtype=mx.uint32)[None], cache=make_caches(model))[0, -1])
+    pool.check_invariants()
+    pool.release(again.id)
+    pool.check_invariants()
+    assert pool.paged.manager.pool.num_free_blocks == pool.paged.num_blocks - 1

@@ -166,3 +166,27 @@ def test_eviction_under_pressure_stays_exact():
         pool.check_invariants()
         assert all_blocks_free(pool)
     assert pool.paged.manager.pool.stats().evictions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_partial_block_reuse_copies_the_matching_rows(arch, monkeypatch):
+    """A prompt matching 2 rows into a cached full block: the manager hands out a CopyOp (the block stays
+    cached for others), the storage copies those rows, and prefill continues from inside the block."""
+    model, _ = build_model(arch)
+    install_attention_hook(model)
+    pool = paged_pool(model)
+    copies = []
+    real = pool.paged.storage.copy_block
+    monkeypatch.setattr(pool.paged.storage, "copy_block", lambda *a: copies.append(a) or real(*a))
+    base = PROMPT + OTHER_TAIL[:3]  # 48 tokens: 12 full blocks of 4
+    first = pool.open(prompt=base)
+    prefill(model, first, base)
+    pool.release(first.id)
+    prompt = base[:46] + [3, 4, 5]  # diverges at position 46, inside block 11
+    seq = pool.open(prompt=prompt)
+    assert seq.num_cached == 46
+    assert copies and all(c[3] == 2 for c in copies)  # (layer, src, dst, 2 rows) for every layer of the group
+    assert scale_close(prefill(model, seq, prompt), dense_logits(model, prompt))
+    pool.check_invariants()
+    pool.release(seq.id)
+    assert all_blocks_free(pool)

@@ -8,11 +8,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from mlxkv.cli.cache import cache_app
+from test_tier_store import FP, OTHER_FP, h, make_block
 from typer.testing import CliRunner
 
-from mlxkv.cli.cache import cache_app
 from mlxkv.tier import DiskStore, HostMemoryStore, SecondaryTier, make_fingerprint
-from test_tier_store import FP, OTHER_FP, h, make_block
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -46,6 +46,7 @@ def test_clear_removes_only_our_files(tmp_path):
     assert result.exit_code == 0 and "removed 5 file(s)" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.mlxkvblk", "notes.txt"]
     assert len(DiskStore(tmp_path, FP, 1 << 20)) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.mlxkvblk", "notes.txt"]  # the scan spares them too
 
 
 def test_ls_and_clear_reject_a_missing_folder(tmp_path):
@@ -67,7 +68,7 @@ def stats_server(tmp_path):
     }).encode()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server API
+        def do_GET(self):
             ok = self.path == "/v1/cache/stats"
             self.send_response(200 if ok else 404)
             self.send_header("Content-Type", "application/json")

@@ -118,3 +118,17 @@ def test_corrupt_disk_block_stops_restore_and_is_recomputed(model, tmp_path, cap
         logits, cached = run(be, bridge, PROMPT)
     assert cached == 8 and "checksum" in caplog.text and not path.exists()
     assert mx.abs(logits - reference).max().item() <= 1e-5 * max(1.0, mx.abs(reference).max().item())
+
+
+def test_attach_tier_reads_the_config_threshold(model, tmp_path):
+    from mlxkv.tier.paged import attach_tier
+
+    be = PagedBackend(model, KvCacheConfig(backend="paged", block_size=B, secondary_offload_min_priority=50),
+                      num_blocks=12)
+    assert attach_tier(be) is None
+    bridge = attach_tier(be, memory_bytes=1 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    assert bridge.tier.min_priority == 50 and bridge.tier.memory is not None and bridge.tier.disk is not None
+    be_builtin = PagedBackend(model, KvCacheConfig(backend="paged", block_size=B, hash_algo="builtin"),
+                              num_blocks=12)
+    with pytest.raises(ValueError, match="process-stable"):
+        attach_tier(be_builtin, disk_dir=str(tmp_path), disk_bytes=1 << 20)

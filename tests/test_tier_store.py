@@ -14,9 +14,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mlxkv.tier.store as store_module
-from mlxkv.tier import (DiskStore, FormatError, HostMemoryStore, SecondaryTier, TierBlock, decode_block,
-                        encode_block, make_fingerprint)
+import mlxkv.tier.disk as disk_module
+from mlxkv.tier import (
+    DiskStore,
+    FormatError,
+    HostMemoryStore,
+    SecondaryTier,
+    TierBlock,
+    decode_block,
+    encode_block,
+    make_fingerprint,
+)
 from mlxkv.tier.format import extra_digest, to_host, to_mx
 
 FP = make_fingerprint("llama", "sample", "a" * 64)
@@ -151,7 +159,7 @@ def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
         f.write(data[: len(data) // 2])
         raise KeyboardInterrupt("simulated crash mid-write")
 
-    monkeypatch.setattr(store_module, "_write_all", half_then_crash)
+    monkeypatch.setattr(disk_module, "_write_all", half_then_crash)
     with pytest.raises(KeyboardInterrupt):
         s.put(make_block(1))
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no partial file, no temp file

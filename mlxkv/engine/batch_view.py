@@ -183,6 +183,10 @@ def make_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
         BatchUnsupported: a layer's cache is neither a KV cache nor an indexed state cache, or the sequences'
             layer kinds differ.
     """
+    from mlxkv.paged.batch_view import is_paged, make_paged_batch_views
+
+    if is_paged(seq_caches):  # one paged_attention call per layer over the B block tables
+        return make_paged_batch_views(seq_caches)
     n_layers = {len(c) for c in seq_caches}
     if len(n_layers) != 1:
         raise BatchUnsupported("sequences have different numbers of layer caches")

@@ -19,7 +19,13 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.blocks import KVCacheGroupSpec, KVCacheManager
-from mlxkv.cache import ChunkedKVCache, KVCache, LayerCache, RotatingKVCache, make_caches
+from mlxkv.cache import (
+    ChunkedKVCache,
+    KVCache,
+    LayerCache,
+    RotatingKVCache,
+    make_caches,
+)
 from mlxkv.config import KvCacheConfig, num_blocks_for_budget
 from mlxkv.paged.layer_cache import PagedLayerCache
 from mlxkv.paged.sequence import PagedSequence
@@ -38,7 +44,7 @@ def _group_key(cache: Any) -> tuple | None:
     if isinstance(cache, KVCache):
         return ("full",)
     if isinstance(cache, LayerCache):
-        raise ValueError(f"the paged backend has no layout for {type(cache).__name__}; use backend='dense'")
+        raise ValueError(f"the paged backend has no layout for {type(cache).__name__}; use backend='dense'")  # noqa: TRY004
     if hasattr(cache, "update_and_fetch") and not hasattr(cache, "__getitem__"):
         raise ValueError(f"the paged backend cannot page {type(cache).__name__} layers; use backend='dense'")
     return None

@@ -7,9 +7,20 @@
 - paged.py: ``TierBridge`` (evict → offload, hit → restore for a paged backend; imports MLX).
 """
 
-from mlxkv.tier.fingerprint import fingerprint_folder, fingerprint_model, make_fingerprint
-from mlxkv.tier.format import FORMAT_VERSION, FormatError, TierBlock, decode_block, encode_block
-from mlxkv.tier.store import DiskStore, HostMemoryStore
+from mlxkv.tier.disk import DiskStore
+from mlxkv.tier.fingerprint import (
+           fingerprint_folder,
+           fingerprint_model,
+           make_fingerprint,
+)
+from mlxkv.tier.format import (
+           FORMAT_VERSION,
+           FormatError,
+           TierBlock,
+           decode_block,
+           encode_block,
+)
+from mlxkv.tier.store import HostMemoryStore
 from mlxkv.tier.tier import SecondaryTier
 
 __all__ = ["FORMAT_VERSION", "DiskStore", "FormatError", "HostMemoryStore", "SecondaryTier", "TierBlock",

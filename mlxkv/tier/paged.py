@@ -131,6 +131,10 @@ class TierBridge:
                     prev[g] = block
                 self.secondary_hit_blocks += 1
             self._write(writes)  # before any model step reads these pages
+        except BaseException:
+            for block in restored:  # their pages may not hold the content: never let them be hit
+                self.pool.uncache(block)
+            raise
         finally:
             self.pool.free_blocks(list(reversed(restored)))  # tail first: the chain's end is evicted first
             self.pool.free_blocks(list(reversed(held)))
@@ -163,3 +167,31 @@ class TierBridge:
             "secondary_hit_rate": self.secondary_hit_blocks / p if p else 0.0,
             "secondary": self.tier.stats(),
         }
+
+
+def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
+                model_path: str | None = None) -> TierBridge | None:
+    """A TierBridge for ``backend`` with a host-memory store (``memory_bytes`` > 0) and/or a disk store
+    (``disk_dir`` with ``disk_bytes`` > 0); None when neither is asked for. The offload threshold is the
+    backend config's ``secondary_offload_min_priority``; the model fingerprint comes from ``model_path``
+    (config.json + safetensors metadata) or, without one, from a sample of the weights.
+
+    Raises:
+        ValueError: a disk tier with ``hash_algo='builtin'`` (its hashes differ between processes).
+    """
+    from mlxkv.tier.disk import DiskStore
+    from mlxkv.tier.fingerprint import fingerprint_model
+    from mlxkv.tier.store import HostMemoryStore
+
+    use_disk = disk_dir is not None and disk_bytes > 0
+    if memory_bytes <= 0 and not use_disk:
+        return None
+    if use_disk and backend.config.hash_algo == "builtin":
+        raise ValueError("a disk tier needs process-stable block hashes: use hash_algo='sha256' or 'xxhash'")
+    memory = HostMemoryStore(memory_bytes) if memory_bytes > 0 else None
+    disk = None
+    if use_disk:
+        disk = DiskStore(disk_dir, fingerprint_model(backend.model, model_path), disk_bytes,
+                         block_size=backend.block_size)
+    tier = SecondaryTier(backend.config.secondary_offload_min_priority, memory=memory, disk=disk)
+    return TierBridge(backend, tier)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxkv.tier.disk import DiskStore
 from mlxkv.tier.format import TierBlock
-from mlxkv.tier.store import DiskStore, HostMemoryStore, Key, block_key
+from mlxkv.tier.store import HostMemoryStore, Key, block_key
 
 
 @dataclass(slots=True)

@@ -1,0 +1,82 @@
+"""Building a single-sequence engine from user options (what `mlxkv generate` asks for)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxkv.engine.direct import DirectEngine
+from mlxkv.pool import CachePool
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """KV-cache and speculation options of one `generate` run.
+
+    Attributes:
+        kv_backend: "dense" (per-sequence buffers) or "paged" (blocks of one pool, prefix caching).
+        kv_block_size: tokens per block (paged).
+        max_kv_size: cap on cached tokens per layer (dense: rotating past it).
+        kv_bits / kv_group_size: quantized K/V (4 or 8 bits; groups of 32, 64, 128).
+        draft_model: a second model (repo id or folder) drafting tokens for speculative decoding.
+        prompt_lookup: draft by n-gram lookup over the prompt and output (no second model).
+        num_draft_tokens / ngram_size: tokens drafted per round; n-gram length for prompt lookup.
+    """
+
+    kv_backend: str = "dense"
+    kv_block_size: int = 16
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    draft_model: str | None = None
+    prompt_lookup: bool = False
+    num_draft_tokens: int = 3
+    ngram_size: int = 3
+
+    def __post_init__(self) -> None:
+        if self.kv_backend not in ("dense", "paged"):
+            raise ValueError(f"kv_backend must be one of dense, paged, got {self.kv_backend!r}")
+        if self.kv_backend == "paged" and (self.max_kv_size is not None or self.kv_bits is not None):
+            raise ValueError("--kv-backend paged does not support --max-kv-size or --kv-bits yet: use dense")
+        if self.draft_model and self.prompt_lookup:
+            raise ValueError("choose one drafting mode: --draft-model or --prompt-lookup, not both")
+        if self.num_draft_tokens < 1 or self.ngram_size < 1:
+            raise ValueError("--num-draft-tokens and --ngram-size must be >= 1")
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.draft_model) or self.prompt_lookup
+
+
+def _pool(model: Any, options: EngineOptions) -> CachePool:
+    if options.kv_backend == "paged":
+        from mlxkv.config import KvCacheConfig
+
+        config = KvCacheConfig(backend="paged", block_size=options.kv_block_size)
+        return CachePool(model, max_sequences=1, backend="paged", kv_config=config)
+    return CachePool(model, max_sequences=1, max_kv_size=options.max_kv_size, kv_bits=options.kv_bits,
+                     kv_group_size=options.kv_group_size)
+
+
+def build_engine(loaded: Any, options: EngineOptions) -> DirectEngine:
+    """A DirectEngine (or SpeculativeEngine when a drafting mode is set) over a one-sequence pool.
+
+    Raises:
+        ValueError: incompatible options, or a draft model whose vocabulary differs from the target's.
+        mlxkv.models.ModelLoadError: the draft model cannot be loaded.
+    """
+    pool = _pool(loaded.model, options)
+    if not options.speculative:
+        return DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
+    from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
+    from mlxkv.engine.speculative import SpeculativeEngine
+
+    if options.prompt_lookup:
+        drafter = PromptLookupDrafter(ngram_size=options.ngram_size)
+    else:
+        from mlxkv.models import load
+
+        draft = load(options.draft_model)
+        drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, options))
+    return SpeculativeEngine(loaded.model, loaded.tokenizer, drafter, num_draft_tokens=options.num_draft_tokens,
+                             pool=pool)

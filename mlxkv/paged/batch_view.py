@@ -1,0 +1,145 @@
+"""Batched paged decode: one attention layer of B paged sequences, one ``paged_attention`` call for all.
+
+:class:`PagedBatchView` is the paged twin of :class:`mlxkv.engine.batch_view.KVBatchView`: ``offset`` is the
+per-sequence offsets ``(B,)``; ``update_and_fetch`` writes the B new rows with one ``kv_write`` into their
+slots; ``attend`` runs one ``paged_attention`` over the page arrays with the B block tables padded with the
+null block and ``context_lens`` = the new offsets. What ``update_and_fetch`` returns (each sequence's rows
+gathered and right-padded) is lazy and never computed on that path; a model that transforms it (MLA) gets
+per-sequence dense attention on its own tensors, as the dense view does.
+
+Each sequence must have been ``feed``-ed its decode token before the forward (slots come from the manager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.engine.batch_view import (
+    BatchUnsupported,
+    KVBatchView,
+    StateBatchView,
+    _is_state_cache,
+    _pad_rows,
+)
+from mlxkv.kernels import paged_attention
+from mlxkv.paged.layer_cache import PagedLayerCache
+
+
+class _GroupTables:
+    """The B block tables of one manager group for one step, padded with the null block (built once, shared by
+    the group's layers)."""
+
+    def __init__(self, caches: Sequence[PagedLayerCache]):
+        self.caches = list(caches)
+        self._tables: mx.array | None = None
+
+    def get(self) -> mx.array:
+        if self._tables is None:
+            rows = [c.seq.table(c.group) for c in self.caches]  # B x (n_b,)
+            width = max(r.shape[0] for r in rows)
+            self._tables = mx.stack([mx.pad(r, (0, width - r.shape[0])) for r in rows])  # (B, width) int32
+        return self._tables
+
+
+class PagedBatchView(KVBatchView):
+    """One paged attention layer of B sequences for one decode forward (then dropped).
+
+    Args:
+        caches: the B sequences' :class:`PagedLayerCache` of this layer (same layer, same group).
+        tables: the group's shared padded block tables for this step.
+    """
+
+    def __init__(self, caches: Sequence[PagedLayerCache], tables: _GroupTables):
+        super().__init__(caches)
+        first = self.caches[0]
+        if any(c.layer != first.layer or c.group != first.group for c in self.caches):
+            raise BatchUnsupported("paged caches of different layers or groups in one batch view")
+        self.storage = first.seq.storage
+        self.tables = tables
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any):
+        """None: the kernel applies each sequence's window / chunk itself. With ``return_array`` (models that
+        mask their own scores, MLA): ``(B, 1, 1, Lmax)``, row b true over the rows sequence b will fetch."""
+        if N != 1:
+            raise BatchUnsupported(f"batch views run decode steps of one token, got {N}")
+        if not return_array:
+            return None
+        lengths = mx.array([c.offset + 1 - c._first_returned(c.offset) for c in self.caches])  # (B,)
+        width = max(lengths.tolist())
+        return (mx.arange(width)[None] < lengths[:, None]).reshape(len(self.caches), 1, 1, width)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write row b of ``keys``/``values`` (B, n_kv, 1, D) at sequence b's slot (one write for all B);
+        return the sequences' rows right-padded, (B, n_kv, Lmax, D) — lazy, unused by the kernel path."""
+        caches = self.caches
+        slots = mx.concatenate([c.seq.slots(c.group, c.offset, c.offset + 1) for c in caches])  # (B,)
+        for c in caches:
+            c._returned = None
+        self.storage.write(caches[0].layer, slots, keys[:, :, 0], values[:, :, 0])  # (B, n_kv, D) rows
+        fetched = []
+        for c in caches:
+            c.offset += 1
+            fetched.append(c._fetch(c._first_returned(c.offset - 1), c.offset))  # (1, n_kv, L_b, D) each
+        self._fetched = fetched
+        self._lengths = [k.shape[2] for k, _ in fetched]
+        width = max(self._lengths)
+        k = mx.concatenate([_pad_rows(f[0], width - n) for f, n in zip(fetched, self._lengths)])  # (B, n_kv, Lmax, D)
+        v = mx.concatenate([_pad_rows(f[1], width - n) for f, n in zip(fetched, self._lengths)])
+        self._returned = (k, v)
+        return self._returned
+
+    def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """One ``paged_attention`` call for all B sequences when handed this step's own fetched K/V with no
+        mask; else each sequence's dense attention over its slice. queries (B, n_q, 1, D) -> (B, n_q, 1, D_v)."""
+        assert self._fetched is not None, "attend before update_and_fetch"
+        self.attended = True
+        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        first = self.caches[0]
+        kp, vp = self.storage.keys[first.layer], self.storage.values[first.layer]
+        if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
+            offsets = [c.offset for c in self.caches]
+            return paged_attention(
+                queries, kp, vp, self.tables.get(), mx.array(offsets, dtype=mx.int32), scale=scale,
+                window=first.window, chunk_size=first.chunk_size, sinks=sinks, max_context_len=max(offsets),
+            )  # (B, n_q, 1, D)
+        outs = []
+        for b, n in enumerate(self._lengths):
+            k, v = keys[b:b + 1, :, :n], values[b:b + 1, :, :n]  # the model's own tensors, sequence b's rows
+            m = mask if mask is None or isinstance(mask, str) else mask[b:b + 1] if mask.shape[0] > 1 else mask
+            m = m[..., :n] if isinstance(m, mx.array) else m
+            outs.append(self.caches[b].attend(queries[b:b + 1], k, v, scale=scale, mask=m, sinks=sinks))
+        return mx.concatenate(outs, axis=0)  # (B, n_q, 1, D_v)
+
+
+def is_paged(seq_caches: Sequence[Sequence[Any]]) -> bool:
+    """Whether these sequences' caches are paged (then :func:`make_paged_batch_views` applies)."""
+    return bool(seq_caches) and any(isinstance(c, PagedLayerCache) for c in seq_caches[0])
+
+
+def make_paged_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
+    """Per-layer views over B paged sequences (``seq_caches[b][layer]``): :class:`PagedBatchView` for paged
+    layers (block tables built once per group per step), the dense views for recurrent-state layers.
+
+    Raises:
+        BatchUnsupported: sequences with different layer structures, or from different pools.
+    """
+    if len({len(c) for c in seq_caches}) != 1:
+        raise BatchUnsupported("sequences have different numbers of layer caches")
+    groups: dict[int, _GroupTables] = {}
+    views = []
+    for layer in zip(*seq_caches):
+        if all(isinstance(c, PagedLayerCache) for c in layer):
+            if len({id(c.seq.storage) for c in layer}) != 1:
+                raise BatchUnsupported("paged sequences from different pools")
+            g = layer[0].group
+            groups.setdefault(g, _GroupTables(layer))
+            views.append(PagedBatchView(layer, groups[g]))
+        elif all(_is_state_cache(c) for c in layer):
+            views.append(StateBatchView(layer))
+        else:
+            raise BatchUnsupported(f"no batch view for {sorted({type(c).__name__ for c in layer})}")
+    return views

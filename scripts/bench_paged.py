@@ -1,0 +1,111 @@
+"""Decode tok/s: paged storage (pure-MLX reference paged-attention kernel) vs dense layouts, same model.
+
+No Metal figure is measured here: on this Linux CPU build the dispatcher always runs the pure-MLX reference
+kernel (``mlxkv.kernels``), so these ratios bound the reference path's overhead, not the Metal kernel's speed.
+
+The caches are filled with random K/V rows to the target context (no prefill, so 16K fits the time budget);
+then greedy decode steps run the model, one forward per step, each step evaluated before the next is built
+(both sides). Batch 8 uses the batch views (``make_batch_views``): dense = KVBatchView (per-sequence SDPA),
+paged = PagedBatchView (one paged_attention call per layer).
+
+    python scripts/bench_paged.py                     # 1K, 4K, 16K context, batch 1 and 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench_common import ensure_openblas, random_llama
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    blas = ensure_openblas()
+
+    import mlx.core as mx
+
+    from mlxkv.cache import make_caches
+    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.engine.batch_view import make_batch_views
+    from mlxkv.paged import PagedLayerCache
+    from mlxkv.pool import CachePool
+
+    vocab = 4096
+    model, n_params = random_llama(args.hidden, args.layers, vocab, heads=8, kv_heads=2)
+    install_attention_hook(model)
+    head_dim = args.hidden // 8
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def fill(caches, ctx, seed):
+        mx.random.seed(seed)
+        for c in caches:
+            k = mx.random.normal((1, 2, ctx, head_dim))  # (1, n_kv, ctx, D)
+            v = mx.random.normal((1, 2, ctx, head_dim))
+            out = c.update_and_fetch(k, v)
+            del out
+        mx.eval([a for c in caches for a in c.arrays()])
+
+    def decode(caches_per_seq, step_done):
+        B = len(caches_per_seq)
+        tokens = mx.array([[5]] * B)  # (B, 1)
+        times = []
+        for i in range(args.steps + 2):
+            start = time.perf_counter()
+            step_done("feed", tokens)
+            cache = caches_per_seq[0] if B == 1 else make_batch_views(caches_per_seq)
+            logits = model(tokens, cache=cache)[:, -1]  # (B, vocab)
+            tokens = mx.argmax(logits, axis=-1)[:, None].astype(mx.uint32)  # (B, 1)
+            mx.eval(tokens)
+            step_done("commit", tokens)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        return B / statistics.median(times)
+
+    print(f"BLAS: {blas}; random llama float32 hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.0f}M "
+          f"params, 8 heads / 2 kv heads, head_dim {head_dim}; block size {args.block_size}; median of "
+          f"{args.steps} steps. Paged = pure-MLX reference kernel (no Metal figure is measured here).")
+    print(f"{'context':>8s} {'batch':>5s} {'dense tok/s':>12s} {'paged tok/s':>12s} {'paged/dense':>12s}")
+    for ctx in contexts:
+        for B in batches:
+            dense = [make_caches(model) for _ in range(B)]
+            for b, caches in enumerate(dense):
+                fill(caches, ctx, b)
+            dense_tps = decode(dense, lambda *_: None)
+            del dense
+            blocks = B * (-(-(ctx + args.steps + 4) // args.block_size) + 1) + 2
+            pool = CachePool(model, backend="paged", num_blocks=blocks, max_sequences=B,
+                             kv_config=KvCacheConfig(backend="paged", block_size=args.block_size,
+                                                     enable_block_reuse=False))
+            seqs = [pool.open(prompt=[7] * ctx) for _ in range(B)]
+            for b, seq in enumerate(seqs):
+                fill([c for c in seq.caches if isinstance(c, PagedLayerCache)], ctx, b)
+                seq.commit()
+
+            def paged_hook(what, tokens, seqs=seqs):
+                for b, seq in enumerate(seqs):
+                    if what == "feed":
+                        seq.feed([int(tokens[b, 0].item())])
+                    else:
+                        seq.commit()
+
+            paged_tps = decode([s.caches for s in seqs], paged_hook)
+            for seq in seqs:
+                pool.release(seq.id)
+            pool.check_invariants()
+            del pool, seqs
+            print(f"{ctx:8d} {B:5d} {dense_tps:12.1f} {paged_tps:12.1f} {paged_tps / dense_tps:11.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
