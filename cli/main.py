@@ -122,7 +122,7 @@ def generate(
                                 seed=seed, stop=tuple(stop or ()))
         loaded = load(model)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
-        engine = build_engine(loaded, options)
+        engine = build_engine(loaded, options, context_tokens=len(tokens) + max_tokens)
         for chunk in engine.generate(tokens, params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()

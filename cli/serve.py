@@ -25,6 +25,12 @@ def _check_layout(value: str) -> str:
     return value
 
 
+def _check_backend(value: str) -> str:
+    if value not in ("paged", "dense"):
+        raise typer.BadParameter(f"{value!r} is not one of paged, dense.")
+    return value
+
+
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m",
                                         help="Hugging Face repo id or local folder (default: the demo model)."),
@@ -45,6 +51,18 @@ def serve(
     kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
     layout: str = typer.Option("mlxkv", "--cache-layout", callback=_check_layout,
                                help="KV cache layouts: mlxkv (default) or mlx-lm (for comparison)."),
+    kv_backend: str = typer.Option("paged", "--kv-backend", callback=_check_backend,
+                                   help="KV storage: paged (default; block pool with prefix caching) or dense."),
+    kv_block_size: int = typer.Option(16, "--kv-block-size", min=1, help="Tokens per KV block (paged)."),
+    kv_cache_budget: Optional[int] = typer.Option(
+        None, "--kv-cache-budget", min=1,
+        help="Bytes for KV blocks (paged; default: max-sequences full contexts, at most half the free memory)."),
+    host_cache_size: int = typer.Option(0, "--host-cache-size", min=0,
+                                        help="Bytes of host memory for evicted KV blocks (paged secondary tier)."),
+    kv_disk_cache: Optional[str] = typer.Option(None, "--kv-disk-cache",
+                                                help="Folder for an on-disk KV block tier (paged; survives restarts)."),
+    kv_disk_cache_size: int = typer.Option(0, "--kv-disk-cache-size", min=0,
+                                           help="Byte cap of the on-disk KV tier (needs --kv-disk-cache)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id reported by /v1/models (default: --model)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, help="Largest request body (MB); else 413."),
@@ -72,12 +90,14 @@ def serve(
                               prefill_chunk_size=prefill_chunk_size)
         parts = build(model, config=config, layout=layout, max_kv_size=max_kv_size, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024),
-                      model_name=served_model_name)
+                      model_name=served_model_name, kv_backend=kv_backend, kv_block_size=kv_block_size,
+                      kv_cache_budget=kv_cache_budget, host_cache_bytes=host_cache_size,
+                      disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     typer.echo(f"mlxkv serve: {parts.loaded.name} on http://{host}:{port} "
-               f"(max {max_sequences} sequences, queue {max_queue_depth})", err=True)
+               f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV)", err=True)
     uvicorn.run(parts.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     import mlx.core as mx
 

@@ -11,6 +11,7 @@ from mlxkv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
 KV_BACKENDS = ("dense", "paged")
 KV_BITS = (None, 4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_SECONDARY_DISK_BYTES = 16 << 30  # disk tier cap when a folder is given without a size
 
 
 def _is_int(value: object) -> bool:
@@ -31,6 +32,10 @@ class KvCacheConfig:
     secondary_offload_min_priority: evicted blocks go to the secondary tier only at or above this priority.
     kv_bits / kv_group_size: quantized KV storage (None, 4 or 8 bits; groups of 32, 64 or 128).
     max_kv_size: dense backend only: keep at most this many tokens (rotating); None for unbounded.
+    secondary_memory_bytes: paged only: bytes of host memory for the secondary KV tier (0 = none).
+    secondary_disk_dir: paged only: folder for the on-disk secondary tier (None = none); survives restarts.
+    secondary_disk_bytes: paged only: byte cap of the on-disk tier (needs secondary_disk_dir; 0 with a folder
+        means DEFAULT_SECONDARY_DISK_BYTES, 16 GiB).
     """
 
     backend: str = "dense"
@@ -46,6 +51,9 @@ class KvCacheConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     max_kv_size: int | None = None
+    secondary_memory_bytes: int = 0
+    secondary_disk_dir: str | None = None
+    secondary_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in KV_BACKENDS:
@@ -79,6 +87,28 @@ class KvCacheConfig:
             raise ValueError(f"kv_group_size={self.kv_group_size!r}: expected one of 32, 64, 128")
         if self.max_kv_size is not None and (not _is_int(self.max_kv_size) or self.max_kv_size < 1):
             raise ValueError(f"max_kv_size={self.max_kv_size!r}: expected None or an integer >= 1")
+        for name in ("secondary_memory_bytes", "secondary_disk_bytes"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{name}={v!r}: expected an integer number of bytes >= 0 (0 = off)")
+        d = self.secondary_disk_dir
+        if d is not None and (not isinstance(d, str) or not d):
+            raise ValueError(f"secondary_disk_dir={d!r}: expected None or a non-empty folder path")
+        if self.secondary_disk_bytes and d is None:
+            raise ValueError("secondary_disk_bytes needs secondary_disk_dir (the folder for the disk tier)")
+
+    @property
+    def secondary_enabled(self) -> bool:
+        """True when any secondary-tier field is set (the paged backend then attaches the tier)."""
+        return bool(self.secondary_memory_bytes or self.secondary_disk_dir or self.secondary_disk_bytes)
+
+    @property
+    def secondary_disk_cap(self) -> int:
+        """Byte cap of the disk tier: ``secondary_disk_bytes``, or the default with a folder and no size;
+        0 without a folder."""
+        if self.secondary_disk_dir is None:
+            return 0
+        return self.secondary_disk_bytes or DEFAULT_SECONDARY_DISK_BYTES
 
 
 def num_blocks_for_budget(config: KvCacheConfig, bytes_per_block: int, free_bytes: int | None = None) -> int:

@@ -118,12 +118,14 @@ class CachePool:
             prefix caching: :class:`mlxkv.paged.PagedBackend`; ``open`` then takes the prompt tokens).
         kv_config: paged backend: block size, budget and reuse settings (default ``KvCacheConfig()``).
         num_blocks: paged backend: pool size in blocks, overriding the budget.
+        model_path: paged backend: the model's folder, for the secondary KV tier's model fingerprint
+            (``kv_config.secondary_*``); optional.
     """
 
     def __init__(self, model: Any, *, max_sequences: int = 16, layout: str = "mlxkv",
                  max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
                  cache_factory: CacheFactory | None = None, backend: str = "dense", kv_config: Any = None,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, model_path: str | None = None):
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         if layout not in LAYOUTS:
@@ -145,7 +147,8 @@ class CachePool:
 
             if layout != "mlxkv" or cache_factory is not None:
                 raise ValueError("backend='paged' builds its own caches: use layout='mlxkv' and no cache_factory")
-            self.paged = PagedBackend(model, kv_config or KvCacheConfig(backend="paged"), num_blocks=num_blocks)
+            self.paged = PagedBackend(model, kv_config or KvCacheConfig(backend="paged"), num_blocks=num_blocks,
+                                      model_path=model_path)
         if cache_factory is None:
             build = mlxkv_caches if layout == "mlxkv" else mlx_lm_caches
             options = dict(max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)

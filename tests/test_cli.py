@@ -102,3 +102,27 @@ def test_subprocess_bad_model_path_one_line():
     assert proc.returncode != 0
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stdout == ""
+
+
+def test_missing_weights_is_one_line_and_verbose_adds_the_traceback(tmp_path, llama_dir):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(llama_dir, bare)
+    for weights in bare.glob("*.safetensors"):
+        weights.unlink()
+    result = runner.invoke(app, ["generate", "--model", str(bare), "hello"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"error: no model*.safetensors weights in {bare}"
+    verbose = runner.invoke(app, ["generate", "--model", str(bare), "--verbose", "hello"])
+    assert verbose.exit_code == 1 and "Traceback" in verbose.stderr
+
+
+def test_paged_backend_and_prompt_lookup_give_the_dense_greedy_text(llama_dir):
+    args = ["generate", "-m", llama_dir, "--raw", "-n", "16", "Lists are mutable sequences"]
+    dense = runner.invoke(app, args)
+    paged = runner.invoke(app, [*args, "--kv-backend", "paged", "--kv-block-size", "8"])
+    lookup = runner.invoke(app, [*args, "--prompt-lookup", "--verbose"])
+    assert dense.exit_code == paged.exit_code == lookup.exit_code == 0, paged.output + lookup.output
+    assert paged.stdout == dense.stdout == lookup.stdout
+    assert "acceptance" in lookup.stderr

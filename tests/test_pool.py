@@ -15,7 +15,7 @@ def llama():
 
 def capacity(cache):
     """Token slots allocated in a layer's K buffer, read from the buffer itself."""
-    if hasattr(cache, "capacity"):
+    if hasattr(cache, "capacity"):  # mlxkv layouts
         return cache.capacity
     return cache.keys.shape[2]  # mlx-lm: keys is (B, n_kv, capacity, D)
 

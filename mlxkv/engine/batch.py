@@ -13,6 +13,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ import mlx.core as mx
 from mlxkv.engine.batch_probe import probe_batched_decode
 from mlxkv.engine.request import (EngineStoppedError, Event, GenerationRequest, PromptTooLongError, QueueFullError,
                                   RequestHandle)
-from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
+from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler, max_paged_tokens
 from mlxkv.pool import CachePool
 
 log = logging.getLogger("mlxkv.engine")
@@ -97,6 +98,11 @@ class BatchEngine:
         self._snapshot: dict = {}
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        manager = self.pool.paged.manager if self.pool.paged is not None else None
+        self._manager = manager
+        self._kv_capacity = max_paged_tokens(manager) if manager is not None else None  # longest sequence
+        self._kv_stats: dict = {}
+        self._kv_stats_at = 0.0
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "BatchEngine":
@@ -141,6 +147,10 @@ class BatchEngine:
             raise PromptTooLongError(
                 f"the prompt has {prompt_len} tokens but the model's context is {self.context_length} tokens "
                 f"(prompt + at least one generated token must fit)")
+        if self._kv_capacity is not None and prompt_len >= self._kv_capacity:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_len} tokens but the KV cache budget holds {self._kv_capacity} tokens "
+                f"(prompt + at least one generated token must fit; raise --kv-cache-budget)")
         if request.n > self.config.max_sequences:
             raise ValueError(f"n={request.n} exceeds the server's max_sequences={self.config.max_sequences}")
         if not self.alive:
@@ -150,6 +160,8 @@ class BatchEngine:
                 raise QueueFullError(f"the request queue is full ({self.config.max_queue_depth} waiting)")
             self._queued += 1
         room = self.context_length - prompt_len if self.context_length is not None else request.params.max_tokens
+        if self._kv_capacity is not None:  # a sequence alone must always fit the block pool (no endless preemption)
+            room = min(room, self._kv_capacity - prompt_len)
         handle = RequestHandle(request, loop=loop)
         handle._wake = lambda: self._inbox.put(("wake", None))
         job = Job(request=request, handle=handle, max_tokens=min(request.params.max_tokens, room))
@@ -165,9 +177,10 @@ class BatchEngine:
         return snap
 
     def reset_cache(self, timeout: float = 60.0) -> dict:
-        """Drop reusable cached state (prefix cache once paged storage lands; MLX's free-buffer cache now).
+        """Drop reusable cached state: the prefix cache's unreferenced blocks (paged) and MLX's buffer cache.
 
-        Returns what was cleared, e.g. ``{"mlx_cache_bytes_freed": ...}``.
+        Blocks held by running sequences stay. Returns what was cleared:
+        ``{"mlx_cache_bytes_freed": ..., "prefix_cache_blocks_freed": ...}``.
         """
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("reset", future))
@@ -231,9 +244,14 @@ class BatchEngine:
             if kind == "submit":
                 self._scheduler.add(payload)
             elif kind == "reset":
+                blocks = 0
+                if self._manager is not None:
+                    pool = self._manager.pool
+                    blocks = pool.evict_cached(pool.stats().evictable)  # cached blocks no sequence holds
+                    self._kv_stats_at = 0.0  # republish at once
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
-                payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": 0})
+                payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
             elif kind == "stop":
                 self._running = False
             try:
@@ -241,25 +259,52 @@ class BatchEngine:
             except queue.Empty:
                 return
 
+    def _paged_stats(self, force: bool) -> dict:
+        """Block and prefix-cache figures from the manager (its block scan is O(blocks): at most every 0.25 s
+        while busy, always when idle)."""
+        now = time.monotonic()
+        if self._manager is None or (not force and now - self._kv_stats_at < 0.25):
+            return self._kv_stats
+        m = self._manager.stats()
+        p = m.pool
+        self._kv_stats = {
+            "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
+                          "evictable": p.evictable, "block_size": self._manager.block_size,
+                          "capacity_tokens": self._kv_capacity,
+                          "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
+            "evictions": p.evictions,
+            "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
+        }
+        self._kv_stats_at = now
+        return self._kv_stats
+
     def _publish(self) -> None:
         sched = self._scheduler
+        totals = sched.totals
+        paged = self._manager is not None
+        queries, hits = totals["prefix_queries"], totals["prefix_hits"]
         snap = {
             "running": len(sched.running),
             "prefilling": len(sched.prefilling),
+            "preempted": len(sched.preempted),
             "pool_sequences": len(self.pool),
             "max_sequences": self.config.max_sequences,
+            "kv_backend": self.pool.backend,
             "kv_bytes": self.pool.memory_usage_bytes(),
             "mlx_active_bytes": int(mx.get_active_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "batched_decode": sched.batched,
             "batched_decode_reason": self._batched_reason,
             "context_length": self.context_length,
-            # Paged storage and its prefix cache are not wired in yet: these report honest zeros.
-            "prefix_cache": {"enabled": False, "queries": 0, "hits": 0},
+            # token-weighted, one lookup per request (parallel samples and resumes after preemption excluded)
+            "prefix_cache": {"enabled": paged and self._manager.pool.enable_caching, "queries": queries,
+                             "hits": hits, "hit_rate": hits / queries if queries else 0.0},
             "kv_blocks": {"paged": False, "used": 0, "free": 0, "cached": 0},
             "evictions": 0,
-            "preemptions": 0,
-            **{f"{k}_total" if k not in ("max_batch",) else k: v for k, v in sched.totals.items()},
+            "preemptions": totals["preemptions"],
+            **self._paged_stats(force=not sched.has_work()),
+            **{f"{k}_total" if k not in ("max_batch", "preemptions", "prefix_queries", "prefix_hits") else k: v
+               for k, v in totals.items() if k not in ("preemptions", "prefix_queries", "prefix_hits")},
         }
         with self._lock:
             self._snapshot = snap

@@ -3,7 +3,9 @@
 Some architectures read cache internals batch views do not have (e.g. mlx-lm's llama4 builds its chunk mask
 from ``cache.start_position``), and batch views need mlxkv's attention hook. The probe runs two sequences of
 different lengths through one batched decode forward and through separate forwards on copies of their
-caches; the engine batches only when the probe passes, and otherwise decodes sequences one by one.
+caches (paged pools: through their own sequences, under a probe-only cache salt, since paged caches share one
+page array and cannot be copied); the engine batches only when the probe passes, and otherwise decodes
+sequences one by one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def probe_batched_decode(model: Any, pool: CachePool) -> tuple[bool, str]:
     ``(False, reason)``. Uses two pool sequences, released before returning."""
     if pool.max_sequences - len(pool) < 2:
         return False, "no room in the pool for the probe"
+    if pool.paged is not None:
+        return _probe_paged(model, pool)
     seqs = []
     try:
         for prompt in _PROMPTS:
@@ -37,15 +41,56 @@ def probe_batched_decode(model: Any, pool: CachePool) -> tuple[bool, str]:
         check_attended(views)
         single = mx.concatenate([model(last[b : b + 1], cache=c)[:, -1, :] for b, c in enumerate(copies)])
         mx.eval(batched, single)
-        if batched.shape != single.shape:
-            return False, f"batched logits have shape {batched.shape}, expected {single.shape}"
-        if not mx.array_equal(mx.argmax(batched, axis=-1), mx.argmax(single, axis=-1)).item():
-            return False, "batched decode picks different tokens than one-by-one decode"
-        scale = mx.abs(single).max().item() + 1e-6
-        err = mx.abs(batched.astype(mx.float32) - single.astype(mx.float32)).max().item()
-        if err > 1e-2 * scale:
-            return False, f"batched logits differ from one-by-one by {err:.3g} (scale {scale:.3g})"
-        return True, "ok"
+        return _compare(batched, single)
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not batch this model
+        return False, f"{type(exc).__name__}: {exc}"
+    finally:
+        for seq in seqs:
+            pool.release(seq.id)
+
+
+def _compare(batched: mx.array, single: mx.array) -> tuple[bool, str]:
+    if batched.shape != single.shape:
+        return False, f"batched logits have shape {batched.shape}, expected {single.shape}"
+    if not mx.array_equal(mx.argmax(batched, axis=-1), mx.argmax(single, axis=-1)).item():
+        return False, "batched decode picks different tokens than one-by-one decode"
+    scale = mx.abs(single).max().item() + 1e-6
+    err = mx.abs(batched.astype(mx.float32) - single.astype(mx.float32)).max().item()
+    if err > 1e-2 * scale:
+        return False, f"batched logits differ from one-by-one by {err:.3g} (scale {scale:.3g})"
+    return True, "ok"
+
+
+def _probe_paged(model: Any, pool: CachePool) -> tuple[bool, str]:
+    """The probe over paged sequences: one by one first (each opened, decoded once, released), then both in
+    one batched forward, each run under its own salt so no run reuses another's blocks."""
+    last = mx.array([[p[-1]] for p in _PROMPTS], dtype=mx.uint32)  # (2, 1)
+    seqs: list = []
+
+    def open_prefilled(prompt: list[int], salt: str):
+        seq = pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt)
+        seqs.append(seq)
+        model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)
+        mx.eval([a for c in seq.caches if hasattr(c, "arrays") for a in c.arrays()])
+        seq.commit()
+        n = seq.paged.num_tokens
+        seq.paged.slots(0, n, n + 1)  # the pending last prompt token's slot, as the scheduler allocates it
+        return seq
+
+    try:
+        rows = []
+        for b, prompt in enumerate(_PROMPTS):
+            seq = open_prefilled(prompt, f"mlxkv-probe-single-{b}")
+            rows.append(model(last[b : b + 1], cache=seq.caches)[:, -1, :])
+            mx.eval(rows[-1])
+            pool.release(seqs.pop().id)
+        single = mx.concatenate(rows)  # (2, vocab)
+        pair = [open_prefilled(p, f"mlxkv-probe-batch-{b}") for b, p in enumerate(_PROMPTS)]
+        views = make_batch_views([s.caches for s in pair])
+        batched = model(last, cache=views)[:, -1, :]  # (2, vocab)
+        check_attended(views)
+        mx.eval(batched)
+        return _compare(batched, single)
     except Exception as exc:  # noqa: BLE001 - any failure means: do not batch this model
         return False, f"{type(exc).__name__}: {exc}"
     finally:

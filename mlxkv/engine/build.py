@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,24 +49,47 @@ class EngineOptions:
         return bool(self.draft_model) or self.prompt_lookup
 
 
-def _pool(model: Any, options: EngineOptions) -> CachePool:
+def paged_blocks_for(model: Any, block_size: int, context_tokens: int) -> int:
+    """Pool blocks one sequence of ``context_tokens`` tokens can need: every KV group (full, each window,
+    each chunk size) may hold the whole context, plus one spare block per group and the null block."""
+    from mlxkv.cache import layer_kind, make_caches
+
+    groups = {layer_kind(c) for c in make_caches(model)}
+    return len(groups) * (-(-context_tokens // block_size) + 1) + 1
+
+
+def _pool(model: Any, options: EngineOptions, context_tokens: int) -> CachePool:
     if options.kv_backend == "paged":
         from mlxkv.config import KvCacheConfig
 
+        # One sequence: size the pool for its context instead of a share of free memory.
         config = KvCacheConfig(backend="paged", block_size=options.kv_block_size)
-        return CachePool(model, max_sequences=1, backend="paged", kv_config=config)
+        blocks = paged_blocks_for(model, options.kv_block_size, context_tokens)
+        return CachePool(model, max_sequences=1, backend="paged", kv_config=config, num_blocks=blocks)
     return CachePool(model, max_sequences=1, max_kv_size=options.max_kv_size, kv_bits=options.kv_bits,
                      kv_group_size=options.kv_group_size)
 
 
-def build_engine(loaded: Any, options: EngineOptions) -> DirectEngine:
+def _dense(options: EngineOptions) -> EngineOptions:
+    """``options`` with the dense backend (the draft model's pool)."""
+    if options.kv_backend == "dense":
+        return options
+    return dataclasses.replace(options, kv_backend="dense")
+
+
+def build_engine(loaded: Any, options: EngineOptions, context_tokens: int) -> DirectEngine:
     """A DirectEngine (or SpeculativeEngine when a drafting mode is set) over a one-sequence pool.
+
+    ``context_tokens`` (prompt + new tokens) sizes a paged pool. Speculation works over either backend
+    (the draft model's own pool is dense).
 
     Raises:
         ValueError: incompatible options, or a draft model whose vocabulary differs from the target's.
         mlxkv.models.ModelLoadError: the draft model cannot be loaded.
     """
-    pool = _pool(loaded.model, options)
+    # A verify forward holds up to num_draft_tokens unverified positions past the context at once.
+    spare = options.num_draft_tokens if options.speculative else 0
+    pool = _pool(loaded.model, options, context_tokens + spare)
     if not options.speculative:
         return DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
     from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
@@ -77,6 +101,7 @@ def build_engine(loaded: Any, options: EngineOptions) -> DirectEngine:
         from mlxkv.models import load
 
         draft = load(options.draft_model)
-        drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, options))
+        # The draft's caches stay dense (one sequence, rewound every round): no prefix caching to gain.
+        drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, _dense(options), context_tokens))
     return SpeculativeEngine(loaded.model, loaded.tokenizer, drafter, num_draft_tokens=options.num_draft_tokens,
                              pool=pool)

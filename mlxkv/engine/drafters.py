@@ -121,13 +121,19 @@ class DraftModelDrafter(Drafter):
 
     Args:
         model: the draft model (mlx-lm module).
-        pool: CachePool for the draft model's caches (default: one sequence over mlxkv's layouts).
+        pool: CachePool for the draft model's caches (default: one sequence over mlxkv's layouts); dense
+            (the target's pool may be paged; the draft's caches live one sequence long).
         prefill_step_size: prompt tokens per draft prefill forward.
+
+    Raises:
+        ValueError: a paged ``pool``.
     """
 
     def __init__(self, model: Any, *, pool: CachePool | None = None, prefill_step_size: int = 2048):
         self.model = model
         self.pool = pool if pool is not None else CachePool(model, max_sequences=1)
+        if self.pool.paged is not None:
+            raise ValueError("the draft model's CachePool must be dense (backend='dense'); the target's may be paged")
         self.prefill_step_size = prefill_step_size
         self._seq = None
         self._rewinder: CacheRewinder | None = None

@@ -28,7 +28,6 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv import env
-from mlxkv.cache.base import LayerCache
 from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.rotating import RotatingKVCache
 from mlxkv.cache.standard import KVCache
@@ -73,7 +72,8 @@ def padded_prefill_enabled(model: Any, caches: list) -> bool:
 def _eval_caches(caches: list) -> None:
     arrays = []
     for c in _layers(caches):
-        arrays.extend(c.arrays() if isinstance(c, LayerCache) else [c.state])
+        # Resident buffers only (dense and paged layouts); mlx-lm caches expose their state.
+        arrays.extend(c.arrays() if hasattr(c, "arrays") else [c.state])
     mx.eval(arrays)
 
 

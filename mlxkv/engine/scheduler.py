@@ -18,6 +18,7 @@ sequence a request opened is released when it ends, however it ends.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import time
@@ -29,7 +30,7 @@ from mlx.utils import tree_flatten
 
 from mlxkv.engine.batch_view import BatchUnsupported, check_attended, make_batch_views
 from mlxkv.engine.forking import fork_caches
-from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
+from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, RetentionSpec, Usage
 from mlxkv.engine.row_sampler import RowSampler, sample_rows
 from mlxkv.engine.text_stream import TextStream
 from mlxkv.pool import CachePool, Sequence
@@ -51,14 +52,14 @@ class Job:
 
     request: GenerationRequest
     handle: RequestHandle
-    max_tokens: int  # per choice, already capped by the context length
+    max_tokens: int  # per choice, already capped by the context length (and the paged KV budget)
     submitted_at: float = field(default_factory=time.perf_counter)
-    seq: Sequence | None = None  # the prefill sequence (choice 0's once decoding)
     opened: list[Sequence] = field(default_factory=list)  # every sequence opened for it: released at the end
-    prefilled: int = 0  # prompt tokens in the cache; prefill stops at len(prompt) - 1
     choices: list["Choice"] = field(default_factory=list)
     open_choices: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at its first open (paged)
+    queried: bool = False  # cached_tokens is set
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
@@ -70,11 +71,63 @@ class Choice:
 
     job: Job
     index: int
-    seq: Sequence
+    seq: Sequence | None
     sampler: RowSampler
     text: TextStream
     next_input: int  # the token the next decode step feeds
+    generated: list[int] = field(default_factory=list)  # tokens emitted so far (a resume recomputes them)
+    fresh: bool = True  # next_input is the last token of what was opened: the manager knows it (no feed)
     done: bool = False
+
+
+@dataclass(eq=False)
+class Prefill:
+    """A sequence being prefilled: ``tokens[:-1]`` go into its cache, ``tokens[-1]`` is the first decode input.
+
+    ``choice`` is None for a job's first sequence (its choices are made when it finishes); else the choice
+    this sequence serves (a parallel sample's own sequence, or a preempted choice resuming).
+    ``seats``: sequences it stands for in ``max_sequences`` (``n`` for a job's first sequence).
+    """
+
+    job: Job
+    tokens: list[int]
+    choice: Choice | None = None
+    seats: int = 1
+    seq: Sequence | None = None  # None while waiting to be (re)opened
+    done: int = 0  # tokens in the cache
+
+
+def blocks_needed(specs: list, block_size: int, num_tokens: int) -> int:
+    """Blocks a sequence of ``num_tokens`` tokens holds at most, over every manager group."""
+    total = 0
+    for spec in specs:
+        full = -(-num_tokens // block_size)
+        if spec.kind == "sliding":
+            full = min(full, -(-spec.window // block_size) + 1)
+        elif spec.kind == "chunked":
+            full = min(full, -(-spec.chunk_size // block_size) + 1)
+        total += full
+    return total
+
+
+def max_paged_tokens(manager: Any) -> int:
+    """Longest sequence (tokens) that fits the whole block pool alone."""
+    usable = manager.pool.num_usable_blocks
+    lo, hi = 0, usable * manager.block_size + 1  # blocks_needed is monotonic in the token count
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if blocks_needed(manager.specs, manager.block_size, mid) <= usable else (lo, mid)
+    return lo
+
+
+def retention_config(spec: RetentionSpec | None) -> Any:
+    """The block manager's RetentionConfig for a request's retention rules (None: the default)."""
+    from mlxkv.blocks.retention import RetentionConfig
+
+    if spec is None:
+        return None
+    return RetentionConfig(ranges=tuple((r.start, r.end, r.priority, r.duration) for r in spec.ranges),
+                           decode_priority=spec.decode_priority, decode_duration_s=spec.decode_duration)
 
 
 class Scheduler:
@@ -83,7 +136,7 @@ class Scheduler:
     Args:
         model: the mlx-lm model (attention hook installed for batched decode).
         tokenizer: mlx-lm's ``TokenizerWrapper`` (``None``: tokens only).
-        pool: owns every sequence's layer caches.
+        pool: owns every sequence's layer caches (dense or paged).
         max_sequences: most sequences prefilling or decoding at once (default: the pool's ``max_sequences``).
         prefill_chunk_size: most prompt tokens prefilled per step (over all admitted requests).
         observer: receives timings.
@@ -100,6 +153,7 @@ class Scheduler:
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
+        self.manager = pool.paged.manager if pool.paged is not None else None
         self.max_sequences = pool.max_sequences if max_sequences is None else min(max_sequences, pool.max_sequences)
         self.prefill_chunk_size = prefill_chunk_size
         self.observer = observer or EngineObserver()
@@ -107,10 +161,12 @@ class Scheduler:
         self._on_dequeue = on_dequeue
         self._order = itertools.count()
         self.waiting: list[tuple[int, int, Job]] = []  # heap of (priority, arrival, job)
-        self.prefilling: list[Job] = []
+        self.preempted: collections.deque[Prefill] = collections.deque()  # resumed before any new admission
+        self.prefilling: list[Prefill] = []
         self.running: list[Choice] = []
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
-                           steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0)
+                           steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
+                           preemptions=0, prefix_queries=0, prefix_hits=0)
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -119,12 +175,12 @@ class Scheduler:
         heapq.heappush(self.waiting, (job.request.priority, next(self._order), job))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.preempted or self.prefilling or self.running)
 
     def jobs(self) -> list[Job]:
-        """Every job not finished yet (waiting, prefilling or running)."""
+        """Every job not finished yet (waiting, preempted, prefilling or running)."""
         seen = {id(j): j for _, _, j in self.waiting}
-        seen.update({id(j): j for j in self.prefilling})
+        seen.update({id(t.job): t.job for t in (*self.preempted, *self.prefilling)})
         seen.update({id(c.job): c.job for c in self.running})
         return list(seen.values())
 
@@ -140,54 +196,147 @@ class Scheduler:
         self._prefill()
         self._decode()
 
+    def _seats(self) -> int:
+        return len(self.running) + sum(t.seats for t in self.prefilling)
+
     def _admit(self) -> None:
+        """Preempted sequences first (in preemption order), then waiting jobs by priority; each while its
+        seats fit in ``max_sequences`` and (paged) its blocks fit in the free (or evictable) blocks."""
+        free = self.manager.pool.num_free_blocks if self.manager is not None else 0
+        while self.preempted:
+            task = self.preempted[0]
+            need = self._blocks_for(len(task.tokens) + 1)
+            if self._seats() + task.seats > self.max_sequences or need > free:
+                return  # nothing new is admitted before the preempted sequences are back
+            self.preempted.popleft()
+            free -= need
+            self._open(task)
         while self.waiting:
             job = self.waiting[0][2]
             if job.request.n > self.max_sequences:
                 self._fail(job, ValueError(f"n={job.request.n} exceeds max_sequences={self.max_sequences}"))
                 continue
-            in_use = sum(j.request.n for j in self.prefilling) + len(self.running)
-            if in_use + job.request.n > self.max_sequences:
+            need = self._blocks_for(len(job.request.prompt) + 1)
+            if self._seats() + job.request.n > self.max_sequences or (need > free and self._seats() > 0):
                 return
             heapq.heappop(self.waiting)
             self._on_dequeue()
-            try:
-                job.seq = self.pool.open(prompt_length=len(job.request.prompt))
-                job.opened.append(job.seq)
-                self.totals["prompt_tokens"] += len(job.request.prompt)
-            except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
-                self._fail(job, exc)
-                continue
-            self.prefilling.append(job)
+            free -= need
+            self.totals["prompt_tokens"] += len(job.request.prompt)
+            self._open(Prefill(job, list(job.request.prompt), seats=job.request.n))
 
+    def _blocks_for(self, num_tokens: int) -> int:
+        if self.manager is None:
+            return 0
+        return blocks_needed(self.manager.specs, self.manager.block_size, num_tokens)
+
+    def _open(self, task: Prefill) -> None:
+        """Open ``task``'s sequence (paged: with its tokens, salt, retention and priority; prefix hit taken)."""
+        job, request = task.job, task.job.request
+        try:
+            if self.manager is None:
+                task.seq = self.pool.open(prompt_length=len(request.prompt))
+            else:
+                task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
+                                          salt=request.cache_salt)
+                # CachePool.open does not take retention/priority yet: set them on the manager's record before
+                # the sequence commits any block (prefix-hit blocks keep their own retention).
+                state = self.manager._get(task.seq.paged.seq_id)
+                state.retention = retention_config(request.retention) or state.retention
+                state.priority = -request.priority  # the manager preempts lower values first
+            job.opened.append(task.seq)
+            task.done = task.seq.num_cached
+            if not job.queried:  # the request's own prefix lookup (not a sample's or a resume's)
+                job.queried, job.cached_tokens = True, task.done
+                self.totals["prefix_queries"] += len(request.prompt)
+                self.totals["prefix_hits"] += task.done
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
+            self._fail(job, exc)
+            return
+        self.prefilling.append(task)
+
+    # ---- paged growth and preemption -----------------------------------------------------------------------
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Whether ``n`` more tokens of ``seq`` fit, preempting lower-ranked sequences (lower priority, then
+        newer) if needed; False when they do not fit and no sequence ranks below ``seq``."""
+        sid = seq.paged.seq_id
+        while not self.manager.can_allocate(sid, n):
+            victim = self.manager.choose_victim(requester=sid)
+            if victim is None:
+                return False
+            self._preempt_id(victim)
+        return True
+
+    def _preempt_id(self, manager_seq_id: int) -> None:
+        for task in self.prefilling:
+            if task.seq.paged.seq_id == manager_seq_id:
+                return self._preempt_prefill(task)
+        for choice in self.running:
+            if choice.seq.paged.seq_id == manager_seq_id:
+                return self._preempt_choice(choice)
+        raise AssertionError(f"the manager's sequence {manager_seq_id} belongs to no request")
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.id in self.pool:
+            self.pool.release(seq.id)  # verified blocks stay cached: the resume takes them as a prefix hit
+
+    def _preempt_prefill(self, task: Prefill) -> None:
+        self.prefilling.remove(task)
+        self._release(task.seq)
+        task.seq, task.done = None, 0
+        self.preempted.append(task)
+        self.totals["preemptions"] += 1
+
+    def _preempt_choice(self, choice: Choice) -> None:
+        """Release a decoding choice's sequence; it resumes with its prompt + generated tokens as the prompt."""
+        self.running.remove(choice)
+        self._release(choice.seq)
+        choice.seq = None
+        self.preempted.append(Prefill(choice.job, list(choice.job.request.prompt) + choice.generated, choice))
+        self.totals["preemptions"] += 1
+
+    # ---- prefill -------------------------------------------------------------------------------------------
     def _prefill(self) -> None:
         budget = self.prefill_chunk_size
-        for job in list(self.prefilling):
-            target = len(job.request.prompt) - 1  # the last prompt token is fed by the first decode step
+        for task in list(self.prefilling):
+            if task not in self.prefilling:  # preempted by an earlier task of this step
+                continue
+            target = len(task.tokens) - 1  # the last token is fed by the first decode step
             try:
-                n = min(budget, target - job.prefilled)
+                n = min(budget, target - task.done)
                 if n > 0:
-                    chunk = mx.array(job.request.prompt[job.prefilled : job.prefilled + n], dtype=mx.uint32)
-                    self.model(chunk[None], cache=job.seq.caches)  # (1, n) -> logits unused
-                    mx.eval(_cache_arrays(job.seq.caches))
-                    job.prefilled += n
+                    if self.manager is not None and not self._make_room(task.seq, n):
+                        self._preempt_prefill(task)  # it ranks lowest: wait for blocks
+                        continue
+                    chunk = mx.array(task.tokens[task.done : task.done + n], dtype=mx.uint32)
+                    self.model(chunk[None], cache=task.seq.caches)  # (1, n) -> logits unused
+                    mx.eval(_cache_arrays(task.seq.caches))
+                    task.seq.commit()
+                    task.done += n
                     budget -= n
-                if job.prefilled == target:
-                    self._start_decoding(job)
+                if task.done == target:
+                    self._start_decoding(task)
             except Exception as exc:  # noqa: BLE001
-                self._fail(job, exc)
+                self._fail(task.job, exc)
             if budget == 0:
                 return
 
-    def _start_decoding(self, job: Job) -> None:
-        self.prefilling.remove(job)
-        request = job.request
-        seqs = [job.seq]
-        for _ in range(request.n - 1):  # parallel samples: copy the prefilled caches (paged fork later)
-            seq = self.pool.open(prompt_length=len(request.prompt))
-            job.opened.append(seq)
-            seq.caches[:] = fork_caches(job.seq.caches)
-            seqs.append(seq)
+    def _start_decoding(self, task: Prefill) -> None:
+        self.prefilling.remove(task)
+        job, request = task.job, task.job.request
+        if task.choice is not None:  # a parallel sample's own sequence, or a resumed choice
+            task.choice.seq, task.choice.next_input, task.choice.fresh = task.seq, task.tokens[-1], True
+            self.running.append(task.choice)
+            return
+        seqs: list[Sequence | None] = [task.seq]
+        for _ in range(request.n - 1):
+            if self.manager is None:  # dense: copy the prefilled caches
+                seq = self.pool.open(prompt_length=len(request.prompt))
+                job.opened.append(seq)
+                seq.caches[:] = fork_caches(task.seq.caches)
+                seqs.append(seq)
+            else:  # paged: each sample opens its own sequence, sharing the prompt's cached blocks
+                seqs.append(None)
         seed = request.params.seed
         for i, seq in enumerate(seqs):
             job.choices.append(Choice(
@@ -196,10 +345,32 @@ class Scheduler:
                 text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
                 next_input=request.prompt[-1]))
         job.open_choices = len(seqs)
-        self.running.extend(job.choices)
+        for choice in job.choices:
+            if choice.seq is not None:
+                self.running.append(choice)
+            else:
+                self._open(Prefill(job, list(request.prompt), choice))
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def _reserve(self) -> list[Choice]:
+        """Paged: slots for every running choice's next input, preempting as needed; returns who decodes."""
+        for choice in list(self.running):
+            if choice not in self.running:  # preempted to make room for an earlier choice
+                continue
+            if not self._make_room(choice.seq, 1):
+                self._preempt_choice(choice)
+                continue
+            seq = choice.seq
+            if choice.fresh:  # the manager holds this token as the opened tokens' last: allocate its slot
+                n = seq.paged.num_tokens
+                seq.paged.slots(0, n, n + 1)
+            else:
+                seq.feed([choice.next_input])
+            choice.fresh = False
+        return list(self.running)
 
     def _decode(self) -> None:
-        choices = list(self.running)
+        choices = self._reserve() if self.manager is not None else list(self.running)
         if not choices:
             return
         self.totals["decode_steps"] += 1
@@ -209,6 +380,8 @@ class Scheduler:
             tokens = sample_rows(logits, [c.sampler for c in choices])  # (B,)
             mx.eval(tokens)
             tokens = tokens.tolist()
+            for c in choices:
+                c.seq.commit()
         except Exception as exc:  # noqa: BLE001 - the shared forward failed: fail the requests in it
             for job in {id(c.job): c.job for c in choices}.values():
                 self._fail(job, exc)
@@ -250,12 +423,13 @@ class Scheduler:
         self.totals["generation_tokens"] += 1
         text, finish = choice.text.feed(token)
         job.handle.put(Event("token", index=choice.index, text=text, token=token, finish_reason=finish))
+        choice.generated.append(token)
         if finish is None:
             choice.next_input = token
             return
         choice.done = True
         self.running.remove(choice)
-        self.pool.release(choice.seq.id)
+        self._release(choice.seq)
         job.open_choices -= 1
         if job.open_choices == 0:
             usage = Usage(len(job.request.prompt), job.completion_tokens)
@@ -275,8 +449,8 @@ class Scheduler:
             self.waiting = [entry for entry in self.waiting if entry[2] is not job]
             heapq.heapify(self.waiting)
             self._on_dequeue()
-        if job in self.prefilling:
-            self.prefilling.remove(job)
+        self.prefilling = [t for t in self.prefilling if t.job is not job]
+        self.preempted = collections.deque(t for t in self.preempted if t.job is not job)
         self.running = [c for c in self.running if c.job is not job]
         for seq in job.opened:
             if seq.id in self.pool:

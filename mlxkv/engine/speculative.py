@@ -15,6 +15,11 @@ Greedy output is token-for-token plain greedy decoding; sampled output has the t
 (rejection sampling). Streaming, EOS and stop strings come from :class:`DirectEngine`, which this subclasses.
 Unverified tokens never stay in a cache past their round: ``on_round`` reports, per round, how many tokens the
 sequence's caches hold, all verified (a paged prefix cache may register blocks up to there).
+
+Over a paged pool (``CachePool(backend="paged")``) the sequence opens with the prompt (and salt), prefill
+starts at its prefix hit, ``[y, d_1..d_k]`` are fed to the block manager before each verify forward, and after
+the rewind (which hands emptied tail blocks back to the pool) only the verified ``y, d_1..d_n`` are committed:
+unverified tokens never become cached blocks. The drafter keeps its own (dense) caches.
 """
 
 from __future__ import annotations
@@ -98,10 +103,12 @@ class SpeculativeEngine(DirectEngine):
         self.on_round = on_round
         self.last_stats = SpeculativeStats()
 
-    def generate_tokens(self, prompt: Seq[int], params: SamplingParams) -> Iterator[int]:
+    def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *,
+                        salt: str | bytes | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The target's sequence and the drafter's state are released when the generator finishes or is closed.
+        With a paged pool a cached prefix of the prompt is not recomputed (``salt`` isolates caches).
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -111,13 +118,15 @@ class SpeculativeEngine(DirectEngine):
         stats = SpeculativeStats(prompt_tokens=len(prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
-        seq = self.pool.open(prompt_length=len(prompt))
+        seq = self.pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt)
         try:
             rewinder = CacheRewinder(seq.caches, max_trim=self.num_draft_tokens + 1)
             start = time.perf_counter()
-            logits = prefill(self.model, seq.caches, mx.array(prompt, dtype=mx.uint32),
+            cached = stats.cached_prompt_tokens = seq.num_cached  # paged prefix hit (< len(prompt)); dense: 0
+            logits = prefill(self.model, seq.caches, mx.array(prompt[cached:], dtype=mx.uint32),
                              step_size=self.prefill_step_size)  # (V,)
             y = params.make_sampler()((logits - mx.logsumexp(logits, keepdims=True))[None]).item()
+            seq.commit()  # paged: the prompt is verified; its full blocks become cached
             self.drafter.begin(prompt, params, vocab_size=logits.shape[-1], max_draft=self.num_draft_tokens)
             self.drafter.commit(Draft([]), 0, y)
             stats.prompt_seconds = time.perf_counter() - start
@@ -148,6 +157,7 @@ class SpeculativeEngine(DirectEngine):
         k = len(draft.tokens)
         before = rewinder.snapshot() if k > 0 and rewinder.needs_replay else None
         fed = [y, *draft.tokens]
+        seq.feed(fed)  # paged: slots for y and the drafts (dense: no-op)
         logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=seq.caches)[0]  # (k + 1, V)
         if params.temp == 0:
             verdict = verify_greedy(logits, draft.tokens)
@@ -160,11 +170,13 @@ class SpeculativeEngine(DirectEngine):
                 # Recurrent state cannot be cut mid-forward: go back before it and feed the kept tokens again.
                 rewinder.trim(k + 1)
                 rewinder.restore(before)
+                seq.feed(fed[: n + 1])
                 self.model(mx.array(fed[: n + 1], dtype=mx.uint32)[None], cache=seq.caches)
                 stats.target_forwards += 1
                 stats.replay_forwards += 1
             else:
-                rewinder.trim(k - n)
+                rewinder.trim(k - n)  # paged: the drafts' emptied tail blocks go back to the pool
+        seq.commit()  # only y, d_1..d_n are left: verified (paged: full blocks become cached)
         committed = [*draft.tokens[:n], verdict.token]
         self.drafter.commit(draft, n, verdict.token)
         stats.rounds += 1
@@ -173,6 +185,9 @@ class SpeculativeEngine(DirectEngine):
         stats.decoded_tokens += n + 1
         verified = seq.prompt_length + stats.decoded_tokens  # prompt + committed tokens, minus the newest
         assert seq.offset in (0, verified), f"cache offset {seq.offset} != verified length {verified}"
+        if seq.paged is not None:
+            p = seq.paged
+            assert p.num_tokens == verified == p.manager.num_committed(p.seq_id), "paged: unverified tokens left"
         if self.on_round is not None:
             self.on_round(seq, SpeculativeRound(k, n, committed, verified))
         return committed

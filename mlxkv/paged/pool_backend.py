@@ -89,13 +89,19 @@ class PagedBackend:
         config: block size, budget and reuse settings (``backend`` is not read here).
         num_blocks: pool size overriding the budget (tests, benchmarks).
         free_bytes: free memory for ``kv_cache_budget='auto'`` (default: measured).
+        model_path: the model's folder (config.json + safetensors), for the secondary tier's model
+            fingerprint; without it the fingerprint samples the weights.
+
+    With any ``secondary_*`` field of ``config`` set, a secondary tier (host memory and/or disk,
+    :func:`mlxkv.tier.paged.attach_tier`) sits behind the pool: evicted blocks are offloaded to it and
+    ``open`` restores a prompt's blocks from it before taking the prefix hit (``self.tier``; None without).
 
     Raises:
         ValueError: a layer layout the paged backend cannot hold (sink tokens, quantized, CacheList).
     """
 
     def __init__(self, model: Any, config: KvCacheConfig, *, num_blocks: int | None = None,
-                 free_bytes: int | None = None):
+                 free_bytes: int | None = None, model_path: str | None = None):
         if config.kv_bits is not None:
             raise ValueError("the paged backend stores K/V unquantized: use kv_bits=None or backend='dense'")
         if config.max_kv_size is not None:
@@ -132,6 +138,13 @@ class PagedBackend:
         )
         self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
         self.sequences: dict[int, PagedSequence] = {}
+        self.tier = None
+        if config.secondary_enabled:
+            from mlxkv.tier.paged import attach_tier
+
+            self.tier = attach_tier(self, memory_bytes=config.secondary_memory_bytes,
+                                    disk_dir=config.secondary_disk_dir, disk_bytes=config.secondary_disk_cap,
+                                    model_path=model_path)
 
     @property
     def num_blocks(self) -> int:
@@ -144,6 +157,8 @@ class PagedBackend:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
             the sequence (``seq.num_cached`` prompt tokens need no compute; prefill from there).
         """
+        if self.tier is not None:
+            self.tier.restore(prompt, salt)  # tier blocks extending the primary hit come back as cached blocks
         res = self.manager.open(prompt, salt=salt)
         seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
                             res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
@@ -159,6 +174,23 @@ class PagedBackend:
         """Free the sequence's blocks tail first (verified blocks stay cached for later hits)."""
         seq.release()
         self.sequences.pop(seq.seq_id, None)
+
+    def tier_stats(self) -> dict:
+        """Prefix-hit figures for ``/v1/cache/stats`` and metrics: blocks of prompts seen, hits served by the
+        primary pool vs by the secondary tier, and the tier's own counters under ``secondary`` (None
+        without a tier; the hit figures are then the manager's, in tokens)."""
+        if self.tier is not None:
+            return {"enabled": True, **self.tier.stats()}
+        st = self.manager.stats()
+        return {"enabled": False, "prompt_tokens": st.prompt_tokens, "primary_hit_tokens": st.hit_tokens,
+                "secondary_hit_blocks": 0, "secondary": None}
+
+    def flush_cached(self) -> int:
+        """Evict every cached block no sequence holds (offloading it to the secondary tier, when attached
+        and its priority allows): e.g. before shutting down so a restart finds the blocks on disk. Returns
+        how many blocks were evicted."""
+        pool = self.manager.pool
+        return pool.evict_cached(len(pool.blocks))
 
     def check_invariants(self) -> None:
         """Manager invariants plus: every open sequence is registered, nothing else holds blocks."""

@@ -1,8 +1,9 @@
 """Prometheus metrics for ``/metrics``: engine gauges and counters read at scrape time, latency histograms.
 
-Every figure comes from the engine's own stats snapshot (never from MLX on the HTTP thread). Paged storage and
-its prefix cache are not wired in yet, so KV block gauges, prefix-cache counters, evictions and preemptions
-report the engine's honest zeros; ``mlxkv_kv_cache_bytes`` reports the bytes the pool's dense caches hold.
+Every figure comes from the engine's own stats snapshot (never from MLX on the HTTP thread). With the paged
+backend, KV block gauges, evictions and cached blocks per retention priority come from the block manager;
+prefix-cache queries and hits are prompt tokens (one lookup per request); preemptions count sequences sent
+back for recompute. The dense backend reports zeros for the block figures.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ _GAUGES = (
     ("prefilling", "mlxkv_prefilling_requests", "Requests whose prompt is being prefilled."),
     ("pool_sequences", "mlxkv_open_sequences", "Sequences open in the cache pool."),
     ("kv_bytes", "mlxkv_kv_cache_bytes", "Bytes held by the open sequences' KV caches."),
+    ("preempted", "mlxkv_preempted_sequences", "Sequences preempted and waiting to resume."),
 )
 _BLOCK_GAUGES = (
-    ("used", "mlxkv_kv_blocks_used", "KV blocks in use (paged storage; 0 until it lands)."),
-    ("free", "mlxkv_kv_blocks_free", "Free KV blocks (paged storage; 0 until it lands)."),
-    ("cached", "mlxkv_kv_blocks_cached", "Cached reusable KV blocks (paged storage; 0 until it lands)."),
+    ("used", "mlxkv_kv_blocks_used", "KV blocks held by sequences (paged storage)."),
+    ("free", "mlxkv_kv_blocks_free", "Free KV blocks, evictable cached ones included (paged storage)."),
+    ("cached", "mlxkv_kv_blocks_cached", "KV blocks holding reusable cached content (paged storage)."),
+    ("total", "mlxkv_kv_blocks_total", "KV blocks in the pool (paged storage)."),
 )
 _COUNTERS = (
     ("prompt_tokens_total", "mlxkv_prompt_tokens", "Prompt tokens admitted."),
@@ -58,6 +61,11 @@ class _EngineCollector(Collector):
                                   value=float(prefix.get("queries", 0)))
         yield CounterMetricFamily("mlxkv_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=float(prefix.get("hits", 0)))
+        by_priority = GaugeMetricFamily("mlxkv_kv_blocks_cached_by_priority",
+                                        "Cached KV blocks per retention priority (paged storage).", labels=["priority"])
+        for priority, count in sorted(blocks.get("cached_by_priority", {}).items(), key=lambda kv: int(kv[0])):
+            by_priority.add_metric([str(priority)], float(count))
+        yield by_priority
 
 
 class ServerMetrics(EngineObserver):

@@ -26,8 +26,14 @@ class ServerParts:
 def build(model: str | None, *, config: EngineConfig | None = None, layout: str = "mlxkv",
           max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
           api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          model_name: str | None = None, manage_engine: bool = True) -> ServerParts:
+          model_name: str | None = None, manage_engine: bool = True, kv_backend: str = "paged",
+          kv_block_size: int = 16, kv_cache_budget: int | None = None, host_cache_bytes: int = 0,
+          disk_cache_dir: str | None = None, disk_cache_bytes: int = 0) -> ServerParts:
     """Load ``model`` (see :func:`mlxkv.models.load`) and wire pool, engine, metrics and app together.
+
+    ``kv_backend="paged"`` (default): one block pool with prefix caching, sized by ``kv_cache_budget`` bytes
+    (default: see :func:`paged_kv_config`); ``host_cache_bytes`` / ``disk_cache_dir`` / ``disk_cache_bytes``
+    size the secondary KV tier. ``"dense"``: per-sequence buffers (``layout``, ``max_kv_size``, ``kv_bits``).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -39,14 +45,53 @@ def build(model: str | None, *, config: EngineConfig | None = None, layout: str 
 
     config = config or EngineConfig()
     loaded = load(model, progress=True)
-    pool = CachePool(loaded.model, max_sequences=config.max_sequences, layout=layout, max_kv_size=max_kv_size,
-                     kv_bits=kv_bits, kv_group_size=kv_group_size)
+    context = context_length_of(loaded.config)
+    if kv_backend == "paged":
+        if kv_bits is not None or max_kv_size is not None or layout != "mlxkv":
+            raise ValueError("--kv-bits, --max-kv-size and --cache-layout apply to the dense backend: "
+                             "add --kv-backend dense")
+        kv_config = paged_kv_config(config.max_sequences, context, block_size=kv_block_size, budget=kv_cache_budget,
+                                    host_cache_bytes=host_cache_bytes, disk_cache_dir=disk_cache_dir,
+                                    disk_cache_bytes=disk_cache_bytes)
+        pool = CachePool(loaded.model, max_sequences=config.max_sequences, backend="paged", kv_config=kv_config)
+    elif kv_backend == "dense":
+        pool = CachePool(loaded.model, max_sequences=config.max_sequences, layout=layout, max_kv_size=max_kv_size,
+                         kv_bits=kv_bits, kv_group_size=kv_group_size)
+    else:
+        raise ValueError(f"kv_backend must be one of dense, paged, got {kv_backend!r}")
     metrics = ServerMetrics()
-    engine = BatchEngine(loaded.model, loaded.tokenizer, config=config, pool=pool,
-                         context_length=context_length_of(loaded.config), observer=metrics)
+    engine = BatchEngine(loaded.model, loaded.tokenizer, config=config, pool=pool, context_length=context,
+                         observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics, manage_engine=manage_engine)
     return ServerParts(loaded, engine, app, metrics)
+
+
+def paged_kv_config(max_sequences: int, context_length: int | None, *, block_size: int = 16,
+                    budget: int | None = None, host_cache_bytes: int = 0, disk_cache_dir: str | None = None,
+                    disk_cache_bytes: int = 0) -> Any:
+    """The server's paged KvCacheConfig.
+
+    ``budget`` bytes when given; else enough blocks for ``max_sequences`` full contexts, capped at
+    ``AUTO_FREE_FRACTION`` of free memory (only the fraction without a known context length). Secondary-tier
+    sizes are passed on where this version of :class:`~mlxkv.config.KvCacheConfig` has the fields.
+    """
+    from mlxkv.config import KvCacheConfig
+
+    fields: dict[str, Any] = {}
+    for name, value in (("secondary_memory_bytes", host_cache_bytes), ("secondary_disk_dir", disk_cache_dir),
+                        ("secondary_disk_bytes", disk_cache_bytes)):
+        if value:
+            if name not in KvCacheConfig.__dataclass_fields__:
+                raise ValueError(f"this mlxkv has no secondary KV tier ({name}): drop the host/disk cache options")
+            fields[name] = value
+    max_tokens = max_sequences * context_length if budget is None and context_length else None
+    return KvCacheConfig(backend="paged", block_size=block_size, kv_cache_budget=budget or "auto",
+                         free_memory_fraction=AUTO_FREE_FRACTION, max_tokens=max_tokens, **fields)
+
+
+#: Share of free memory the paged pool may take when no ``--kv-cache-budget`` is given.
+AUTO_FREE_FRACTION = 0.5
 
 
 class ServerThread:
