@@ -34,8 +34,6 @@ def main() -> None:
     from mlxkv.cache import install_attention_hook
     from mlxkv.config import KvCacheConfig
     from mlxkv.paged import PagedBackend
-    from mlxkv.tier import DiskStore, SecondaryTier, fingerprint_model
-    from mlxkv.tier.paged import TierBridge
 
     model, params = random_llama(args.hidden, args.layers, vocab=4096)
     install_attention_hook(model)
@@ -44,10 +42,9 @@ def main() -> None:
     other = [(11 * i + 5) % 4000 + 10 for i in range(n + 3 * B)]
     num_blocks = n // B + 4  # the other prompt fills every usable block: all of the first is evicted
 
-    def ttft(be, bridge, tokens) -> tuple[float, int]:
+    def ttft(be, tokens) -> tuple[float, int]:
         t0 = time.perf_counter()
-        bridge.restore(tokens)
-        caches, seq = be.open(tokens)
+        caches, seq = be.open(tokens)  # restores from the tier first (the backend's own hook)
         cached = seq.num_cached
         rest = tokens[cached:]
         for i in range(0, len(rest), 512):  # chunked prefill, as the engine does
@@ -59,19 +56,19 @@ def main() -> None:
         return dt, cached
 
     with tempfile.TemporaryDirectory() as folder:
-        be = PagedBackend(model, KvCacheConfig(backend="paged", block_size=B), num_blocks=num_blocks)
-        tier = SecondaryTier(35, disk=DiskStore(folder, fingerprint_model(model), 1 << 34, block_size=B))
-        bridge = TierBridge(be, tier)
-        ttft(be, bridge, other[:64])  # warm-up (kernels, allocator)
-        cold, c0 = ttft(be, bridge, prompt)
-        primary, c1 = ttft(be, bridge, prompt)
-        ttft(be, bridge, other)  # flush the pool: the prompt's blocks go to disk
-        disk, c2 = ttft(be, bridge, prompt)  # restoring evicts the other prompt's blocks: offload cost included
-        disk_bytes = tier.disk.nbytes
-        be2 = PagedBackend(model, KvCacheConfig(backend="paged", block_size=B), num_blocks=num_blocks)
-        bridge2 = TierBridge(be2, SecondaryTier(35, disk=DiskStore(folder, fingerprint_model(model), 1 << 34,
-                                                                   block_size=B)))
-        restart, c3 = ttft(be2, bridge2, prompt)  # a restarted process: empty pool, nothing to evict
+        # The tier comes from the config, as the server's --kv-disk-cache / --kv-disk-cache-size set it.
+        config = KvCacheConfig(backend="paged", block_size=B, secondary_disk_dir=folder,
+                               secondary_disk_bytes=1 << 34)
+        be = PagedBackend(model, config, num_blocks=num_blocks)
+        ttft(be, other[:64])  # warm-up (kernels, allocator)
+        cold, c0 = ttft(be, prompt)
+        primary, c1 = ttft(be, prompt)
+        ttft(be, other)  # flush the pool: the prompt's blocks go to disk
+        disk, c2 = ttft(be, prompt)  # restoring evicts the other prompt's blocks: offload cost included
+        disk_bytes = be.tier.tier.disk.nbytes
+        be2 = PagedBackend(model, config, num_blocks=num_blocks)  # a restarted process, same folder
+        restart, c3 = ttft(be2, prompt)  # empty pool, nothing to evict
+        stats = be2.tier_stats()
     print(f"model: llama hidden={args.hidden} layers={args.layers} ({params / 1e6:.1f}M params, float32); "
           f"BLAS: {blas}")
     print(f"prompt {n} tokens, block {B}; disk tier {disk_bytes / 2**20:.1f} MiB")
@@ -82,6 +79,8 @@ def main() -> None:
           "(disk hit into an empty pool)")
     print(f"primary  {primary * 1e3:8.1f} ms  (cached {c1})  cold/primary = {cold / primary:5.1f}x  "
           f"disk/primary = {disk / primary:4.1f}x")
+    print(f"restarted backend tier_stats: primary_hit_blocks={stats['primary_hit_blocks']} "
+          f"secondary_hit_blocks={stats['secondary_hit_blocks']} hits_disk={stats['secondary']['hits_disk']}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_padding_really_happens(monkeypatch):
         prefill(model, make_caches(model), PROMPT, step_size=32)
     finally:
         model.__class__ = Spy.__bases__[0]
-    assert lengths == [32, PAD_TILE]  # 45 = 32 + 13, the 13 padded to 32
+    assert lengths == [32, PAD_TILE, 1]  # 44 body tokens = 32 + 12 (padded to 32), then the last token alone
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "llama4", "qwen3_next"])

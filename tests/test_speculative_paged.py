@@ -172,3 +172,17 @@ def test_build_engine_paged_with_prompt_lookup():
     tokens = list(engine.generate_tokens(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))
     assert tokens == reference
     engine.pool.check_invariants()
+
+
+def test_cli_generate_paged_with_prompt_lookup_gives_the_dense_text(test_model_dir):
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    runner = CliRunner()
+    args = ["generate", "-m", str(test_model_dir("llama")), "--raw", "-n", "16", "Lists are mutable sequences"]
+    dense = runner.invoke(app, args)
+    paged = runner.invoke(app, [*args, "--kv-backend", "paged", "--kv-block-size", "4", "--prompt-lookup",
+                                "--verbose"])
+    assert dense.exit_code == paged.exit_code == 0, paged.output
+    assert paged.stdout == dense.stdout and "acceptance" in paged.stderr

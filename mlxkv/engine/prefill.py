@@ -1,8 +1,9 @@
 """Prompt prefill: the prompt through the model in chunks, optionally padded to a tile multiple.
 
-Padded prefill runs the last chunk right-padded to a multiple of ``PAD_TILE`` tokens (so every
-forward has a tile-aligned length), takes the logits of the last *real* token, and trims the pad
-tokens back out of every cache. Causal attention keeps the pad tokens from touching real positions,
+Every prompt token but the last fills the caches in chunks whose logits are never computed; the last
+token then runs alone for its logits (as mlx-lm's ``generate_step`` does). Padded prefill runs the last
+of those chunks right-padded to a multiple of ``PAD_TILE`` tokens (so every chunk forward has a
+tile-aligned length) and trims the pad tokens back out of every cache before the last token. Causal attention keeps the pad tokens from touching real positions,
 and mlxkv's exact ``trim`` removes them from the caches, so logits and cache contents equal the
 unpadded run's.
 
@@ -97,20 +98,23 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -
         raise ValueError(f"tokens must be a non-empty 1-D array, got shape {tokens.shape}")
     if step_size < 1:
         raise ValueError(f"step_size must be >= 1, got {step_size}")
-    n = tokens.size
+    # All but the last token fill the caches without their logits ever being computed (MLX is lazy and only
+    # the caches are evaluated), as mlx-lm does; the last token then runs alone for the logits we need.
+    body = tokens[:-1]  # (n - 1,)
+    pad_enabled = padded_prefill_enabled(model, caches)
     pos = 0
-    while n - pos > step_size:
-        model(tokens[pos:pos + step_size][None], cache=caches)
-        _eval_caches(caches)
-        pos += step_size
-    last = tokens[pos:]  # (L,)
-    real = last.size
-    pad = -real % PAD_TILE if padded_prefill_enabled(model, caches) else 0
-    if pad:
-        last = mx.concatenate([last, mx.repeat(last[-1:], pad)])  # (L + pad,) any valid id will do
-    logits = model(last[None], cache=caches)  # (1, L + pad, vocab)
-    if pad:
-        for c in _layers(caches):
+    while pos < body.size:
+        chunk = body[pos:pos + step_size]  # (L,)
+        real = chunk.size
+        final = pos + real == body.size
+        pad = -real % PAD_TILE if final and pad_enabled else 0
+        if pad:
+            chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], pad)])  # (L + pad,) any valid id will do
+        model(chunk[None], cache=caches)
+        for c in _layers(caches) if pad else ():
             removed = c.trim(pad)
             assert removed == pad, f"{type(c).__name__} dropped {removed} of {pad} pad tokens"
-    return logits[0, real - 1]  # (vocab,)
+        _eval_caches(caches)
+        pos += real
+    logits = model(tokens[-1:][None], cache=caches)  # (1, 1, vocab)
+    return logits[0, -1]  # (vocab,)

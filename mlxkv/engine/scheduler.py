@@ -3,13 +3,23 @@
 Runs on the engine thread only (it owns the model and the CachePool). Each :meth:`Scheduler.step`:
 
 1. drops cancelled requests (their sequences are released);
-2. admits waiting requests, lowest ``priority`` first, while their ``n`` sequences fit in ``max_sequences``;
-3. prefills up to ``prefill_chunk_size`` prompt tokens over the newly admitted requests, in admission order;
-   a request's prompt is prefilled except its last token, as mlx-lm's ``generate_step`` does; then its
-   caches are forked for ``n > 1`` and its choices join the running set;
+2. admits preempted sequences first, then waiting requests, lowest ``priority`` first, while their ``n``
+   sequences fit in ``max_sequences`` (and, paged, their blocks fit in the free or evictable blocks);
+3. prefills up to ``prefill_chunk_size`` prompt tokens over the admitted sequences, in admission order;
+   a prompt is prefilled except its last token, as mlx-lm's ``generate_step`` does, and from
+   ``seq.num_cached`` on (the paged prefix hit); then ``n > 1`` makes the other samples' sequences (dense:
+   copied caches; paged: sequences opened on the same prompt, which take its cached blocks) and the choices
+   join the running set;
 4. runs one decode forward for every running sequence, whatever their lengths (batch views, see
    :mod:`mlxkv.engine.batch_view`), feeding each its pending token (the last prompt token first), samples,
-   streams text and releases finished sequences.
+   streams text and releases finished sequences. Paged: each sequence's slot is reserved before the forward
+   and every sequence commits after it.
+
+Paged preemption: when a sequence needs a block and none is free or evictable, the manager's lowest-ranked
+sequence (lowest priority, then newest) is released for recompute: its verified blocks stay cached, and it is
+re-queued with its prompt + generated tokens as the prompt, resuming with a prefix hit. A sequence that ranks
+lowest itself waits that way. Every request fits the pool alone (``BatchEngine.submit`` caps it), so every
+request completes.
 
 Failures are contained: an exception while prefilling or streaming a request fails that request only; an
 exception in the shared decode forward fails the requests in it; the engine goes on either way. Every
@@ -239,11 +249,7 @@ class Scheduler:
             else:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
                                           salt=request.cache_salt)
-                # CachePool.open does not take retention/priority yet: set them on the manager's record before
-                # the sequence commits any block (prefix-hit blocks keep their own retention).
-                state = self.manager._get(task.seq.paged.seq_id)
-                state.retention = retention_config(request.retention) or state.retention
-                state.priority = -request.priority  # the manager preempts lower values first
+                self._apply_policy(task.seq, request)
             job.opened.append(task.seq)
             task.done = task.seq.num_cached
             if not job.queried:  # the request's own prefix lookup (not a sample's or a resume's)
@@ -254,6 +260,24 @@ class Scheduler:
             self._fail(job, exc)
             return
         self.prefilling.append(task)
+
+    def _apply_policy(self, seq: Sequence, request: GenerationRequest) -> None:
+        """Set a just-opened paged sequence's retention and scheduling priority on its manager record.
+
+        CachePool.open does not take them (yet), so they are set here, before the sequence commits any block;
+        its prefix-hit blocks get the request's retention merged in, as the manager's own ``open`` does.
+        """
+        state = self.manager._get(seq.paged.seq_id)
+        state.priority = -request.priority  # the manager preempts lower values first; requests: lower is sooner
+        retention = retention_config(request.retention)
+        if retention is None:
+            return
+        state.retention = retention
+        pool, B = self.manager.pool, self.manager.block_size
+        now = pool.clock()
+        for table in state.tables:
+            for i, block in enumerate(table.blocks[: table.num_cached]):
+                pool.set_retention(block, *retention.block_retention(i * B, (i + 1) * B, state.prompt_len, now))
 
     # ---- paged growth and preemption -----------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int) -> bool:
