@@ -6,8 +6,8 @@ concurrency level (1, 4, 8 clients by default) every client sends ``--requests-p
 back. Reported: time to first token (TTFT) p50/p95, aggregate output tok/s, and mlxkv/mlx-lm ratios; a PNG plot
 when matplotlib is installed.
 
-Note: mlx_lm.server reuses shared prompt prefixes through its prompt cache; mlxkv serve has no prefix cache
-until paged storage lands, so this workload favours mlx-lm on TTFT for now.
+Both servers reuse shared prompt prefixes: mlx_lm.server through its prompt cache, mlxkv serve through the
+paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend dense`` has no prefix cache).
 
     python scripts/bench_serve.py                      # a random llama (hidden 256, 4 layers) + test tokenizer
     python scripts/bench_serve.py --model path/to/model --max-tokens 64
@@ -73,10 +73,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, model: str, port: int, max_sequences: int) -> subprocess.Popen:
+def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged") -> subprocess.Popen:
     if name == "mlxkv":
         cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-               "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning"]
+               "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
+               "--kv-backend", kv_backend]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
@@ -159,9 +160,10 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int, distinct
             "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall}
 
 
-def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, distinct: bool) -> list[dict]:
+def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, distinct: bool,
+          kv_backend: str = "paged") -> list[dict]:
     port = free_port()
-    proc = start_server(name, model, port, max(levels))
+    proc = start_server(name, model, port, max(levels), kv_backend)
     try:
         url = f"http://127.0.0.1:{port}"
         one_request(url, "warm up", 4)
@@ -211,6 +213,7 @@ def main() -> None:
     p.add_argument("--workload", choices=["shared", "distinct"], default="shared",
                    help="shared: one long system prompt for all requests; distinct: each request's prompt differs "
                         "from its first tokens (no prefix reuse on either side)")
+    p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged", help="mlxkv serve's KV storage")
     p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
     args = p.parse_args()
     try:
@@ -229,8 +232,9 @@ def main() -> None:
     results = {}
     for name in ("mlxkv", "mlx-lm"):
         results[name] = bench(name, model, args.clients, args.requests_per_client, args.max_tokens,
-                              args.workload == "distinct")
-    print(f"\nworkload: {args.workload} prefix; ratios mlxkv / mlx-lm (TTFT: lower is better; tok/s: higher is better)")
+                              args.workload == "distinct", args.kv_backend)
+    print(f"\nworkload: {args.workload} prefix, mlxkv {args.kv_backend} KV; ratios mlxkv / mlx-lm "
+          "(TTFT: lower is better; tok/s: higher is better)")
     for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
         print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
               f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")

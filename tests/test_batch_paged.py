@@ -9,7 +9,7 @@ from mlxkv.cache.hook import install_attention_hook
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.engine.request import GenerationRequest, PromptTooLongError
+from mlxkv.engine.request import GenerationRequest, PromptTooLongError, RetentionRange, RetentionSpec
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.pool import CachePool
 from mlxkv.server.runner import ServerThread, build
@@ -105,6 +105,20 @@ def test_tiny_budget_preempts_and_every_request_completes_exactly(model, expecte
     assert got == expected
     assert stats["preemptions"] > 0 and stats["evictions"] > 0
     assert stats["pool_sequences"] == 0 and stats["preempted"] == 0 and stats["kv_blocks"]["used"] == 0
+    pool.check_invariants()
+
+
+def test_retention_rules_reach_the_cached_blocks(model, expected):
+    engine, pool = paged_engine(model)
+    retention = RetentionSpec(ranges=(RetentionRange(0, None, 90),), decode_priority=10)
+    try:
+        got = run_all(engine, [GenerationRequest(PROMPTS[2], PARAMS, retention=retention, priority=3)])
+        by_priority = engine.stats()["kv_blocks"]["cached_by_priority"]
+    finally:
+        engine.stop()
+    assert got == [expected[2]]
+    # 13 prompt + 15 fed decode tokens in blocks of 4: blocks 0-3 hold prompt tokens (90), blocks 4-6 decode only
+    assert {k: v for k, v in by_priority.items() if k in ("10", "90")} == {"90": 4, "10": 3}
     pool.check_invariants()
 
 

@@ -84,3 +84,27 @@ def test_memory_usage_matches_kv_formula(llama, layout):
     assert pool.memory_usage_bytes() == expected
     pool.release(seq.id)
     assert pool.memory_usage_bytes() == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "llama4"])
+def test_window_layers_stop_growing_while_standard_layers_grow(arch):
+    """memory_usage_bytes() follows each layout: full layers grow with context, sliding/chunked ones stop
+    at their window plus the documented slack (max_rewind rows and one growth step)."""
+    from mlxkv.cache import KVCache
+
+    model, _ = build_model(arch)
+    pool = CachePool(model)
+    seq = pool.open()
+    per_layer = []
+    for _ in range(3):
+        prefill(model, seq.caches, 300)  # 300, 600, 900 tokens
+        per_layer.append([c.nbytes for c in seq.caches])
+    totals = per_layer[-1]
+    assert pool.memory_usage_bytes() == sum(totals)
+    for i, cache in enumerate(seq.caches):
+        sizes = [step[i] for step in per_layer]
+        if type(cache) is KVCache:
+            assert sizes[0] < sizes[1] < sizes[2]
+        else:  # rotating(8) / chunked(16): bounded by window + max_rewind + growth step
+            assert sizes[1] == sizes[2]
+            assert sizes[2] < per_layer[-1][-1]

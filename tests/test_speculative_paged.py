@@ -111,7 +111,7 @@ def speculate(model, drafter, pool, prompt=PROMPT, max_tokens=NEW_TOKENS, salt=N
 
 
 def test_scripted_every_rewind_length_then_verified_prefix_hit(case):
-    arch, model, reference = case
+    _arch, model, reference = case
     pool = paged_pool(model)
     verified = PROMPT + reference[:-1]  # the newest token is never fed
     tokens, stats, rounds = speculate(model, ScriptedDrafter(reference), pool, verified=verified)
@@ -136,7 +136,7 @@ def test_scripted_every_rewind_length_then_verified_prefix_hit(case):
 
 
 def test_prompt_lookup_is_exact(case):
-    arch, model, reference = case
+    _arch, model, reference = case
     pool = paged_pool(model)
     tokens, stats, _ = speculate(model, PromptLookupDrafter(ngram_size=3), pool)
     assert tokens == reference and stats.drafted_tokens > 0
@@ -175,9 +175,8 @@ def test_build_engine_paged_with_prompt_lookup():
 
 
 def test_cli_generate_paged_with_prompt_lookup_gives_the_dense_text(test_model_dir):
-    from typer.testing import CliRunner
-
     from mlxkv.cli.main import app
+    from typer.testing import CliRunner
 
     runner = CliRunner()
     args = ["generate", "-m", str(test_model_dir("llama")), "--raw", "-n", "16", "Lists are mutable sequences"]
@@ -186,3 +185,11 @@ def test_cli_generate_paged_with_prompt_lookup_gives_the_dense_text(test_model_d
                                 "--verbose"])
     assert dense.exit_code == paged.exit_code == 0, paged.output
     assert paged.stdout == dense.stdout and "acceptance" in paged.stderr
+
+
+def test_recurrent_model_replays_over_paged_pool():
+    """qwen3_next (gated-delta layers): partial rounds rewind by replay; the replay is fed to the manager too."""
+    model = build("qwen3_next")
+    reference = list(DirectEngine(model, None).generate_tokens(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))
+    tokens, stats, _ = speculate(model, ScriptedDrafter(reference), paged_pool(model))
+    assert tokens == reference and stats.replay_forwards > 0

@@ -45,8 +45,8 @@ def test_config_fields_are_validated():
     c = KvCacheConfig(backend="paged", secondary_disk_dir="/tmp/x")
     assert c.secondary_enabled and c.secondary_disk_cap == DEFAULT_SECONDARY_DISK_BYTES
     assert not KvCacheConfig().secondary_enabled and KvCacheConfig().secondary_disk_cap == 0
-    for bad in (dict(secondary_memory_bytes=-1), dict(secondary_disk_bytes=True),
-                dict(secondary_disk_bytes=1 << 20), dict(secondary_disk_dir=""), dict(secondary_disk_dir=3)):
+    for bad in ({"secondary_memory_bytes": -1}, {"secondary_disk_bytes": True},
+                {"secondary_disk_bytes": 1 << 20}, {"secondary_disk_dir": ""}, {"secondary_disk_dir": 3}):
         with pytest.raises(ValueError, match="secondary_"):
             KvCacheConfig(backend="paged", **bad)
 
@@ -62,7 +62,7 @@ def test_no_tier_without_config(model):
 def test_restart_gets_a_disk_hit_with_never_evicted_logits(model, tmp_path):
     reference, cached = run(pool_for(model, num_blocks=64), PROMPT)  # cold, never evicted
     assert cached == 0
-    disk = dict(secondary_disk_dir=str(tmp_path), secondary_disk_bytes=1 << 22)
+    disk = {"secondary_disk_dir": str(tmp_path), "secondary_disk_bytes": 1 << 22}
     first = pool_for(model, **disk)
     assert first.paged.tier is not None and first.paged.tier.tier.disk is not None
     cold, cached = run(first, PROMPT)

@@ -20,9 +20,16 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode
-from mlxkv.engine.request import (EngineStoppedError, Event, GenerationRequest, PromptTooLongError, QueueFullError,
-                                  RequestHandle)
-from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler, max_paged_tokens
+from mlxkv.engine.paged_policy import max_paged_tokens
+from mlxkv.engine.request import (
+    EngineStoppedError,
+    Event,
+    GenerationRequest,
+    PromptTooLongError,
+    QueueFullError,
+    RequestHandle,
+)
+from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
 from mlxkv.pool import CachePool
 
 log = logging.getLogger("mlxkv.engine")

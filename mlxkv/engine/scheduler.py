@@ -40,7 +40,8 @@ from mlx.utils import tree_flatten
 
 from mlxkv.engine.batch_view import BatchUnsupported, check_attended, make_batch_views
 from mlxkv.engine.forking import fork_caches
-from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, RetentionSpec, Usage
+from mlxkv.engine.paged_policy import apply_request_policy, blocks_needed
+from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.row_sampler import RowSampler, sample_rows
 from mlxkv.engine.text_stream import TextStream
 from mlxkv.pool import CachePool, Sequence
@@ -105,39 +106,6 @@ class Prefill:
     seats: int = 1
     seq: Sequence | None = None  # None while waiting to be (re)opened
     done: int = 0  # tokens in the cache
-
-
-def blocks_needed(specs: list, block_size: int, num_tokens: int) -> int:
-    """Blocks a sequence of ``num_tokens`` tokens holds at most, over every manager group."""
-    total = 0
-    for spec in specs:
-        full = -(-num_tokens // block_size)
-        if spec.kind == "sliding":
-            full = min(full, -(-spec.window // block_size) + 1)
-        elif spec.kind == "chunked":
-            full = min(full, -(-spec.chunk_size // block_size) + 1)
-        total += full
-    return total
-
-
-def max_paged_tokens(manager: Any) -> int:
-    """Longest sequence (tokens) that fits the whole block pool alone."""
-    usable = manager.pool.num_usable_blocks
-    lo, hi = 0, usable * manager.block_size + 1  # blocks_needed is monotonic in the token count
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if blocks_needed(manager.specs, manager.block_size, mid) <= usable else (lo, mid)
-    return lo
-
-
-def retention_config(spec: RetentionSpec | None) -> Any:
-    """The block manager's RetentionConfig for a request's retention rules (None: the default)."""
-    from mlxkv.blocks.retention import RetentionConfig
-
-    if spec is None:
-        return None
-    return RetentionConfig(ranges=tuple((r.start, r.end, r.priority, r.duration) for r in spec.ranges),
-                           decode_priority=spec.decode_priority, decode_duration_s=spec.decode_duration)
 
 
 class Scheduler:
@@ -249,7 +217,7 @@ class Scheduler:
             else:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
                                           salt=request.cache_salt)
-                self._apply_policy(task.seq, request)
+                apply_request_policy(self.manager, task.seq.paged.seq_id, request)
             job.opened.append(task.seq)
             task.done = task.seq.num_cached
             if not job.queried:  # the request's own prefix lookup (not a sample's or a resume's)
@@ -260,24 +228,6 @@ class Scheduler:
             self._fail(job, exc)
             return
         self.prefilling.append(task)
-
-    def _apply_policy(self, seq: Sequence, request: GenerationRequest) -> None:
-        """Set a just-opened paged sequence's retention and scheduling priority on its manager record.
-
-        CachePool.open does not take them (yet), so they are set here, before the sequence commits any block;
-        its prefix-hit blocks get the request's retention merged in, as the manager's own ``open`` does.
-        """
-        state = self.manager._get(seq.paged.seq_id)
-        state.priority = -request.priority  # the manager preempts lower values first; requests: lower is sooner
-        retention = retention_config(request.retention)
-        if retention is None:
-            return
-        state.retention = retention
-        pool, B = self.manager.pool, self.manager.block_size
-        now = pool.clock()
-        for table in state.tables:
-            for i, block in enumerate(table.blocks[: table.num_cached]):
-                pool.set_retention(block, *retention.block_retention(i * B, (i + 1) * B, state.prompt_len, now))
 
     # ---- paged growth and preemption -----------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int) -> bool:
@@ -330,8 +280,13 @@ class Scheduler:
                 n = min(budget, target - task.done)
                 if n > 0:
                     if self.manager is not None and not self._make_room(task.seq, n):
-                        self._preempt_prefill(task)  # it ranks lowest: wait for blocks
-                        continue
+                        if len(self.pool) > 1:
+                            self._preempt_prefill(task)  # it ranks lowest: wait for blocks
+                            continue
+                        while n > 1 and not self.manager.can_allocate(task.seq.paged.seq_id, n):
+                            n //= 2  # alone: a smaller chunk (windowed groups release blocks as they go)
+                        if not self.manager.can_allocate(task.seq.paged.seq_id, n):
+                            raise RuntimeError("the prompt does not fit the KV cache budget")
                     chunk = mx.array(task.tokens[task.done : task.done + n], dtype=mx.uint32)
                     self.model(chunk[None], cache=task.seq.caches)  # (1, n) -> logits unused
                     mx.eval(_cache_arrays(task.seq.caches))
@@ -382,7 +337,11 @@ class Scheduler:
             if choice not in self.running:  # preempted to make room for an earlier choice
                 continue
             if not self._make_room(choice.seq, 1):
-                self._preempt_choice(choice)
+                if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
+                    choice.job.handle.put(Event("token", index=choice.index, finish_reason="length"))
+                    self._close_choice(choice, "length")
+                else:
+                    self._preempt_choice(choice)
                 continue
             seq = choice.seq
             if choice.fresh:  # the manager holds this token as the opened tokens' last: allocate its slot
@@ -451,6 +410,10 @@ class Scheduler:
         if finish is None:
             choice.next_input = token
             return
+        self._close_choice(choice, finish)
+
+    def _close_choice(self, choice: Choice, finish: str) -> None:
+        job = choice.job
         choice.done = True
         self.running.remove(choice)
         self._release(choice.seq)
