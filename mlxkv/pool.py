@@ -201,6 +201,34 @@ class CachePool:
         if seq.paged is not None:
             self.paged.release(seq.paged)  # blocks back to the pool, tail first; verified ones stay cached
 
+    def fork(self, seq_id: SequenceId, n: int) -> list[Sequence]:
+        """``n`` new sequences continuing from ``seq_id``'s current state (best-of-n, parallel sampling).
+
+        Paged backend: the children share every block of the parent (copy-on-write on a shared partial tail),
+        so n samples of one prompt hold the prompt's K/V once. Dense backend: the caches are copied.
+
+        Raises:
+            PoolFullError: the children would exceed ``max_sequences``; KeyError: ``seq_id`` is not open.
+        """
+        import copy
+
+        parent = self.get(seq_id)
+        if n < 1:
+            raise ValueError(f"fork n must be >= 1, got {n}")
+        if len(self._sequences) + n > self.max_sequences:
+            raise PoolFullError(f"forking {n} would exceed max_sequences={self.max_sequences}")
+        if parent.paged is not None:
+            pairs = self.paged.fork(parent.paged, parent.caches, n)
+        else:
+            pairs = [(copy.deepcopy(parent.caches), None) for _ in range(n)]
+        children = []
+        for caches, paged in pairs:
+            child = Sequence(id=SequenceId(next(self._ids)), caches=caches, prompt_length=parent.prompt_length,
+                             paged=paged)
+            self._sequences[child.id] = child
+            children.append(child)
+        return children
+
     def check_invariants(self) -> None:
         """Assert pool consistency (tests): paged: manager invariants, open sequences == manager sequences."""
         if self.paged is not None:

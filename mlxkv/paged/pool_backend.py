@@ -170,6 +170,33 @@ class PagedBackend:
             caches.append(c if g is None else PagedLayerCache(seq, layer, g, self.specs[g]))
         return caches, seq
 
+    def fork(self, parent: PagedSequence, parent_caches: list, n: int) -> list[tuple[list, PagedSequence]]:
+        """``n`` children sharing every block of ``parent`` (ref counts, no K/V copied); a shared partial
+        tail block is copied on a child's first write. Recurrent placeholders are deep-copied (their state is
+        per sequence). Call after the step that wrote the parent's slots.
+
+        Returns:
+            One ``(caches, seq)`` per child, positioned where the parent is.
+        """
+        import copy
+
+        offset = next((c.offset for c in parent_caches if isinstance(c, PagedLayerCache)), 0)
+        children = []
+        for child_id in self.manager.fork(parent.seq_id, n):
+            seq = PagedSequence(self.manager, self.storage, parent.group_layers, child_id, parent.num_cached,
+                                self.layer_block_bytes)
+            self.sequences[child_id] = seq
+            caches = []
+            for layer, c in enumerate(parent_caches):
+                if isinstance(c, PagedLayerCache):
+                    child = PagedLayerCache(seq, layer, c.group, c.spec)
+                    child.offset = offset
+                    caches.append(child)
+                else:
+                    caches.append(copy.deepcopy(c))
+            children.append((caches, seq))
+        return children
+
     def release(self, seq: PagedSequence) -> None:
         """Free the sequence's blocks tail first (verified blocks stay cached for later hits)."""
         seq.release()
