@@ -73,11 +73,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged") -> subprocess.Popen:
+def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
+                 kv_budget: int | None = None) -> subprocess.Popen:
     if name == "mlxkv":
         cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
-               "--kv-backend", kv_backend]
+               "--kv-backend", kv_backend] + (["--kv-cache-budget", str(kv_budget)] if kv_budget else [])
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
@@ -161,9 +162,9 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int, distinct
 
 
 def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, distinct: bool,
-          kv_backend: str = "paged") -> list[dict]:
+          kv_backend: str = "paged", kv_budget: int | None = None) -> list[dict]:
     port = free_port()
-    proc = start_server(name, model, port, max(levels), kv_backend)
+    proc = start_server(name, model, port, max(levels), kv_backend, kv_budget)
     try:
         url = f"http://127.0.0.1:{port}"
         one_request(url, "warm up", 4)
@@ -214,6 +215,7 @@ def main() -> None:
                    help="shared: one long system prompt for all requests; distinct: each request's prompt differs "
                         "from its first tokens (no prefix reuse on either side)")
     p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged", help="mlxkv serve's KV storage")
+    p.add_argument("--kv-cache-budget", type=int, default=None, help="mlxkv serve's paged KV bytes (default: its own)")
     p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
     args = p.parse_args()
     try:
@@ -232,7 +234,7 @@ def main() -> None:
     results = {}
     for name in ("mlxkv", "mlx-lm"):
         results[name] = bench(name, model, args.clients, args.requests_per_client, args.max_tokens,
-                              args.workload == "distinct", args.kv_backend)
+                              args.workload == "distinct", args.kv_backend, args.kv_cache_budget)
     print(f"\nworkload: {args.workload} prefix, mlxkv {args.kv_backend} KV; ratios mlxkv / mlx-lm "
           "(TTFT: lower is better; tok/s: higher is better)")
     for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):

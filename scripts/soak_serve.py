@@ -86,6 +86,8 @@ def main() -> int:
     p.add_argument("--disconnect-prob", type=float, default=0.3)
     p.add_argument("--max-sequences", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged")
+    p.add_argument("--kv-cache-budget", type=int, default=None, help="paged KV bytes (small: forces preemption)")
     args = p.parse_args()
 
     import httpx
@@ -100,7 +102,8 @@ def main() -> int:
 
         tmp = tempfile.TemporaryDirectory()
         model = str(write_test_model("llama", Path(tmp.name) / "llama"))
-    parts = build(model, config=EngineConfig(max_sequences=args.max_sequences, max_queue_depth=args.requests))
+    parts = build(model, config=EngineConfig(max_sequences=args.max_sequences, max_queue_depth=args.requests),
+                  kv_backend=args.kv_backend, kv_cache_budget=args.kv_cache_budget)
     with ServerThread(parts.app, host="127.0.0.1") as srv:
         warm = httpx.post(srv.url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=60)
         warm.raise_for_status()
@@ -113,22 +116,24 @@ def main() -> int:
         elapsed = time.monotonic() - start
         settle = time.monotonic() + 30
         stats = httpx.get(srv.url + "/v1/cache/stats").json()
-        while (stats["pool_sequences"] or stats["running"] or stats["prefilling"]) and time.monotonic() < settle:
+        busy = ("pool_sequences", "running", "prefilling", "preempted")
+        while any(stats.get(k, 0) for k in busy) and time.monotonic() < settle:
             time.sleep(0.05)
             stats = httpx.get(srv.url + "/v1/cache/stats").json()
         rss_end = rss_mb()
     counts = {k: outcomes.count(k) for k in sorted(set(outcomes))}
-    leaked = stats["pool_sequences"] + stats["running"] + stats["prefilling"]
+    leaked = stats["pool_sequences"] + stats["running"] + stats["prefilling"] + stats.get("preempted", 0)
     print(f"requests: {len(outcomes)} in {elapsed:.1f}s  outcomes: {counts}")
     print(f"engine: finished {stats['finished_total']}, cancelled {stats['cancelled_total']}, "
           f"failed {stats['failed_total']}, tokens generated {stats['generation_tokens_total']}, "
-          f"max batch {stats['max_batch']}, batched steps {stats['batched_steps_total']}")
+          f"max batch {stats['max_batch']}, batched steps {stats['batched_steps_total']}, "
+          f"preemptions {stats.get('preemptions', 0)}, KV blocks used {stats['kv_blocks'].get('used', 0)}")
     print(f"leaked sequences: {leaked}  KV bytes held: {stats['kv_bytes']}  "
           f"RSS: start {rss_start:.1f} MB, end {rss_end:.1f} MB  (MLX active {stats['mlx_active_bytes'] / 1e6:.1f} MB, "
           f"MLX buffer cache {stats['mlx_cache_bytes'] / 1e6:.1f} MB)")
     if tmp is not None:
         tmp.cleanup()
-    bad = leaked or stats["kv_bytes"] or counts.get("error", 0) or any(k.startswith("http_") for k in counts)
+    bad = leaked or stats["kv_bytes"] or stats["kv_blocks"].get("used", 0) or counts.get("error", 0) or any(k.startswith("http_") for k in counts)
     return 1 if bad else 0
 
 

@@ -136,6 +136,11 @@ def test_server_prefix_metrics_reset_and_disconnect(test_model_dir):
         hits = [line for line in metrics.splitlines() if line.startswith("mlxkv_prefix_cache_hits_total")]
         assert float(hits[0].split()[-1]) == stats["prefix_cache"]["hits"]
         assert "mlxkv_kv_blocks_cached_by_priority{priority=\"35\"}" in metrics
+        cached = []
+        for salt in ("alice", "bob", "alice"):  # the same prompt under two salts: no hit across them
+            body = {"prompt": prefix + "Hi", "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+            cached.append(http.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"])
+        assert [c["cached_tokens"] > 0 for c in cached] == [False, False, True]
         too_long = http.post("/v1/completions", json={"prompt": list(range(5, 5 + 40000)), "max_tokens": 1})
         assert too_long.status_code == 400
         body = {"prompt": prefix, "max_tokens": 100000, "temperature": 0, "stream": True}

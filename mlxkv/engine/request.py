@@ -37,7 +37,7 @@ class RetentionRange:
     """Keep the KV of prompt tokens ``[start, end)`` at ``priority`` for ``duration`` seconds.
 
     ``end=None`` runs to the end of the prompt; ``duration=None`` keeps the priority for as long as the blocks
-    live. Takes effect once paged storage lands; until then it is validated and carried.
+    live. Acts on the paged backend's blocks (the block manager's eviction order); unused with dense storage.
     """
 
     start: int
@@ -82,10 +82,12 @@ class GenerationRequest:
     Attributes:
         prompt: prompt token ids (already templated and encoded).
         params: sampling and stopping settings shared by the ``n`` choices.
-        n: parallel samples of the prompt (prefilled once, then forked).
+        n: parallel samples of the prompt (prefilled once; dense: the caches are copied, paged: each sample's
+            sequence takes the prompt's cached blocks).
         cache_salt: isolates prefix-cache sharing to requests with the same salt (paged storage).
         retention: KV retention rules (paged storage).
-        priority: admission order: lower values are admitted first, ties in arrival order.
+        priority: admission order: lower values are admitted first, ties in arrival order; paged storage
+            preempts sequences of higher values (then newer ones) first when blocks run out.
         request_id: identifies the request in logs and events.
     """
 
@@ -112,6 +114,7 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (paged storage)
 
     @property
     def total_tokens(self) -> int:

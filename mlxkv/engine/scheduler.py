@@ -419,7 +419,7 @@ class Scheduler:
         self._release(choice.seq)
         job.open_choices -= 1
         if job.open_choices == 0:
-            usage = Usage(len(job.request.prompt), job.completion_tokens)
+            usage = Usage(len(job.request.prompt), job.completion_tokens, job.cached_tokens)
             self._end(job, Event("done", usage=usage), "finished", finish)
 
     # ---- endings -------------------------------------------------------------------------------------------
@@ -446,7 +446,7 @@ class Scheduler:
         try:
             job.handle.put(event)
         finally:
-            usage = Usage(len(job.request.prompt), job.completion_tokens)
+            usage = Usage(len(job.request.prompt), job.completion_tokens, job.cached_tokens)
             tpot = None
             if job.first_token_at is not None and job.completion_tokens > len(job.choices) >= 1:
                 per_choice = job.completion_tokens / len(job.choices)

@@ -12,7 +12,7 @@ from mlxkv.engine.request import Usage
 
 def usage_dict(usage: Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def sse(payload: dict | str) -> str:

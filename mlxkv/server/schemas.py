@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic (the OpenAPI spec comes from them).
 
 Fields follow OpenAI's chat and completions APIs; unknown fields are accepted and ignored, as OpenAI does.
-mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (carried to the engine; they take effect with
-paged storage), and ``top_k`` / ``min_p``.
+mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (prefix-cache isolation, block retention and
+scheduling; they act on the paged KV backend, the default, and are carried but unused with ``--kv-backend
+dense``), and ``top_k`` / ``min_p``.
 """
 
 from __future__ import annotations
