@@ -62,9 +62,14 @@ class PagedStorage:
         """Copy rows ``[0, num_tokens)`` of page ``src`` into page ``dst`` (a CopyOp, for one layer)."""
         if self.keys[layer] is None:
             return  # nothing was ever written in this layer, so the source holds nothing either
-        for pages in (self.keys, self.values):
-            p = pages[layer]
-            p[dst, :num_tokens] = p[src, :num_tokens]
+        # Materialise the source rows into their own buffers first: a write whose source is a view of the
+        # pages (``p[dst] = p[src]``) keeps the pages shared at the write, and MLX then copies the whole pool.
+        k_rows = self.keys[layer][src, :num_tokens] + 0  # (num_tokens, H, D_k), a new buffer
+        v_rows = self.values[layer][src, :num_tokens] + 0  # (num_tokens, H, D_v)
+        mx.eval(k_rows, v_rows)
+        first = dst * self.block_size
+        slots = mx.arange(first, first + num_tokens, dtype=mx.int32)  # (num_tokens,)
+        self.write(layer, slots, k_rows, v_rows)
 
     def gather(self, layer: int, block_ids: mx.array, first: int, length: int) -> tuple[mx.array, mx.array]:
         """Rows ``[first, first + length)`` of the concatenated pages ``block_ids`` (int32 ``(n,)``), as
