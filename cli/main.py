@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from mlxkv.cli.options import check_block_size, check_kv_backend, check_kv_bits, check_min_p, check_top_p
+
 app = typer.Typer(
     name="mlxkv",
     help="Local LLM inference on MLX with a first-class KV cache.",
@@ -31,36 +33,6 @@ def _fail(message: str, verbose: bool) -> None:
     raise typer.Exit(code=1)
 
 
-def _check_top_p(value: float) -> float:
-    if not 0.0 < value <= 1.0:
-        raise typer.BadParameter(f"{value} is not in the range 0<x<=1.")
-    return value
-
-
-def _check_min_p(value: float) -> float:
-    if not 0.0 <= value < 1.0:
-        raise typer.BadParameter(f"{value} is not in the range 0<=x<1.")
-    return value
-
-
-def _check_kv_bits(value: Optional[int]) -> Optional[int]:
-    if value is not None and value not in (4, 8):
-        raise typer.BadParameter(f"{value} is not one of 4, 8.")
-    return value
-
-
-def _check_backend(value: str) -> str:
-    if value not in ("dense", "paged"):
-        raise typer.BadParameter(f"{value!r} is not one of dense, paged.")
-    return value
-
-
-def _check_block_size(value: int) -> int:
-    if not 1 <= value <= 256 or value & (value - 1):
-        raise typer.BadParameter(f"{value} is not a power of two in the range 1<=x<=256.")
-    return value
-
-
 def _read_prompt(prompt: str) -> str:
     if prompt == "-":
         return sys.stdin.read()
@@ -75,21 +47,21 @@ def generate(
     system: Optional[str] = typer.Option(None, help="System message (chat mode)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
     temp: float = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", callback=_check_top_p, help="Nucleus sampling mass (0<x<=1)."),
+    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, help="Nucleus sampling mass (0<x<=1)."),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens; 0 disables."),
-    min_p: float = typer.Option(0.0, "--min-p", callback=_check_min_p, help="Min-p filter (0<=x<1); 0 disables."),
+    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, help="Min-p filter (0<=x<1); 0 disables."),
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--raw",
                                         help="Apply the chat template (default: when the tokenizer has one)."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1,
                                               help="Cap on cached tokens per layer (rotating past it)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=_check_kv_bits,
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits,
                                           help="Quantize the KV cache to 4 or 8 bits."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
-    kv_backend: str = typer.Option("dense", "--kv-backend", callback=_check_backend,
+    kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend,
                                    help="KV storage: dense buffers or paged blocks with prefix caching."),
-    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=_check_block_size,
+    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model",
                                               help="Speculative decoding with this draft model (same vocabulary)."),

@@ -10,25 +10,9 @@ from typing import Optional
 
 import typer
 
+from mlxkv.cli.options import check_cache_layout, check_kv_backend, check_kv_bits
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _check_kv_bits(value: Optional[int]) -> Optional[int]:
-    if value is not None and value not in (4, 8):
-        raise typer.BadParameter(f"{value} is not one of 4, 8.")
-    return value
-
-
-def _check_layout(value: str) -> str:
-    if value not in ("mlxkv", "mlx-lm"):
-        raise typer.BadParameter(f"{value!r} is not one of mlxkv, mlx-lm.")
-    return value
-
-
-def _check_backend(value: str) -> str:
-    if value not in ("paged", "dense"):
-        raise typer.BadParameter(f"{value!r} is not one of paged, dense.")
-    return value
 
 
 def serve(
@@ -46,12 +30,12 @@ def serve(
                                                "(default: the MLXKV_API_KEY environment variable)."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1,
                                               help="Cap on cached tokens per layer (rotating past it)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=_check_kv_bits,
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits,
                                           help="Quantize the KV cache to 4 or 8 bits."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
-    layout: str = typer.Option("mlxkv", "--cache-layout", callback=_check_layout,
+    layout: str = typer.Option("mlxkv", "--cache-layout", callback=check_cache_layout,
                                help="KV cache layouts: mlxkv (default) or mlx-lm (for comparison)."),
-    kv_backend: str = typer.Option("paged", "--kv-backend", callback=_check_backend,
+    kv_backend: str = typer.Option("paged", "--kv-backend", callback=check_kv_backend,
                                    help="KV storage: paged (default; block pool with prefix caching) or dense."),
     kv_block_size: int = typer.Option(16, "--kv-block-size", min=1, help="Tokens per KV block (paged)."),
     kv_cache_budget: Optional[int] = typer.Option(

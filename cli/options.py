@@ -1,0 +1,47 @@
+"""Validators shared by the commands' Typer options: a bad value names the valid choices or range."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import typer
+
+
+def one_of(*choices: Any) -> Callable[[Any], Any]:
+    """A Typer callback accepting ``None`` or one of ``choices``."""
+    names = ", ".join(str(c) for c in choices)
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in choices:
+            shown = repr(value) if isinstance(value, str) else value
+            raise typer.BadParameter(f"{shown} is not one of {names}.")
+        return value
+
+    return check
+
+
+check_kv_bits = one_of(4, 8)
+check_kv_backend = one_of("dense", "paged")
+check_cache_layout = one_of("mlxkv", "mlx-lm")
+
+
+def check_block_size(value: int) -> int:
+    if not 1 <= value <= 256 or value & (value - 1):
+        raise typer.BadParameter(f"{value} is not a power of two in the range 1<=x<=256.")
+    return value
+
+
+def check_top_p(value: float) -> float:
+    if not 0.0 < value <= 1.0:
+        raise typer.BadParameter(f"{value} is not in the range 0<x<=1.")
+    return value
+
+
+def check_min_p(value: float) -> float:
+    if not 0.0 <= value < 1.0:
+        raise typer.BadParameter(f"{value} is not in the range 0<=x<1.")
+    return value
+
+
+__all__ = ["one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_block_size",
+           "check_top_p", "check_min_p"]
