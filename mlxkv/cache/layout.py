@@ -65,6 +65,12 @@ def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None 
     Raises:
         ValueError: bad ``max_kv_size`` / ``kv_bits`` / ``kv_group_size``, or ``kv_bits`` on an MLA model.
     """
+    from mlxkv.mla import make_mla_caches, mla_layer_indices
+
+    if mla_layer_indices(model):  # absorbed MLA (MLXKV_MLA_ABSORBED=1): the layers cache latents
+        if max_kv_size is not None or kv_bits is not None:
+            raise ValueError("absorbed MLA (MLXKV_MLA_ABSORBED=1) supports neither max_kv_size nor kv_bits")
+        return make_mla_caches(model)
     if max_kv_size is not None and max_kv_size <= MAX_KV_KEEP:
         raise ValueError(f"max_kv_size must be > {MAX_KV_KEEP} (the sink tokens kept), got {max_kv_size}")
     if kv_bits is not None:

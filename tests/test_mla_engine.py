@@ -1,0 +1,31 @@
+"""Absorbed MLA end to end: MLXKV_MLA_ABSORBED=1 through the pool and engine gives the same greedy tokens,
+with latent caches that hold fewer bytes."""
+
+import pytest
+
+from mlxkv.engine.direct import DirectEngine
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.mla import LatentCache, apply_mla
+from mlxkv.pool import CachePool
+from mlxkv.testing.archs import build_model
+
+PROMPT = [(13 * i + 7) % 900 + 10 for i in range(40)]
+
+
+def test_absorbed_flag_runs_the_engine_on_latent_caches_with_equal_tokens(monkeypatch):
+    model, _ = build_model("deepseek_v3")
+    params = SamplingParams(max_tokens=16)
+    plain_pool = CachePool(model)
+    plain = DirectEngine(model, None, pool=plain_pool)
+    expected = list(plain.generate_tokens(PROMPT, params))
+    monkeypatch.setenv("MLXKV_MLA_ABSORBED", "1")
+    assert apply_mla(model)  # the loader's call: layers swapped
+    pool = CachePool(model)
+    seq = pool.open()
+    assert all(isinstance(c, LatentCache) for c in seq.caches)
+    pool.release(seq.id)
+    absorbed = DirectEngine(model, None, pool=pool)
+    assert list(absorbed.generate_tokens(PROMPT, params)) == expected
+    assert 0 < absorbed.last_stats.kv_bytes < plain.last_stats.kv_bytes
+    with pytest.raises(ValueError, match="absorbed MLA"):
+        CachePool(model, max_kv_size=64).open()
