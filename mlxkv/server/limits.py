@@ -12,12 +12,16 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Over-limit bodies up to this multiple of the limit are read and dropped before the 413, so the client (still
+#: uploading) reliably sees the answer; larger ones are refused at once and the connection closed.
+DRAIN_FACTOR = 4
 
 
 class BodySizeLimit:
     """Answer 413 (OpenAI error shape) when a request body exceeds ``max_bytes``.
 
-    A declared ``Content-Length`` over the limit is refused without reading the body; otherwise (chunked
+    A declared ``Content-Length`` over the limit is refused without keeping the body (read and dropped up to
+    ``DRAIN_FACTOR`` times the limit so the client sees the 413, else not read at all); otherwise (chunked
     uploads) the body is read up to the limit and replayed to the app, whose later ``receive`` calls go to
     the server again (so streaming responses still see client disconnects).
     """
@@ -34,6 +38,8 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            if int(declared) <= DRAIN_FACTOR * self.max_bytes:
+                await self._drain(receive)  # a client still uploading may miss a 413 sent mid-body
             await self._refuse(send)
             return
         chunks, size = [], 0
@@ -58,6 +64,14 @@ class BodySizeLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _drain(receive: Receive) -> None:
+        """Read and drop the rest of the request body (bounded by the declared length the caller checked)."""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps(error_body(413, f"the request body is larger than {self.max_bytes} bytes",
