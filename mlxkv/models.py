@@ -152,7 +152,8 @@ def _upcast_on_cpu(model: Any, config: dict) -> bool:
         return False
     halves = (mx.float16, mx.bfloat16)
     model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in halves else p, model.parameters()))
-    return True
+    mx.eval(model.parameters())  # materialise now: a lazy cast is bound to this thread's stream (serve's engine
+    return True  # thread could not evaluate it)
 
 
 def load(spec: str | None = None, *, progress: bool = True) -> LoadedModel:
