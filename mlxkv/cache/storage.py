@@ -63,8 +63,11 @@ class DenseStorage:
         if self.bits is None:
             return (x,)
         if x.shape[-1] % self.group_size:
-            raise ValueError(f"head_dim {x.shape[-1]} is not divisible by kv_group_size={self.group_size}; "
-                             f"pick one of {[g for g in VALID_GROUP_SIZES if x.shape[-1] % g == 0] or 'none'}")
+            fits = [g for g in VALID_GROUP_SIZES if x.shape[-1] % g == 0]
+            hint = (f"pick one of {', '.join(map(str, fits))}" if fits else
+                    f"no valid group size ({', '.join(map(str, VALID_GROUP_SIZES))}) divides it, so this model "
+                    "cannot use a quantized KV cache")
+            raise ValueError(f"head_dim {x.shape[-1]} is not divisible by kv_group_size={self.group_size}: {hint}")
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def present(self, planes: Planes) -> Presented:
