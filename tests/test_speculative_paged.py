@@ -6,60 +6,20 @@ gives the logits of a cold run."""
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from speculative_helpers import ScriptedDrafter, build, perturbed
 
-from mlxkv.cache import install_attention_hook
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.engine.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupDrafter
+from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculative import SpeculativeEngine
 from mlxkv.pool import CachePool
-from mlxkv.testing.archs import TEST_VOCAB_SIZE, build_model
 
 ARCHS = ["llama", "gemma3_text", "llama4"]
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window, across llama4 chunks
 NEW_TOKENS = 30
 K = 4
 B = 4  # small blocks: every round crosses block boundaries
-
-
-def build(arch, seed=0):
-    model, _ = build_model(arch, seed)
-    install_attention_hook(model)
-    return model
-
-
-class ScriptedDrafter(Drafter):
-    """The known greedy continuation with one wrong token at position round % (k + 1): accepts 0..k in turn."""
-
-    def __init__(self, reference):
-        self.reference = reference
-
-    def begin(self, prompt, params, vocab_size, max_draft):
-        self.pos, self.round = 0, 0
-
-    def propose(self, k):
-        tokens = list(self.reference[self.pos:self.pos + k])
-        wrong = self.round % (k + 1)
-        self.round += 1
-        if wrong < len(tokens):
-            tokens[wrong] = (tokens[wrong] + 1) % TEST_VOCAB_SIZE
-        return Draft(tokens)
-
-    def commit(self, draft, accepted, token):
-        self.pos += accepted + 1
-
-
-def perturbed(arch, eps=0.05, seed=7):
-    clone = build(arch)
-    params = tree_flatten(clone.parameters())
-    keys = mx.random.split(mx.random.key(seed), len(params))
-    clone.update(tree_unflatten([
-        (name, p + eps * p.std() * mx.random.normal(p.shape, key=keys[i]) if p.ndim >= 2 else p)
-        for i, (name, p) in enumerate(params)]))
-    mx.eval(clone.parameters())
-    return clone
 
 
 def paged_pool(model, num_blocks=160):
