@@ -45,7 +45,7 @@ class LoadedModel:
 
     @property
     def model_type(self) -> str:
-        """The architecture name from config.json (``text_config`` wins for wrapped models)."""
+        """The architecture name from config.json (``model_type``)."""
         return str(self.config.get("model_type", "unknown"))
 
 
@@ -139,8 +139,8 @@ def _check_architecture(config: dict) -> None:
         ) from None
 
 
-def _upcast_on_cpu(model: Any, config: dict) -> bool:
-    """On the CPU backend, run float16/bfloat16 (unquantized) weights as float32; returns whether it did.
+def _upcast_on_cpu(model: Any, config: dict) -> None:
+    """On the CPU backend, run float16/bfloat16 (unquantized) weights as float32.
 
     float32 is MLX's fast CPU dtype (half-precision matmuls bypass BLAS there), and float32 arithmetic makes
     every KV path (dense SDPA, paged reference kernel) agree token for token. GPUs keep the stored dtype.
@@ -149,11 +149,11 @@ def _upcast_on_cpu(model: Any, config: dict) -> bool:
     from mlx.utils import tree_map
 
     if mx.default_device() != mx.cpu or "quantization" in config:
-        return False
+        return
     halves = (mx.float16, mx.bfloat16)
     model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in halves else p, model.parameters()))
-    mx.eval(model.parameters())  # materialise now: a lazy cast is bound to this thread's stream (serve's engine
-    return True  # thread could not evaluate it)
+    # Materialise now: a lazy cast is bound to this thread's stream (serve's engine thread could not evaluate it).
+    mx.eval(model.parameters())
 
 
 def load(spec: str | None = None, *, progress: bool = True) -> LoadedModel:

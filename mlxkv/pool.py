@@ -10,6 +10,7 @@ or the direct engine's loop). Callers on other threads talk to the engine, never
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -151,8 +152,8 @@ class CachePool:
                                       model_path=model_path)
         if cache_factory is None:
             build = mlxkv_caches if layout == "mlxkv" else mlx_lm_caches
-            options = dict(max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
-            cache_factory = lambda m: build(m, **options)  # noqa: E731
+            cache_factory = functools.partial(build, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                                              kv_group_size=kv_group_size)
         self._factory = cache_factory
         self._ids = itertools.count(1)
         self._sequences: dict[SequenceId, Sequence] = {}

@@ -2,10 +2,11 @@
 prefill and 64 decode steps — past gemma3's 8-token window, across llama4's 16-token chunks."""
 
 from functools import cache
-from itertools import pairwise
 
+import cache_helpers
 import mlx.core as mx
 import pytest
+from cache_helpers import max_diff
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.cache import describe_layout, install_attention_hook, layer_kind, make_caches
@@ -23,23 +24,7 @@ def model_for(arch):
 
 
 def run(model, caches, prompt=PROMPT, chunks=(24,), feed=None, steps=STEPS):
-    """Prefill ``prompt`` in chunks (split at ``chunks``), then decode ``steps`` tokens. Decoding feeds
-    ``feed`` (teacher forcing) when given, else the greedy token. Returns (logits per step, tokens fed)."""
-    bounds = [0, *chunks, len(prompt)]
-    for a, b in pairwise(bounds):
-        logits = model(mx.array(prompt[a:b])[None], cache=caches)[0, -1]  # (vocab,)
-    out, fed = [logits], []
-    for i in range(steps):
-        token = feed[i] if feed is not None else mx.argmax(logits).item()
-        fed.append(token)
-        logits = model(mx.array([[token]]), cache=caches)[0, -1]
-        mx.eval(logits)
-        out.append(logits)
-    return out, fed
-
-
-def max_diff(a, b):
-    return max(mx.abs(x - y).max().item() for x, y in zip(a, b))
+    return cache_helpers.run(model, caches, prompt, chunks, feed, steps)
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)

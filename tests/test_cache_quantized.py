@@ -3,12 +3,21 @@ mlx-lm's QuantizedKVCache logits for the standard layout, and within the documen
 
 from functools import cache
 
+import cache_helpers
 import mlx.core as mx
 import pytest
+from cache_helpers import max_diff
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.utils import _get_classes
 
-from mlxkv.cache import ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache, install_attention_hook, make_caches
+from mlxkv.cache import (
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    install_attention_hook,
+    make_caches,
+)
 from mlxkv.cache.attention import quantized_attend
 from mlxkv.testing.archs import _init_weights, get_config
 
@@ -32,19 +41,7 @@ def model_for(arch):
 
 
 def run(model, caches, feed=None, steps=24):
-    logits = model(mx.array(PROMPT)[None], cache=caches)[0, -1]
-    out, fed = [logits], []
-    for i in range(steps):
-        token = feed[i] if feed is not None else mx.argmax(logits).item()
-        fed.append(token)
-        logits = model(mx.array([[token]]), cache=caches)[0, -1]
-        mx.eval(logits)
-        out.append(logits)
-    return out, fed
-
-
-def max_diff(a, b):
-    return max(mx.abs(x - y).max().item() for x, y in zip(a, b))
+    return cache_helpers.run(model, caches, PROMPT, feed=feed, steps=steps)
 
 
 def fake_quant(layout, bits):

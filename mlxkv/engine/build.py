@@ -70,13 +70,6 @@ def _pool(model: Any, options: EngineOptions, context_tokens: int) -> CachePool:
                      kv_group_size=options.kv_group_size)
 
 
-def _dense(options: EngineOptions) -> EngineOptions:
-    """``options`` with the dense backend (the draft model's pool)."""
-    if options.kv_backend == "dense":
-        return options
-    return dataclasses.replace(options, kv_backend="dense")
-
-
 def build_engine(loaded: Any, options: EngineOptions, context_tokens: int) -> DirectEngine:
     """A DirectEngine (or SpeculativeEngine when a drafting mode is set) over a one-sequence pool.
 
@@ -102,6 +95,7 @@ def build_engine(loaded: Any, options: EngineOptions, context_tokens: int) -> Di
 
         draft = load(options.draft_model)
         # The draft's caches stay dense (one sequence, rewound every round): no prefix caching to gain.
-        drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, _dense(options), context_tokens))
+        dense = dataclasses.replace(options, kv_backend="dense")
+        drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, dense, context_tokens))
     return SpeculativeEngine(loaded.model, loaded.tokenizer, drafter, num_draft_tokens=options.num_draft_tokens,
                              pool=pool)
