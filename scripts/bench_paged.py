@@ -5,7 +5,8 @@ kernel (``mlxkv.kernels``), so these ratios bound the reference path's overhead,
 
 The caches are filled with random K/V rows to the target context (no prefill, so 16K fits the time budget);
 then greedy decode steps run the model, one forward per step, each step evaluated before the next is built
-(both sides). Batch 8 uses the batch views (``make_batch_views``): dense = KVBatchView (per-sequence SDPA),
+(both sides). The two sides alternate in rounds of a few steps, so machine noise hits both alike; each side's
+figure is its median step. Batch 8 uses the batch views (``make_batch_views``): dense = KVBatchView (per-sequence SDPA),
 paged = PagedBatchView (one paged_attention call per layer).
 
     python scripts/bench_paged.py                     # 1K, 4K, 16K context, batch 1 and 8
@@ -18,6 +19,8 @@ import statistics
 import time
 
 from bench_common import ensure_openblas, random_llama
+
+ROUND = 4  # steps per side per round of the interleaved timing
 
 
 def main() -> None:
@@ -56,33 +59,42 @@ def main() -> None:
             del out
         mx.eval([a for c in caches for a in c.arrays()])
 
-    def decode(caches_per_seq, step_done):
+    def stepper(caches_per_seq, step_done):
+        """One timed greedy decode step per call (the step is evaluated before the clock stops)."""
         B = len(caches_per_seq)
-        tokens = mx.array([[5]] * B)  # (B, 1)
-        times = []
-        for i in range(args.steps + 2):
+        state = {"tokens": mx.array([[5]] * B)}  # (B, 1)
+
+        def step() -> float:
             start = time.perf_counter()
-            step_done("feed", tokens)
+            step_done("feed", state["tokens"])
             cache = caches_per_seq[0] if B == 1 else make_batch_views(caches_per_seq)
-            logits = model(tokens, cache=cache)[:, -1]  # (B, vocab)
-            tokens = mx.argmax(logits, axis=-1)[:, None].astype(mx.uint32)  # (B, 1)
-            mx.eval(tokens)
-            step_done("commit", tokens)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        return B / statistics.median(times)
+            logits = model(state["tokens"], cache=cache)[:, -1]  # (B, vocab)
+            state["tokens"] = mx.argmax(logits, axis=-1)[:, None].astype(mx.uint32)  # (B, 1)
+            mx.eval(state["tokens"])
+            step_done("commit", state["tokens"])
+            return time.perf_counter() - start
+
+        return step
+
+    def alternate(dense_step, paged_step):
+        """Both sides' tok/s from interleaved rounds of a few steps each (machine noise hits both alike)."""
+        for _ in range(2):  # warm-up
+            dense_step(), paged_step()
+        times = {"dense": [], "paged": []}
+        for r in range(0, args.steps, ROUND):
+            for name, step in (("dense", dense_step), ("paged", paged_step))[:: 1 if r % 2 == 0 else -1]:
+                times[name] += [step() for _ in range(min(ROUND, args.steps - r))]
+        return statistics.median(times["dense"]), statistics.median(times["paged"])
 
     print(f"BLAS: {blas}; random llama float32 hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.0f}M "
           f"params, 8 heads / 2 kv heads, head_dim {head_dim}; block size {args.block_size}; median of "
-          f"{args.steps} steps. Paged = pure-MLX reference kernel (no Metal figure is measured here).")
+          f"{args.steps} steps per side, interleaved. Paged = pure-MLX reference kernel (no Metal figure is measured here).")
     print(f"{'context':>8s} {'batch':>5s} {'dense tok/s':>12s} {'paged tok/s':>12s} {'paged/dense':>12s}")
     for ctx in contexts:
         for B in batches:
             dense = [make_caches(model) for _ in range(B)]
             for b, caches in enumerate(dense):
                 fill(caches, ctx, b)
-            dense_tps = decode(dense, lambda *_: None)
-            del dense
             blocks = B * (-(-(ctx + args.steps + 4) // args.block_size) + 1) + 2
             pool = CachePool(model, backend="paged", num_blocks=blocks, max_sequences=B,
                              kv_config=KvCacheConfig(backend="paged", block_size=args.block_size,
@@ -99,11 +111,12 @@ def main() -> None:
                     else:
                         seq.commit()
 
-            paged_tps = decode([s.caches for s in seqs], paged_hook)
+            t_dense, t_paged = alternate(stepper(dense, lambda *_: None), stepper([s.caches for s in seqs], paged_hook))
+            dense_tps, paged_tps = B / t_dense, B / t_paged
             for seq in seqs:
                 pool.release(seq.id)
             pool.check_invariants()
-            del pool, seqs
+            del pool, seqs, dense
             print(f"{ctx:8d} {B:5d} {dense_tps:12.1f} {paged_tps:12.1f} {paged_tps / dense_tps:11.2f}x", flush=True)
 
 

@@ -13,8 +13,13 @@ from mlxkv.kernels import kv_write, kv_write_reference
 
 def pools(num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=mx.float32, seed=0):
     k1, k2 = mx.random.split(mx.random.key(seed))
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    shape = (num_blocks, kv_heads, block_size, head_dim)
     return mx.random.normal(shape, key=k1).astype(dtype), mx.random.normal(shape, key=k2).astype(dtype)
+
+
+def token_rows(pages):
+    """Token-major view ``(slot, kv head, D)`` of head-major pages ``(block, kv head, row, D)``."""
+    return pages.transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -29,7 +34,7 @@ def test_rows_land_in_their_slots_and_nothing_else_changes(dtype):
 
     for out, before, new in ((k_out, k_before, k_new), (v_out, v_before, v_new)):
         assert out.dtype == dtype and out.shape == before.shape
-        flat, flat_before = out.reshape(-1, 2, 64), before.reshape(-1, 2, 64)
+        flat, flat_before = token_rows(out), token_rows(before)
         for i, s in enumerate(slots):
             assert mx.array_equal(flat[s], new[i]).item()
         untouched = mx.array([s for s in range(6 * bs) if s not in slots])
@@ -43,7 +48,7 @@ def test_new_rows_are_cast_to_the_pool_dtype():
     rows = mx.random.normal((1, 2, 64))  # float32
     k_out, _ = kv_write_reference(k_pages, v_pages, mx.array([20], dtype=mx.int32), rows, rows)
     assert k_out.dtype == mx.float16
-    assert mx.array_equal(k_out.reshape(-1, 2, 64)[20], rows[0].astype(mx.float16)).item()
+    assert mx.array_equal(token_rows(k_out)[20], rows[0].astype(mx.float16)).item()
 
 
 def test_dispatch_uses_the_reference_write_on_cpu():
@@ -98,4 +103,4 @@ def test_a_held_reference_gets_a_copy_not_a_corruption():
     k_pages, v_pages = kv_write_reference(k_pages, v_pages, mx.array([40], dtype=mx.int32), rows, rows)
     mx.eval(k_pages, v_pages)
     assert mx.array_equal(held, snapshot).item()
-    assert mx.array_equal(k_pages.reshape(-1, 2, 64)[40], rows[0]).item()
+    assert mx.array_equal(token_rows(k_pages)[40], rows[0]).item()

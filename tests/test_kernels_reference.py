@@ -131,3 +131,31 @@ def test_bad_inputs_raise_value_error():
         paged_attention_reference(*case.args(), window=0)
     with pytest.raises(ValueError, match="int32"):
         paged_attention_reference(*case.args()[:3], case.block_tables.astype(mx.int64), case.context_lens)
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 37}, {"chunk_size": 48}], ids=["full", "window", "chunk"])
+def test_single_pass_matches_the_split_path_and_zeroes_empty_sequences(kw, monkeypatch):
+    # One split without sinks runs ReferencePagedAttention.single_pass (gather + softmax); the online-softmax
+    # partials + merge path (what the Metal kernel mirrors) must give the same answer, and a sequence with
+    # no visible token (context 0, a padding row) must come out as zeros in both.
+    from mlxkv.kernels import paged_attention_ref
+    from mlxkv.kernels.paged_attention_ref import REFERENCE
+
+    case = random_paged_case(dtype=mx.float32, head_dim=64, block_size=16, kv_heads=2, gqa=4,
+                             context_lens=[150, 1, 77], seed=8)
+    lens = mx.array([150, 0, 77], dtype=mx.int32)
+    args = (case.queries, case.k_pages, case.v_pages, case.block_tables, lens)
+    plan = plan_splits(150, 16, num_splits=1, **kw)
+    single = REFERENCE.single_pass(*args, plan, scale=0.125, window=kw.get("window"),
+                                   chunk_size=kw.get("chunk_size"))
+    o_part, lse = REFERENCE.partials(*args, plan, scale=0.125, window=kw.get("window"),
+                                     chunk_size=kw.get("chunk_size"))
+    split = REFERENCE.merge(o_part, lse, None, mx.float32)
+    assert single is not None
+    assert mx.allclose(single, split, atol=1e-6, rtol=1e-6).item(), max_abs_error(single, split)
+    assert not mx.any(single[1]).item()
+    # Past the single-pass size bound the public entry point falls back to partials + merge.
+    monkeypatch.setattr(paged_attention_ref, "SINGLE_PASS_ELEMENTS", 1)
+    assert REFERENCE.single_pass(*args, plan, scale=0.125, window=None, chunk_size=None) is None
+    fallback = paged_attention_reference(*args, scale=0.125, num_splits=1, **kw)
+    assert mx.allclose(fallback, split, atol=1e-6, rtol=1e-6).item()

@@ -2,7 +2,7 @@
 
 What the storage layer needs (and all it needs)
 -----------------------------------------------
-Page arrays, per layer: ``keys[num_blocks, block_size, kv_heads, head_dim]`` (values alike), indexed by
+Page arrays, per layer: ``keys[num_blocks, kv_heads, block_size, head_dim]`` (values alike), indexed by
 block id. Block 0 is the *null block*: a placeholder that is never written or read for real K/V.
 
 Layers are grouped by attention type into KV-cache groups (``KVCacheGroupSpec``: "full", "sliding" with a
@@ -18,7 +18,7 @@ From ``KVCacheManager`` the storage layer receives three things:
    layers no longer attend to; attention must mask them (they are outside the window/chunk anyway).
 2. **Slot mappings** for new tokens, ``SlotAllocation.slot_mapping[g][k]`` (or
    ``manager.slot_mapping(seq_id, start, end)``): flat slot ``block_id * B + offset`` where the K/V of the
-   k-th new token goes, in page arrays viewed as ``[num_blocks * block_size, kv_heads, head_dim]``.
+   k-th new token goes: row ``offset`` of page ``block_id``, for every kv head.
 3. **Copy instructions**, ``CopyOp(group_id, src_block, dst_block, num_tokens)`` from ``open``/``resume``
    (partial prefix reuse) and ``allocate_slots`` (copy-on-write): copy rows ``[0, num_tokens)`` of page
    ``src_block`` into page ``dst_block`` in every layer of ``group_id``. Apply them, in order, before the

@@ -2,9 +2,12 @@
 
 Data layout (the paged cache storage is built on this)
 -----------------------------------------------------
-- K and V page arrays, one pair per layer: ``[num_blocks, block_size, kv_heads, head_dim]``.
-  Block 0 is the null block: padding entries of block tables point at it and it is never read
-  unmasked. Flat slot ``block_id * block_size + offset`` names one token row of a page.
+- K and V page arrays, one pair per layer: ``[num_blocks, kv_heads, block_size, head_dim]``
+  (head-major inside a page, as vLLM's V cache: one kv head's rows of one page are a contiguous
+  ``block_size * head_dim`` run, so the CPU reference gathers whole runs straight into the
+  ``(kv_heads, tokens, head_dim)`` layout its matmuls read). Block 0 is the null block: padding
+  entries of block tables point at it and it is never read unmasked. Flat slot
+  ``block_id * block_size + offset`` names one token position of a page.
 - ``block_tables``: int32 ``[B, max_blocks_per_seq]``; row ``b`` lists sequence ``b``'s pages in
   position order (page ``p`` holds positions ``p*block_size .. p*block_size + block_size - 1``),
   padded with 0.

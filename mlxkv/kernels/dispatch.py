@@ -188,7 +188,7 @@ class KernelDispatch:
     ) -> tuple[mx.array, mx.array]:
         """Write new rows into their page slots (arguments and ownership rule as ``kv_write_reference``)."""
         check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
-        _, bs, kv_heads, D = k_pages.shape
+        _, kv_heads, bs, D = k_pages.shape
         impl = self.kv_write_impl(k_pages.dtype, D, bs, kv_heads)
         return impl(k_pages, v_pages, slot_mapping, k_new, v_new)
 

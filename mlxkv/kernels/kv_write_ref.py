@@ -23,11 +23,11 @@ def check_kv_write_inputs(
     """Raises ValueError unless the shapes follow the layout in :mod:`mlxkv.kernels`."""
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, block_size, kv_heads, head_dim], "
+            "k_pages and v_pages must both be [num_blocks, kv_heads, block_size, head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}"
         )
     T = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
-    expected = (T, *k_pages.shape[2:])
+    expected = (T, k_pages.shape[1], k_pages.shape[3])  # (T, kv_heads, head_dim)
     if slot_mapping.ndim != 1 or slot_mapping.dtype != mx.int32:
         raise ValueError(f"slot_mapping must be int32 [T], got {slot_mapping.dtype} {slot_mapping.shape}")
     if k_new.shape != expected or v_new.shape != expected:
@@ -40,7 +40,7 @@ def kv_write_reference(
     """Write ``T`` new K/V rows into their slots; return the updated pools (inputs unchanged).
 
     Args:
-        k_pages, v_pages: ``[num_blocks, block_size, kv_heads, head_dim]``.
+        k_pages, v_pages: ``[num_blocks, kv_heads, block_size, head_dim]``.
         slot_mapping: int32 ``[T]``, flat slot ``block_id * block_size + offset`` per row; slots
             must be distinct and in range (pad with slots of the null block 0, never read
             unmasked).
@@ -51,9 +51,24 @@ def kv_write_reference(
         follows the ownership rule in this module's docstring, O(pool) otherwise.
     """
     check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
-    _, _, KVH, D = k_pages.shape
-    k_flat = k_pages.reshape(-1, KVH, D)  # (slots, KVH, D): a fresh handle; the input stays as is
-    v_flat = v_pages.reshape(-1, KVH, D)
-    k_flat[slot_mapping] = k_new.astype(k_pages.dtype)  # scatter; donated when sole owner
-    v_flat[slot_mapping] = v_new.astype(v_pages.dtype)
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    rows = page_rows(slot_mapping, k_pages.shape[1], k_pages.shape[2])  # (T * KVH,)
+    return scatter_rows(k_pages, rows, k_new), scatter_rows(v_pages, rows, v_new)
+
+
+def page_rows(slot_mapping: mx.array, kv_heads: int, block_size: int) -> mx.array:
+    """Row indices ``(T * kv_heads,)`` into pages flattened to ``(num_blocks * kv_heads * block_size, D)``
+    for flat slots ``(T,)``, ordered (token, kv head) like the rows of a ``(T, kv_heads, D)`` write."""
+    block, offset = slot_mapping // block_size, slot_mapping % block_size  # (T,)
+    heads = mx.arange(kv_heads, dtype=mx.int32)  # (KVH,)
+    return ((block[:, None] * kv_heads + heads) * block_size + offset[:, None]).reshape(-1)  # (T * KVH,)
+
+
+def scatter_rows(pages: mx.array, rows: mx.array, new: mx.array) -> mx.array:
+    """``pages`` ``(NB, KVH, bs, D)`` with ``new`` ``(T, KVH, D)`` written at ``rows`` (from :func:`page_rows`).
+
+    The flattened handle is fresh, so the caller's array is unchanged; the scatter donates the buffer
+    when that handle is its sole owner (the ownership rule above).
+    """
+    flat = pages.reshape(-1, pages.shape[-1])  # (NB * KVH * bs, D)
+    flat[rows] = new.reshape(-1, new.shape[-1]).astype(pages.dtype)
+    return flat.reshape(pages.shape)

@@ -7,8 +7,15 @@ log-sum-exp. The kernel walks one token per simdgroup step; the reference walks 
 pages* at a time, gathering them with ``mx.take`` into a head-major layout so that each step is two
 matmuls over all kv heads at once. Sliding and chunked layers visit only their in-window pages.
 
-Cost on CPU: per step, one gather of the step's K and V rows (a copy) plus the two matmuls that
+The gather takes whole ``(block_size, head_dim)`` runs: the pages are head-major
+(``[num_blocks, kv_heads, block_size, head_dim]``), so run ``block * kv_heads + head`` of the pages
+seen as ``(num_blocks * kv_heads, block_size * head_dim)`` is one kv head's rows of one page, and
+gathering runs ``(KVH, B, n)`` yields ``(KVH, B, n * block_size, head_dim)`` directly, with no
+transpose copy. Cost on CPU: per step, that one gather of K and of V (a copy) plus the two matmuls
 dense SDPA also does, so the reference stays within a small constant of dense SDPA at any context.
+With one split and no sinks (the CPU default), :meth:`ReferencePagedAttention.single_pass` skips the
+online-softmax bookkeeping and the merge: one gather, then exactly dense SDPA's matmul, softmax and
+matmul over the gathered rows.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from .layout import (
 # Elements (tokens x batch x kv_heads x head_dim) gathered per step: bounds temporary memory
 # (~16 MB of float32 per K or V step) without a Python iteration per page.
 STEP_ELEMENTS = 1 << 22
+# Elements gathered at once by ``single_pass`` (~64 MB of float32 per K or V); larger steps use ``partials``.
+SINGLE_PASS_ELEMENTS = 1 << 24
 
 
 class ReferencePagedAttention:
@@ -59,17 +68,13 @@ class ReferencePagedAttention:
         output, so it drops out of the merge.
         """
         B, H, _, D = queries.shape
-        _, bs, KVH, _ = k_pages.shape
+        _, KVH, bs, _ = k_pages.shape
         G = H // KVH
-        max_blocks = block_tables.shape[1]
-        k_rows = k_pages.reshape(-1, D)  # (num_blocks * bs * KVH, D): one row per (slot, kv head)
-        v_rows = v_pages.reshape(-1, D)
         q = queries.reshape(B, KVH, G, D).transpose(1, 0, 2, 3).astype(mx.float32) * scale  # (KVH, B, G, D)
 
         starts = visible_start(context_lens, window, chunk_size)  # (B,)
         first_page = starts // bs  # (B,)
         in_page = mx.arange(bs, dtype=mx.int32)  # (bs,)
-        heads = mx.arange(KVH, dtype=mx.int32)[:, None, None]  # (KVH, 1, 1)
         step_pages = max(1, STEP_ELEMENTS // (bs * B * KVH * D))
 
         outs, lses = [], []
@@ -82,13 +87,9 @@ class ReferencePagedAttention:
             for p0 in range(lo, hi, step_pages):
                 n = min(step_pages, hi - p0)
                 page = first_page[:, None] + mx.arange(p0, p0 + n, dtype=mx.int32)  # (B, n)
-                blocks = mx.take_along_axis(block_tables, mx.minimum(page, max_blocks - 1), axis=1)  # (B, n)
-                slots = (blocks[..., None] * bs + in_page).reshape(B, n * bs)  # (B, n*bs)
                 pos = (page[..., None] * bs + in_page).reshape(B, n * bs)  # (B, n*bs)
                 valid = (pos >= starts[:, None]) & (pos < context_lens[:, None])  # (B, n*bs)
-                rows = slots[None] * KVH + heads  # (KVH, B, n*bs)
-                k = mx.take(k_rows, rows, axis=0).astype(mx.float32)  # (KVH, B, n*bs, D)
-                v = mx.take(v_rows, rows, axis=0).astype(mx.float32)  # (KVH, B, n*bs, D)
+                k, v = gather_head_major(k_pages, v_pages, block_tables, page)  # (KVH, B, n*bs, D) each
                 scores = q @ k.swapaxes(-1, -2)  # (KVH, B, G, n*bs)
                 scores = mx.where(valid[None, :, None, :], scores, -mx.inf)
                 m_new = mx.maximum(m, scores.max(axis=-1))  # (KVH, B, G)
@@ -107,11 +108,68 @@ class ReferencePagedAttention:
         lse = lse.transpose(1, 0, 2, 3).reshape(B, H, plan.num_splits)  # (B, H, S)
         return o_part, lse
 
+    def single_pass(
+        self,
+        queries: mx.array,
+        k_pages: mx.array,
+        v_pages: mx.array,
+        block_tables: mx.array,
+        context_lens: mx.array,
+        plan: SplitPlan,
+        *,
+        scale: float,
+        window: int | None,
+        chunk_size: int | None,
+    ) -> mx.array | None:
+        """One split, no sinks: ``(B, H, 1, D)`` in the query dtype, or None when the visible rows are too
+        many to gather at once (the caller then runs ``partials`` + ``merge``).
+
+        Gathers every visible row once into a head-major ``(KVH, B, P, D)`` block, masks the positions
+        outside ``[start, context_len)`` and runs matmul, a float32 softmax and matmul — the operations
+        of dense SDPA. A sequence with no visible token gets a zero output, as in ``partials``.
+        """
+        B, H, _, D = queries.shape
+        _, KVH, bs, _ = k_pages.shape
+        G = H // KVH
+        n = plan.visible_pages
+        P = n * bs
+        if plan.num_splits != 1 or P * B * KVH * D > SINGLE_PASS_ELEMENTS:
+            return None
+        starts = visible_start(context_lens, window, chunk_size)  # (B,)
+        page = starts[:, None] // bs + mx.arange(n, dtype=mx.int32)  # (B, n)
+        pos = (page[..., None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(B, P)  # (B, P)
+        valid = (pos >= starts[:, None]) & (pos < context_lens[:, None])  # (B, P)
+        k, v = gather_head_major(k_pages, v_pages, block_tables, page)  # (KVH, B, P, D) each
+        q = queries.reshape(B, KVH, G, D).transpose(1, 0, 2, 3).astype(mx.float32) * scale  # (KVH, B, G, D)
+        scores = mx.where(valid[None, :, None, :], q @ k.swapaxes(-1, -2), -mx.inf)  # (KVH, B, G, P)
+        out = mx.softmax(scores, axis=-1, precise=True) @ v  # (KVH, B, G, D); NaN where nothing is visible
+        out = mx.where((context_lens > starts)[None, :, None, None], out, 0.0)
+        return out.transpose(1, 0, 2, 3).reshape(B, H, 1, D).astype(queries.dtype)  # (B, H, 1, D)
+
     def merge(
         self, o_part: mx.array, lse: mx.array, sinks: mx.array | None, dtype: mx.Dtype
     ) -> mx.array:
         """Log-sum-exp merge of split partials (and sink logits) into ``(B, H, 1, D)`` of ``dtype``."""
         return merge_partials(o_part, lse, sinks, dtype)
+
+
+def gather_head_major(
+    k_pages: mx.array, v_pages: mx.array, block_tables: mx.array, page: mx.array
+) -> tuple[mx.array, mx.array]:
+    """K and V of the table pages ``page`` ``(B, n)`` (clipped to the table) as float32 ``(KVH, B, n * bs, D)``.
+
+    One ``mx.take`` per array over whole ``(bs, D)`` runs: run ``block * KVH + h`` of the pages seen as
+    ``(num_blocks * KVH, bs * D)`` holds kv head ``h``'s rows of page ``block``.
+    """
+    NB, KVH, bs, D = k_pages.shape
+    B, n = page.shape
+    blocks = mx.take_along_axis(block_tables, mx.minimum(page, block_tables.shape[1] - 1), axis=1)  # (B, n)
+    runs = blocks[None] * KVH + mx.arange(KVH, dtype=mx.int32)[:, None, None]  # (KVH, B, n)
+    out = []
+    for pages in (k_pages, v_pages):
+        rows = mx.take(pages.reshape(NB * KVH, bs * D), runs, axis=0)  # (KVH, B, n, bs * D)
+        out.append(rows.reshape(KVH, B, n * bs, D).astype(mx.float32))
+    return out[0], out[1]
 
 
 def merge_partials(
@@ -158,7 +216,7 @@ def run_paged_attention(
     :class:`ReferencePagedAttention` (the Metal kernel pair has it too).
     """
     check_paged_inputs(queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks)
-    D, bs = queries.shape[-1], k_pages.shape[1]
+    D, bs = queries.shape[-1], k_pages.shape[2]
     if num_splits is None and env.paged_decode_splits() is None:
         num_splits = getattr(impl, "default_num_splits", None)  # None: split by context length
     plan = plan_splits(
@@ -170,6 +228,14 @@ def run_paged_attention(
         max_blocks_per_seq=block_tables.shape[1],
     )
     scale = default_scale(D) if scale is None else float(scale)
+    single_pass = getattr(impl, "single_pass", None)
+    if single_pass is not None and sinks is None:
+        out = single_pass(
+            queries, k_pages, v_pages, block_tables, context_lens, plan,
+            scale=scale, window=window, chunk_size=chunk_size,
+        )
+        if out is not None:
+            return out
     o_part, lse = impl.partials(
         queries, k_pages, v_pages, block_tables, context_lens, plan,
         scale=scale, window=window, chunk_size=chunk_size,
@@ -198,7 +264,7 @@ def paged_attention_reference(
 
     Args:
         queries: ``[B, n_heads, 1, head_dim]``.
-        k_pages, v_pages: ``[num_blocks, block_size, kv_heads, head_dim]``.
+        k_pages, v_pages: ``[num_blocks, kv_heads, block_size, head_dim]``.
         block_tables: int32 ``[B, max_blocks_per_seq]``; padding entries point at block 0.
         context_lens: int32 ``[B]``, tokens visible to each sequence including the current one.
         scale: score scale, default ``1/sqrt(head_dim)``.

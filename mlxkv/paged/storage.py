@@ -1,6 +1,6 @@
 """Page arrays: the K/V storage every paged sequence of one model shares.
 
-One pair of page arrays per attention layer, ``[num_blocks, block_size, kv_heads, head_dim]``, indexed by the
+One pair of page arrays per attention layer, ``[num_blocks, kv_heads, block_size, head_dim]``, indexed by the
 block ids of :mod:`mlxkv.blocks` (block 0 is the null block, never read unmasked). A layer's arrays are
 allocated at its first write, from that write's kv_heads / head_dim / dtype, so models whose keys and values
 differ in width (MLA caches a latent and a rope key) work too.
@@ -14,13 +14,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.kernels import kv_write
+from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows
 
 
 def _scatter(pages: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
     """Write ``rows`` ``(T, H, D)`` into flat ``slots`` of ``pages`` (for K/V pairs of unequal shapes)."""
-    flat = pages.reshape(-1, *pages.shape[2:])  # (slots, H, D)
-    flat[slots] = rows.astype(pages.dtype)
-    return flat.reshape(pages.shape)
+    return scatter_rows(pages, page_rows(slots, pages.shape[1], pages.shape[2]), rows)
 
 
 class PagedStorage:
@@ -35,7 +34,7 @@ class PagedStorage:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys: list[mx.array | None] = [None] * num_layers  # (num_blocks, bs, kv_heads, D_k) once written
+        self.keys: list[mx.array | None] = [None] * num_layers  # (num_blocks, kv_heads, bs, D_k) once written
         self.values: list[mx.array | None] = [None] * num_layers
 
     def allocated(self, layer: int) -> bool:
@@ -43,9 +42,9 @@ class PagedStorage:
 
     def _ensure(self, layer: int, k: mx.array, v: mx.array) -> None:
         if self.keys[layer] is None:
-            shape = (self.num_blocks, self.block_size)
-            self.keys[layer] = mx.zeros((*shape, *k.shape[1:]), dtype=k.dtype)  # (NB, bs, H, D_k)
-            self.values[layer] = mx.zeros((*shape, *v.shape[1:]), dtype=v.dtype)  # (NB, bs, H, D_v)
+            NB, bs = self.num_blocks, self.block_size
+            self.keys[layer] = mx.zeros((NB, k.shape[1], bs, k.shape[2]), dtype=k.dtype)  # (NB, H, bs, D_k)
+            self.values[layer] = mx.zeros((NB, v.shape[1], bs, v.shape[2]), dtype=v.dtype)  # (NB, H, bs, D_v)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
         """Write rows ``k``/``v`` ``(T, kv_heads, D)`` into the flat ``slots`` (int32 ``(T,)``) of a layer."""
@@ -64,8 +63,8 @@ class PagedStorage:
             return  # nothing was ever written in this layer, so the source holds nothing either
         # Materialise the source rows into their own buffers first: a write whose source is a view of the
         # pages (``p[dst] = p[src]``) keeps the pages shared at the write, and MLX then copies the whole pool.
-        k_rows = self.keys[layer][src, :num_tokens] + 0  # (num_tokens, H, D_k), a new buffer
-        v_rows = self.values[layer][src, :num_tokens] + 0  # (num_tokens, H, D_v)
+        k_rows = self.keys[layer][src, :, :num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_k), a new buffer
+        v_rows = self.values[layer][src, :, :num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_v)
         mx.eval(k_rows, v_rows)
         first = dst * self.block_size
         slots = mx.arange(first, first + num_tokens, dtype=mx.int32)  # (num_tokens,)
@@ -76,9 +75,9 @@ class PagedStorage:
         ``(1, kv_heads, length, D)`` keys and values. Lazy: nothing is computed unless it is used."""
         out = []
         for pages in (self.keys, self.values):
-            p = mx.take(pages[layer], block_ids, axis=0)  # (n, bs, H, D)
-            p = p.reshape(-1, *p.shape[2:])[first:first + length]  # (length, H, D)
-            out.append(p.transpose(1, 0, 2)[None])  # (1, H, length, D)
+            p = mx.take(pages[layer], block_ids, axis=0).transpose(1, 0, 2, 3)  # (H, n, bs, D)
+            p = p.reshape(p.shape[0], -1, p.shape[-1])[:, first:first + length]  # (H, length, D)
+            out.append(p[None])  # (1, H, length, D)
         return out[0], out[1]
 
     def arrays(self) -> list[mx.array]:
