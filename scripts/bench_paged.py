@@ -1,7 +1,8 @@
 """Decode tok/s: paged storage (pure-MLX reference paged-attention kernel) vs dense layouts, same model.
 
-No Metal figure is measured here: on this Linux CPU build the dispatcher always runs the pure-MLX reference
-kernel (``mlxkv.kernels``), so these ratios bound the reference path's overhead, not the Metal kernel's speed.
+No Metal figure is measured here: on this Linux CPU build there is no Metal kernel. A batch-1 step whose pages
+are consecutive in the pool (what a fresh pool hands one sequence) runs dense SDPA on a zero-copy view of the
+pages; scattered pages (``--scattered``) and batches go through the pure-MLX reference kernel.
 
 The caches are filled with random K/V rows to the target context (no prefill, so 16K fits the time budget);
 then greedy decode steps run the model, one forward per step, each step evaluated before the next is built
@@ -10,6 +11,7 @@ figure is its median step. Batch 8 uses the batch views (``make_batch_views``): 
 paged = PagedBatchView (one paged_attention call per layer).
 
     python scripts/bench_paged.py                     # 1K, 4K, 16K context, batch 1 and 8
+    python scripts/bench_paged.py --scattered         # the same with no two pages of a sequence adjacent
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--scattered", action="store_true",
+                        help="fill each sequence one block at a time in turn with a filler sequence, so no two of "
+                             "its pages are consecutive in the pool (every step goes through the paged kernel)")
     args = parser.parse_args()
     blas = ensure_openblas()
 
@@ -88,20 +93,31 @@ def main() -> None:
 
     print(f"BLAS: {blas}; random llama float32 hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.0f}M "
           f"params, 8 heads / 2 kv heads, head_dim {head_dim}; block size {args.block_size}; median of "
-          f"{args.steps} steps per side, interleaved. Paged = pure-MLX reference kernel (no Metal figure is measured here).")
+          f"{args.steps} steps per side, interleaved. Pages {'scattered' if args.scattered else 'as allocated'}. "
+          "No Metal figure is measured here.")
     print(f"{'context':>8s} {'batch':>5s} {'dense tok/s':>12s} {'paged tok/s':>12s} {'paged/dense':>12s}")
     for ctx in contexts:
         for B in batches:
             dense = [make_caches(model) for _ in range(B)]
             for b, caches in enumerate(dense):
                 fill(caches, ctx, b)
-            blocks = B * (-(-(ctx + args.steps + 4) // args.block_size) + 1) + 2
-            pool = CachePool(model, backend="paged", num_blocks=blocks, max_sequences=B,
+            blocks = B * (-(-(ctx + args.steps + 4) // args.block_size) + 1) * (2 if args.scattered else 1) + 2
+            pool = CachePool(model, backend="paged", num_blocks=blocks, max_sequences=2 * B,
                              kv_config=KvCacheConfig(backend="paged", block_size=args.block_size,
                                                      enable_block_reuse=False))
             seqs = [pool.open(prompt=[7] * ctx) for _ in range(B)]
             for b, seq in enumerate(seqs):
-                fill([c for c in seq.caches if isinstance(c, PagedLayerCache)], ctx, b)
+                paged = [c for c in seq.caches if isinstance(c, PagedLayerCache)]
+                if not args.scattered:
+                    fill(paged, ctx, b)
+                else:  # alternate single blocks with a filler sequence: the sequence's pages are never adjacent
+                    filler = pool.open(prompt=[7] * ctx)
+                    filler_paged = [c for c in filler.caches if isinstance(c, PagedLayerCache)]
+                    for _ in range(0, ctx, args.block_size):
+                        n = min(args.block_size, ctx - paged[0].offset)
+                        fill(paged, n, b)
+                        fill(filler_paged, n, b)
+                    pool.release(filler.id)
                 seq.commit()
 
             def paged_hook(what, tokens, seqs=seqs):

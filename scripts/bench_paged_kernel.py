@@ -39,13 +39,13 @@ def build(batch: int, context: int, kv_heads: int, gqa: int, head_dim: int, bloc
     ids = list(range(1, num_blocks))
     random.Random(0).shuffle(ids)
     table = mx.array(ids, dtype=mx.int32).reshape(batch, pages)  # (B, pages)
-    k_pages = mx.random.normal((num_blocks, kv_heads, block_size, head_dim)).astype(dtype)
-    v_pages = mx.random.normal((num_blocks, kv_heads, block_size, head_dim)).astype(dtype)
+    k_pages = mx.random.normal((kv_heads, num_blocks, block_size, head_dim)).astype(dtype)
+    v_pages = mx.random.normal((kv_heads, num_blocks, block_size, head_dim)).astype(dtype)
     q = mx.random.normal((batch, kv_heads * gqa, 1, head_dim)).astype(dtype)
     lens = mx.full((batch,), context, dtype=mx.int32)
 
     def dense(p):
-        d = mx.take(p, table, axis=0).transpose(0, 2, 1, 3, 4)  # (B, KVH, pages, bs, D)
+        d = mx.take(p, table, axis=1).transpose(1, 0, 2, 3, 4)  # (B, KVH, pages, bs, D)
         return mx.contiguous(d.reshape(batch, kv_heads, pages * block_size, head_dim)[:, :, :context])  # (B, KVH, L, D)
 
     k_dense, v_dense = dense(k_pages), dense(v_pages)

@@ -13,13 +13,13 @@ from mlxkv.kernels import kv_write, kv_write_reference
 
 def pools(num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=mx.float32, seed=0):
     k1, k2 = mx.random.split(mx.random.key(seed))
-    shape = (num_blocks, kv_heads, block_size, head_dim)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
     return mx.random.normal(shape, key=k1).astype(dtype), mx.random.normal(shape, key=k2).astype(dtype)
 
 
 def token_rows(pages):
-    """Token-major view ``(slot, kv head, D)`` of head-major pages ``(block, kv head, row, D)``."""
-    return pages.transpose(0, 2, 1, 3).reshape(-1, pages.shape[1], pages.shape[3])
+    """Token-major view ``(slot, kv head, D)`` of pages ``(kv head, block, row, D)``."""
+    return pages.reshape(pages.shape[0], -1, pages.shape[3]).transpose(1, 0, 2)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

@@ -85,7 +85,7 @@ def test_window_visits_only_in_window_pages():
                              context_lens=[160], seed=4)
     table = case.block_tables.tolist()[0]
     poisoned_k = case.k_pages.astype(mx.float32)
-    poisoned_k[table[0]] = mx.nan  # positions 0..15
+    poisoned_k[:, table[0]] = mx.nan  # positions 0..15
     args = (case.queries, poisoned_k, case.v_pages, case.block_tables, case.context_lens)
     out = paged_attention_reference(*args, window=40, num_splits=2)
     assert not mx.any(mx.isnan(out)).item()

@@ -2,8 +2,8 @@
 
 What the storage layer needs (and all it needs)
 -----------------------------------------------
-Page arrays, per layer: ``keys[num_blocks, kv_heads, block_size, head_dim]`` (values alike), indexed by
-block id. Block 0 is the *null block*: a placeholder that is never written or read for real K/V.
+Page arrays, per layer: ``keys[kv_heads, num_blocks, block_size, head_dim]`` (values alike), indexed by
+block id on the second axis. Block 0 is the *null block*: a placeholder that is never written or read for real K/V.
 
 Layers are grouped by attention type into KV-cache groups (``KVCacheGroupSpec``: "full", "sliding" with a
 window W, "chunked" with a chunk size C); every group shares the pool and the block size. Block ids are

@@ -2,12 +2,14 @@
 
 Data layout (the paged cache storage is built on this)
 -----------------------------------------------------
-- K and V page arrays, one pair per layer: ``[num_blocks, kv_heads, block_size, head_dim]``
-  (head-major inside a page, as vLLM's V cache: one kv head's rows of one page are a contiguous
-  ``block_size * head_dim`` run, so the CPU reference gathers whole runs straight into the
-  ``(kv_heads, tokens, head_dim)`` layout its matmuls read). Block 0 is the null block: padding
-  entries of block tables point at it and it is never read unmasked. Flat slot
-  ``block_id * block_size + offset`` names one token position of a page.
+- K and V page arrays, one pair per layer: ``[kv_heads, num_blocks, block_size, head_dim]``
+  (head-outermost: kv head ``h``'s rows of page ``b`` are one contiguous ``block_size * head_dim``
+  run, and so are its rows of any run of consecutive pages). On CPU this is what matters: the
+  reference gathers whole runs straight into the ``(kv_heads, tokens, head_dim)`` layout its
+  matmuls read, and pages that are physically consecutive are a zero-copy view in exactly the
+  layout of a dense cache. Block 0 is the null block: padding entries of block tables point at it
+  and it is never read unmasked. Flat slot ``block_id * block_size + offset`` names one token
+  position of a page (row ``offset`` of page ``block_id`` in every kv head).
 - ``block_tables``: int32 ``[B, max_blocks_per_seq]``; row ``b`` lists sequence ``b``'s pages in
   position order (page ``p`` holds positions ``p*block_size .. p*block_size + block_size - 1``),
   padded with 0.
@@ -34,7 +36,7 @@ twin, split-K + log-sum-exp merge) · ``kv_write_ref`` · ``cascade`` (shared-pr
 """
 
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
-from .dispatch import KernelDispatch, kv_write, paged_attention
+from .dispatch import KernelDispatch, kv_write, paged_attention, reference_on_views
 from .kv_write_ref import kv_write_reference
 from .layout import TOLERANCES, SplitPlan, plan_splits
 from .oracle import dense_paged_attention
@@ -53,5 +55,6 @@ __all__ = [
     "merge_partials",
     "paged_attention",
     "paged_attention_reference",
+    "reference_on_views",
     "plan_splits",
 ]

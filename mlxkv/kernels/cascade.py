@@ -139,7 +139,7 @@ def cascade_attention(
 def _shared_pass(impl_for, queries, k_pages, v_pages, block_tables, rows, shared_pages, scale, num_splits):
     """All ``rows``' queries against their shared pages in one pass; per-row partials."""
     _, H, _, D = queries.shape
-    KVH, bs = k_pages.shape[1], k_pages.shape[2]
+    KVH, bs = k_pages.shape[0], k_pages.shape[2]
     n, G = len(rows), H // KVH
     idx = mx.array(rows, dtype=mx.int32)
     q = queries[idx].reshape(n, KVH, G, D).transpose(1, 0, 2, 3)  # (KVH, n, G, D)

@@ -117,6 +117,13 @@ class KernelDispatch:
         warnings.warn(message + "; using the pure-MLX reference for this shape class", RuntimeWarning, stacklevel=4)
         return REFERENCE
 
+    def reference_on_views(self) -> bool:
+        """Whether a decode step over *physically consecutive* pages should run dense SDPA on a zero-copy
+        view of them instead of the paged kernel: true where the kernel would be the pure-MLX reference
+        (``reference`` mode, or ``auto`` without Metal), which could only copy those rows first."""
+        mode = self.mode()
+        return mode == "reference" or (mode == "auto" and not self.metal_available())
+
     def kv_write_impl(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int):
         """The KV-write implementation: the reference unless ``MLXKV_PAGED_KERNEL=metal``."""
         mode = self.mode()
@@ -188,7 +195,7 @@ class KernelDispatch:
     ) -> tuple[mx.array, mx.array]:
         """Write new rows into their page slots (arguments and ownership rule as ``kv_write_reference``)."""
         check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
-        _, kv_heads, bs, D = k_pages.shape
+        kv_heads, _, bs, D = k_pages.shape
         impl = self.kv_write_impl(k_pages.dtype, D, bs, kv_heads)
         return impl(k_pages, v_pages, slot_mapping, k_new, v_new)
 
@@ -199,6 +206,11 @@ DEFAULT_DISPATCH = KernelDispatch()
 def paged_attention(*args, **kwargs) -> mx.array:
     """:meth:`KernelDispatch.paged_attention` on the process-wide dispatcher."""
     return DEFAULT_DISPATCH.paged_attention(*args, **kwargs)
+
+
+def reference_on_views() -> bool:
+    """:meth:`KernelDispatch.reference_on_views` on the process-wide dispatcher."""
+    return DEFAULT_DISPATCH.reference_on_views()
 
 
 def kv_write(*args, **kwargs) -> tuple[mx.array, mx.array]:

@@ -23,11 +23,11 @@ def check_kv_write_inputs(
     """Raises ValueError unless the shapes follow the layout in :mod:`mlxkv.kernels`."""
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, kv_heads, block_size, head_dim], "
+            "k_pages and v_pages must both be [kv_heads, num_blocks, block_size, head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}"
         )
     T = slot_mapping.shape[0] if slot_mapping.ndim == 1 else -1
-    expected = (T, k_pages.shape[1], k_pages.shape[3])  # (T, kv_heads, head_dim)
+    expected = (T, k_pages.shape[0], k_pages.shape[3])  # (T, kv_heads, head_dim)
     if slot_mapping.ndim != 1 or slot_mapping.dtype != mx.int32:
         raise ValueError(f"slot_mapping must be int32 [T], got {slot_mapping.dtype} {slot_mapping.shape}")
     if k_new.shape != expected or v_new.shape != expected:
@@ -40,7 +40,7 @@ def kv_write_reference(
     """Write ``T`` new K/V rows into their slots; return the updated pools (inputs unchanged).
 
     Args:
-        k_pages, v_pages: ``[num_blocks, kv_heads, block_size, head_dim]``.
+        k_pages, v_pages: ``[kv_heads, num_blocks, block_size, head_dim]``.
         slot_mapping: int32 ``[T]``, flat slot ``block_id * block_size + offset`` per row; slots
             must be distinct and in range (pad with slots of the null block 0, never read
             unmasked).
@@ -51,24 +51,24 @@ def kv_write_reference(
         follows the ownership rule in this module's docstring, O(pool) otherwise.
     """
     check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
-    rows = page_rows(slot_mapping, k_pages.shape[1], k_pages.shape[2])  # (T * KVH,)
+    rows = page_rows(slot_mapping, k_pages.shape)  # (T * KVH,)
     return scatter_rows(k_pages, rows, k_new), scatter_rows(v_pages, rows, v_new)
 
 
-def page_rows(slot_mapping: mx.array, kv_heads: int, block_size: int) -> mx.array:
-    """Row indices ``(T * kv_heads,)`` into pages flattened to ``(num_blocks * kv_heads * block_size, D)``
+def page_rows(slot_mapping: mx.array, pages_shape: tuple[int, ...]) -> mx.array:
+    """Row indices ``(T * kv_heads,)`` into pages ``(KVH, NB, bs, D)`` flattened to ``(KVH * NB * bs, D)``
     for flat slots ``(T,)``, ordered (token, kv head) like the rows of a ``(T, kv_heads, D)`` write."""
-    block, offset = slot_mapping // block_size, slot_mapping % block_size  # (T,)
-    heads = mx.arange(kv_heads, dtype=mx.int32)  # (KVH,)
-    return ((block[:, None] * kv_heads + heads) * block_size + offset[:, None]).reshape(-1)  # (T * KVH,)
+    kv_heads, num_blocks, block_size, _ = pages_shape
+    heads = mx.arange(kv_heads, dtype=mx.int32) * (num_blocks * block_size)  # (KVH,) first row of each head
+    return (slot_mapping[:, None] + heads).reshape(-1)  # (T * KVH,): a slot is the row within its head
 
 
 def scatter_rows(pages: mx.array, rows: mx.array, new: mx.array) -> mx.array:
-    """``pages`` ``(NB, KVH, bs, D)`` with ``new`` ``(T, KVH, D)`` written at ``rows`` (from :func:`page_rows`).
+    """``pages`` ``(KVH, NB, bs, D)`` with ``new`` ``(T, KVH, D)`` written at ``rows`` (from :func:`page_rows`).
 
     The flattened handle is fresh, so the caller's array is unchanged; the scatter donates the buffer
     when that handle is its sole owner (the ownership rule above).
     """
-    flat = pages.reshape(-1, pages.shape[-1])  # (NB * KVH * bs, D)
+    flat = pages.reshape(-1, pages.shape[-1])  # (KVH * NB * bs, D)
     flat[rows] = new.reshape(-1, new.shape[-1]).astype(pages.dtype)
     return flat.reshape(pages.shape)

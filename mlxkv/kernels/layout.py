@@ -131,11 +131,11 @@ def check_paged_inputs(
         raise ValueError(f"queries must be [B, n_heads, 1, head_dim], got {queries.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(
-            "k_pages and v_pages must both be [num_blocks, kv_heads, block_size, head_dim], "
+            "k_pages and v_pages must both be [kv_heads, num_blocks, block_size, head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}"
         )
     B, H, _, D = queries.shape
-    _, kv_heads, block_size, d_kv = k_pages.shape
+    kv_heads, _, block_size, d_kv = k_pages.shape
     if d_kv != D:
         raise ValueError(f"head_dim mismatch: queries {D}, pages {d_kv}")
     if H % kv_heads:

@@ -104,7 +104,7 @@ class MetalPagedAttention:
         """The launch of the attention kernel (built without running it)."""
         B, H, _, D = queries.shape
         S = plan.num_splits
-        params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1]]
+        params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1], k_pages.shape[1]]
         threads = 32 * simdgroups_for(H // self.kv_heads, D)
         return KernelCall(
             spec=PAGED_ATTENTION,
@@ -176,14 +176,14 @@ class MetalKvWrite:
         v_new: mx.array,
     ) -> KernelCall:
         """The launch of the write kernel (built without running it)."""
-        NB, KVH, bs, D = k_pages.shape
+        KVH, NB, bs, D = k_pages.shape
         slot_rows = mx.full((NB * bs,), -1, dtype=mx.int32)  # (slots,): new row per slot or -1
         slot_rows[slot_mapping] = mx.arange(slot_mapping.shape[0], dtype=mx.int32)
         return KernelCall(
             spec=KV_WRITE,
             inputs=dict(k_pages=k_pages, v_pages=v_pages, k_new=k_new.astype(self.dtype),
                         v_new=v_new.astype(self.dtype), slot_rows=slot_rows),
-            template=dict(T=self.dtype, D=D, KVH=KVH, BS=bs),
+            template=dict(T=self.dtype, D=D, KVH=KVH, BS=bs, NB=NB),
             grid=(D, KVH, NB * bs),
             threadgroup=(min(D, 256), 1, 1),
             output_shapes=dict(k_out=k_pages.shape, v_out=v_pages.shape),
@@ -211,7 +211,7 @@ def paged_attention_metal(queries, k_pages, v_pages, block_tables, context_lens,
     """
     from .paged_attention_ref import run_paged_attention
 
-    _, kv_heads, bs, D = k_pages.shape
+    kv_heads, _, bs, D = k_pages.shape
     impl = paged_attention_kernel(k_pages.dtype, D, bs, kv_heads, queries.shape[1] // kv_heads)
     if impl is None:
         raise RuntimeError(

@@ -86,7 +86,7 @@ KV_WRITE = KernelSpec(
     source_file="kv_write.metal",
     input_names=("k_pages", "v_pages", "k_new", "v_new", "slot_rows"),
     output_names=("k_out", "v_out"),
-    template_params=(("T", "typename"), ("D", "int"), ("KVH", "int"), ("BS", "int")),
+    template_params=(("T", "typename"), ("D", "int"), ("KVH", "int"), ("BS", "int"), ("NB", "int")),
 )
 ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, KV_WRITE)
 

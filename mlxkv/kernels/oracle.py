@@ -17,10 +17,10 @@ def gather_dense(
     pages: mx.array, block_table_row: list[int], context_len: int
 ) -> mx.array:
     """One sequence's first ``context_len`` rows as dense ``(1, kv_heads, context_len, D)``."""
-    _, KVH, bs, D = pages.shape
+    KVH, _, bs, D = pages.shape
     n_pages = -(-context_len // bs)
     blocks = mx.array(block_table_row[:n_pages], dtype=mx.int32)  # (n_pages,)
-    dense = mx.take(pages, blocks, axis=0).transpose(1, 0, 2, 3)  # (KVH, n_pages, bs, D)
+    dense = mx.take(pages, blocks, axis=1)  # (KVH, n_pages, bs, D)
     return dense.reshape(KVH, n_pages * bs, D)[:, :context_len][None]  # (1, KVH, L, D)
 
 

@@ -7,9 +7,9 @@ log-sum-exp. The kernel walks one token per simdgroup step; the reference walks 
 pages* at a time, gathering them with ``mx.take`` into a head-major layout so that each step is two
 matmuls over all kv heads at once. Sliding and chunked layers visit only their in-window pages.
 
-The gather takes whole ``(block_size, head_dim)`` runs: the pages are head-major
-(``[num_blocks, kv_heads, block_size, head_dim]``), so run ``block * kv_heads + head`` of the pages
-seen as ``(num_blocks * kv_heads, block_size * head_dim)`` is one kv head's rows of one page, and
+The gather takes whole ``(block_size, head_dim)`` runs: the pages are head-outermost
+(``[kv_heads, num_blocks, block_size, head_dim]``), so run ``head * num_blocks + block`` of the pages
+seen as ``(kv_heads * num_blocks, block_size * head_dim)`` is one kv head's rows of one page, and
 gathering runs ``(KVH, B, n)`` yields ``(KVH, B, n * block_size, head_dim)`` directly, with no
 transpose copy. Cost on CPU: per step, that one gather of K and of V (a copy) plus the two matmuls
 dense SDPA also does, so the reference stays within a small constant of dense SDPA at any context.
@@ -68,7 +68,7 @@ class ReferencePagedAttention:
         output, so it drops out of the merge.
         """
         B, H, _, D = queries.shape
-        _, KVH, bs, _ = k_pages.shape
+        KVH, _, bs, _ = k_pages.shape
         G = H // KVH
         q = queries.reshape(B, KVH, G, D).transpose(1, 0, 2, 3).astype(mx.float32) * scale  # (KVH, B, G, D)
 
@@ -129,7 +129,7 @@ class ReferencePagedAttention:
         of dense SDPA. A sequence with no visible token gets a zero output, as in ``partials``.
         """
         B, H, _, D = queries.shape
-        _, KVH, bs, _ = k_pages.shape
+        KVH, _, bs, _ = k_pages.shape
         G = H // KVH
         n = plan.visible_pages
         P = n * bs
@@ -158,16 +158,16 @@ def gather_head_major(
 ) -> tuple[mx.array, mx.array]:
     """K and V of the table pages ``page`` ``(B, n)`` (clipped to the table) as float32 ``(KVH, B, n * bs, D)``.
 
-    One ``mx.take`` per array over whole ``(bs, D)`` runs: run ``block * KVH + h`` of the pages seen as
-    ``(num_blocks * KVH, bs * D)`` holds kv head ``h``'s rows of page ``block``.
+    One ``mx.take`` per array over whole ``(bs, D)`` runs: run ``h * NB + block`` of the pages seen as
+    ``(KVH * NB, bs * D)`` holds kv head ``h``'s rows of page ``block``.
     """
-    NB, KVH, bs, D = k_pages.shape
+    KVH, NB, bs, D = k_pages.shape
     B, n = page.shape
     blocks = mx.take_along_axis(block_tables, mx.minimum(page, block_tables.shape[1] - 1), axis=1)  # (B, n)
-    runs = blocks[None] * KVH + mx.arange(KVH, dtype=mx.int32)[:, None, None]  # (KVH, B, n)
+    runs = blocks[None] + (mx.arange(KVH, dtype=mx.int32) * NB)[:, None, None]  # (KVH, B, n)
     out = []
     for pages in (k_pages, v_pages):
-        rows = mx.take(pages.reshape(NB * KVH, bs * D), runs, axis=0)  # (KVH, B, n, bs * D)
+        rows = mx.take(pages.reshape(KVH * NB, bs * D), runs, axis=0)  # (KVH, B, n, bs * D)
         out.append(rows.reshape(KVH, B, n * bs, D).astype(mx.float32))
     return out[0], out[1]
 
@@ -264,7 +264,7 @@ def paged_attention_reference(
 
     Args:
         queries: ``[B, n_heads, 1, head_dim]``.
-        k_pages, v_pages: ``[num_blocks, kv_heads, block_size, head_dim]``.
+        k_pages, v_pages: ``[kv_heads, num_blocks, block_size, head_dim]``.
         block_tables: int32 ``[B, max_blocks_per_seq]``; padding entries point at block 0.
         context_lens: int32 ``[B]``, tokens visible to each sequence including the current one.
         scale: score scale, default ``1/sqrt(head_dim)``.

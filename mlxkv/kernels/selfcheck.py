@@ -17,7 +17,7 @@ class PagedCase:
     """One random decode step over a shuffled block pool (block 0 is the null block)."""
 
     queries: mx.array  # (B, H, 1, D)
-    k_pages: mx.array  # (num_blocks, KVH, bs, D)
+    k_pages: mx.array  # (KVH, num_blocks, bs, D)
     v_pages: mx.array
     block_tables: mx.array  # (B, max_blocks) int32, padded with 0
     context_lens: mx.array  # (B,) int32
@@ -50,7 +50,7 @@ def random_paged_case(
     rng.shuffle(free)
     table = [[free.pop() for _ in range(n)] + [0] * (max_blocks - n) for n in pages]
     H = kv_heads * gqa
-    shape = (num_blocks, kv_heads, block_size, head_dim)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
     return PagedCase(
         queries=mx.random.normal((len(context_lens), H, 1, head_dim), key=kq).astype(dtype),
         k_pages=mx.random.normal(shape, key=kk).astype(dtype),
@@ -121,7 +121,7 @@ def check_kv_write_impl(
     slots = rng.sample(range(block_size, num_blocks * block_size), 5)  # never the null block
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
-    shape = (num_blocks, kv_heads, block_size, head_dim)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
     k_pages = mx.random.normal(shape, key=k1).astype(dtype)
     v_pages = mx.random.normal(shape, key=k2).astype(dtype)
     k_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k3).astype(dtype)

@@ -1,6 +1,6 @@
 """Paged K/V storage: mlxkv's layer layouts over pages of one shared block pool.
 
-- :class:`PagedStorage` (storage.py): per-layer page arrays ``[num_blocks, kv_heads, block_size, D]``,
+- :class:`PagedStorage` (storage.py): per-layer page arrays ``[kv_heads, num_blocks, block_size, D]``,
   allocated at the first write; writes through ``kv_write``.
 - :class:`PagedSequence` (sequence.py): one sequence against the block manager — slots, block tables,
   copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``.

@@ -1,12 +1,16 @@
 """PagedLayerCache: one sequence's view of one attention layer's pages, in mlx-lm's cache protocol.
 
 ``update_and_fetch`` writes the new rows into their page slots (``kv_write``) and returns the rows the new
-queries may attend as *lazy* gathers of the pages: full attention all rows, a sliding window of W the last
-``W - 1`` before the new ones, chunked attention the rows from the current chunk's start (what the dense
-layouts return for the same positions, so masks and logits match). ``attend`` runs ``paged_attention`` over
-the page arrays for a single-token decode step when it is handed exactly the arrays it returned (so the
-gather is never computed); anything else — prefill chunks, tensors the model derived (MLA) — goes to dense
-SDPA on the given tensors.
+queries may attend: full attention all rows, a sliding window of W the last ``W - 1`` before the new ones,
+chunked attention the rows from the current chunk's start (what the dense layouts return for the same
+positions, so masks and logits match). When those rows' pages are consecutive in the pool (a fresh pool hands
+a sequence consecutive blocks) they come back as a zero-copy *view* in a dense cache's exact layout; otherwise
+as *lazy* gathers of the pages.
+
+``attend`` runs a single-token decode step handed exactly the arrays it returned through ``paged_attention``
+over the page arrays (so a gather is never computed) — except where the kernel would be the pure-MLX
+reference and the rows are a view: there dense SDPA on the view is the same answer with no copy at all.
+Anything else — prefill chunks, tensors the model derived (MLA) — goes to dense SDPA on the given tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import mlx.core as mx
 from mlxkv.blocks import KVCacheGroupSpec
 from mlxkv.cache.attention import attend as dense_attend
 from mlxkv.cache.masks import standard_mask, visible
-from mlxkv.kernels import paged_attention
+from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.paged.sequence import PagedSequence
 
 
@@ -38,6 +42,7 @@ class PagedLayerCache:
         self.spec = spec
         self.offset = seq.num_cached
         self._returned: tuple[mx.array, mx.array] | None = None  # this step's fetched K/V (identity check)
+        self._returned_view = False  # whether _returned is a zero-copy view of consecutive pages
 
     # -- geometry ----------------------------------------------------------------------------------
     @property
@@ -66,10 +71,12 @@ class PagedLayerCache:
 
     # -- protocol ----------------------------------------------------------------------------------
     def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Positions ``[start, end)`` as ``(1, n_kv, end - start, D)`` (a view when the pages are consecutive)."""
         bs = self.seq.storage.block_size
         first_block = start // bs
-        ids = self.seq.table(self.group)[first_block:-(-end // bs)]  # (n,)
-        return self.seq.storage.gather(self.layer, ids, start - first_block * bs, end - start)
+        ids, run_start = self.seq.page_range(self.group, first_block, -(-end // bs))
+        self._returned_view = run_start is not None
+        return self.seq.storage.gather(self.layer, ids, start - first_block * bs, end - start, run_start)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(1, n_kv, N, D)`` rows at ``offset``; return the attendable rows ``(1, n_kv, K, D)`` (lazy)."""
@@ -90,6 +97,8 @@ class PagedLayerCache:
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         self._returned = None
         storage = self.seq.storage
+        if own and self._returned_view and reference_on_views():
+            return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
         if (own and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1 and queries.shape[2] == 1
                 and storage.keys[self.layer].shape == storage.values[self.layer].shape
                 and queries.shape[-1] == storage.keys[self.layer].shape[-1]):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlxkv.blocks import CopyOp, KVCacheManager
-from mlxkv.paged.storage import PagedStorage
+from mlxkv.paged.storage import PagedStorage, consecutive
 
 
 class PagedPoolExhausted(RuntimeError):
@@ -46,6 +46,8 @@ class PagedSequence:
         self.released = False
         self._slots: tuple[int, int, list[mx.array]] | None = None  # (start, end, per group (T,) int32)
         self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)
+        self._host_tables: list[list[int]] | None = None  # per group, the same ids as Python ints
+        self._runs: dict[tuple[int, int, int], tuple[list[int], int | None]] = {}  # page_range memo
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -56,6 +58,8 @@ class PagedSequence:
     def _changed(self) -> None:
         self._slots = None
         self._tables = None
+        self._host_tables = None
+        self._runs = {}
 
     def apply_copies(self, copies: Sequence[CopyOp]) -> None:
         """Copy-on-write / partial-reuse instructions from the manager, applied to every layer of the group."""
@@ -110,10 +114,26 @@ class PagedSequence:
             self._slots = (start, end, [mx.array(m, dtype=mx.int32) for m in mapping])
         return self._slots[2][group]
 
+    def host_table(self, group: int) -> list[int]:
+        """The block table of ``group`` as a list of ids (cached until the sequence changes; do not modify)."""
+        if self._host_tables is None:
+            self._host_tables = self.manager.block_tables(self.seq_id)
+        return self._host_tables[group]
+
+    def page_range(self, group: int, first: int, end: int) -> tuple[list[int], int | None]:
+        """Table entries ``[first, end)`` of ``group`` and, when they are consecutive blocks, the first id
+        (:func:`mlxkv.paged.storage.consecutive`); computed once per step for all the group's layers."""
+        key = (group, first, end)
+        if key not in self._runs:
+            ids = self.host_table(group)[first:end]
+            self._runs[key] = (ids, consecutive(ids))
+        return self._runs[key]
+
     def table(self, group: int) -> mx.array:
         """The block table of ``group`` as int32 ``(n_blocks,)`` (null block 0 where a window released one)."""
         if self._tables is None:
-            self._tables = [mx.array(t, dtype=mx.int32) for t in self.manager.block_tables(self.seq_id)]
+            self.host_table(group)
+            self._tables = [mx.array(t, dtype=mx.int32) for t in self._host_tables]
         return self._tables[group]
 
     def blocks_held(self, group: int) -> int:

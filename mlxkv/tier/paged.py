@@ -64,7 +64,7 @@ class TierBridge:
         arrays, dtypes = [], []
         for layer in layers:
             for pages in (self.storage.keys, self.storage.values):
-                a, d = to_host(mx.contiguous(pages[layer][block.block_id].transpose(1, 0, 2)))  # (B, kv_heads, D), token-major
+                a, d = to_host(mx.contiguous(pages[layer][:, block.block_id].transpose(1, 0, 2)))  # (B, kv_heads, D), token-major
                 arrays.append(a)
                 dtypes.append(d)
         self.tier.offload(TierBlock(
@@ -81,7 +81,7 @@ class TierBridge:
             for a, d, pages in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.keys),
                                 (tb.arrays[2 * j + 1], tb.dtypes[2 * j + 1], self.storage.values)):
                 p = pages[layer]
-                if a.shape[0] != self.B or (p is not None and ((p.shape[1], p.shape[3]) != a.shape[1:]
+                if a.shape[0] != self.B or (p is not None and ((p.shape[0], p.shape[3]) != a.shape[1:]
                                                               or str(p.dtype).split(".")[-1] != d)):
                     return False
         return True

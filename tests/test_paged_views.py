@@ -1,0 +1,81 @@
+"""Consecutive pages as zero-copy dense views: detection, no copy, and the kernel where pages are scattered."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.paged import layer_cache as layer_cache_module
+from mlxkv.paged.storage import PagedStorage, consecutive
+
+
+@pytest.mark.parametrize("ids, want", [([3, 4, 5], 3), ([7], 7), ([3, 5, 4], None), ([3, 4, 6], None),
+                                       ([0, 1, 2], None), ([], None), ([5, 4], None)])
+def test_consecutive(ids, want):
+    assert consecutive(ids) == want
+
+
+def filled_storage(num_blocks=64, bs=16, heads=2, dim=32, seed=0):
+    storage = PagedStorage(num_blocks, bs, num_layers=1)
+    rows = num_blocks * bs
+    k = mx.random.normal((rows, heads, dim), key=mx.random.key(seed))  # (slots, H, D)
+    v = mx.random.normal((rows, heads, dim), key=mx.random.key(seed + 1))
+    storage.write(0, mx.arange(rows, dtype=mx.int32), k, v)
+    mx.eval(storage.arrays())
+    return storage, k, v
+
+
+def test_gather_matches_the_written_rows_for_consecutive_and_scattered_pages():
+    storage, k, v = filled_storage()
+    for ids in ([5, 6, 7, 8], [9, 2, 30, 4]):
+        got_k, got_v = storage.gather(0, ids, 3, 50)  # rows 3 .. 52 of the concatenated pages
+        slots = mx.array([b * 16 + r for b in ids for r in range(16)][3:53])
+        assert got_k.shape == (1, 2, 50, 32)
+        assert mx.array_equal(got_k[0], k[slots].transpose(1, 0, 2)).item()
+        assert mx.array_equal(got_v[0], v[slots].transpose(1, 0, 2)).item()
+
+
+def test_consecutive_pages_are_read_without_a_copy():
+    storage, _, _ = filled_storage(num_blocks=2048)  # 2 x 8 MB page arrays
+    ids = list(range(100, 1100))  # 16,000 rows: 4 MB of K and 4 MB of V if copied
+    mx.eval(storage.arrays())
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    k, v = storage.gather(0, ids, 0, len(ids) * 16)
+    out = (k.sum(), v.sum())  # reads every row
+    mx.eval(out)
+    assert mx.get_peak_memory() - base < 1 << 20  # no 4 MB temporary
+    scattered = ids[::-1]
+    mx.reset_peak_memory()
+    k, v = storage.gather(0, scattered, 0, len(ids) * 16)
+    mx.eval(k.sum(), v.sum())
+    assert mx.get_peak_memory() - base >= 4 << 20  # the gather does copy (the check above can fail)
+
+
+def test_scattered_pages_decode_through_the_kernel_even_where_views_are_preferred(monkeypatch):
+    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.pool import CachePool
+    from mlxkv.testing.archs import build_model
+
+    calls = []
+    real = layer_cache_module.paged_attention
+    monkeypatch.setattr(layer_cache_module, "reference_on_views", lambda: True)
+    monkeypatch.setattr(layer_cache_module, "paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model, _ = build_model("llama")
+    install_attention_hook(model)
+    pool = CachePool(model, backend="paged", num_blocks=64,
+                     kv_config=KvCacheConfig(backend="paged", block_size=4, enable_block_reuse=False))
+    a, b = pool.open(prompt=[1, 2, 3]), pool.open(prompt=[4, 5, 6])
+    for seq, prompt in ((a, [1, 2, 3]), (b, [4, 5, 6])):
+        mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=seq.caches))
+        seq.commit()
+    for t in range(12):  # two sequences growing in turn take alternate blocks: neither table is consecutive
+        for seq in (a, b):
+            seq.feed([7 + t])
+            mx.eval(model(mx.array([[7 + t]], dtype=mx.uint32), cache=seq.caches))
+            seq.commit()
+    assert consecutive(a.paged.host_table(0)) is None and calls
+    for seq in (a, b):
+        pool.release(seq.id)
+    pool.check_invariants()
