@@ -51,6 +51,9 @@ def serve(
                                                     help="Model id reported by /v1/models (default: --model)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, help="Largest request body (MB); else 413."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01,
+                                             help="GIL switch interval of the server process (ms): how long the "
+                                                  "HTTP event loop may wait for the engine thread."),
 ) -> None:
     """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine."""
     if kv_group_size not in (32, 64, 128):
@@ -65,7 +68,7 @@ def serve(
 
         from mlxkv.engine.batch import EngineConfig
         from mlxkv.models import ModelLoadError
-        from mlxkv.server.runner import build
+        from mlxkv.server.runner import build, set_switch_interval
     except ImportError as exc:
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
         raise typer.Exit(code=1) from None
@@ -80,6 +83,7 @@ def serve(
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
+    set_switch_interval(switch_interval_ms / 1000)
     typer.echo(f"mlxkv serve: {parts.loaded.name} on http://{host}:{port} "
                f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV)", err=True)
     uvicorn.run(parts.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

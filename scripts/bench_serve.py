@@ -3,8 +3,10 @@
 Each server runs alone (one after the other) as a subprocess on 127.0.0.1. The workload: chat requests that
 share a long system prompt and differ in the user question, streamed, greedy, ``--max-tokens`` each. At each
 concurrency level (1, 4, 8 clients by default) every client sends ``--requests-per-client`` requests back to
-back. Reported: time to first token (TTFT) p50/p95, aggregate output tok/s, and mlxkv/mlx-lm ratios; a PNG plot
-when matplotlib is installed.
+back, each on its own loopback connection (one httpx client per client thread, built before the clock starts;
+``--client-per-request`` restores the old timing, which counted httpx's ~30 ms TLS-context setup in every
+TTFT). Reported: time to first token (TTFT: request sent -> first content chunk) p50/p95, aggregate output
+tok/s, and mlxkv/mlx-lm ratios; a PNG plot when matplotlib is installed.
 
 Both servers reuse shared prompt prefixes: mlx_lm.server through its prompt cache, mlxkv serve through the
 paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend dense`` has no prefix cache).
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 PREFIX = ("You are a patient teacher of the Python language. Answer with short, correct explanations and one "
           "example. The import statement binds names in a module namespace; generators yield values lazily; "
           "context managers release resources when their block ends; classes bundle data and behaviour. ") * 4
+SHARED = [PREFIX]  # the shared system prompt (``--prefix-repeat`` copies of PREFIX)
 MODEL_NAME = ["default"]  # mlx_lm.server loads whatever `model` names: send the folder both servers serve
 QUESTIONS = ["What is a tuple?", "How does import work?", "What is a generator?", "Explain the with statement.",
              "What is a decorator?", "How do exceptions propagate?", "What is a list comprehension?",
@@ -74,11 +77,12 @@ def free_port() -> int:
 
 
 def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
-                 kv_budget: int | None = None) -> subprocess.Popen:
+                 kv_budget: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
     if name == "mlxkv":
         cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
                "--kv-backend", kv_backend] + (["--kv-cache-budget", str(kv_budget)] if kv_budget else [])
+        cmd += extra or []
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
@@ -109,16 +113,29 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def one_request(url: str, question: str, max_tokens: int, system: str = PREFIX) -> tuple[float, int]:
-    """Stream one chat completion; return (seconds to the first content, completion tokens)."""
+def http_client():
+    """An HTTP client for one benchmark thread. No keep-alive: every request opens its own loopback connection
+    on both servers (mlx_lm.server closes connections after each response anyway)."""
     import httpx
 
-    body = {"model": MODEL_NAME[0], "messages": [{"role": "system", "content": system},
+    return httpx.Client(timeout=300, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def one_request(url: str, question: str, max_tokens: int, system: str | None = None,
+                http=None) -> tuple[float, int]:
+    """Stream one chat completion; return (seconds to the first content, completion tokens).
+
+    The clock starts when the request is sent. ``http``: the thread's client (``None``: build one inside the
+    timed region, the old timing: httpx's TLS context setup, ~30 ms of client CPU, then lands in every TTFT).
+    """
+    body = {"model": MODEL_NAME[0], "messages": [{"role": "system", "content": system or SHARED[0]},
                                                  {"role": "user", "content": question}],
             "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, chunks, usage = None, 0, None
-    with httpx.Client(timeout=300) as http, http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    own = http is None
+    http = http_client() if own else http
+    with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -131,20 +148,32 @@ def one_request(url: str, question: str, max_tokens: int, system: str = PREFIX) 
                     chunks += 1
                     if ttft is None:
                         ttft = time.perf_counter() - start
+    if own:
+        http.close()
     return (ttft if ttft is not None else time.perf_counter() - start), (usage if usage is not None else chunks)
 
 
-def run_level(url: str, clients: int, per_client: int, max_tokens: int, distinct: bool) -> dict:
+def system_prompt(workload: str, clients: int, k: int) -> str:
+    """Request ``k``'s system prompt at the level with ``clients`` clients."""
+    if workload == "distinct":  # a unique opening line defeats prefix reuse (mlx-lm's prompt cache) for every request
+        return f"Session {clients}-{k}. {SHARED[0]}"
+    if workload == "cold-shared":  # shared within the level, new at each: its first wave finds nothing cached
+        return f"Session {clients}. {SHARED[0]}"
+    return SHARED[0]
+
+
+def run_level(url: str, clients: int, per_client: int, max_tokens: int, workload: str,
+              client_per_request: bool = False) -> dict:
     ttfts: list[float] = []
     tokens = [0]
     lock = threading.Lock()
+    https = [None if client_per_request else http_client() for _ in range(clients)]  # built before the clock
 
     def client(c: int) -> None:
         for i in range(per_client):
             k = c * per_client + i
-            # distinct: a unique opening line defeats prefix reuse (mlx-lm's prompt cache) for every request
-            system = f"Session {clients}-{k}. {PREFIX}" if distinct else PREFIX
-            t, n = one_request(url, QUESTIONS[k % len(QUESTIONS)], max_tokens, system)
+            system = system_prompt(workload, clients, k)
+            t, n = one_request(url, QUESTIONS[k % len(QUESTIONS)], max_tokens, system, https[c])
             with lock:
                 ttfts.append(t)
                 tokens[0] += n
@@ -156,21 +185,25 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int, distinct
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    for http in https:
+        if http is not None:
+            http.close()
     q = statistics.quantiles(ttfts, n=20, method="inclusive") if len(ttfts) > 1 else ttfts * 19
     return {"clients": clients, "requests": len(ttfts), "ttft_p50": statistics.median(ttfts), "ttft_p95": q[18],
             "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall}
 
 
-def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, distinct: bool,
-          kv_backend: str = "paged", kv_budget: int | None = None) -> list[dict]:
+def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, workload: str,
+          kv_backend: str = "paged", kv_budget: int | None = None, client_per_request: bool = False,
+          extra: list[str] | None = None) -> list[dict]:
     port = free_port()
-    proc = start_server(name, model, port, max(levels), kv_backend, kv_budget)
+    proc = start_server(name, model, port, max(levels), kv_backend, kv_budget, extra)
     try:
         url = f"http://127.0.0.1:{port}"
         one_request(url, "warm up", 4)
         results = []
         for clients in levels:
-            r = run_level(url, clients, per_client, max_tokens, distinct)
+            r = run_level(url, clients, per_client, max_tokens, workload, client_per_request)
             print(f"  {name:6s} clients={clients}: TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  p95 "
                   f"{r['ttft_p95'] * 1e3:7.1f} ms  {r['tok_s']:7.1f} tok/s  ({r['tokens']} tokens, "
                   f"{r['wall_s']:.1f}s)", flush=True)
@@ -211,11 +244,19 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--workload", choices=["shared", "distinct"], default="shared",
-                   help="shared: one long system prompt for all requests; distinct: each request's prompt differs "
+    p.add_argument("--workload", choices=["shared", "cold-shared", "distinct"], default="shared",
+                   help="shared: one long system prompt for all requests; cold-shared: one per concurrency level (its "
+                        "first concurrent wave finds it uncached); distinct: each request's prompt differs "
                         "from its first tokens (no prefix reuse on either side)")
+    p.add_argument("--prefix-repeat", type=int, default=1,
+                   help="the shared system prompt is this many copies of the default one (~400 tokens each)")
     p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged", help="mlxkv serve's KV storage")
     p.add_argument("--kv-cache-budget", type=int, default=None, help="mlxkv serve's paged KV bytes (default: its own)")
+    p.add_argument("--client-per-request", action="store_true",
+                   help="old timing: build an httpx client inside every timed request (its ~30 ms TLS setup is then "
+                        "counted in every TTFT, for both servers)")
+    p.add_argument("--mlxkv-arg", action="append", default=[],
+                   help="extra option for mlxkv serve, repeatable (e.g. --mlxkv-arg=--switch-interval-ms=5)")
     p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
     args = p.parse_args()
     try:
@@ -231,12 +272,14 @@ def main() -> None:
         model = str(write_model(Path(tmp.name) / "llama", args.hidden, args.layers))
         print(f"model: random llama hidden={args.hidden} layers={args.layers} (test tokenizer) in {model}")
     MODEL_NAME[0] = model
+    SHARED[0] = PREFIX * args.prefix_repeat
     results = {}
     for name in ("mlxkv", "mlx-lm"):
         results[name] = bench(name, model, args.clients, args.requests_per_client, args.max_tokens,
-                              args.workload == "distinct", args.kv_backend, args.kv_cache_budget)
-    print(f"\nworkload: {args.workload} prefix, mlxkv {args.kv_backend} KV; ratios mlxkv / mlx-lm "
-          "(TTFT: lower is better; tok/s: higher is better)")
+                              args.workload, args.kv_backend, args.kv_cache_budget, args.client_per_request,
+                              args.mlxkv_arg if name == "mlxkv" else None)
+    print(f"\nworkload: {args.workload} prefix x{args.prefix_repeat}, mlxkv {args.kv_backend} KV; ratios "
+          "mlxkv / mlx-lm (TTFT: lower is better; tok/s: higher is better)")
     for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
         print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
               f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")

@@ -2,7 +2,9 @@
 
 Callers (HTTP handlers) never touch MLX: :meth:`BatchEngine.submit` validates and queues a request and returns
 a :class:`~mlxkv.engine.request.RequestHandle` at once; the engine thread runs
-:class:`~mlxkv.engine.scheduler.Scheduler` steps while there is work and sleeps on its inbox otherwise.
+:class:`~mlxkv.engine.scheduler.Scheduler` steps while there is work and blocks on its inbox otherwise, so a
+submission wakes an idle engine at once (no polling); while busy it takes new commands between steps. Each
+step's events reach each event loop with a single wake-up (:mod:`mlxkv.engine.delivery`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode
+from mlxkv.engine.delivery import batched_wakeups
 from mlxkv.engine.paged_policy import max_paged_tokens
 from mlxkv.engine.request import (
     EngineStoppedError,
@@ -213,7 +216,8 @@ class BatchEngine:
                 self._handle_commands(block=not sched.has_work())
                 if self._running and sched.has_work():
                     try:
-                        sched.step()
+                        with batched_wakeups():  # a step's events wake each event loop once
+                            sched.step()
                     except Exception:  # noqa: BLE001 - the scheduler contains per-request failures; this is a bug
                         log.exception("engine step failed")
                         for job in sched.jobs():

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
+from mlxkv.engine.delivery import delivery_for
 from mlxkv.engine.sampling import SamplingParams
 
 #: Retention priorities run 0-100; TensorRT-LLM's default for blocks without a rule is 35.
@@ -148,7 +149,8 @@ class RequestHandle:
     """The client's side of a submitted request: iterate its events; ``cancel()`` to stop it.
 
     Events are delivered through a thread queue (iterate with ``for``), or into an asyncio loop when the
-    handle was created with one (iterate with ``async for``). Iteration ends after the terminal event.
+    handle was created with one (iterate with ``async for``; the loop is woken once per burst of events, see
+    :mod:`mlxkv.engine.delivery`). Iteration ends after the terminal event.
     """
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
@@ -156,6 +158,7 @@ class RequestHandle:
         self._loop = loop
         self._queue: queue.SimpleQueue[Event] | asyncio.Queue[Event]
         self._queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        self._delivery = delivery_for(loop) if loop is not None else None
         self._cancelled = threading.Event()
         self._wake = lambda: None  # set by the engine: nudges an idle engine thread to look at us
 
@@ -171,13 +174,10 @@ class RequestHandle:
 
     def put(self, event: Event) -> None:
         """Deliver ``event`` (engine thread only). A consumer whose event loop has closed is cancelled."""
-        if self._loop is None:
+        if self._delivery is None:
             self._queue.put(event)
             return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody will ever read this
-            self._cancelled.set()
+        self._delivery.put(self._queue.put_nowait, self._cancelled.set, event)
 
     def get(self, timeout: float | None = None) -> Event:
         """Next event (blocking; thread mode). Raises ``queue.Empty`` after ``timeout`` seconds."""
@@ -188,6 +188,14 @@ class RequestHandle:
         """Next event (asyncio mode). Raises ``asyncio.TimeoutError`` after ``timeout`` seconds."""
         assert self._loop is not None, "this handle delivers into a thread queue: use `handle.get()`"
         return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def get_nowait(self) -> Event | None:
+        """The next event if one has arrived, else ``None`` (asyncio mode; call on the handle's loop)."""
+        assert self._loop is not None, "this handle delivers into a thread queue: use `handle.get()`"
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
 
     def __iter__(self) -> Iterator[Event]:
         while True:

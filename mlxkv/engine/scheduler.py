@@ -6,8 +6,11 @@ Runs on the engine thread only (it owns the model and the CachePool). Each :meth
 2. admits preempted sequences first, then waiting requests, lowest ``priority`` first, while their ``n``
    sequences fit in ``max_sequences`` (and, paged, their blocks fit in the free or evictable blocks);
 3. prefills up to ``prefill_chunk_size`` prompt tokens over the admitted sequences, in admission order;
-   a prompt is prefilled except its last token, as mlx-lm's ``generate_step`` does, and from
-   ``seq.num_cached`` on (the paged prefix hit); then ``n > 1`` makes the other samples' sequences (dense:
+   a sequence is opened (paged: its prefix hit taken) only when its turn comes, i.e. once every sequence
+   ahead of it has prefilled: requests admitted together that share an uncached prefix compute it once (the
+   first commits its blocks, the next ones open after it and hit them: in-flight prefix sharing). A prompt
+   is prefilled except its last token, as mlx-lm's ``generate_step`` does, and from ``seq.num_cached`` on
+   (the paged prefix hit); then ``n > 1`` makes the other samples' sequences (dense:
    copied caches; paged: sequences opened on the same prompt, which take its cached blocks) and the choices
    join the running set;
 4. runs one decode forward for every running sequence, whatever their lengths (batch views, see
@@ -188,7 +191,7 @@ class Scheduler:
                 return  # nothing new is admitted before the preempted sequences are back
             self.preempted.popleft()
             free -= need
-            self._open(task)
+            self.prefilling.append(task)  # opened when its turn to prefill comes (see _prefill)
         while self.waiting:
             job = self.waiting[0][2]
             if job.request.n > self.max_sequences:
@@ -201,15 +204,17 @@ class Scheduler:
             self._on_dequeue()
             free -= need
             self.totals["prompt_tokens"] += len(job.request.prompt)
-            self._open(Prefill(job, list(job.request.prompt), seats=job.request.n))
+            self.prefilling.append(Prefill(job, list(job.request.prompt), seats=job.request.n))
 
     def _blocks_for(self, num_tokens: int) -> int:
         if self.manager is None:
             return 0
         return blocks_needed(self.manager.specs, self.manager.block_size, num_tokens)
 
-    def _open(self, task: Prefill) -> None:
-        """Open ``task``'s sequence (paged: with its tokens, salt, retention and priority; prefix hit taken)."""
+    def _open(self, task: Prefill) -> bool:
+        """Open ``task``'s sequence (paged: with its tokens, salt, retention and priority; prefix hit taken).
+
+        False if that failed (the request has failed)."""
         job, request = task.job, task.job.request
         try:
             if self.manager is None:
@@ -226,8 +231,8 @@ class Scheduler:
                 self.totals["prefix_hits"] += task.done
         except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
             self._fail(job, exc)
-            return
-        self.prefilling.append(task)
+            return False
+        return True
 
     # ---- paged growth and preemption -----------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int) -> bool:
@@ -243,7 +248,7 @@ class Scheduler:
 
     def _preempt_id(self, manager_seq_id: int) -> None:
         for task in self.prefilling:
-            if task.seq.paged.seq_id == manager_seq_id:
+            if task.seq is not None and task.seq.paged.seq_id == manager_seq_id:
                 return self._preempt_prefill(task)
         for choice in self.running:
             if choice.seq.paged.seq_id == manager_seq_id:
@@ -275,6 +280,8 @@ class Scheduler:
         for task in list(self.prefilling):
             if task not in self.prefilling:  # preempted by an earlier task of this step
                 continue
+            if task.seq is None and not self._open(task):
+                continue  # it failed
             target = len(task.tokens) - 1  # the last token is fed by the first decode step
             try:
                 n = min(budget, target - task.done)
@@ -328,7 +335,7 @@ class Scheduler:
             if choice.seq is not None:
                 self.running.append(choice)
             else:
-                self._open(Prefill(job, list(request.prompt), choice))
+                self.prefilling.append(Prefill(job, list(request.prompt), choice))
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _reserve(self) -> list[Choice]:

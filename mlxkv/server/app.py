@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.batch import BatchEngine
-from mlxkv.engine.request import (EngineStoppedError, GenerationRequest, PromptTooLongError, QueueFullError,
-                                  RequestHandle, Usage)
+from mlxkv.engine.request import (EngineStoppedError, Event, GenerationRequest, PromptTooLongError,
+                                  QueueFullError, RequestHandle, Usage)
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
@@ -181,26 +181,42 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
 
 
 async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; the request is cancelled if the client disconnects (the generator is closed)."""
+    """Server-sent events; the request is cancelled if the client disconnects (the generator is closed).
+
+    Each write carries every event that has arrived by then (a token as soon as it is sampled, and under load
+    the whole burst of a step at once), so the loop does not pay one send per event.
+    """
     try:
         if builder.chat:
-            for i in range(n):
-                yield sse(builder.role_chunk(i))
-        async for event in handle:
-            if event.kind == "token":
-                if event.text:
-                    yield sse(builder.delta_chunk(event.index, event.text))
-                if event.finish_reason:
-                    yield sse(builder.delta_chunk(event.index, "", event.finish_reason))
-            elif event.kind == "done":
-                if include_usage:
-                    yield sse(builder.usage_chunk(event.usage or Usage(0, 0)))
-            else:
-                yield sse(error_body(500, f"generation failed: {event.message}", "generation_failed"))
-                return
-        yield sse("[DONE]")
+            yield "".join(sse(builder.role_chunk(i)) for i in range(n))
+        ended = False
+        while not ended:
+            parts: list[str] = []
+            event: Event | None = await handle.aget()
+            while event is not None:
+                ended = _render(event, builder, include_usage, parts)
+                event = None if ended else handle.get_nowait()
+            if parts:  # a token whose text the detokenizer holds back yet writes nothing
+                yield "".join(parts)
     finally:
         handle.cancel()  # a no-op once the request has finished
+
+
+def _render(event: Event, builder: ResponseBuilder, include_usage: bool, out: list[str]) -> bool:
+    """Append ``event``'s server-sent events to ``out``; True once the stream is complete."""
+    if event.kind == "token":
+        if event.text:
+            out.append(sse(builder.delta_chunk(event.index, event.text)))
+        if event.finish_reason:
+            out.append(sse(builder.delta_chunk(event.index, "", event.finish_reason)))
+        return False
+    if event.kind == "done":
+        if include_usage:
+            out.append(sse(builder.usage_chunk(event.usage or Usage(0, 0))))
+        out.append(sse("[DONE]"))
+    else:
+        out.append(sse(error_body(500, f"generation failed: {event.message}", "generation_failed")))
+    return True
 
 
 def _vocab_size(tokenizer: Any) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -92,6 +93,23 @@ def paged_kv_config(max_sequences: int, context_length: int | None, *, block_siz
 
 #: Share of free memory the paged pool may take when no ``--kv-cache-budget`` is given.
 AUTO_FREE_FRACTION = 0.5
+#: The server process's GIL switch interval (seconds). The engine thread builds each step's graph in Python;
+#: with CPython's default 5 ms the event loop (HTTP parsing, token delivery, SSE writes) waits up to 5 ms for
+#: the GIL at every hand-over, several times per request.
+SERVER_SWITCH_INTERVAL_S = 0.0005
+
+
+def set_switch_interval(seconds: float | None = SERVER_SWITCH_INTERVAL_S) -> None:
+    """Set this process's GIL switch interval (``sys.setswitchinterval``); ``None`` leaves it as it is.
+
+    Raises:
+        ValueError: ``seconds`` is not positive.
+    """
+    if seconds is None:
+        return
+    if seconds <= 0:
+        raise ValueError(f"the switch interval must be > 0 seconds, got {seconds}")
+    sys.setswitchinterval(seconds)
 
 
 class ServerThread:

@@ -1,0 +1,167 @@
+"""Latency mechanisms: event-driven engine wake-up, coalesced event delivery, in-flight prefix sharing.
+
+No timing asserts: each test checks the mechanism (counts of wake-ups, polls, cached tokens) instead.
+"""
+
+import asyncio
+import queue
+import sys
+import time
+
+import pytest
+
+from mlxkv.cache.hook import install_attention_hook
+from mlxkv.config import KvCacheConfig
+from mlxkv.engine.batch import BatchEngine, EngineConfig
+from mlxkv.engine.delivery import LoopDelivery, batched_wakeups
+from mlxkv.engine.direct import DirectEngine
+from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.scheduler import Job, Scheduler
+from mlxkv.pool import CachePool
+from mlxkv.server.app import _stream
+from mlxkv.server.responses import ResponseBuilder
+from mlxkv.server.runner import set_switch_interval
+from mlxkv.testing.archs import build_model
+
+PARAMS = SamplingParams(max_tokens=6)
+SHARED = [(5 * i) % 900 + 10 for i in range(40)]  # 10 blocks of 4
+PROMPTS = [SHARED + [100 + j, 200 + j, 300 + j] for j in range(3)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_model("llama")[0]
+    install_attention_hook(m)
+    return m
+
+
+# ---- event delivery ----------------------------------------------------------------------------------------
+def test_a_burst_of_events_wakes_the_loop_once_and_arrives_in_order():
+    loop = asyncio.new_event_loop()
+    try:
+        delivery, got = LoopDelivery(loop), []
+        for i in range(5):  # the loop is not running: every put after the first rides on the pending drain
+            delivery.put(got.append, lambda: None, i)
+        assert delivery.wakeups == 1 and got == []
+        loop.run_until_complete(asyncio.sleep(0))
+        assert got == [0, 1, 2, 3, 4] and delivery.delivered == 5
+        delivery.put(got.append, lambda: None, 5)  # the drain ran: the next event wakes the loop again
+        loop.run_until_complete(asyncio.sleep(0))
+        assert delivery.wakeups == 2 and got[-1] == 5
+    finally:
+        loop.close()
+
+
+def test_batched_wakeups_wake_each_loop_once_at_the_end():
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    try:
+        deliveries, got = [LoopDelivery(lp) for lp in loops], []
+        with batched_wakeups():
+            for i in range(6):
+                deliveries[i % 2].put(got.append, lambda: None, i)
+            with batched_wakeups():  # nested: the outer block wakes
+                deliveries[0].put(got.append, lambda: None, 6)
+            assert [d.wakeups for d in deliveries] == [0, 0]
+        assert [d.wakeups for d in deliveries] == [1, 1]
+        for lp in loops:
+            lp.run_until_complete(asyncio.sleep(0))
+        assert sorted(got) == list(range(7))
+    finally:
+        for lp in loops:
+            lp.close()
+
+
+def test_events_for_a_closed_loop_cancel_the_request():
+    loop = asyncio.new_event_loop()
+    handle = RequestHandle(GenerationRequest([1, 2]), loop=loop)
+    loop.close()
+    handle.put(Event("token", token=3))
+    assert handle.cancelled
+
+
+def test_stream_writes_every_event_that_has_arrived_in_one_chunk():
+    async def run() -> list[str]:
+        handle = RequestHandle(GenerationRequest([1, 2]), loop=asyncio.get_running_loop())
+        with batched_wakeups():
+            handle.put(Event("token", text="a"))
+            handle.put(Event("token", text="b"))
+            handle.put(Event("token", text="c", finish_reason="length"))
+            handle.put(Event("done", usage=Usage(2, 3)))
+        return [chunk async for chunk in _stream(handle, ResponseBuilder(chat=True, model="m"), 1, True)]
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 2  # the role chunk, then the three tokens, the finish, the usage and [DONE] together
+    assert chunks[0].count("data: ") == 1 and '"role":"assistant"' in chunks[0]
+    assert chunks[1].count("data: ") == 6 and chunks[1].endswith("data: [DONE]\n\n")
+
+
+# ---- engine wake-up ----------------------------------------------------------------------------------------
+class CountingInbox:
+    """The engine's inbox, counting blocking gets and non-blocking polls."""
+
+    def __init__(self):
+        self.q, self.gets, self.polls = queue.SimpleQueue(), 0, 0
+
+    def put(self, item):
+        self.q.put(item)
+
+    def get(self):
+        self.gets += 1
+        return self.q.get()
+
+    def get_nowait(self):
+        self.polls += 1
+        return self.q.get_nowait()
+
+
+def test_an_idle_engine_blocks_on_its_inbox_and_a_submit_wakes_it(model):
+    engine = BatchEngine(model, None, config=EngineConfig(max_sequences=2), context_length=4096)
+    engine._inbox = inbox = CountingInbox()
+    engine.start()
+    try:
+        time.sleep(0.2)
+        idle = (inbox.gets, inbox.polls, engine.stats()["steps_total"])
+        time.sleep(0.2)
+        assert (inbox.gets, inbox.polls, engine.stats()["steps_total"]) == idle  # no polling while idle
+        assert inbox.gets == idle[0] >= 1  # it sits in one blocking get
+        events = list(engine.submit(GenerationRequest(PROMPTS[0], PARAMS)))
+        assert events[-1].kind == "done"
+    finally:
+        engine.stop()
+    assert inbox.gets > idle[0]  # the submit ended the blocking get
+
+
+def test_set_switch_interval():
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(0.001)
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        set_switch_interval(None)
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        with pytest.raises(ValueError, match="> 0"):
+            set_switch_interval(0)
+    finally:
+        sys.setswitchinterval(before)
+
+
+# ---- in-flight prefix sharing ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [64, 8])
+def test_requests_admitted_together_compute_their_shared_prefix_once(model, chunk):
+    pool = CachePool(model, max_sequences=4, backend="paged",
+                     kv_config=KvCacheConfig(backend="paged", block_size=4, kv_cache_budget=1 << 22))
+    sched = Scheduler(model, None, pool, prefill_chunk_size=chunk)
+    handles = []
+    for prompt in PROMPTS:  # queued together: admitted in one step, none of SHARED is cached yet
+        request = GenerationRequest(prompt, PARAMS)
+        handles.append(RequestHandle(request))
+        sched.add(Job(request=request, handle=handles[-1], max_tokens=PARAMS.max_tokens))
+    while sched.has_work():
+        sched.step()
+    results = [list(h) for h in handles]
+    assert [r[-1].usage.cached_tokens for r in results] == [0, len(SHARED), len(SHARED)]
+    assert sched.totals["prefix_hits"] == 2 * len(SHARED)
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    for prompt, events in zip(PROMPTS, results):
+        assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, PARAMS))
+    pool.check_invariants()
