@@ -70,13 +70,18 @@ class PagedLayerCache:
         """llama4 calls this before each forward; the manager releases blocks leaving the chunk."""
 
     # -- protocol ----------------------------------------------------------------------------------
-    def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        """Positions ``[start, end)`` as ``(1, n_kv, end - start, D)`` (a view when the pages are consecutive)."""
+    def _pages(self, start: int, end: int) -> tuple[list[int], int | None, int]:
+        """Page ids of positions ``[start, end)``, the first id when they are consecutive (else None), and
+        ``start``'s row in the first page (memoised per step by the sequence)."""
         bs = self.seq.storage.block_size
         first_block = start // bs
         ids, run_start = self.seq.page_range(self.group, first_block, -(-end // bs))
-        self._returned_view = run_start is not None
-        return self.seq.storage.gather(self.layer, ids, start - first_block * bs, end - start, run_start)
+        return ids, run_start, start - first_block * bs
+
+    def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Positions ``[start, end)`` as ``(1, n_kv, end - start, D)`` (a view when the pages are consecutive)."""
+        ids, run_start, first = self._pages(start, end)
+        return self.seq.storage.gather(self.layer, ids, first, end - start, run_start)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(1, n_kv, N, D)`` rows at ``offset``; return the attendable rows ``(1, n_kv, K, D)`` (lazy)."""
@@ -87,7 +92,9 @@ class PagedLayerCache:
         slots = self.seq.slots(self.group, o, o + N)  # (N,)
         self.seq.storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         self.offset = o + N
-        self._returned = self._fetch(self._first_returned(o), o + N)
+        start = self._first_returned(o)
+        self._returned = self._fetch(start, o + N)
+        self._returned_view = self._pages(start, o + N)[1] is not None
         return self._returned
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
