@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.kernels import kv_write, kv_write_reference
+from mlxkv.kernels.kv_write_ref import slot_runs, write_row_runs
 
 
 def pools(num_blocks, block_size=16, kv_heads=2, head_dim=64, dtype=mx.float32, seed=0):
@@ -104,3 +105,57 @@ def test_a_held_reference_gets_a_copy_not_a_corruption():
     mx.eval(k_pages, v_pages)
     assert mx.array_equal(held, snapshot).item()
     assert mx.array_equal(token_rows(k_pages)[40], rows[0]).item()
+
+
+# ---- host-known slots: static slice updates (the decode write on reference backends) ---------------------
+def test_slot_runs_split_at_gaps_and_page_edges():
+    bs = 4
+    assert slot_runs([9], bs) == [(9, 0, 1)]
+    assert slot_runs([5, 6, 7, 8, 9, 20, 21], bs) == [(5, 0, 3), (8, 3, 2), (20, 5, 2)]  # page edge at 8, gap
+    assert slot_runs([7, 6], bs) == [(7, 0, 1), (6, 1, 1)]  # descending: never merged
+
+
+def as_rows(pages):
+    """Pages ``(KVH, NB, bs, D)`` stored as rows ``(1, KVH, NB * bs, D)`` (same memory order, as PagedStorage)."""
+    H, NB, bs, D = pages.shape
+    return pages.reshape(1, H, NB * bs, D)
+
+
+@pytest.mark.parametrize("slots", [[37], [16, 17, 18, 19, 20, 21], [5, 6, 40, 41, 42, 3]])
+def test_write_row_runs_equals_the_reference_scatter(slots):
+    bs = 16
+    k_pages, v_pages = pools(4, bs)
+    k_new = mx.random.normal((len(slots), 2, 64))  # (T, KVH, D)
+    v_new = mx.random.normal((len(slots), 2, 64))
+    k_ref, v_ref = kv_write_reference(k_pages, v_pages, mx.array(slots, dtype=mx.int32), k_new, v_new)
+    runs = slot_runs(slots, bs)
+    k_rows, v_rows = as_rows(k_pages), as_rows(v_pages)
+    k_out = write_row_runs(k_rows, runs, k_new.transpose(1, 0, 2)[None])  # a cache's layout (1, KVH, T, D)
+    v_out = write_row_runs(v_rows, runs, v_new.transpose(1, 0, 2)[None])
+    assert k_out is k_rows  # updated in place
+    assert mx.array_equal(k_out, as_rows(k_ref)).item() and mx.array_equal(v_out, as_rows(v_ref)).item()
+
+
+def test_write_row_runs_on_a_sole_owned_pool_is_in_place():
+    """Proved by memory: writing one row into a 32 MiB pool it solely owns allocates no second pool."""
+    k_pages, _ = pools(1024, 16, kv_heads=8)  # (8, 1024, 16, 64) float32: 32 MiB
+    rows = as_rows(k_pages) + 0  # its own buffer
+    del k_pages
+    row = mx.random.normal((1, 8, 1, 64))
+    mx.eval(rows, row)
+    pool_bytes = rows.nbytes
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    rows = write_row_runs(rows, slot_runs([1234], 16), row)
+    mx.eval(rows)
+    assert mx.get_peak_memory() - base < pool_bytes // 100
+    held = rows[:, :, 1:]  # a view sharing the buffer: the next write must copy (the check above can fail)
+    before = held[:, :, 1234] + 0  # row 1235, (1, 8, 64)
+    mx.eval(held, before)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    rows = write_row_runs(rows, slot_runs([1235], 16), row)
+    mx.eval(rows)
+    assert mx.get_peak_memory() - base >= pool_bytes
+    assert mx.array_equal(held[:, :, 1234], before).item()  # the view keeps the old row
+    assert mx.array_equal(rows[:, :, 1235], row[:, :, 0]).item()

@@ -193,7 +193,7 @@ def test_decode_writes_in_place_and_gathers_nothing():
     seq = pool.open(prompt=PROMPT)
     run_chunks(model, seq.caches, PROMPT, 64)
     seq.commit()
-    page_bytes = pool.paged.storage.keys[0].nbytes
+    page_bytes = pool.paged.storage.k_rows[0].nbytes
     for tok in (5, 6, 7, 8):
         seq.feed([tok])
         mx.reset_peak_memory()

@@ -24,7 +24,7 @@ def test_partial_reuse_copy_does_not_copy_the_pool():
     pool.release(run(model, pool, BASE).id)
     pool.release(run(model, pool, BASE + list(range(11, 21))).id)  # leaves cached blocks over the shared tail rows
     pages = pool.paged.storage
-    page_bytes = pages.keys[0].nbytes  # one layer's key pages: 8000 blocks
+    page_bytes = pages.k_rows[0].nbytes  # one layer's key pages: 8000 blocks
     copies = []
     copy_block = pages.copy_block
     pages.copy_block = lambda *a: (copies.append(a), copy_block(*a))

@@ -124,6 +124,11 @@ class KernelDispatch:
         mode = self.mode()
         return mode == "reference" or (mode == "auto" and not self.metal_available())
 
+    def kv_write_is_reference(self) -> bool:
+        """Whether KV writes run the pure-MLX reference (every mode but ``metal``): callers that know the slots
+        on the host may then write them as static slice updates (:func:`kv_write_ref.write_row_runs`), same result."""
+        return self.mode() != "metal"
+
     def kv_write_impl(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int):
         """The KV-write implementation: the reference unless ``MLXKV_PAGED_KERNEL=metal``."""
         mode = self.mode()
@@ -211,6 +216,11 @@ def paged_attention(*args, **kwargs) -> mx.array:
 def reference_on_views() -> bool:
     """:meth:`KernelDispatch.reference_on_views` on the process-wide dispatcher."""
     return DEFAULT_DISPATCH.reference_on_views()
+
+
+def kv_write_is_reference() -> bool:
+    """:meth:`KernelDispatch.kv_write_is_reference` on the process-wide dispatcher."""
+    return DEFAULT_DISPATCH.kv_write_is_reference()
 
 
 def kv_write(*args, **kwargs) -> tuple[mx.array, mx.array]:

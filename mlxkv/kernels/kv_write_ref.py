@@ -72,3 +72,29 @@ def scatter_rows(pages: mx.array, rows: mx.array, new: mx.array) -> mx.array:
     flat = pages.reshape(-1, pages.shape[-1])  # (KVH * NB * bs, D)
     flat[rows] = new.reshape(-1, new.shape[-1]).astype(pages.dtype)
     return flat.reshape(pages.shape)
+
+
+def slot_runs(slots: list[int], block_size: int) -> list[tuple[int, int, int]]:
+    """Host-known flat slots as runs ``(first flat row, first source row, count)``: consecutive slots that stay
+    inside one page. A decode step's single row is one run; a prefill chunk into fresh pages one per page."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and s == runs[-1][0] + runs[-1][2] and s % block_size != 0:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, i, 1))
+    return runs
+
+
+def write_row_runs(rows: mx.array, runs: list[tuple[int, int, int]], new: mx.array) -> mx.array:
+    """Pages stored as rows ``(1, KVH, NB * bs, D)`` (the pages' memory seen as one dense cache: slot ``s`` is row
+    ``s``) with ``new`` ``(1, KVH, T, D)`` written at the host-known ``runs`` (:func:`slot_runs`): the same
+    result as :func:`scatter_rows` at those slots, as one static slice update per run — exactly a dense cache's
+    append, no index arrays. The caller's handle is updated in place (ownership as above: it must be the pages'
+    only holder for the write to be O(rows))."""
+    if new.dtype != rows.dtype:
+        new = new.astype(rows.dtype)
+    T = new.shape[2]
+    for slot, src, count in runs:
+        rows[:, :, slot:slot + count] = new if count == T else new[:, :, src:src + count]  # (1, KVH, count, D)
+    return rows

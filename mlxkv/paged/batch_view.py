@@ -75,7 +75,8 @@ class PagedBatchView(KVBatchView):
         """Write row b of ``keys``/``values`` (B, n_kv, 1, D) at sequence b's slot (one write for all B);
         return the sequences' rows right-padded, (B, n_kv, Lmax, D) — lazy, unused by the kernel path."""
         caches = self.caches
-        slots = mx.concatenate([c.seq.slots(c.group, c.offset, c.offset + 1) for c in caches])  # (B,)
+        host = [s for c in caches for s in c.seq.host_slots(c.group, c.offset, c.offset + 1)]
+        slots = mx.array(host, dtype=mx.int32)  # (B,)
         for c in caches:
             c._returned = None
         self.storage.write(caches[0].layer, slots, keys[:, :, 0], values[:, :, 0])  # (B, n_kv, D) rows
@@ -99,7 +100,7 @@ class PagedBatchView(KVBatchView):
         self.attended = True
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         first = self.caches[0]
-        kp, vp = self.storage.keys[first.layer], self.storage.values[first.layer]
+        kp, vp = self.storage.pages(first.layer)  # (n_kv, NB, bs, D) each
         if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
             offsets = [c.offset for c in self.caches]
             return paged_attention(

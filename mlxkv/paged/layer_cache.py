@@ -22,8 +22,13 @@ import mlx.core as mx
 from mlxkv.blocks import KVCacheGroupSpec
 from mlxkv.cache.attention import attend as dense_attend
 from mlxkv.cache.masks import standard_mask, visible
-from mlxkv.kernels import paged_attention, reference_on_views
+from mlxkv.kernels import kv_write_is_reference, paged_attention, reference_on_views
+from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.paged.sequence import PagedSequence
+
+#: A write whose slots form at most this many in-page runs uses static slice updates instead of a scatter
+#: (a decode row is one run; a prefill chunk needs one per page and a scatter is then fewer operations).
+MAX_SLICE_RUNS = 2
 
 
 class PagedLayerCache:
@@ -89,8 +94,13 @@ class PagedLayerCache:
         if keys.shape[0] != 1:
             raise ValueError(f"a paged layer cache holds one sequence; got a batch of {keys.shape[0]}")
         o, N = self.offset, keys.shape[2]
-        slots = self.seq.slots(self.group, o, o + N)  # (N,)
-        self.seq.storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+        storage = self.seq.storage
+        runs = slot_runs(self.seq.host_slots(self.group, o, o + N), storage.block_size)
+        if len(runs) <= MAX_SLICE_RUNS and kv_write_is_reference():
+            storage.write_runs(self.layer, runs, keys, values)  # (1, n_kv, N, D): static slice updates
+        else:
+            slots = self.seq.slots(self.group, o, o + N)  # (N,)
+            storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         self.offset = o + N
         start = self._first_returned(o)
         self._returned = self._fetch(start, o + N)
@@ -106,11 +116,11 @@ class PagedLayerCache:
         storage = self.seq.storage
         if own and self._returned_view and reference_on_views():
             return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
+        k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
         if (own and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1 and queries.shape[2] == 1
-                and storage.keys[self.layer].shape == storage.values[self.layer].shape
-                and queries.shape[-1] == storage.keys[self.layer].shape[-1]):
+                and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             return paged_attention(
-                queries, storage.keys[self.layer], storage.values[self.layer], self.seq.table(self.group)[None],
+                queries, *storage.pages(self.layer), self.seq.table(self.group)[None],
                 mx.array([self.offset], dtype=mx.int32), scale=scale, window=self.window,
                 chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset,
             )  # (1, n_q, 1, D)
@@ -173,7 +183,7 @@ class PagedLayerCache:
     def arrays(self) -> list[mx.array]:
         """The layer's page arrays (for ``mx.eval`` between prefill chunks)."""
         s = self.seq.storage
-        return [a for a in (s.keys[self.layer], s.values[self.layer]) if a is not None]
+        return [a for a in (s.k_rows[self.layer], s.v_rows[self.layer]) if a is not None]
 
     @property
     def state(self) -> tuple:

@@ -44,7 +44,8 @@ class PagedSequence:
         self.num_cached = num_cached
         self.layer_block_bytes = layer_block_bytes
         self.released = False
-        self._slots: tuple[int, int, list[mx.array]] | None = None  # (start, end, per group (T,) int32)
+        # (start, end, per group the slots as ints, per group the same as int32 (T,) arrays once asked for)
+        self._slots: tuple[int, int, list[list[int]], list[mx.array | None]] | None = None
         self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)
         self._host_tables: list[list[int]] | None = None  # per group, the same ids as Python ints
         self._runs: dict[tuple[int, int, int], tuple[list[int], int | None]] = {}  # page_range memo
@@ -111,7 +112,15 @@ class PagedSequence:
                         "Sequence.feed) before the model step")
                 self._allocate(end - start)
             mapping = self.manager.slot_mapping(self.seq_id, start, end)
-            self._slots = (start, end, [mx.array(m, dtype=mx.int32) for m in mapping])
+            self._slots = (start, end, mapping, [None] * len(mapping))
+        arrays = self._slots[3]
+        if arrays[group] is None:
+            arrays[group] = mx.array(self._slots[2][group], dtype=mx.int32)
+        return arrays[group]
+
+    def host_slots(self, group: int, start: int, end: int) -> list[int]:
+        """The slots of :meth:`slots` as Python ints (allocating as it does; do not modify)."""
+        self.slots(group, start, end)
         return self._slots[2][group]
 
     def host_table(self, group: int) -> list[int]:

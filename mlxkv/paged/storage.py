@@ -5,6 +5,11 @@ block ids of :mod:`mlxkv.blocks` (block 0 is the null block, never read unmasked
 allocated at its first write, from that write's kv_heads / head_dim / dtype, so models whose keys and values
 differ in width (MLA caches a latent and a rope key) work too.
 
+They are *stored* in the same memory order seen as one dense cache of batch 1, ``(1, kv_heads, num_blocks *
+block_size, head_dim)`` ("rows": slot ``s`` is row ``s``), which is what the CPU decode path touches every step:
+a decode row is written with one slice update and consecutive pages are read with one slice, the operations
+of a dense cache. The kernels get the page shape through :meth:`PagedStorage.pages` (a reshape, no copy).
+
 Ownership: this object is the only holder of each page array, and rebinds it to every write's result, so a
 decode write is O(rows) (MLX donates the buffer) — see :mod:`mlxkv.kernels.kv_write_ref`.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.kernels import kv_write
-from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows
+from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
 
 
 def _scatter(pages: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
@@ -34,37 +39,53 @@ class PagedStorage:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys: list[mx.array | None] = [None] * num_layers  # (kv_heads, num_blocks, bs, D_k) once written
-        self.values: list[mx.array | None] = [None] * num_layers
+        self.k_rows: list[mx.array | None] = [None] * num_layers  # (1, kv_heads, num_blocks * bs, D_k) once written
+        self.v_rows: list[mx.array | None] = [None] * num_layers  # (1, kv_heads, num_blocks * bs, D_v)
 
     def allocated(self, layer: int) -> bool:
-        return self.keys[layer] is not None
+        return self.k_rows[layer] is not None
 
-    def _ensure(self, layer: int, k: mx.array, v: mx.array) -> None:
-        if self.keys[layer] is None:
-            NB, bs = self.num_blocks, self.block_size
-            self.keys[layer] = mx.zeros((k.shape[1], NB, bs, k.shape[2]), dtype=k.dtype)  # (H, NB, bs, D_k)
-            self.values[layer] = mx.zeros((v.shape[1], NB, bs, v.shape[2]), dtype=v.dtype)  # (H, NB, bs, D_v)
+    def pages(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The layer's K and V pages ``(kv_heads, num_blocks, block_size, D)`` (views of the stored rows)."""
+        return _as_pages(self.k_rows[layer], self.block_size), _as_pages(self.v_rows[layer], self.block_size)
+
+    def _ensure(self, layer: int, heads: int, d_k: int, d_v: int, dtype: mx.Dtype) -> None:
+        """Allocate the layer's pages at its first write."""
+        if self.k_rows[layer] is None:
+            n = self.num_blocks * self.block_size
+            self.k_rows[layer] = mx.zeros((1, heads, n, d_k), dtype=dtype)  # (1, H, NB * bs, D_k)
+            self.v_rows[layer] = mx.zeros((1, heads, n, d_v), dtype=dtype)  # (1, H, NB * bs, D_v)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """Write rows ``k``/``v`` ``(T, kv_heads, D)`` into the flat ``slots`` (int32 ``(T,)``) of a layer."""
-        self._ensure(layer, k, v)
-        kp, vp = self.keys[layer], self.values[layer]
-        self.keys[layer] = self.values[layer] = None  # keep the pages sole-owned while the write is built
+        """Write rows ``k``/``v`` ``(T, kv_heads, D)`` into the flat ``slots`` (int32 ``(T,)``) of a layer
+        through ``kv_write`` (the Metal kernel or the reference scatter)."""
+        self._ensure(layer, k.shape[1], k.shape[2], v.shape[2], k.dtype)
+        kp, vp = self.pages(layer)
+        self.k_rows[layer] = self.v_rows[layer] = None  # keep the pages sole-owned while the write is built
         if kp.shape == vp.shape:
             kp, vp = kv_write(kp, vp, slots, k, v)
         else:
             kp, vp = _scatter(kp, slots, k), _scatter(vp, slots, v)
-        self.keys[layer], self.values[layer] = kp, vp
+        self.k_rows[layer], self.v_rows[layer] = _as_rows(kp), _as_rows(vp)
+
+    def write_runs(self, layer: int, runs: list[tuple[int, int, int]], k: mx.array, v: mx.array) -> None:
+        """Write ``k``/``v`` ``(1, kv_heads, T, D)`` (a cache's own layout) at host-known slot ``runs``
+        (:func:`mlxkv.kernels.kv_write_ref.slot_runs`) as static slice updates: the reference write's result
+        with a dense append's cost. Only where KV writes run the reference (``kv_write_is_reference``)."""
+        self._ensure(layer, k.shape[1], k.shape[3], v.shape[3], k.dtype)
+        kr, vr = self.k_rows[layer], self.v_rows[layer]
+        self.k_rows[layer] = self.v_rows[layer] = None  # sole owner while the write is built (see write)
+        self.k_rows[layer], self.v_rows[layer] = write_row_runs(kr, runs, k), write_row_runs(vr, runs, v)
 
     def copy_block(self, layer: int, src: int, dst: int, num_tokens: int) -> None:
         """Copy rows ``[0, num_tokens)`` of page ``src`` into page ``dst`` (a CopyOp, for one layer)."""
-        if self.keys[layer] is None:
+        if self.k_rows[layer] is None:
             return  # nothing was ever written in this layer, so the source holds nothing either
         # Materialise the source rows into their own buffers first: a write whose source is a view of the
         # pages (``p[dst] = p[src]``) keeps the pages shared at the write, and MLX then copies the whole pool.
-        k_rows = self.keys[layer][:, src, :num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_k), a new buffer
-        v_rows = self.values[layer][:, src, :num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_v)
+        a = src * self.block_size
+        k_rows = self.k_rows[layer][0, :, a:a + num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_k), new buffer
+        v_rows = self.v_rows[layer][0, :, a:a + num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_v)
         mx.eval(k_rows, v_rows)
         first = dst * self.block_size
         slots = mx.arange(first, first + num_tokens, dtype=mx.int32)  # (num_tokens,)
@@ -78,24 +99,36 @@ class PagedStorage:
         ``start``: ``consecutive(block_ids)`` when the caller already knows it."""
         if start == -1:
             start = consecutive(block_ids)
+        bs = self.block_size
         out = []
-        for pages in (self.keys, self.values):
-            p = pages[layer]  # (H, NB, bs, D)
-            if start is not None:
-                p = p[:, start:start + len(block_ids)]  # (H, n, bs, D): a slice, no copy
-            else:
-                p = mx.take(p, mx.array(block_ids, dtype=mx.int32), axis=1)  # (H, n, bs, D)
-            p = p.reshape(p.shape[0], -1, p.shape[-1])[:, first:first + length]  # (H, length, D)
-            out.append(p[None])  # (1, H, length, D)
+        for rows in (self.k_rows[layer], self.v_rows[layer]):  # (1, H, NB * bs, D)
+            if start is not None:  # one slice of the rows, exactly a dense cache's read: no copy
+                row = start * bs + first
+                out.append(rows[:, :, row:row + length])  # (1, H, length, D)
+                continue
+            p = mx.take(_as_pages(rows, bs), mx.array(block_ids, dtype=mx.int32), axis=1)  # (H, n, bs, D)
+            out.append(p.reshape(1, p.shape[0], -1, p.shape[-1])[:, :, first:first + length])  # (1, H, length, D)
         return out[0], out[1]
 
     def arrays(self) -> list[mx.array]:
         """Every allocated page array (for ``mx.eval``)."""
-        return [a for a in (*self.keys, *self.values) if a is not None]
+        return [a for a in (*self.k_rows, *self.v_rows) if a is not None]
 
     def nbytes(self) -> int:
         """Bytes of the allocated page arrays (the whole pool share of every layer written so far)."""
         return sum(a.nbytes for a in self.arrays())
+
+
+def _as_pages(rows: mx.array, block_size: int) -> mx.array:
+    """``(1, H, NB * bs, D)`` rows as ``(H, NB, bs, D)`` pages (a reshape of a contiguous array: no copy)."""
+    _, H, n, D = rows.shape
+    return rows.reshape(H, n // block_size, block_size, D)
+
+
+def _as_rows(pages: mx.array) -> mx.array:
+    """``(H, NB, bs, D)`` pages as ``(1, H, NB * bs, D)`` rows."""
+    H, NB, bs, D = pages.shape
+    return pages.reshape(1, H, NB * bs, D)
 
 
 def consecutive(block_ids: list[int]) -> int | None:

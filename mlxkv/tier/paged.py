@@ -63,8 +63,8 @@ class TierBridge:
         parent = self.pool.resolve(block.parent)
         arrays, dtypes = [], []
         for layer in layers:
-            for pages in (self.storage.keys, self.storage.values):
-                a, d = to_host(mx.contiguous(pages[layer][:, block.block_id].transpose(1, 0, 2)))  # (B, kv_heads, D), token-major
+            for pages in self.storage.pages(layer):  # (kv_heads, NB, B, D) each
+                a, d = to_host(mx.contiguous(pages[:, block.block_id].transpose(1, 0, 2)))  # (B, kv_heads, D), token-major
                 arrays.append(a)
                 dtypes.append(d)
         self.tier.offload(TierBlock(
@@ -78,10 +78,10 @@ class TierBridge:
         if tb.token_ids != tokens or tb.extra_digest != extra_digest(extra) or tb.layers != self._layers(group):
             return False
         for j, layer in enumerate(tb.layers):
-            for a, d, pages in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.keys),
-                                (tb.arrays[2 * j + 1], tb.dtypes[2 * j + 1], self.storage.values)):
-                p = pages[layer]
-                if a.shape[0] != self.B or (p is not None and ((p.shape[0], p.shape[3]) != a.shape[1:]
+            for a, d, rows in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.k_rows),
+                               (tb.arrays[2 * j + 1], tb.dtypes[2 * j + 1], self.storage.v_rows)):
+                p = rows[layer]  # (1, kv_heads, NB * B, D) or None
+                if a.shape[0] != self.B or (p is not None and ((p.shape[1], p.shape[3]) != a.shape[1:]
                                                               or str(p.dtype).split(".")[-1] != d)):
                     return False
         return True
