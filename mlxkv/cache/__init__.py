@@ -56,7 +56,11 @@ from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.hook import install_attention_hook
 from mlxkv.cache.layout import describe_layout, layer_kind, make_caches
 from mlxkv.cache.persist import load_prompt_cache, save_prompt_cache
-from mlxkv.cache.quantized import QuantizedChunkedKVCache, QuantizedKVCache, QuantizedRotatingKVCache
+from mlxkv.cache.quantized import (
+    QuantizedChunkedKVCache,
+    QuantizedKVCache,
+    QuantizedRotatingKVCache,
+)
 from mlxkv.cache.rotating import RotatingKVCache
 from mlxkv.cache.standard import KVCache
 from mlxkv.cache.storage import DenseStorage

@@ -36,7 +36,13 @@ twin, split-K + log-sum-exp merge) · ``kv_write_ref`` · ``cascade`` (shared-pr
 """
 
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
-from .dispatch import KernelDispatch, kv_write, kv_write_is_reference, paged_attention, reference_on_views
+from .dispatch import (
+    KernelDispatch,
+    kv_write,
+    kv_write_is_reference,
+    paged_attention,
+    reference_on_views,
+)
 from .kv_write_ref import kv_write_reference
 from .layout import TOLERANCES, SplitPlan, plan_splits
 from .oracle import dense_paged_attention
