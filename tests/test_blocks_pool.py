@@ -91,7 +91,8 @@ def test_lru_eviction_is_tail_first_and_revival_removes_from_queue():
     pool.touch([seq_a[1]])  # prefix hit on block 2
     assert ids(pool.eviction_order()) == [6, 7, 3, 1, 5, 4]
     got = pool.get_new_blocks(4)
-    assert ids(got) == [6, 7, 3, 1]
+    assert ids(got) == [1, 3, 6, 7]  # the eviction order's first four, handed out by id (pages stay ascending)
+    assert ids(pool.eviction_order()) == [5, 4]
     assert pool.num_evictions == 2 and not seq_a[0].cached and seq_a[1].cached
     assert pool.lookup(0, ("h", 10)) == [] and pool.lookup(0, ("h", 11)) == [seq_a[1]]
     pool.check_invariants()
@@ -200,3 +201,19 @@ def test_caching_disabled_keeps_nothing():
     assert pool.cache_full_block(b, group_id=0, block_hash=1, parent_hash=None, parent_ref=None,
                                  token_ids=(1, 2), extra_keys=()) is False
     assert not b.cached and pool.lookup(0, 1) == []
+
+
+def test_new_blocks_continue_the_table_when_the_next_block_is_free_and_uncached():
+    """``after``: the blocks right after a table's last block are taken first when they hold no cached content;
+    a cached one is not taken out of eviction order."""
+    pool = BlockPool(12, 2)
+    a = pool.get_new_blocks(3)  # 1 2 3
+    b = pool.get_new_blocks(3)  # 4 5 6
+    pool.free_blocks(b[::-1])  # uncached: back at the queue's tail (7 .. 11 first)
+    got = pool.get_new_blocks(2, after=a[-1].block_id)
+    assert ids(got) == [4, 5]  # not 7, 8: the table 1 2 3 stays consecutive
+    cache(pool, got[0], 99)
+    pool.free_blocks(got)
+    got = pool.get_new_blocks(1, after=3)  # 4 is cached now: the eviction order decides
+    assert ids(got) == [7] and got[0].block_id != 4 and pool.num_evictions == 0
+    pool.check_invariants()

@@ -105,20 +105,39 @@ class BlockPool:
         return self.num_used_blocks / self.num_usable_blocks
 
     # ---- allocation and reference counts --------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks (ref_cnt 1), evicting cached content in eviction order. Raises NoFreeBlocksError."""
+    def get_new_blocks(self, n: int, after: int | None = None) -> list[KVCacheBlock]:
+        """Take ``n`` blocks (ref_cnt 1), evicting cached content in eviction order. Raises NoFreeBlocksError.
+
+        Block ids are handed out so that a table's pages tend to be consecutive in the pool (on CPU a
+        sequence's consecutive pages are read as a zero-copy view, see :mod:`mlxkv.paged.storage`), without
+        changing *which* cached content is evicted: first the blocks right after ``after`` (the id of the
+        table's current last block) while they are free and hold no cached content (every such block is worth
+        the same), then the rest in eviction order, sorted by id (a released sequence's blocks come back
+        reversed, tail first, and would otherwise be handed out descending).
+        """
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} blocks, only {len(self._free)} free or evictable")
         self._expire_priorities()
         now = self.clock()
         out = []
-        for _ in range(n):
+        nxt = -1 if after is None else after + 1
+        while 0 < nxt < len(self.blocks) and len(out) < n:
+            block = self.blocks[nxt]
+            if block.ref_cnt != 0 or block.cached:
+                break
+            self._free.remove(block)
+            out.append(block)
+            nxt += 1
+        rest = []
+        for _ in range(n - len(out)):
             block = self._free.popleft()
             if block.cached:
                 self._evict(block)
+            rest.append(block)
+        out.extend(sorted(rest, key=lambda b: b.block_id))
+        for block in out:
             block.ref_cnt = 1
             block.last_access = now
-            out.append(block)
         return out
 
     def touch(self, blocks: Sequence[KVCacheBlock], hit: bool = True) -> None:

@@ -130,7 +130,9 @@ class BlockTables:
         for g, table in enumerate(seq.tables):
             if n > 0 and start % B:
                 self._make_writable(g, table, start // B, start % B, copies)
-            new = self.pool.get_new_blocks(ceil_div(start + n, B) - len(table.blocks))
+            last = table.blocks[-1] if table.blocks else None
+            after = None if last is None or last.is_null else last.block_id  # keep the table's pages consecutive
+            new = self.pool.get_new_blocks(ceil_div(start + n, B) - len(table.blocks), after=after)
             table.blocks.extend(new)
             table.refs.extend([None] * len(new))
             new_blocks.append([b.block_id for b in new])
