@@ -137,3 +137,39 @@ def test_dispatch_cascades_when_enabled(monkeypatch):
     seen.shared_query_heads.clear()
     dispatch.paged_attention(*case.args(), window=50)
     assert all(h == 8 for h in seen.shared_query_heads)
+
+
+# ---- the pure-MLX shared-prefix path (batch decode on CPU) ---------------------------------------------------
+def consecutive_prefix(case, rows, pages, first):
+    """Give ``rows`` the consecutive pool pages ``first .. first + pages - 1`` as their shared prefix (the pool
+    is big enough: random_paged_case numbers blocks from 1 and the test keeps ``first`` inside it)."""
+    table = case.block_tables.tolist()
+    for r in rows:
+        table[r][:pages] = list(range(first, first + pages))
+    case.block_tables = mx.array(table, dtype=mx.int32)
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_shared_prefix_attention_equals_flat(layout, gqa):
+    """Groups (one of all but two rows, one of two rows), a row in no group, ragged lengths: equal to flat
+    attention; consecutive shared pages are read as a view, scattered ones gathered once."""
+    from mlxkv.kernels.shared_prefix_ref import shared_prefix_attention
+
+    bs = 16
+    lens = [70, 65, 100, 49, 90, 40]
+    case = shared_case(gqa=gqa, bs=bs, lens=lens, share=[((0, 1, 2, 3), 3), ((4, 5), 2)])
+    if layout == "consecutive":
+        consecutive_prefix(case, (0, 1, 2, 3), 3, 1)  # overlaps other rows' pages: only equality matters here
+    tables, host_lens = case.block_tables.tolist(), case.context_lens.tolist()
+    groups = find_prefix_groups(tables, host_lens, bs, min_group=2, min_shared_pages=1)
+    assert sorted(g.rows for g in groups) == [(0, 1, 2, 3), (4, 5)]
+    flat = paged_attention_reference(case.queries, case.k_pages, case.v_pages, case.block_tables,
+                                     case.context_lens, scale=0.125)
+    got = shared_prefix_attention(case.queries, case.k_pages, case.v_pages, case.block_tables, tables,
+                                  host_lens, groups, scale=0.125)
+    assert got.shape == flat.shape and got.dtype == flat.dtype
+    assert max_abs_error(got, flat) < 1e-5
+    only = shared_prefix_attention(case.queries, case.k_pages, case.v_pages, case.block_tables, tables,
+                                   host_lens, [g for g in groups if g.rows == (4, 5)], scale=0.125)
+    assert max_abs_error(only, flat) < 1e-5  # rows 0-3 in no group: every page is their own

@@ -60,3 +60,42 @@ def test_batched_paged_decode_equals_single_dense(arch, monkeypatch):
         pool.release(seq.id)
     pool.check_invariants()
     assert pool.paged.manager.pool.num_free_blocks == pool.paged.num_blocks - 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_shared_prefix_is_attended_once_as_a_view(arch, monkeypatch):
+    """Sequences sharing a system prompt through the prefix cache decode in one batch: on the reference path the
+    shared pages are attended once (shared_prefix_attention), and logits equal each sequence decoded alone over
+    dense caches."""
+    calls = []
+    real = paged_batch_module.shared_prefix_attention
+    monkeypatch.setattr(paged_batch_module, "shared_prefix_attention",
+                        lambda *a, **k: calls.append([g.shared_pages for g in a[6]]) or real(*a, **k))
+    model, _ = build_model(arch)
+    install_attention_hook(model)
+    pool = CachePool(model, backend="paged", num_blocks=200,
+                     kv_config=KvCacheConfig(backend="paged", block_size=4))
+    system = [(5 * i) % 900 + 10 for i in range(30)]
+    prompts = [system + [100 + k, 200 + k, 300 + k][: k + 1] for k in range(3)]
+    seqs, dense, tokens = [], [make_caches(model) for _ in prompts], []
+    for p, d in zip(prompts, dense):
+        seq = pool.open(prompt=p)  # the second and third hit the first one's committed system-prompt blocks
+        seqs.append(seq)
+        model(mx.array(p[seq.num_cached:])[None], cache=seq.caches)
+        seq.commit()
+        tokens.append(int(mx.argmax(model(mx.array(p)[None], cache=d)[0, -1]).item()))
+    assert all(s.num_cached >= 28 for s in seqs[1:])  # 7 whole blocks of the system prompt (or more: partial reuse)
+    for _ in range(STEPS):
+        for seq, t in zip(seqs, tokens):
+            seq.feed([t])
+        batched = model(mx.array(tokens)[:, None], cache=make_batch_views([s.caches for s in seqs]))[:, -1]
+        for seq in seqs:
+            seq.commit()
+        singles = [model(mx.array([[t]]), cache=d)[0, -1] for t, d in zip(tokens, dense)]
+        for b in range(len(seqs)):
+            assert scale_close(batched[b], singles[b]), (b, mx.abs(batched[b] - singles[b]).max().item())
+        tokens = [int(mx.argmax(s).item()) for s in singles]
+    assert len(calls) == STEPS * len(model.layers) and all(c == [7] for c in calls)
+    for seq in seqs:
+        pool.release(seq.id)
+    pool.check_invariants()

@@ -7,6 +7,10 @@ null block and ``context_lens`` = the new offsets. What ``update_and_fetch`` ret
 gathered and right-padded) is lazy and never computed on that path; a model that transforms it (MLA) gets
 per-sequence dense attention on its own tensors, as the dense view does.
 
+Where the kernel would be the pure-MLX reference (CPU), sequences that share whole prefix pages (a system
+prompt served by the prefix cache) attend to them once, through a view of the pages when they are consecutive
+(:mod:`mlxkv.kernels.shared_prefix_ref`), instead of each gathering its own copy.
+
 Each sequence must have been ``feed``-ed its decode token before the forward (slots come from the manager).
 """
 
@@ -24,7 +28,9 @@ from mlxkv.engine.batch_view import (
     _is_state_cache,
     _pad_rows,
 )
-from mlxkv.kernels import paged_attention
+from mlxkv.kernels import paged_attention, reference_on_views
+from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
+from mlxkv.kernels.shared_prefix_ref import shared_prefix_attention
 from mlxkv.paged.layer_cache import PagedLayerCache
 
 
@@ -35,6 +41,13 @@ class _GroupTables:
     def __init__(self, caches: Sequence[PagedLayerCache]):
         self.caches = list(caches)
         self._tables: mx.array | None = None
+        self._groups: list[PrefixGroup] | None = None
+
+    def prefix_groups(self, tables: list[list[int]], lens: list[int], block_size: int) -> list[PrefixGroup]:
+        """Groups of sequences sharing whole prefix pages this step (found once for the group's layers)."""
+        if self._groups is None:
+            self._groups = find_prefix_groups(tables, lens, block_size, min_group=2, min_shared_pages=1)
+        return self._groups
 
     def get(self) -> mx.array:
         if self._tables is None:
@@ -103,6 +116,9 @@ class PagedBatchView(KVBatchView):
         kp, vp = self.storage.pages(first.layer)  # (n_kv, NB, bs, D) each
         if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
             offsets = [c.offset for c in self.caches]
+            shared = self._shared_prefix(queries, kp, vp, offsets, scale, sinks)
+            if shared is not None:
+                return shared
             return paged_attention(
                 queries, kp, vp, self.tables.get(), mx.array(offsets, dtype=mx.int32), scale=scale,
                 window=first.window, chunk_size=first.chunk_size, sinks=sinks, max_context_len=max(offsets),
@@ -114,6 +130,20 @@ class PagedBatchView(KVBatchView):
             m = m[..., :n] if isinstance(m, mx.array) else m
             outs.append(self.caches[b].attend(queries[b:b + 1], k, v, scale=scale, mask=m, sinks=sinks))
         return mx.concatenate(outs, axis=0)  # (B, n_q, 1, D_v)
+
+    def _shared_prefix(self, queries: mx.array, kp: mx.array, vp: mx.array, offsets: list[int], scale: float,
+                       sinks: mx.array | None) -> mx.array | None:
+        """Where the kernel would be the pure-MLX reference: sequences sharing whole prefix pages attend to
+        them once, as a view of the pages (:mod:`mlxkv.kernels.shared_prefix_ref`); None when no group shares
+        a page, or for windowed / chunked layers and sinks (the kernel path then runs)."""
+        first = self.caches[0]
+        if sinks is not None or first.window is not None or first.chunk_size is not None or not reference_on_views():
+            return None
+        tables = [c.seq.host_table(c.group) for c in self.caches]
+        groups = self.tables.prefix_groups(tables, offsets, self.storage.block_size)
+        if not groups:
+            return None
+        return shared_prefix_attention(queries, kp, vp, self.tables.get(), tables, offsets, groups, scale=scale)
 
 
 def is_paged(seq_caches: Sequence[Sequence[Any]]) -> bool:

@@ -1,0 +1,103 @@
+"""Shared-prefix decode attention for the pure-MLX path: each shared prefix read once, as a page view.
+
+On the CPU (any backend where the paged kernel is the reference) a batch decode step gathers every
+sequence's visible rows — B copies of a system prompt that B sequences share through the prefix cache.
+Here the sequences of a :class:`~mlxkv.kernels.cascade.PrefixGroup` attend to their shared pages in one
+matmul per kv head, all their queries stacked as rows (``(KVH, n * G, D) @ (KVH, D, P)``), reading the
+pages in place when they are consecutive in the pool (a zero-copy view; else one gather for the whole
+group); each sequence's own pages after the shared ones are gathered as the reference gathers them; the two
+softmax states are merged exactly (``m``, ``l``, un-normalised output). Same answer as flat attention up to
+float rounding (the cascade identity); full-attention layers without sinks only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cascade import PrefixGroup
+from .paged_attention_ref import gather_head_major
+
+
+def shared_prefix_attention(
+    queries: mx.array,
+    k_pages: mx.array,
+    v_pages: mx.array,
+    block_tables: mx.array,
+    host_tables: list[list[int]],
+    host_lens: list[int],
+    groups: list[PrefixGroup],
+    *,
+    scale: float,
+) -> mx.array:
+    """Decode attention of B sequences, each group's shared pages attended once.
+
+    Args:
+        queries: ``(B, H, 1, D)``; k_pages, v_pages: ``(KVH, NB, bs, D)``.
+        block_tables: int32 ``(B, max_blocks)`` (null-padded); host_tables / host_lens: the same tables
+            and the context lengths (the current token included) as Python lists.
+        groups: from :func:`~mlxkv.kernels.cascade.find_prefix_groups` (each member keeps at least one
+            suffix token); rows in no group attend to all their pages as suffix.
+
+    Returns:
+        ``(B, H, 1, D)`` in the query dtype.
+    """
+    B, H, _, D = queries.shape
+    KVH, _, bs, _ = k_pages.shape
+    G = H // KVH
+    q = queries.reshape(B, KVH, G, D).transpose(1, 0, 2, 3).astype(mx.float32) * scale  # (KVH, B, G, D)
+    shift = [0] * B
+    for group in groups:
+        for r in group.rows:
+            shift[r] = group.shared_pages
+
+    # Own pages: row b's pages from shift[b] on, gathered (the reference's whole-run gather).
+    n = max(-(-L // bs) - s for L, s in zip(host_lens, shift, strict=True))
+    page = mx.array(shift, dtype=mx.int32)[:, None] + mx.arange(n, dtype=mx.int32)  # (B, n)
+    k, v = gather_head_major(k_pages, v_pages, block_tables, page)  # (KVH, B, n * bs, D) each
+    pos = (page[..., None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(B, n * bs)  # (B, n * bs)
+    valid = pos < mx.array(host_lens, dtype=mx.int32)[:, None]  # (B, n * bs); >= 1 true per row
+    m, l, o = _softmax_state(mx.where(valid[None, :, None], q @ k.swapaxes(-1, -2), -mx.inf), v)  # (KVH, B, G, .)
+
+    for group in groups:
+        rows = list(group.rows)
+        kp, vp = _shared_rows(k_pages, v_pages, host_tables[rows[0]][: group.shared_pages])  # (KVH, P, D)
+        qg = (q if len(rows) == B else q[:, mx.array(rows, dtype=mx.int32)]).reshape(KVH, len(rows) * G, D)
+        mg, lg, og = (x.reshape(KVH, len(rows), G, -1) for x in _softmax_state(qg @ kp.swapaxes(-1, -2), vp))
+        if len(rows) < B:  # rows outside the group: an empty state (m = -inf, l = 0, o = 0)
+            idx = mx.array(rows, dtype=mx.int32)
+            mg = _spread(mg, idx, m.shape, -mx.inf)
+            lg, og = _spread(lg, idx, l.shape, 0.0), _spread(og, idx, o.shape, 0.0)
+        m, l, o = _merge(m, l, o, mg, lg, og)
+    out = o / l  # (KVH, B, G, D)
+    return out.transpose(1, 0, 2, 3).reshape(B, H, 1, D).astype(queries.dtype)
+
+
+def _softmax_state(scores: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Max ``(.., 1)``, sum of exponentials ``(.., 1)`` and un-normalised output ``(.., D)`` of ``scores``."""
+    m = scores.max(axis=-1, keepdims=True)
+    e = mx.exp(scores - m)
+    return m, e.sum(axis=-1, keepdims=True), e @ v
+
+
+def _merge(m1, l1, o1, m2, l2, o2) -> tuple[mx.array, mx.array, mx.array]:
+    """Combine two softmax states over disjoint keys (``m1`` finite: every row has its own token)."""
+    m = mx.maximum(m1, m2)
+    a1, a2 = mx.exp(m1 - m), mx.exp(m2 - m)
+    return m, l1 * a1 + l2 * a2, o1 * a1 + o2 * a2
+
+
+def _spread(x: mx.array, idx: mx.array, shape: tuple[int, ...], fill: float) -> mx.array:
+    """``x`` ``(KVH, n, ...)`` placed at rows ``idx`` of a ``shape`` array filled with ``fill``."""
+    out = mx.full(shape, fill, dtype=mx.float32)
+    out[:, idx] = x
+    return out
+
+
+def _shared_rows(k_pages: mx.array, v_pages: mx.array, ids: list[int]) -> tuple[mx.array, mx.array]:
+    """The rows of pages ``ids`` as ``(KVH, len(ids) * bs, D)``: a view when they are consecutive."""
+    KVH, _, bs, D = k_pages.shape
+    first = ids[0]
+    if ids == list(range(first, first + len(ids))):
+        return tuple(p[:, first:first + len(ids)].reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
+    idx = mx.array(ids, dtype=mx.int32)
+    return tuple(mx.take(p, idx, axis=1).reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
