@@ -154,7 +154,7 @@ def consecutive_prefix(case, rows, pages, first):
 def test_shared_prefix_attention_equals_flat(layout, gqa):
     """Groups (one of all but two rows, one of two rows), a row in no group, ragged lengths: equal to flat
     attention; consecutive shared pages are read as a view, scattered ones gathered once."""
-    from mlxkv.kernels.shared_prefix_ref import shared_prefix_attention
+    from mlxkv.kernels.page_views_ref import shared_prefix_attention
 
     bs = 16
     lens = [70, 65, 100, 49, 90, 40]
@@ -173,3 +173,25 @@ def test_shared_prefix_attention_equals_flat(layout, gqa):
     only = shared_prefix_attention(case.queries, case.k_pages, case.v_pages, case.block_tables, tables,
                                    host_lens, [g for g in groups if g.rows == (4, 5)], scale=0.125)
     assert max_abs_error(only, flat) < 1e-5  # rows 0-3 in no group: every page is their own
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_runs_attention_equals_flat(gqa, dtype):
+    """One sequence whose visible rows lie in four runs of the stored rows (single pages, a run of two
+    consecutive pages, a partial last page): equal to flat attention over the same pages."""
+    from mlxkv.kernels.page_views_ref import runs_attention
+
+    bs, L = 16, 70  # 5 pages: table [3, 7, 8, 12, 20], the last holding 6 rows
+    case = random_paged_case(dtype=dtype, head_dim=64, block_size=bs, kv_heads=2, gqa=gqa, context_lens=[L],
+                             extra_blocks=20)
+    table = [3, 7, 8, 12, 20]
+    case.block_tables = mx.array([table + [0]], dtype=mx.int32)
+    KVH, NB, _, D = case.k_pages.shape
+    k_rows, v_rows = (p.reshape(1, KVH, NB * bs, D) for p in (case.k_pages, case.v_pages))
+    runs = [(3 * bs, bs), (7 * bs, 2 * bs), (12 * bs, bs), (20 * bs, L - 4 * bs)]
+    flat = paged_attention_reference(case.queries, case.k_pages, case.v_pages, case.block_tables,
+                                     case.context_lens, scale=0.125)
+    got = runs_attention(case.queries, k_rows, v_rows, runs, scale=0.125)
+    assert got.shape == flat.shape and got.dtype == dtype
+    assert max_abs_error(got, flat) <= TOLERANCES[dtype]

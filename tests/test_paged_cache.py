@@ -165,6 +165,7 @@ def test_pages_hold_exactly_the_dense_rows(arch, monkeypatch):
         return dense_paged_attention(q, k, v, bt, cl, scale=scale, window=window, chunk_size=chunk_size, sinks=sinks)
 
     monkeypatch.setattr(layer_cache_module, "paged_attention", oracle)
+    monkeypatch.setattr(layer_cache_module, "reference_on_views", lambda: False)  # every decode step: the oracle
     model, _ = build_model(arch)
     install_attention_hook(model)
     pool = paged_pool(model)

@@ -52,30 +52,42 @@ def test_consecutive_pages_are_read_without_a_copy():
     assert mx.get_peak_memory() - base >= 4 << 20  # the gather does copy (the check above can fail)
 
 
-def test_scattered_pages_decode_through_the_kernel_even_where_views_are_preferred(monkeypatch):
+def test_scattered_pages_decode_through_page_runs_then_the_kernel(monkeypatch):
+    """Two sequences growing in turn take alternate blocks: while a table has at most MAX_VIEW_RUNS runs of
+    consecutive pages a step attends to each run in place (runs_attention); past that, through the kernel. Logits
+    stay equal to a dense cache's."""
+    from mlxkv.cache import make_caches
     from mlxkv.cache.hook import install_attention_hook
     from mlxkv.config import KvCacheConfig
     from mlxkv.pool import CachePool
     from mlxkv.testing.archs import build_model
 
-    calls = []
-    real = layer_cache_module.paged_attention
+    kernel, runs = [], []
+    real_kernel, real_runs = layer_cache_module.paged_attention, layer_cache_module.runs_attention
     monkeypatch.setattr(layer_cache_module, "reference_on_views", lambda: True)
-    monkeypatch.setattr(layer_cache_module, "paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(layer_cache_module, "paged_attention", lambda *a, **kw: kernel.append(1) or real_kernel(*a, **kw))
+    monkeypatch.setattr(layer_cache_module, "runs_attention",
+                        lambda *a, **kw: runs.append(len(a[3])) or real_runs(*a, **kw))
     model, _ = build_model("llama")
     install_attention_hook(model)
     pool = CachePool(model, backend="paged", num_blocks=64,
                      kv_config=KvCacheConfig(backend="paged", block_size=4, enable_block_reuse=False))
     a, b = pool.open(prompt=[1, 2, 3]), pool.open(prompt=[4, 5, 6])
+    dense = make_caches(model)
     for seq, prompt in ((a, [1, 2, 3]), (b, [4, 5, 6])):
         mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=seq.caches))
         seq.commit()
-    for t in range(12):  # two sequences growing in turn take alternate blocks: neither table is consecutive
+    model(mx.array([[1, 2, 3]], dtype=mx.uint32), cache=dense)
+    for t in range(24):
         for seq in (a, b):
             seq.feed([7 + t])
-            mx.eval(model(mx.array([[7 + t]], dtype=mx.uint32), cache=seq.caches))
+            logits = model(mx.array([[7 + t]], dtype=mx.uint32), cache=seq.caches)[0, -1]
             seq.commit()
-    assert consecutive(a.paged.host_table(0)) is None and calls
+            if seq is a:
+                expected = model(mx.array([[7 + t]], dtype=mx.uint32), cache=dense)[0, -1]
+                assert mx.abs(logits - expected).max().item() <= 1e-5 * max(1.0, mx.abs(expected).max().item())
+    assert consecutive(a.paged.host_table(0)) is None
+    assert runs and max(runs) == layer_cache_module.MAX_VIEW_RUNS and min(runs) >= 2 and kernel
     for seq in (a, b):
         pool.release(seq.id)
     pool.check_invariants()

@@ -9,7 +9,7 @@ per-sequence dense attention on its own tensors, as the dense view does.
 
 Where the kernel would be the pure-MLX reference (CPU), sequences that share whole prefix pages (a system
 prompt served by the prefix cache) attend to them once, through a view of the pages when they are consecutive
-(:mod:`mlxkv.kernels.shared_prefix_ref`), instead of each gathering its own copy.
+(:mod:`mlxkv.kernels.page_views_ref`), instead of each gathering its own copy.
 
 Each sequence must have been ``feed``-ed its decode token before the forward (slots come from the manager).
 """
@@ -30,7 +30,7 @@ from mlxkv.engine.batch_view import (
 )
 from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
-from mlxkv.kernels.shared_prefix_ref import shared_prefix_attention
+from mlxkv.kernels.page_views_ref import shared_prefix_attention
 from mlxkv.paged.layer_cache import PagedLayerCache
 
 
@@ -134,7 +134,7 @@ class PagedBatchView(KVBatchView):
     def _shared_prefix(self, queries: mx.array, kp: mx.array, vp: mx.array, offsets: list[int], scale: float,
                        sinks: mx.array | None) -> mx.array | None:
         """Where the kernel would be the pure-MLX reference: sequences sharing whole prefix pages attend to
-        them once, as a view of the pages (:mod:`mlxkv.kernels.shared_prefix_ref`); None when no group shares
+        them once, as a view of the pages (:mod:`mlxkv.kernels.page_views_ref`); None when no group shares
         a page, or for windowed / chunked layers and sinks (the kernel path then runs)."""
         first = self.caches[0]
         if sinks is not None or first.window is not None or first.chunk_size is not None or not reference_on_views():

@@ -24,11 +24,15 @@ from mlxkv.cache.attention import attend as dense_attend
 from mlxkv.cache.masks import standard_mask, visible
 from mlxkv.kernels import kv_write_is_reference, paged_attention, reference_on_views
 from mlxkv.kernels.kv_write_ref import slot_runs
+from mlxkv.kernels.page_views_ref import runs_attention
 from mlxkv.paged.sequence import PagedSequence
 
 #: A write whose slots form at most this many in-page runs uses static slice updates instead of a scatter
 #: (a decode row is one run; a prefill chunk needs one per page and a scatter is then fewer operations).
 MAX_SLICE_RUNS = 2
+#: A decode step on the reference path whose visible rows lie in at most this many runs of consecutive pages
+#: attends to each run in place (:func:`mlxkv.kernels.page_views_ref.runs_attention`) instead of gathering.
+MAX_VIEW_RUNS = 4
 
 
 class PagedLayerCache:
@@ -114,9 +118,15 @@ class PagedLayerCache:
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         self._returned = None
         storage = self.seq.storage
-        if own and self._returned_view and reference_on_views():
+        on_views = own and reference_on_views()
+        if on_views and self._returned_view:
             return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
         k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
+        if (on_views and sinks is None and queries.shape[2] == 1 and self._kernel_mask_ok(mask, keys)
+                and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
+            runs = self.seq.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
+            if runs is not None:  # a few runs of consecutive pages: attend to each in place, merge
+                return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, 1, D)
         if (own and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1 and queries.shape[2] == 1
                 and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             return paged_attention(

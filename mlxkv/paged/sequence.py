@@ -48,7 +48,7 @@ class PagedSequence:
         self._slots: tuple[int, int, list[list[int]], list[mx.array | None]] | None = None
         self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)
         self._host_tables: list[list[int]] | None = None  # per group, the same ids as Python ints
-        self._runs: dict[tuple[int, int, int], tuple[list[int], int | None]] = {}  # page_range memo
+        self._runs: dict[tuple, object] = {}  # page_range / row_runs memo (cleared when the sequence changes)
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -136,6 +136,30 @@ class PagedSequence:
         if key not in self._runs:
             ids = self.host_table(group)[first:end]
             self._runs[key] = (ids, consecutive(ids))
+        return self._runs[key]
+
+    def row_runs(self, group: int, start: int, end: int, limit: int) -> list[tuple[int, int]] | None:
+        """Positions ``[start, end)`` of ``group`` as ranges ``(first row, rows)`` of the stored page rows
+        (:mod:`mlxkv.paged.storage`), consecutive pages merged; None past ``limit`` ranges or over a released
+        (null) page. Computed once per step for all the group's layers."""
+        key = (group, start, end, "rows")
+        if key not in self._runs:
+            bs = self.storage.block_size
+            first_block = start // bs
+            ids, _ = self.page_range(group, first_block, -(-end // bs))
+            runs: list[tuple[int, int]] | None = []
+            for k, block in enumerate(ids):
+                base = (first_block + k) * bs  # position of the page's first row
+                lo, hi = max(start, base), min(end, base + bs)
+                row = block * bs + lo - base
+                if block == 0 or (len(runs) == limit and runs[-1][0] + runs[-1][1] != row):
+                    runs = None
+                    break
+                if runs and runs[-1][0] + runs[-1][1] == row:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo)
+                else:
+                    runs.append((row, hi - lo))
+            self._runs[key] = runs
         return self._runs[key]
 
     def table(self, group: int) -> mx.array:

@@ -1,13 +1,18 @@
-"""Shared-prefix decode attention for the pure-MLX path: each shared prefix read once, as a page view.
+"""Decode attention over *views* of the pages, for the pure-MLX path: no copy of rows that sit together.
 
-On the CPU (any backend where the paged kernel is the reference) a batch decode step gathers every
-sequence's visible rows — B copies of a system prompt that B sequences share through the prefix cache.
-Here the sequences of a :class:`~mlxkv.kernels.cascade.PrefixGroup` attend to their shared pages in one
-matmul per kv head, all their queries stacked as rows (``(KVH, n * G, D) @ (KVH, D, P)``), reading the
-pages in place when they are consecutive in the pool (a zero-copy view; else one gather for the whole
-group); each sequence's own pages after the shared ones are gathered as the reference gathers them; the two
-softmax states are merged exactly (``m``, ``l``, un-normalised output). Same answer as flat attention up to
-float rounding (the cascade identity); full-attention layers without sinks only.
+On the CPU (any backend where the paged kernel is the reference) the kernel gathers every visible row of a
+sequence each step. Two common cases need no such copy:
+
+* **Shared prefixes** (:func:`shared_prefix_attention`, batches): the sequences of a
+  :class:`~mlxkv.kernels.cascade.PrefixGroup` attend to their shared pages in one matmul per kv head, all their
+  queries stacked as rows (``(KVH, n * G, D) @ (KVH, D, P)``), reading the pages in place when they are
+  consecutive in the pool (else one gather for the whole group, not one per sequence); each sequence's own
+  pages after the shared ones are gathered as the reference gathers them.
+* **A few runs of consecutive pages** (:func:`runs_attention`, one sequence): each run is a zero-copy slice of
+  the stored rows; one matmul pair per run.
+
+The partial softmax states (max ``m``, sum ``l``, un-normalised output) are merged exactly, so the answer is
+flat attention's up to float rounding (the cascade identity). Full-attention visibility, no sinks.
 """
 
 from __future__ import annotations
@@ -101,3 +106,27 @@ def _shared_rows(k_pages: mx.array, v_pages: mx.array, ids: list[int]) -> tuple[
         return tuple(p[:, first:first + len(ids)].reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
     idx = mx.array(ids, dtype=mx.int32)
     return tuple(mx.take(p, idx, axis=1).reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
+
+
+def runs_attention(queries: mx.array, k_rows: mx.array, v_rows: mx.array, runs: list[tuple[int, int]], *,
+                   scale: float) -> mx.array:
+    """One sequence's decode attention over ``runs`` ``(first row, rows)`` of the stored rows.
+
+    Args:
+        queries: ``(1, H, 1, D)``.
+        k_rows, v_rows: the pages stored as rows ``(1, KVH, NB * bs, D)`` (:mod:`mlxkv.paged.storage`).
+        runs: the visible rows as ranges of consecutive rows (at least one row in all).
+
+    Returns:
+        ``(1, H, 1, D)`` in the query dtype.
+    """
+    _, H, _, D = queries.shape
+    KVH = k_rows.shape[1]
+    q = queries.reshape(KVH, H // KVH, D).astype(mx.float32) * scale  # (KVH, G, D)
+    state = None
+    for row, n in runs:
+        k, v = k_rows[0, :, row:row + n], v_rows[0, :, row:row + n]  # (KVH, n, D) views
+        part = _softmax_state(q @ k.astype(mx.float32).swapaxes(-1, -2), v.astype(mx.float32))  # (KVH, G, .)
+        state = part if state is None else _merge(*state, *part)
+    _, l, o = state
+    return (o / l).reshape(1, H, 1, D).astype(queries.dtype)
