@@ -2,7 +2,9 @@
 
 No Metal figure is measured here: on this Linux CPU build there is no Metal kernel. A batch-1 step whose pages
 are consecutive in the pool (what a fresh pool hands one sequence) runs dense SDPA on a zero-copy view of the
-pages; scattered pages (``--scattered``) and batches go through the pure-MLX reference kernel.
+pages; pages in at most 4 runs of consecutive pages (``--runs N``) are attended run by run in place; scattered
+pages (``--scattered``) and batches go through the pure-MLX reference kernel (batches of sequences sharing
+prefix pages attend to those once, as a view; this benchmark's sequences share nothing).
 
 The caches are filled with random K/V rows to the target context (no prefill, so 16K fits the time budget);
 then greedy decode steps run the model, one forward per step, each step evaluated before the next is built
@@ -12,6 +14,7 @@ paged = PagedBatchView (one paged_attention call per layer).
 
     python scripts/bench_paged.py                     # 1K, 4K, 16K context, batch 1 and 8
     python scripts/bench_paged.py --scattered         # the same with no two pages of a sequence adjacent
+    python scripts/bench_paged.py --runs 3            # each sequence's pages in 3 runs (a pool that has cycled)
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def main() -> None:
     parser.add_argument("--scattered", action="store_true",
                         help="fill each sequence one block at a time in turn with a filler sequence, so no two of "
                              "its pages are consecutive in the pool (every step goes through the paged kernel)")
+    parser.add_argument("--runs", type=int, default=0,
+                        help="fill each sequence in this many pieces in turn with a filler sequence, so its pages "
+                             "form that many runs of consecutive pages (what a sequence holds after the pool has "
+                             "cycled); batch 1 then attends run by run in place while runs <= 4")
     args = parser.parse_args()
     blas = ensure_openblas()
 
@@ -91,9 +98,10 @@ def main() -> None:
                 times[name] += [step() for _ in range(min(ROUND, args.steps - r))]
         return statistics.median(times["dense"]), statistics.median(times["paged"])
 
+    layout = "scattered" if args.scattered else f"in {args.runs} runs per sequence" if args.runs > 1 else "as allocated"
     print(f"BLAS: {blas}; random llama float32 hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.0f}M "
           f"params, 8 heads / 2 kv heads, head_dim {head_dim}; block size {args.block_size}; median of "
-          f"{args.steps} steps per side, interleaved. Pages {'scattered' if args.scattered else 'as allocated'}. "
+          f"{args.steps} steps per side, interleaved. Pages {layout}. "
           "No Metal figure is measured here.")
     print(f"{'context':>8s} {'batch':>5s} {'dense tok/s':>12s} {'paged tok/s':>12s} {'paged/dense':>12s}")
     for ctx in contexts:
@@ -101,20 +109,22 @@ def main() -> None:
             dense = [make_caches(model) for _ in range(B)]
             for b, caches in enumerate(dense):
                 fill(caches, ctx, b)
-            blocks = B * (-(-(ctx + args.steps + 4) // args.block_size) + 1) * (2 if args.scattered else 1) + 2
+            blocks = B * (-(-(ctx + args.steps + 4) // args.block_size) + 1) * (2 if args.scattered or args.runs > 1 else 1) + 2
             pool = CachePool(model, backend="paged", num_blocks=blocks, max_sequences=2 * B,
                              kv_config=KvCacheConfig(backend="paged", block_size=args.block_size,
                                                      enable_block_reuse=False))
             seqs = [pool.open(prompt=[7] * ctx) for _ in range(B)]
             for b, seq in enumerate(seqs):
                 paged = [c for c in seq.caches if isinstance(c, PagedLayerCache)]
-                if not args.scattered:
+                if not (args.scattered or args.runs > 1):
                     fill(paged, ctx, b)
-                else:  # alternate single blocks with a filler sequence: the sequence's pages are never adjacent
+                else:  # alternate pieces with a filler sequence: the sequence's pages form one run per piece
+                    pages = -(-ctx // args.block_size)
+                    piece = args.block_size * (1 if args.scattered else -(-pages // args.runs))
                     filler = pool.open(prompt=[7] * ctx)
                     filler_paged = [c for c in filler.caches if isinstance(c, PagedLayerCache)]
-                    for _ in range(0, ctx, args.block_size):
-                        n = min(args.block_size, ctx - paged[0].offset)
+                    while paged[0].offset < ctx:
+                        n = min(piece, ctx - paged[0].offset)
                         fill(paged, n, b)
                         fill(filler_paged, n, b)
                     pool.release(filler.id)

@@ -1,12 +1,14 @@
 """Serving benchmark: ``mlxkv serve`` vs ``mlx_lm.server`` on the same model folder, same shared-prefix workload.
 
-Each server runs alone (one after the other) as a subprocess on 127.0.0.1. The workload: chat requests that
-share a long system prompt and differ in the user question, streamed, greedy, ``--max-tokens`` each. At each
-concurrency level (1, 4, 8 clients by default) every client sends ``--requests-per-client`` requests back to
-back, each on its own loopback connection (one httpx client per client thread, built before the clock starts;
+Both servers run as subprocesses on 127.0.0.1, started once; at each concurrency level they take turns, round by
+round (``--rounds``, mlxkv first in even rounds, mlx-lm first in odd ones), so only one is busy at a time and a
+slow patch of this shared machine hits both. The workload: chat requests that share a long system prompt and
+differ in the user question, streamed, greedy, ``--max-tokens`` each. In a round at a concurrency level (1, 4, 8
+clients by default) every client sends ``--requests-per-client`` requests back to back, each on its own loopback connection (one httpx client per client thread, built before the clock starts;
 ``--client-per-request`` restores the old timing, which counted httpx's ~30 ms TLS-context setup in every
-TTFT). Reported: time to first token (TTFT: request sent -> first content chunk) p50/p95, aggregate output
-tok/s, and mlxkv/mlx-lm ratios; a PNG plot when matplotlib is installed.
+TTFT). Reported: time to first token (TTFT: request sent -> first content chunk) p50/p95 over all the level's
+requests, aggregate output tok/s (the median round's), and mlxkv/mlx-lm ratios; a PNG plot when matplotlib is
+installed.
 
 Both servers reuse shared prompt prefixes: mlx_lm.server through its prompt cache, mlxkv serve through the
 paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend dense`` has no prefix cache).
@@ -87,13 +89,16 @@ def start_server(name: str, model: str, port: int, max_sequences: int, kv_backen
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop_server; not a pipe (nobody reads it)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
     import httpx
 
     deadline = time.monotonic() + 180
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"{name} server exited: {log.read()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
                 return proc
@@ -111,6 +116,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+    proc.log.close()
 
 
 def http_client():
@@ -153,17 +159,17 @@ def one_request(url: str, question: str, max_tokens: int, system: str | None = N
     return (ttft if ttft is not None else time.perf_counter() - start), (usage if usage is not None else chunks)
 
 
-def system_prompt(workload: str, clients: int, k: int) -> str:
-    """Request ``k``'s system prompt at the level with ``clients`` clients."""
+def system_prompt(workload: str, clients: int, k: int, round_: int = 0) -> str:
+    """Request ``k``'s system prompt at the level with ``clients`` clients, in round ``round_``."""
     if workload == "distinct":  # a unique opening line defeats prefix reuse (mlx-lm's prompt cache) for every request
-        return f"Session {clients}-{k}. {SHARED[0]}"
-    if workload == "cold-shared":  # shared within the level, new at each: its first wave finds nothing cached
-        return f"Session {clients}. {SHARED[0]}"
+        return f"Session {clients}-{round_}-{k}. {SHARED[0]}"
+    if workload == "cold-shared":  # shared within a level's round, new at each: its first wave finds nothing cached
+        return f"Session {clients}-{round_}. {SHARED[0]}"
     return SHARED[0]
 
 
 def run_level(url: str, clients: int, per_client: int, max_tokens: int, workload: str,
-              client_per_request: bool = False) -> dict:
+              client_per_request: bool = False, round_: int = 0) -> dict:
     ttfts: list[float] = []
     tokens = [0]
     lock = threading.Lock()
@@ -172,7 +178,7 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int, workload
     def client(c: int) -> None:
         for i in range(per_client):
             k = c * per_client + i
-            system = system_prompt(workload, clients, k)
+            system = system_prompt(workload, clients, k, round_)
             t, n = one_request(url, QUESTIONS[k % len(QUESTIONS)], max_tokens, system, https[c])
             with lock:
                 ttfts.append(t)
@@ -190,27 +196,50 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int, workload
             http.close()
     q = statistics.quantiles(ttfts, n=20, method="inclusive") if len(ttfts) > 1 else ttfts * 19
     return {"clients": clients, "requests": len(ttfts), "ttft_p50": statistics.median(ttfts), "ttft_p95": q[18],
-            "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall}
+            "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall, "ttfts": ttfts}
 
 
-def bench(name: str, model: str, levels: list[int], per_client: int, max_tokens: int, workload: str,
+def pooled(clients: int, rounds: list[dict]) -> dict:
+    """One side's figures at a level over its rounds: TTFT quantiles over every request, the median round's tok/s."""
+    ttfts = [t for r in rounds for t in r["ttfts"]]
+    q = statistics.quantiles(ttfts, n=20, method="inclusive") if len(ttfts) > 1 else ttfts * 19
+    return {"clients": clients, "requests": len(ttfts), "ttft_p50": statistics.median(ttfts), "ttft_p95": q[18],
+            "tokens": sum(r["tokens"] for r in rounds), "tok_s": statistics.median(r["tok_s"] for r in rounds),
+            "tok_s_rounds": [r["tok_s"] for r in rounds], "wall_s": sum(r["wall_s"] for r in rounds)}
+
+
+def bench(model: str, levels: list[int], per_client: int, max_tokens: int, workload: str, rounds: int,
           kv_backend: str = "paged", kv_budget: int | None = None, client_per_request: bool = False,
-          extra: list[str] | None = None) -> list[dict]:
-    port = free_port()
-    proc = start_server(name, model, port, max(levels), kv_backend, kv_budget, extra)
+          extra: list[str] | None = None) -> dict[str, list[dict]]:
+    """Both servers up at once (an idle server takes no CPU); at each level the two alternate round by round
+    (mlxkv first in even rounds, mlx-lm first in odd ones), so a slow patch of the machine hits both."""
+    names = ("mlxkv", "mlx-lm")
+    procs, urls = {}, {}
     try:
-        url = f"http://127.0.0.1:{port}"
-        one_request(url, "warm up", 4)
-        results = []
+        for name in names:
+            port = free_port()
+            procs[name] = start_server(name, model, port, max(levels), kv_backend, kv_budget,
+                                       extra if name == "mlxkv" else None)
+            urls[name] = f"http://127.0.0.1:{port}"
+            one_request(urls[name], "warm up", 4)
+        results: dict[str, list[dict]] = {name: [] for name in names}
         for clients in levels:
-            r = run_level(url, clients, per_client, max_tokens, workload, client_per_request)
-            print(f"  {name:6s} clients={clients}: TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  p95 "
-                  f"{r['ttft_p95'] * 1e3:7.1f} ms  {r['tok_s']:7.1f} tok/s  ({r['tokens']} tokens, "
-                  f"{r['wall_s']:.1f}s)", flush=True)
-            results.append(r)
+            per_round: dict[str, list[dict]] = {name: [] for name in names}
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    per_round[name].append(run_level(urls[name], clients, per_client, max_tokens, workload,
+                                                     client_per_request, r))
+            for name in names:
+                p = pooled(clients, per_round[name])
+                results[name].append(p)
+                print(f"  {name:6s} clients={clients}: TTFT p50 {p['ttft_p50'] * 1e3:7.1f} ms  p95 "
+                      f"{p['ttft_p95'] * 1e3:7.1f} ms  {p['tok_s']:7.1f} tok/s (rounds: "
+                      f"{', '.join(f'{t:.0f}' for t in p['tok_s_rounds'])})  ({p['tokens']} tokens, "
+                      f"{p['wall_s']:.1f}s)", flush=True)
         return results
     finally:
-        stop_server(proc)
+        for proc in procs.values():
+            stop_server(proc)
 
 
 def plot(results: dict, path: Path) -> bool:
@@ -244,6 +273,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per concurrency level; the two servers alternate round by round")
     p.add_argument("--workload", choices=["shared", "cold-shared", "distinct"], default="shared",
                    help="shared: one long system prompt for all requests; cold-shared: one per concurrency level (its "
                         "first concurrent wave finds it uncached); distinct: each request's prompt differs "
@@ -273,13 +304,11 @@ def main() -> None:
         print(f"model: random llama hidden={args.hidden} layers={args.layers} (test tokenizer) in {model}")
     MODEL_NAME[0] = model
     SHARED[0] = PREFIX * args.prefix_repeat
-    results = {}
-    for name in ("mlxkv", "mlx-lm"):
-        results[name] = bench(name, model, args.clients, args.requests_per_client, args.max_tokens,
-                              args.workload, args.kv_backend, args.kv_cache_budget, args.client_per_request,
-                              args.mlxkv_arg if name == "mlxkv" else None)
-    print(f"\nworkload: {args.workload} prefix x{args.prefix_repeat}, mlxkv {args.kv_backend} KV; ratios "
-          "mlxkv / mlx-lm (TTFT: lower is better; tok/s: higher is better)")
+    results = bench(model, args.clients, args.requests_per_client, args.max_tokens, args.workload, args.rounds,
+                    args.kv_backend, args.kv_cache_budget, args.client_per_request, args.mlxkv_arg)
+    print(f"\nworkload: {args.workload} prefix x{args.prefix_repeat}, {args.max_tokens} tokens per request, "
+          f"{args.rounds} alternating rounds; mlxkv {args.kv_backend} KV; ratios mlxkv / mlx-lm (TTFT: lower is "
+          "better; tok/s: higher is better)")
     for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
         print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
               f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")

@@ -126,7 +126,9 @@ def runs_attention(queries: mx.array, k_rows: mx.array, v_rows: mx.array, runs: 
     state = None
     for row, n in runs:
         k, v = k_rows[0, :, row:row + n], v_rows[0, :, row:row + n]  # (KVH, n, D) views
-        part = _softmax_state(q @ k.astype(mx.float32).swapaxes(-1, -2), v.astype(mx.float32))  # (KVH, G, .)
+        if k.dtype != mx.float32:
+            k, v = k.astype(mx.float32), v.astype(mx.float32)
+        part = _softmax_state(q @ k.swapaxes(-1, -2), v)  # (KVH, G, 1), (KVH, G, 1), (KVH, G, D)
         state = part if state is None else _merge(*state, *part)
     _, l, o = state
     return (o / l).reshape(1, H, 1, D).astype(queries.dtype)

@@ -9,8 +9,12 @@ as *lazy* gathers of the pages.
 
 ``attend`` runs a single-token decode step handed exactly the arrays it returned through ``paged_attention``
 over the page arrays (so a gather is never computed) — except where the kernel would be the pure-MLX
-reference and the rows are a view: there dense SDPA on the view is the same answer with no copy at all.
+reference (CPU), which could only copy the rows first: there rows that are a view get dense SDPA on the view,
+and rows lying in a few runs of consecutive pages are attended run by run in place (``runs_attention``).
 Anything else — prefill chunks, tensors the model derived (MLA) — goes to dense SDPA on the given tensors.
+
+On the reference path a write whose slots are known on the host and form one or two in-page runs (every decode
+row) is a static slice update of the stored rows, exactly a dense cache's append.
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ class PagedLayerCache:
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
         """Decode through ``paged_attention`` on the pages when handed this step's own fetched K/V with no
-        mask; otherwise dense SDPA on the given tensors."""
+        mask (on the reference path: dense SDPA on a view, or page runs in place, when the rows allow);
+        otherwise dense SDPA on the given tensors."""
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         self._returned = None
         storage = self.seq.storage
