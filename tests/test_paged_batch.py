@@ -99,3 +99,38 @@ def test_shared_prefix_is_attended_once_as_a_view(arch, monkeypatch):
     for seq in seqs:
         pool.release(seq.id)
     pool.check_invariants()
+
+
+def test_long_sequences_in_a_batch_attend_in_place_one_by_one(monkeypatch):
+    """Past the gather-size threshold (lowered here), a batch of sequences whose pages lie in few runs attends
+    sequence by sequence on views of the pages (runs_attention) instead of gathering; logits equal each
+    sequence decoded alone over dense caches."""
+    monkeypatch.setattr(paged_batch_module, "PER_SEQUENCE_VIEW_ELEMENTS", 0)
+    calls = []
+    real = paged_batch_module.runs_attention
+    monkeypatch.setattr(paged_batch_module, "runs_attention", lambda *a, **k: calls.append(len(a[3])) or real(*a, **k))
+    model, _ = build_model("llama")
+    install_attention_hook(model)
+    pool = CachePool(model, backend="paged", num_blocks=200,
+                     kv_config=KvCacheConfig(backend="paged", block_size=4, enable_block_reuse=False))
+    seqs = [pool.open(prompt=p) for p in PROMPTS]
+    dense = [make_caches(model) for _ in PROMPTS]
+    tokens = []
+    for seq, d, p in zip(seqs, dense, PROMPTS):
+        model(mx.array(p)[None], cache=seq.caches)
+        seq.commit()
+        tokens.append(int(mx.argmax(model(mx.array(p)[None], cache=d)[0, -1]).item()))
+    for _ in range(STEPS):
+        for seq, t in zip(seqs, tokens):
+            seq.feed([t])
+        batched = model(mx.array(tokens)[:, None], cache=make_batch_views([s.caches for s in seqs]))[:, -1]
+        for seq in seqs:
+            seq.commit()
+        singles = [model(mx.array([[t]]), cache=d)[0, -1] for t, d in zip(tokens, dense)]
+        for b in range(len(seqs)):
+            assert scale_close(batched[b], singles[b]), (b, mx.abs(batched[b] - singles[b]).max().item())
+        tokens = [int(mx.argmax(s).item()) for s in singles]
+    assert len(calls) == STEPS * len(model.layers) * len(PROMPTS) and max(calls) >= 2  # growth interleaves blocks
+    for seq in seqs:
+        pool.release(seq.id)
+    pool.check_invariants()

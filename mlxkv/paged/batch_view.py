@@ -30,8 +30,12 @@ from mlxkv.engine.batch_view import (
 )
 from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
-from mlxkv.kernels.page_views_ref import shared_prefix_attention
-from mlxkv.paged.layer_cache import PagedLayerCache
+from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
+from mlxkv.paged.layer_cache import MAX_VIEW_RUNS, PagedLayerCache
+
+#: Rows x kv heads x head_dim the batched gather would copy per layer from which sequences whose pages lie in a
+#: few runs attend in place one by one instead (CPU, 8 sequences of 16K context: 0.50x -> see the README).
+PER_SEQUENCE_VIEW_ELEMENTS = 1 << 22
 
 
 class _GroupTables:
@@ -116,9 +120,11 @@ class PagedBatchView(KVBatchView):
         kp, vp = self.storage.pages(first.layer)  # (n_kv, NB, bs, D) each
         if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
             offsets = [c.offset for c in self.caches]
-            shared = self._shared_prefix(queries, kp, vp, offsets, scale, sinks)
-            if shared is not None:
-                return shared
+            on_views = self._shared_prefix(queries, kp, vp, offsets, scale, sinks)
+            if on_views is None:
+                on_views = self._per_sequence_runs(queries, scale, sinks)
+            if on_views is not None:
+                return on_views
             return paged_attention(
                 queries, kp, vp, self.tables.get(), mx.array(offsets, dtype=mx.int32), scale=scale,
                 window=first.window, chunk_size=first.chunk_size, sinks=sinks, max_context_len=max(offsets),
@@ -144,6 +150,24 @@ class PagedBatchView(KVBatchView):
         if not groups:
             return None
         return shared_prefix_attention(queries, kp, vp, self.tables.get(), tables, offsets, groups, scale=scale)
+
+    def _per_sequence_runs(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array | None:
+        """Where the kernel would be the pure-MLX reference and its gather would copy many rows (at least
+        ``PER_SEQUENCE_VIEW_ELEMENTS``): each sequence attends to its rows in place, run by run, when every
+        sequence's rows lie in a few runs of consecutive pages (what a dense batch does: per-sequence SDPA
+        on views). None otherwise (the kernel path then runs)."""
+        first = self.caches[0]
+        if sinks is not None or not reference_on_views():
+            return None
+        k_rows, v_rows = self.storage.k_rows[first.layer], self.storage.v_rows[first.layer]
+        spans = [(c._first_returned(c.offset - 1), c.offset) for c in self.caches]
+        if sum(end - start for start, end in spans) * k_rows.shape[1] * k_rows.shape[3] < PER_SEQUENCE_VIEW_ELEMENTS:
+            return None  # small: one batched gather costs less than B sets of per-run operations
+        runs = [c.seq.row_runs(c.group, start, end, MAX_VIEW_RUNS) for c, (start, end) in zip(self.caches, spans)]
+        if any(r is None for r in runs):
+            return None
+        outs = [runs_attention(queries[b:b + 1], k_rows, v_rows, r, scale=scale) for b, r in enumerate(runs)]
+        return mx.concatenate(outs, axis=0)  # (B, n_q, 1, D)
 
 
 def is_paged(seq_caches: Sequence[Sequence[Any]]) -> bool:
