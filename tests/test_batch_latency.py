@@ -165,3 +165,31 @@ def test_requests_admitted_together_compute_their_shared_prefix_once(model, chun
     for prompt, events in zip(PROMPTS, results):
         assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, PARAMS))
     pool.check_invariants()
+
+
+# ---- first token from the prefill ----------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["paged", "dense"])
+def test_the_first_token_comes_from_the_prefill_not_a_decode_step(model, backend):
+    """A request's prefill covers its whole prompt and samples the first token from the last position's logits:
+    a one-token request finishes in one engine step with no decode step, and longer ones match DirectEngine."""
+    kv = {"backend": "paged", "kv_config": KvCacheConfig(backend="paged", block_size=4)} if backend == "paged" else {}
+    pool = CachePool(model, max_sequences=4, **kv)
+    sched = Scheduler(model, None, pool)
+    request = GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=1))
+    handle = RequestHandle(request)
+    sched.add(Job(request=request, handle=handle, max_tokens=1))
+    sched.step()
+    assert not sched.has_work() and sched.totals["decode_steps"] == 0
+    events = list(handle)
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(PROMPTS[0], request.params))
+    for prompt in PROMPTS[1:]:  # longer requests: the same tokens as DirectEngine
+        request = GenerationRequest(prompt, PARAMS)
+        handle = RequestHandle(request)
+        sched.add(Job(request=request, handle=handle, max_tokens=PARAMS.max_tokens))
+        while sched.has_work():
+            sched.step()
+        assert [e.token for e in handle if e.kind == "token"] == list(direct.generate_tokens(prompt, PARAMS))
+    assert sched.totals["decode_steps"] == 2 * (PARAMS.max_tokens - 1)
+    if backend == "paged":
+        pool.check_invariants()

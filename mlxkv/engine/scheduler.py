@@ -282,7 +282,12 @@ class Scheduler:
                 continue
             if task.seq is None and not self._open(task):
                 continue  # it failed
-            target = len(task.tokens) - 1  # the last token is fed by the first decode step
+            # A request's own sequence prefills its whole prompt and samples its first token from the last
+            # position's logits; a resumed choice or a parallel sample's sequence leaves the last token to its
+            # first decode step (it already has, or shares, what that token predicts).
+            first_from_prefill = task.choice is None
+            target = len(task.tokens) - (0 if first_from_prefill else 1)
+            last_logits = None
             try:
                 n = min(budget, target - task.done)
                 if n > 0:
@@ -295,19 +300,24 @@ class Scheduler:
                         if not self.manager.can_allocate(task.seq.paged.seq_id, n):
                             raise RuntimeError("the prompt does not fit the KV cache budget")
                     chunk = mx.array(task.tokens[task.done : task.done + n], dtype=mx.uint32)
-                    self.model(chunk[None], cache=task.seq.caches)  # (1, n) -> logits unused
-                    mx.eval(_cache_arrays(task.seq.caches))
+                    logits = self.model(chunk[None], cache=task.seq.caches)  # (1, n, vocab)
+                    if first_from_prefill and task.done + n == target:
+                        last_logits = logits[:, -1, :]  # (1, vocab): the first generated token's distribution
+                    mx.eval(_cache_arrays(task.seq.caches), *([last_logits] if last_logits is not None else []))
                     task.seq.commit()
                     task.done += n
                     budget -= n
                 if task.done == target:
-                    self._start_decoding(task)
+                    self._start_decoding(task, last_logits)
             except Exception as exc:  # noqa: BLE001
                 self._fail(task.job, exc)
             if budget == 0:
                 return
 
-    def _start_decoding(self, task: Prefill) -> None:
+    def _start_decoding(self, task: Prefill, last_logits: mx.array | None = None) -> None:
+        """``task``'s prompt is in its caches: its choices start decoding. ``last_logits`` ``(1, vocab)`` (a
+        request's own prefill, whole prompt written): the choices holding the prompt sample their first token from
+        it now; otherwise (the last prompt token not written) their first decode step feeds that token."""
         self.prefilling.remove(task)
         job, request = task.job, task.job.request
         if task.choice is not None:  # a parallel sample's own sequence, or a resumed choice
@@ -336,6 +346,19 @@ class Scheduler:
                 self.running.append(choice)
             else:
                 self.prefilling.append(Prefill(job, list(request.prompt), choice))
+        if last_logits is not None:
+            self._first_tokens([c for c in job.choices if c.seq is not None], last_logits)
+
+    def _first_tokens(self, choices: list[Choice], last_logits: mx.array) -> None:
+        """Each of ``choices`` (prompt written, running) samples its first token from ``last_logits`` with its
+        own sampler and emits it; the next decode step feeds that token."""
+        logits = mx.broadcast_to(last_logits, (len(choices), last_logits.shape[-1]))  # (n, vocab)
+        tokens = sample_rows(logits, [c.sampler for c in choices]).tolist()  # (n,)
+        now = time.perf_counter()
+        for choice, token in zip(choices, tokens):
+            choice.fresh = False  # the manager holds the whole prompt: the decode step feeds the new token
+            if not choice.job.finished:
+                self._emit(choice, token, now)
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _reserve(self) -> list[Choice]:
