@@ -13,7 +13,7 @@ import pytest
 from mlxkv.cache.hook import install_attention_hook
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
-from mlxkv.engine.delivery import LoopDelivery, batched_wakeups
+from mlxkv.engine.delivery import LoopDelivery, batched_wakeups, delivery_for
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
@@ -172,7 +172,8 @@ def test_requests_admitted_together_compute_their_shared_prefix_once(model, chun
 def test_the_first_token_comes_from_the_prefill_not_a_decode_step(model, backend):
     """A request's prefill covers its whole prompt and samples the first token from the last position's logits:
     a one-token request finishes in one engine step with no decode step, and longer ones match DirectEngine."""
-    kv = {"backend": "paged", "kv_config": KvCacheConfig(backend="paged", block_size=4)} if backend == "paged" else {}
+    kv = ({"backend": "paged", "kv_config": KvCacheConfig(backend="paged", block_size=4, kv_cache_budget=1 << 22)}
+          if backend == "paged" else {})
     pool = CachePool(model, max_sequences=4, **kv)
     sched = Scheduler(model, None, pool)
     request = GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=1))
@@ -193,3 +194,28 @@ def test_the_first_token_comes_from_the_prefill_not_a_decode_step(model, backend
     assert sched.totals["decode_steps"] == 2 * (PARAMS.max_tokens - 1)
     if backend == "paged":
         pool.check_invariants()
+
+
+def test_a_first_token_is_delivered_before_the_steps_decode_runs(model):
+    """In the step where a request prefills, its first token wakes the client's loop right after the prefill,
+    before the same step's decode (whose token follows at the end of the step)."""
+    loop = asyncio.new_event_loop()
+    try:
+        pool = CachePool(model, max_sequences=2)
+        sched = Scheduler(model, None, pool)
+        request = GenerationRequest(PROMPTS[0], PARAMS)
+        handle = RequestHandle(request, loop=loop)
+        sched.add(Job(request=request, handle=handle, max_tokens=PARAMS.max_tokens))
+        delivery = delivery_for(loop)
+        before, at_decode = delivery.wakeups, []
+        decode = sched._decode
+        sched._decode = lambda: at_decode.append(delivery.wakeups - before) or decode()
+        with batched_wakeups():
+            sched.step()  # prefill (first token) + one decode step (second token)
+        assert at_decode == [1] and sched.totals["decode_steps"] == 1  # the loop was woken before the decode
+        loop.run_until_complete(asyncio.sleep(0))
+        assert [e.token is not None for e in [handle.get_nowait(), handle.get_nowait()]] == [True, True]
+        handle.cancel()
+        sched.step()
+    finally:
+        loop.close()

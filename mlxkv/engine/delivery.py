@@ -91,6 +91,16 @@ def batched_wakeups() -> Iterator[None]:
             delivery.wake()
 
 
+def flush_wakeups() -> None:
+    """Inside a :func:`batched_wakeups` block: wake now each loop that got events so far (first tokens sampled
+    by a prefill reach their clients before the step's decode runs); the block goes on holding later events."""
+    deliveries = getattr(_held, "deliveries", None)
+    if deliveries:
+        _held.deliveries = {}
+        for delivery in deliveries.values():
+            delivery.wake()
+
+
 _deliveries: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopDelivery]" = weakref.WeakKeyDictionary()
 _deliveries_lock = threading.Lock()
 

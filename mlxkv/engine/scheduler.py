@@ -42,6 +42,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxkv.engine.batch_view import BatchUnsupported, check_attended, make_batch_views
+from mlxkv.engine.delivery import flush_wakeups
 from mlxkv.engine.forking import fork_caches
 from mlxkv.engine.paged_policy import apply_request_policy, blocks_needed
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
@@ -175,6 +176,7 @@ class Scheduler:
                           "cancelled")
         self._admit()
         self._prefill()
+        flush_wakeups()  # first tokens sampled by this step's prefills go out before its decode runs
         self._decode()
 
     def _seats(self) -> int:

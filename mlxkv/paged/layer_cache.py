@@ -103,8 +103,10 @@ class PagedLayerCache:
             raise ValueError(f"a paged layer cache holds one sequence; got a batch of {keys.shape[0]}")
         o, N = self.offset, keys.shape[2]
         storage = self.seq.storage
-        runs = slot_runs(self.seq.host_slots(self.group, o, o + N), storage.block_size)
-        if len(runs) <= MAX_SLICE_RUNS and kv_write_is_reference():
+        runs = None  # more rows than MAX_SLICE_RUNS pages hold cannot be that few runs: skip the host scan
+        if N <= MAX_SLICE_RUNS * storage.block_size and kv_write_is_reference():
+            runs = slot_runs(self.seq.host_slots(self.group, o, o + N), storage.block_size)
+        if runs is not None and len(runs) <= MAX_SLICE_RUNS:
             storage.write_runs(self.layer, runs, keys, values)  # (1, n_kv, N, D): static slice updates
         else:
             slots = self.seq.slots(self.group, o, o + N)  # (N,)
