@@ -17,7 +17,7 @@ from mlxkv.engine.delivery import LoopDelivery, batched_wakeups, delivery_for
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.engine.scheduler import Job, Scheduler
+from mlxkv.engine.scheduler import PLACEHOLDER, Job, Scheduler
 from mlxkv.pool import CachePool
 from mlxkv.server.app import _stream
 from mlxkv.server.responses import ResponseBuilder
@@ -191,14 +191,17 @@ def test_the_first_token_comes_from_the_prefill_not_a_decode_step(model, backend
         while sched.has_work():
             sched.step()
         assert [e.token for e in handle if e.kind == "token"] == list(direct.generate_tokens(prompt, PARAMS))
+    # Decode steps overlap reading the previous step's tokens, and none is spent past a known last token.
     assert sched.totals["decode_steps"] == 2 * (PARAMS.max_tokens - 1)
+    assert sched.totals["overlapped_steps"] == 2 * (PARAMS.max_tokens - 2)
+    assert len(pool) == 0
     if backend == "paged":
         pool.check_invariants()
 
 
 def test_a_first_token_is_delivered_before_the_steps_decode_runs(model):
     """In the step where a request prefills, its first token wakes the client's loop right after the prefill,
-    before the same step's decode (whose token follows at the end of the step)."""
+    before the same step's decode runs (that decode's token is read, overlapped, in the next step)."""
     loop = asyncio.new_event_loop()
     try:
         pool = CachePool(model, max_sequences=2)
@@ -214,8 +217,49 @@ def test_a_first_token_is_delivered_before_the_steps_decode_runs(model):
             sched.step()  # prefill (first token) + one decode step (second token)
         assert at_decode == [1] and sched.totals["decode_steps"] == 1  # the loop was woken before the decode
         loop.run_until_complete(asyncio.sleep(0))
-        assert [e.token is not None for e in [handle.get_nowait(), handle.get_nowait()]] == [True, True]
+        assert handle.get_nowait().token is not None  # the first token; the decode's token is still in flight
+        assert handle.get_nowait() is None
+        with batched_wakeups():
+            sched.step()  # builds the next decode step, then reads and emits the previous one's token
+        loop.run_until_complete(asyncio.sleep(0))
+        assert handle.get_nowait().token is not None
         handle.cancel()
         sched.step()
     finally:
         loop.close()
+
+
+def test_a_stop_met_in_flight_spends_one_dropped_step_and_leaves_the_pool_clean(model):
+    """Overlapped decode: the step after a token that stops the request (a stop string here) is already built
+    when the token is read; its token is dropped, the sequence released, and the manager's placeholder id never
+    reaches a cached block."""
+    pool = CachePool(model, max_sequences=2, backend="paged",
+                     kv_config=KvCacheConfig(backend="paged", block_size=4, kv_cache_budget=1 << 22))
+    sched = Scheduler(model, None, pool)
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    free = list(direct.generate_tokens(PROMPTS[1], SamplingParams(max_tokens=8)))
+    stop_at = free[4]  # stop on the 5th greedy token (as a token id: the model has no tokenizer here)
+    params = SamplingParams(max_tokens=8)
+    request = GenerationRequest(PROMPTS[1], params)
+    handle = RequestHandle(request)
+    job = Job(request=request, handle=handle, max_tokens=8)
+    sched.add(job)
+    sched.step()  # prefill + the first decode
+    choice = sched.running[0]
+    real_emit = sched._emit
+
+    def emit(c, token, now):  # finish the choice at stop_at, as a stop string would
+        real_emit(c, token, now)
+        if token == stop_at and not c.done:
+            sched._close_choice(c, "stop")
+
+    sched._emit = emit
+    while sched.has_work():
+        sched.step()
+    tokens = [e.token for e in handle if e.kind == "token"]
+    assert tokens == free[: free.index(stop_at) + 1] and choice.done
+    assert sched.totals["decode_steps"] == len(tokens)  # one step more than the tokens it emitted after the first
+    assert len(pool) == 0
+    pool.check_invariants()
+    for block in pool.paged.manager.pool.blocks:
+        assert PLACEHOLDER not in block.token_ids

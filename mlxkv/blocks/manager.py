@@ -192,6 +192,15 @@ class KVCacheManager:
         slots = self.slot_mapping(seq_id, start, start + n)
         return SlotAllocation(seq_id, start, n, slots, new_blocks, copies, preempted)
 
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        """Name the token at an allocated, not yet committed ``position`` (allocated under a placeholder id while
+        its value was still being computed: an overlapped decode step). Ids are hashed only at commit."""
+        seq = self._running(seq_id)
+        if not seq.num_committed <= position < seq.num_allocated:
+            raise ValueError(f"position {position}: expected an allocated, uncommitted one "
+                             f"({seq.num_committed}..{seq.num_allocated - 1})")
+        seq.tokens[position] = int(token_id)
+
     def commit(self, seq_id: int, num_tokens: int | None = None) -> None:
         """Mark the next ``num_tokens`` allocated tokens as written and verified (default: all); full
         blocks of verified tokens become cached. Call it after the model step; unverified (draft) tokens

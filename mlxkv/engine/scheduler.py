@@ -89,10 +89,14 @@ class Choice:
     seq: Sequence | None
     sampler: RowSampler
     text: TextStream
-    next_input: int  # the token the next decode step feeds
+    next_input: int  # the last token emitted (or the prompt's last): what the next decode step feeds
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (a resume recomputes them)
     fresh: bool = True  # next_input is the last token of what was opened: the manager knows it (no feed)
     done: bool = False
+    # Overlapped decode: the token the last step sampled for this choice, not read yet — ``(tokens, row)``; the
+    # next step feeds it lazily. ``placeholder_at``: the position the manager holds it at under PLACEHOLDER.
+    in_flight: tuple[mx.array, int] | None = None
+    placeholder_at: int | None = None
 
 
 @dataclass(eq=False)
@@ -110,6 +114,10 @@ class Prefill:
     seats: int = 1
     seq: Sequence | None = None  # None while waiting to be (re)opened
     done: int = 0  # tokens in the cache
+
+
+#: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
+PLACEHOLDER = -1
 
 
 class Scheduler:
@@ -146,9 +154,10 @@ class Scheduler:
         self.preempted: collections.deque[Prefill] = collections.deque()  # resumed before any new admission
         self.prefilling: list[Prefill] = []
         self.running: list[Choice] = []
+        self._in_flight: list[tuple[Choice, mx.array, int]] = []  # the last decode step's tokens, not read yet
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
-                           preemptions=0, prefix_queries=0, prefix_hits=0)
+                           preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0)
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -157,7 +166,7 @@ class Scheduler:
         heapq.heappush(self.waiting, (job.request.priority, next(self._order), job))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.preempted or self.prefilling or self.running)
+        return bool(self.waiting or self.preempted or self.prefilling or self.running or self._in_flight)
 
     def jobs(self) -> list[Job]:
         """Every job not finished yet (waiting, preempted, prefilling or running)."""
@@ -366,7 +375,7 @@ class Scheduler:
     def _reserve(self) -> list[Choice]:
         """Paged: slots for every running choice's next input, preempting as needed; returns who decodes."""
         for choice in list(self.running):
-            if choice not in self.running:  # preempted to make room for an earlier choice
+            if choice not in self.running or _ends_in_flight(choice):  # preempted meanwhile / nothing to feed
                 continue
             if not self._make_room(choice.seq, 1):
                 if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
@@ -379,39 +388,78 @@ class Scheduler:
             if choice.fresh:  # the manager holds this token as the opened tokens' last: allocate its slot
                 n = seq.paged.num_tokens
                 seq.paged.slots(0, n, n + 1)
+            elif choice.in_flight is not None:  # its value is still being computed: named when it is read
+                seq.feed([PLACEHOLDER])
+                choice.placeholder_at = seq.paged.num_tokens - 1
             else:
                 seq.feed([choice.next_input])
             choice.fresh = False
-        return list(self.running)
+        return [c for c in self.running if not _ends_in_flight(c)]
 
     def _decode(self) -> None:
-        choices = self._reserve() if self.manager is not None else list(self.running)
+        """One decode step for every running choice, overlapped with reading the previous step's tokens.
+
+        The step is built from the previous step's sampled tokens while they are still being computed (fed
+        lazily; paged slots taken under a placeholder id) and handed to MLX with ``async_eval``; only then are
+        the previous tokens read, named in the manager, and emitted — so building a step's graph overlaps the
+        evaluation of the one before (mlx-lm's generation loop does the same). When blocks are short, the
+        previous tokens are read first: a preemption must see every emitted token.
+        """
+        if self._in_flight and self.manager is not None and not self._surely_fits():
+            self._land()
+        choices = self._reserve() if self.manager is not None else [c for c in self.running if not _ends_in_flight(c)]
         if not choices:
+            self._land()
             return
         self.totals["decode_steps"] += 1
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
         try:
             logits = self._forward(choices)  # (B, vocab)
             tokens = sample_rows(logits, [c.sampler for c in choices])  # (B,)
-            mx.eval(tokens)
-            tokens = tokens.tolist()
-            for c in choices:
-                c.seq.commit()
+            mx.async_eval(tokens)
         except Exception as exc:  # noqa: BLE001 - the shared forward failed: fail the requests in it
+            self._land()
             for job in {id(c.job): c.job for c in choices}.values():
                 self._fail(job, exc)
             return
+        if self._in_flight:
+            self.totals["overlapped_steps"] += 1
+        self._land()  # the previous step's tokens (named before this step's positions are committed)
+        for b, c in enumerate(choices):
+            if c.done or c.job.finished:
+                continue  # closed by its previous token: this step's token is dropped
+            c.seq.commit()
+            c.in_flight = (tokens, b)
+            self._in_flight.append((c, tokens, b))
+
+    def _surely_fits(self) -> bool:
+        """Whether every running choice's next slot fits without preempting (at most one new block per group and
+        one copy-on-write block each)."""
+        need = len(self.running) * 2 * len(self.manager.specs)
+        return self.manager.pool.num_free_blocks >= need
+
+    def _land(self) -> None:
+        """Read the last decode step's tokens; name the placeholders the step after it fed them under; emit."""
+        if not self._in_flight:
+            return
+        flights, self._in_flight = self._in_flight, []
+        values = {id(t): t.tolist() for _, t, _ in flights}  # one read per step's token array
         now = time.perf_counter()
-        for choice, token in zip(choices, tokens):
-            if choice.job.finished:
+        for choice, tokens, row in flights:
+            token = values[id(tokens)][row]
+            choice.in_flight = None
+            if choice.done or choice.job.finished:
                 continue
             try:
+                if choice.placeholder_at is not None:
+                    self.manager.set_token(choice.seq.paged.seq_id, choice.placeholder_at, token)
+                    choice.placeholder_at = None
                 self._emit(choice, token, now)
             except Exception as exc:  # noqa: BLE001
                 self._fail(choice.job, exc)
 
     def _forward(self, choices: list[Choice]) -> mx.array:
-        inputs = mx.array([[c.next_input] for c in choices], dtype=mx.uint32)  # (B, 1)
+        inputs = _decode_inputs(choices)  # (B, 1)
         if self.batched and len(choices) > 1:
             views: list = []
             try:
@@ -484,6 +532,23 @@ class Scheduler:
                 per_choice = job.completion_tokens / len(job.choices)
                 tpot = (job.last_token_at - job.first_token_at) / max(per_choice - 1, 1)
             self.observer.on_request_finished(finish_reason or event.finish_reason or outcome, usage, tpot)
+
+
+def _ends_in_flight(choice: Choice) -> bool:
+    """Whether the choice's in-flight token is its last by length (no step is spent on what would follow it)."""
+    return choice.in_flight is not None and len(choice.generated) + 1 >= choice.job.max_tokens
+
+
+def _decode_inputs(choices: list[Choice]) -> mx.array:
+    """The step's input tokens ``(B, 1)`` uint32: in-flight tokens lazily (without reading them), others as given."""
+    flights = [c.in_flight for c in choices]
+    first = flights[0]
+    if first is not None and first[0].shape[0] == len(choices) and all(
+            f is not None and f[0] is first[0] and f[1] == b for b, f in enumerate(flights)):
+        return first[0][:, None]  # the whole previous batch, in order
+    parts = [f[0][f[1]:f[1] + 1] if f is not None else mx.array([c.next_input], dtype=mx.uint32)
+             for c, f in zip(choices, flights)]
+    return mx.concatenate(parts)[:, None]
 
 
 def _cache_arrays(caches: list) -> list[mx.array]:
