@@ -279,6 +279,10 @@ class Scheduler:
 
     def _preempt_choice(self, choice: Choice) -> None:
         """Release a decoding choice's sequence; it resumes with its prompt + generated tokens as the prompt."""
+        if choice.in_flight is not None:
+            self._land()  # its last sampled token belongs to what it resumes with
+            if choice.done or choice.job.finished:
+                return
         self.running.remove(choice)
         self._release(choice.seq)
         choice.seq = None
@@ -378,6 +382,9 @@ class Scheduler:
             if choice not in self.running or _ends_in_flight(choice):  # preempted meanwhile / nothing to feed
                 continue
             if not self._make_room(choice.seq, 1):
+                self._land()  # (normally done already: _decode reads in-flight tokens first when blocks are short)
+                if choice.done or choice.job.finished:
+                    continue
                 if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
                     choice.job.handle.put(Event("token", index=choice.index, finish_reason="length"))
                     self._close_choice(choice, "length")
