@@ -20,6 +20,38 @@ def scale_close(a, b, tol=1e-5):
     return mx.abs(a - b).max().item() <= tol * max(1.0, mx.abs(b).max().item())
 
 
+def prefill(model, pool, prompts):
+    """Open and prefill each prompt in the paged pool (after the previous one committed, so later prompts take its
+    cached prefix) and over dense caches; returns the sequences, the dense caches and the first greedy tokens."""
+    seqs, dense, tokens = [], [], []
+    for p in prompts:
+        seq = pool.open(prompt=p)
+        seqs.append(seq)
+        model(mx.array(p[seq.num_cached:])[None], cache=seq.caches)
+        seq.commit()
+        dense.append(make_caches(model))
+        tokens.append(int(mx.argmax(model(mx.array(p)[None], cache=dense[-1])[0, -1]).item()))
+    return seqs, dense, tokens
+
+
+def decode_batched_vs_dense(model, seqs, dense, tokens, on_step=lambda views: None):
+    """STEPS greedy steps: the paged sequences in one batched forward (``on_step`` sees its views), each dense
+    cache alone; every row's logits must match. Returns the last step's views."""
+    for _ in range(STEPS):
+        for seq, t in zip(seqs, tokens):
+            seq.feed([t])
+        views = make_batch_views([s.caches for s in seqs])
+        batched = model(mx.array(tokens)[:, None], cache=views)[:, -1]  # (B, vocab)
+        on_step(views)
+        for seq in seqs:
+            seq.commit()
+        singles = [model(mx.array([[t]]), cache=d)[0, -1] for t, d in zip(tokens, dense)]
+        for b in range(len(seqs)):
+            assert scale_close(batched[b], singles[b]), (b, mx.abs(batched[b] - singles[b]).max().item())
+        tokens = [int(mx.argmax(x).item()) for x in singles]
+    return views
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "deepseek_v3"])
 def test_batched_paged_decode_equals_single_dense(arch, monkeypatch):
     calls = []
@@ -30,26 +62,13 @@ def test_batched_paged_decode_equals_single_dense(arch, monkeypatch):
     install_attention_hook(model)
     pool = CachePool(model, backend="paged", num_blocks=200,
                      kv_config=KvCacheConfig(backend="paged", block_size=4))
-    seqs = [pool.open(prompt=p) for p in PROMPTS]
-    dense = [make_caches(model) for _ in PROMPTS]
-    tokens = []
-    for seq, d, p in zip(seqs, dense, PROMPTS):
-        model(mx.array(p)[None], cache=seq.caches)
-        seq.commit()
-        tokens.append(int(mx.argmax(model(mx.array(p)[None], cache=d)[0, -1]).item()))
-    for _ in range(STEPS):
-        for seq, t in zip(seqs, tokens):
-            seq.feed([t])
-        views = make_batch_views([s.caches for s in seqs])
+    seqs, dense, tokens = prefill(model, pool, PROMPTS)
+
+    def check(views):
         assert any(isinstance(v, PagedBatchView) for v in views)
-        batched = model(mx.array(tokens)[:, None], cache=views)[:, -1]  # (B, vocab)
         check_attended(views)
-        for seq in seqs:
-            seq.commit()
-        singles = [model(mx.array([[t]]), cache=d)[0, -1] for t, d in zip(tokens, dense)]
-        for b in range(len(seqs)):
-            assert scale_close(batched[b], singles[b]), (b, mx.abs(batched[b] - singles[b]).max().item())
-        tokens = [int(mx.argmax(s).item()) for s in singles]
+
+    views = decode_batched_vs_dense(model, seqs, dense, tokens, on_step=check)
     n_paged_layers = sum(isinstance(v, PagedBatchView) for v in views)
     if arch == "deepseek_v3":
         assert calls == []  # MLA attends its own latent tensors: per-sequence dense attention
@@ -77,24 +96,9 @@ def test_shared_prefix_is_attended_once_as_a_view(arch, monkeypatch):
                      kv_config=KvCacheConfig(backend="paged", block_size=4))
     system = [(5 * i) % 900 + 10 for i in range(30)]
     prompts = [system + [100 + k, 200 + k, 300 + k][: k + 1] for k in range(3)]
-    seqs, dense, tokens = [], [make_caches(model) for _ in prompts], []
-    for p, d in zip(prompts, dense):
-        seq = pool.open(prompt=p)  # the second and third hit the first one's committed system-prompt blocks
-        seqs.append(seq)
-        model(mx.array(p[seq.num_cached:])[None], cache=seq.caches)
-        seq.commit()
-        tokens.append(int(mx.argmax(model(mx.array(p)[None], cache=d)[0, -1]).item()))
+    seqs, dense, tokens = prefill(model, pool, prompts)  # the second and third hit the first one's system prompt
     assert all(s.num_cached >= 28 for s in seqs[1:])  # 7 whole blocks of the system prompt (or more: partial reuse)
-    for _ in range(STEPS):
-        for seq, t in zip(seqs, tokens):
-            seq.feed([t])
-        batched = model(mx.array(tokens)[:, None], cache=make_batch_views([s.caches for s in seqs]))[:, -1]
-        for seq in seqs:
-            seq.commit()
-        singles = [model(mx.array([[t]]), cache=d)[0, -1] for t, d in zip(tokens, dense)]
-        for b in range(len(seqs)):
-            assert scale_close(batched[b], singles[b]), (b, mx.abs(batched[b] - singles[b]).max().item())
-        tokens = [int(mx.argmax(s).item()) for s in singles]
+    decode_batched_vs_dense(model, seqs, dense, tokens)
     assert len(calls) == STEPS * len(model.layers) and all(c == [7] for c in calls)
     for seq in seqs:
         pool.release(seq.id)
@@ -113,23 +117,8 @@ def test_long_sequences_in_a_batch_attend_in_place_one_by_one(monkeypatch):
     install_attention_hook(model)
     pool = CachePool(model, backend="paged", num_blocks=200,
                      kv_config=KvCacheConfig(backend="paged", block_size=4, enable_block_reuse=False))
-    seqs = [pool.open(prompt=p) for p in PROMPTS]
-    dense = [make_caches(model) for _ in PROMPTS]
-    tokens = []
-    for seq, d, p in zip(seqs, dense, PROMPTS):
-        model(mx.array(p)[None], cache=seq.caches)
-        seq.commit()
-        tokens.append(int(mx.argmax(model(mx.array(p)[None], cache=d)[0, -1]).item()))
-    for _ in range(STEPS):
-        for seq, t in zip(seqs, tokens):
-            seq.feed([t])
-        batched = model(mx.array(tokens)[:, None], cache=make_batch_views([s.caches for s in seqs]))[:, -1]
-        for seq in seqs:
-            seq.commit()
-        singles = [model(mx.array([[t]]), cache=d)[0, -1] for t, d in zip(tokens, dense)]
-        for b in range(len(seqs)):
-            assert scale_close(batched[b], singles[b]), (b, mx.abs(batched[b] - singles[b]).max().item())
-        tokens = [int(mx.argmax(s).item()) for s in singles]
+    seqs, dense, tokens = prefill(model, pool, PROMPTS)
+    decode_batched_vs_dense(model, seqs, dense, tokens)
     assert len(calls) == STEPS * len(model.layers) * len(PROMPTS) and max(calls) >= 2  # growth interleaves blocks
     for seq in seqs:
         pool.release(seq.id)

@@ -151,3 +151,11 @@ def check_paged_inputs(
     if sinks is not None and sinks.shape != (H,):
         raise ValueError(f"sinks must be [n_heads={H}], got {sinks.shape}")
     return B, H, D, block_size, kv_heads, H // kv_heads
+
+
+def consecutive(block_ids: list[int]) -> int | None:
+    """The first id when ``block_ids`` are consecutive ascending real blocks (``b, b+1, ...``), else None."""
+    if not block_ids or block_ids[0] == 0:
+        return None
+    first = block_ids[0]
+    return first if block_ids == list(range(first, first + len(block_ids))) else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cascade import PrefixGroup
+from .layout import consecutive
 from .paged_attention_ref import gather_head_major
 
 
@@ -101,8 +102,8 @@ def _spread(x: mx.array, idx: mx.array, shape: tuple[int, ...], fill: float) -> 
 def _shared_rows(k_pages: mx.array, v_pages: mx.array, ids: list[int]) -> tuple[mx.array, mx.array]:
     """The rows of pages ``ids`` as ``(KVH, len(ids) * bs, D)``: a view when they are consecutive."""
     KVH, _, bs, D = k_pages.shape
-    first = ids[0]
-    if ids == list(range(first, first + len(ids))):
+    first = consecutive(ids)
+    if first is not None:
         return tuple(p[:, first:first + len(ids)].reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
     idx = mx.array(ids, dtype=mx.int32)
     return tuple(mx.take(p, idx, axis=1).reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlxkv.blocks import CopyOp, KVCacheManager
-from mlxkv.paged.storage import PagedStorage, consecutive
+from mlxkv.kernels.layout import consecutive
+from mlxkv.paged.storage import PagedStorage
 
 
 class PagedPoolExhausted(RuntimeError):

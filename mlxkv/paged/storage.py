@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlxkv.kernels import kv_write
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
+from mlxkv.kernels.layout import consecutive
 
 
 def _scatter(pages: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
@@ -129,11 +130,3 @@ def _as_rows(pages: mx.array) -> mx.array:
     """``(H, NB, bs, D)`` pages as ``(1, H, NB * bs, D)`` rows."""
     H, NB, bs, D = pages.shape
     return pages.reshape(1, H, NB * bs, D)
-
-
-def consecutive(block_ids: list[int]) -> int | None:
-    """The first id when ``block_ids`` are consecutive ascending real blocks (``b, b+1, ...``), else None."""
-    if not block_ids or block_ids[0] == 0:
-        return None
-    first = block_ids[0]
-    return first if block_ids == list(range(first, first + len(block_ids))) else None
