@@ -45,8 +45,9 @@ QUESTIONS = ["What is a tuple?", "How does import work?", "What is a generator?"
              "What does yield from do?", "How are arguments passed?", "What is a closure?"]
 
 
-def write_model(out: Path, hidden: int, layers: int, seed: int = 0) -> Path:
-    """A random-weight float32 llama with the test tokenizer, saved where both servers can load it."""
+def write_model(out: Path, hidden: int, layers: int, seed: int = 0, context: int = 4096) -> Path:
+    """A random-weight float32 llama with the test tokenizer (``context`` positions), saved where both servers
+    can load it."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes, save_config
@@ -57,7 +58,8 @@ def write_model(out: Path, hidden: int, layers: int, seed: int = 0) -> Path:
     config = get_config("llama")
     heads = max(1, hidden // 64)
     config.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
-                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                  max_position_embeddings=context)
     model_class, args_class = _get_classes(config=config)
     model = model_class(args_class.from_dict(config))
     mx.random.seed(seed)
@@ -269,6 +271,7 @@ def main() -> None:
     p.add_argument("--model", help="model folder both servers load (default: write a random llama)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=4096, help="the random llama's context length (positions)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -299,8 +302,9 @@ def main() -> None:
     model = args.model
     if model is None:
         tmp = tempfile.TemporaryDirectory()
-        model = str(write_model(Path(tmp.name) / "llama", args.hidden, args.layers))
-        print(f"model: random llama hidden={args.hidden} layers={args.layers} (test tokenizer) in {model}")
+        model = str(write_model(Path(tmp.name) / "llama", args.hidden, args.layers, context=args.context))
+        print(f"model: random llama hidden={args.hidden} layers={args.layers} context={args.context} (test tokenizer) "
+              f"in {model}")
     MODEL_NAME[0] = model
     SHARED[0] = PREFIX * args.prefix_repeat
     results = bench(model, args.clients, args.requests_per_client, args.max_tokens, args.workload, args.rounds,

@@ -195,3 +195,27 @@ def test_runs_attention_equals_flat(gqa, dtype):
     got = runs_attention(case.queries, k_rows, v_rows, runs, scale=0.125)
     assert got.shape == flat.shape and got.dtype == dtype
     assert max_abs_error(got, flat) <= TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("last_run", [2, 9])
+def test_runs_attention_of_a_prefill_chunk_equals_causal_sdpa(gqa, dtype, last_run):
+    """A 5-query chunk (the newest 5 of 70 rows) over four runs, causally: equal to dense causal SDPA over the
+    same rows in order. ``last_run=2``: the last run starts after the chunk's first query (queries 0-2 see none of
+    it: the all-masked state); ``9``: the chunk's rows span the last two runs."""
+    from mlxkv.kernels.page_views_ref import runs_attention
+
+    bs, L, n_q, KVH, D = 16, 70, 5, 2, 64
+    NB = 32
+    k_rows, v_rows = (mx.random.normal((1, KVH, NB * bs, D), key=mx.random.key(s)).astype(dtype) for s in (1, 2))
+    queries = mx.random.normal((1, KVH * gqa, n_q, D), key=mx.random.key(3)).astype(dtype)
+    lengths = [bs, 2 * bs, L - 3 * bs - last_run, last_run]  # rows per run, in position order
+    firsts = [3 * bs, 7 * bs, 12 * bs + 4, 20 * bs]  # each run's first stored row
+    runs = list(zip(firsts, lengths, strict=True))
+    rows = mx.concatenate([mx.arange(f, f + n) for f, n in runs])  # (L,) the positions' stored rows
+    keys, values = k_rows[:, :, rows], v_rows[:, :, rows]  # (1, KVH, L, D)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    got = runs_attention(queries, k_rows, v_rows, runs, scale=0.125)
+    assert got.shape == expected.shape and got.dtype == dtype
+    assert max_abs_error(got, expected) <= TOLERANCES[dtype]

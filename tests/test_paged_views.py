@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.paged import layer_cache as layer_cache_module
-from mlxkv.paged.storage import PagedStorage, consecutive
+from mlxkv.paged.storage import MAX_CONCAT_RUNS, PagedStorage, consecutive, page_runs
 
 
 @pytest.mark.parametrize("ids, want", [([3, 4, 5], 3), ([7], 7), ([3, 5, 4], None), ([3, 4, 6], None),
@@ -25,9 +25,20 @@ def filled_storage(num_blocks=64, bs=16, heads=2, dim=32, seed=0):
     return storage, k, v
 
 
+@pytest.mark.parametrize(("ids", "limit", "want"), [
+    ([4, 5, 6, 9, 10, 2], 8, [(4, 3), (9, 2), (2, 1)]),
+    ([4, 5, 6, 9, 10, 2], 2, None),
+    ([7], 1, [(7, 1)]),
+])
+def test_page_runs(ids, limit, want):
+    assert page_runs(ids, limit) == want
+
+
 def test_gather_matches_the_written_rows_for_consecutive_and_scattered_pages():
     storage, k, v = filled_storage()
-    for ids in ([5, 6, 7, 8], [9, 2, 30, 4]):
+    scattered = [9, 2, 30, 4, 17, 11, 25, 6, 13, 21]  # 10 runs: past MAX_CONCAT_RUNS, indexed page by page
+    assert len(scattered) > MAX_CONCAT_RUNS
+    for ids in ([5, 6, 7, 8], [9, 2, 3, 30, 31, 4], scattered):  # one view / runs concatenated / mx.take
         got_k, got_v = storage.gather(0, ids, 3, 50)  # rows 3 .. 52 of the concatenated pages
         slots = mx.array([b * 16 + r for b in ids for r in range(16)][3:53])
         assert got_k.shape == (1, 2, 50, 32)
@@ -90,4 +101,45 @@ def test_scattered_pages_decode_through_page_runs_then_the_kernel(monkeypatch):
     assert runs and max(runs) == layer_cache_module.MAX_VIEW_RUNS and min(runs) >= 2 and kernel
     for seq in (a, b):
         pool.release(seq.id)
+    pool.check_invariants()
+
+
+def test_prefill_after_a_prefix_hit_attends_page_runs_in_place(monkeypatch):
+    """A prompt whose first blocks are a prefix-cache hit prefills its suffix into new blocks away from the
+    cached ones: the chunk attends to the runs in place (runs_attention, causal) and its logits and the next
+    decode step equal a dense cache's over the whole prompt."""
+    from mlxkv.cache import make_caches
+    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.pool import CachePool
+    from mlxkv.testing.archs import build_model
+
+    runs = []
+    real_runs = layer_cache_module.runs_attention
+    monkeypatch.setattr(layer_cache_module, "reference_on_views", lambda: True)
+    monkeypatch.setattr(layer_cache_module, "runs_attention",
+                        lambda *a, **kw: runs.append((a[0].shape[2], len(a[3]))) or real_runs(*a, **kw))
+    model, _ = build_model("llama")
+    install_attention_hook(model)
+    pool = CachePool(model, backend="paged", num_blocks=64, kv_config=KvCacheConfig(backend="paged", block_size=4))
+    shared = list(range(1, 14))  # 3 whole blocks + 1 token
+    first = pool.open(prompt=shared + [20, 21])
+    mx.eval(model(mx.array([shared + [20, 21]], dtype=mx.uint32), cache=first.caches))
+    first.commit()
+    prompt = shared + [30, 31, 32, 33, 34, 35]
+    seq = pool.open(prompt=prompt)
+    assert seq.num_cached == 12  # the 3 whole shared blocks
+    got = model(mx.array([prompt[12:]], dtype=mx.uint32), cache=seq.caches)[0]  # (7, vocab)
+    seq.commit()
+    assert consecutive(seq.paged.host_table(0)) is None  # its own blocks come after `first`'s
+    assert runs and all(n_q == 7 and n_runs >= 2 for n_q, n_runs in runs)
+    dense = make_caches(model)
+    expected = model(mx.array([prompt], dtype=mx.uint32), cache=dense)[0, 12:]  # (7, vocab)
+    assert mx.abs(got - expected).max().item() <= 1e-5 * max(1.0, mx.abs(expected).max().item())
+    seq.feed([40])
+    got = model(mx.array([[40]], dtype=mx.uint32), cache=seq.caches)[0, -1]
+    expected = model(mx.array([[40]], dtype=mx.uint32), cache=dense)[0, -1]
+    assert mx.abs(got - expected).max().item() <= 1e-5 * max(1.0, mx.abs(expected).max().item())
+    for s in (first, seq):
+        pool.release(s.id)
     pool.check_invariants()

@@ -1,4 +1,4 @@
-"""Decode attention over *views* of the pages, for the pure-MLX path: no copy of rows that sit together.
+"""Attention over *views* of the pages, for the pure-MLX path: no copy of rows that sit together.
 
 On the CPU (any backend where the paged kernel is the reference) the kernel gathers every visible row of a
 sequence each step. Two common cases need no such copy:
@@ -8,11 +8,11 @@ sequence each step. Two common cases need no such copy:
   queries stacked as rows (``(KVH, n * G, D) @ (KVH, D, P)``), reading the pages in place when they are
   consecutive in the pool (else one gather for the whole group, not one per sequence); each sequence's own
   pages after the shared ones are gathered as the reference gathers them.
-* **A few runs of consecutive pages** (:func:`runs_attention`, one sequence): each run is a zero-copy slice of
-  the stored rows; one matmul pair per run.
+* **A few runs of consecutive pages** (:func:`runs_attention`, one sequence: a decode step, or a prefill chunk
+  over a cached prefix, causal): each run is a zero-copy slice of the stored rows; one matmul pair per run.
 
 The partial softmax states (max ``m``, sum ``l``, un-normalised output) are merged exactly, so the answer is
-flat attention's up to float rounding (the cascade identity). Full-attention visibility, no sinks.
+flat attention's up to float rounding (the cascade identity). Every given row visible (causally), no sinks.
 """
 
 from __future__ import annotations
@@ -78,15 +78,17 @@ def shared_prefix_attention(
     return out.transpose(1, 0, 2, 3).reshape(B, H, 1, D).astype(queries.dtype)
 
 
-def _softmax_state(scores: mx.array, v: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """Max ``(.., 1)``, sum of exponentials ``(.., 1)`` and un-normalised output ``(.., D)`` of ``scores``."""
+def _softmax_state(scores: mx.array, v: mx.array, masked: bool = False) -> tuple[mx.array, mx.array, mx.array]:
+    """Max ``(.., 1)``, sum of exponentials ``(.., 1)`` and un-normalised output ``(.., D)`` of ``scores``.
+
+    ``masked``: some rows may be all ``-inf`` (every key masked); they get the empty state ``(-inf, 0, 0)``."""
     m = scores.max(axis=-1, keepdims=True)
-    e = mx.exp(scores - m)
+    e = mx.exp(scores - (mx.where(m == -mx.inf, 0, m) if masked else m))
     return m, e.sum(axis=-1, keepdims=True), e @ v
 
 
 def _merge(m1, l1, o1, m2, l2, o2) -> tuple[mx.array, mx.array, mx.array]:
-    """Combine two softmax states over disjoint keys (``m1`` finite: every row has its own token)."""
+    """Combine two softmax states over disjoint keys (``m1`` finite: every query sees the first key)."""
     m = mx.maximum(m1, m2)
     a1, a2 = mx.exp(m1 - m), mx.exp(m2 - m)
     return m, l1 * a1 + l2 * a2, o1 * a1 + o2 * a2
@@ -111,25 +113,38 @@ def _shared_rows(k_pages: mx.array, v_pages: mx.array, ids: list[int]) -> tuple[
 
 def runs_attention(queries: mx.array, k_rows: mx.array, v_rows: mx.array, runs: list[tuple[int, int]], *,
                    scale: float) -> mx.array:
-    """One sequence's decode attention over ``runs`` ``(first row, rows)`` of the stored rows.
+    """One sequence's attention over ``runs`` ``(first row, rows)`` of the stored rows, causal.
+
+    The ``L`` queries are the sequence's newest ``L`` positions, i.e. the last ``L`` of the runs' rows: query
+    ``i`` sees every row up to its own (``L == 1``, a decode step, sees them all; ``L > 1``, a prefill chunk
+    over a cached prefix, is masked only in the runs holding the chunk's own rows).
 
     Args:
-        queries: ``(1, H, 1, D)``.
+        queries: ``(1, H, L, D)``.
         k_rows, v_rows: the pages stored as rows ``(1, KVH, NB * bs, D)`` (:mod:`mlxkv.paged.storage`).
-        runs: the visible rows as ranges of consecutive rows (at least one row in all).
+        runs: the visible rows in position order as ranges of consecutive rows (at least ``L`` rows in all).
 
     Returns:
-        ``(1, H, 1, D)`` in the query dtype.
+        ``(1, H, L, D)`` in the query dtype.
     """
-    _, H, _, D = queries.shape
+    _, H, L, D = queries.shape
     KVH = k_rows.shape[1]
-    q = queries.reshape(KVH, H // KVH, D).astype(mx.float32) * scale  # (KVH, G, D)
-    state = None
+    G = H // KVH
+    q = queries.reshape(KVH, G * L, D).astype(mx.float32) * scale  # (KVH, G * L, D): row g * L + i
+    first_query = sum(n for _, n in runs) - L  # position (within the runs) of query 0
+    query_pos = mx.arange(first_query, first_query + L, dtype=mx.int32)  # (L,)
+    state, pos = None, 0
     for row, n in runs:
         k, v = k_rows[0, :, row:row + n], v_rows[0, :, row:row + n]  # (KVH, n, D) views
         if k.dtype != mx.float32:
             k, v = k.astype(mx.float32), v.astype(mx.float32)
-        part = _softmax_state(q @ k.swapaxes(-1, -2), v)  # (KVH, G, 1), (KVH, G, 1), (KVH, G, D)
+        scores = q @ k.swapaxes(-1, -2)  # (KVH, G * L, n)
+        masked = pos + n - 1 > first_query  # some row lies past a query
+        if masked:
+            seen = mx.arange(pos, pos + n, dtype=mx.int32)[None] <= query_pos[:, None]  # (L, n)
+            scores = mx.where(mx.tile(seen, (G, 1)), scores, -mx.inf)
+        part = _softmax_state(scores, v, masked and pos > first_query)  # all-masked rows only past query 0  # (KVH, G * L, 1), (KVH, G * L, 1), (KVH, G * L, D)
         state = part if state is None else _merge(*state, *part)
+        pos += n
     _, l, o = state
-    return (o / l).reshape(1, H, 1, D).astype(queries.dtype)
+    return (o / l).reshape(1, H, L, D).astype(queries.dtype)

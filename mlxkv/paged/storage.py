@@ -22,6 +22,10 @@ from mlxkv.kernels import kv_write
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
 from mlxkv.kernels.layout import consecutive
 
+#: A gather of pages lying in at most this many runs of consecutive pages concatenates those slices (a few
+#: contiguous copies) instead of indexing every page (measured ~1.8x faster for a 4K-row prefix + a few pages).
+MAX_CONCAT_RUNS = 8
+
 
 def _scatter(pages: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
     """Write ``rows`` ``(T, H, D)`` into flat ``slots`` of ``pages`` (for K/V pairs of unequal shapes)."""
@@ -96,19 +100,25 @@ class PagedStorage:
                start: int | None = -1) -> tuple[mx.array, mx.array]:
         """Rows ``[first, first + length)`` of the concatenated pages ``block_ids``, as ``(1, kv_heads, length,
         D)`` keys and values. Pages that are consecutive in the pool (:func:`consecutive`) come back as a
-        zero-copy view, in exactly a dense cache's layout; others as a lazy ``mx.take`` (computed if used).
-        ``start``: ``consecutive(block_ids)`` when the caller already knows it."""
+        zero-copy view, in exactly a dense cache's layout; pages in at most ``MAX_CONCAT_RUNS`` runs of
+        consecutive pages as a lazy concatenation of those slices; others as a lazy ``mx.take`` (computed if
+        used). The values are the same in every case. ``start``: ``consecutive(block_ids)`` when the caller
+        already knows it."""
         if start == -1:
             start = consecutive(block_ids)
         bs = self.block_size
+        runs = None if start is not None else page_runs(block_ids, MAX_CONCAT_RUNS)
         out = []
         for rows in (self.k_rows[layer], self.v_rows[layer]):  # (1, H, NB * bs, D)
             if start is not None:  # one slice of the rows, exactly a dense cache's read: no copy
                 row = start * bs + first
                 out.append(rows[:, :, row:row + length])  # (1, H, length, D)
-                continue
-            p = mx.take(_as_pages(rows, bs), mx.array(block_ids, dtype=mx.int32), axis=1)  # (H, n, bs, D)
-            out.append(p.reshape(1, p.shape[0], -1, p.shape[-1])[:, :, first:first + length])  # (1, H, length, D)
+            elif runs is not None:  # a few slices, copied once into one array
+                parts = [rows[:, :, b * bs:(b + n) * bs] for b, n in runs]  # (1, H, n * bs, D) views
+                out.append(mx.concatenate(parts, axis=2)[:, :, first:first + length])  # (1, H, length, D)
+            else:
+                p = mx.take(_as_pages(rows, bs), mx.array(block_ids, dtype=mx.int32), axis=1)  # (H, n, bs, D)
+                out.append(p.reshape(1, p.shape[0], -1, p.shape[-1])[:, :, first:first + length])  # (1, H, length, D)
         return out[0], out[1]
 
     def arrays(self) -> list[mx.array]:
@@ -118,6 +128,19 @@ class PagedStorage:
     def nbytes(self) -> int:
         """Bytes of the allocated page arrays (the whole pool share of every layer written so far)."""
         return sum(a.nbytes for a in self.arrays())
+
+
+def page_runs(block_ids: list[int], limit: int) -> list[tuple[int, int]] | None:
+    """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        elif len(runs) == limit:
+            return None
+        else:
+            runs.append((b, 1))
+    return runs
 
 
 def _as_pages(rows: mx.array, block_size: int) -> mx.array:
