@@ -63,6 +63,23 @@ def test_hash_algorithms_and_choices():
             make_hash_fn("xxhash")
 
 
+def test_memoized_hash_returns_the_same_hashes_and_hashes_a_seen_prefix_once():
+    from mlxkv.blocks.hashing import MemoizedHash
+
+    calls = []
+    memo = MemoizedHash(lambda p, t, e: calls.append(t) or sha256_block_hash(p, t, e), max_entries=3)
+    tokens = list(range(16))
+    first = extend_block_hashes(memo, tokens, 12, 4, HashContext(salt="a"), [])
+    assert first == extend_block_hashes(sha256_block_hash, tokens, 12, 4, HashContext(salt="a"), [])
+    assert len(calls) == 3
+    assert extend_block_hashes(memo, tokens, 12, 4, HashContext(salt="a"), []) == first
+    assert len(calls) == 3  # all three from the memo
+    assert extend_block_hashes(memo, tokens, 12, 4, HashContext(salt="b"), []) != first  # the salt is in the key
+    assert len(calls) == 6 and len(memo) == 3  # bounded: the oldest entries went
+    with pytest.raises(ValueError):
+        MemoizedHash(sha256_block_hash, max_entries=0)
+
+
 def test_salt_enters_first_block_only_and_is_carried_by_the_chain():
     ctx = HashContext(salt="tenant-a", extra=("lora",), spans=((5, 9, "img0"),))
     assert ctx.block_extra_keys(0, 4) == (("x", ("lora",)), ("s", "tenant-a"))

@@ -102,6 +102,35 @@ def make_hash_fn(algo: str | HashFn = "sha256") -> HashFn:
     raise ValueError(f"hash_algo={algo!r}: expected one of {', '.join(HASH_ALGOS)} or a callable")
 
 
+class MemoizedHash:
+    """A deterministic block hash function with a bounded memo of its last ``max_entries`` results.
+
+    A prompt prefix seen before (a shared system prompt, a conversation's earlier turns) is hashed with one
+    dict lookup per block instead of sha256 over its canonical bytes: opening a 4K-token prompt spent ~5 ms
+    hashing on the engine thread (measured, 250 blocks of 16). Oldest entries go first when full.
+    """
+
+    def __init__(self, fn: HashFn, max_entries: int = 1 << 14):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.fn = fn
+        self.max_entries = max_entries
+        self._memo: dict[tuple, BlockHash] = {}
+
+    def __call__(self, parent: BlockHash | None, tokens: tuple[int, ...], extra_keys: tuple) -> BlockHash:
+        key = (parent, tokens, extra_keys)
+        found = self._memo.get(key)
+        if found is None:
+            found = self.fn(parent, tokens, extra_keys)
+            if len(self._memo) >= self.max_entries:
+                del self._memo[next(iter(self._memo))]  # the oldest entry (dicts keep insertion order)
+            self._memo[key] = found
+        return found
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+
 @dataclass(frozen=True, slots=True)
 class HashContext:
     """What besides the tokens decides a request's K/V, turned into each block's extra keys.

@@ -21,7 +21,7 @@ from mlxkv.blocks.block_pool import BlockPool
 from mlxkv.blocks.coordinator import PrefixHit
 from mlxkv.blocks.events import KVEventBuffer
 from mlxkv.blocks.eviction import EvictionPolicy
-from mlxkv.blocks.hashing import HashContext, HashFn, extend_block_hashes, make_hash_fn
+from mlxkv.blocks.hashing import HashContext, HashFn, MemoizedHash, extend_block_hashes, make_hash_fn
 from mlxkv.blocks.retention import DEFAULT_RETENTION, RetentionConfig
 from mlxkv.blocks.sequence import (
     GroupTable,
@@ -75,6 +75,8 @@ class KVCacheManager:
             events=KVEventBuffer(event_capacity), clock=clock,
         )
         self.hash_fn = make_hash_fn(hash_algo)
+        if hash_algo in ("sha256", "xxhash"):  # slow per block: remember recent prefixes' hashes
+            self.hash_fn = MemoizedHash(self.hash_fn)
         self.tables = BlockTables(
             self.pool, self.specs, self.hash_fn, enable_block_reuse=enable_block_reuse,
             enable_partial_reuse=enable_partial_reuse, copy_on_partial_reuse=copy_on_partial_reuse,
