@@ -229,6 +229,35 @@ def test_a_first_token_is_delivered_before_the_steps_decode_runs(model):
         loop.close()
 
 
+def test_each_prefill_wakes_its_client_before_the_next_prefill_runs(model):
+    """Requests admitted in the same step prefill one after the other: each one's first token wakes the client's
+    loop as soon as its own prefill ends, not when the step's last prefill does."""
+    loop = asyncio.new_event_loop()
+    try:
+        pool = CachePool(model, max_sequences=3)
+        sched = Scheduler(model, None, pool)
+        handles = []
+        for prompt in PROMPTS[:3]:
+            request = GenerationRequest(prompt, PARAMS)
+            handles.append(RequestHandle(request, loop=loop))
+            sched.add(Job(request=request, handle=handles[-1], max_tokens=PARAMS.max_tokens))
+        delivery = delivery_for(loop)
+        before, at_open = delivery.wakeups, []
+        open_ = sched._open
+        sched._open = lambda task: at_open.append(delivery.wakeups - before) or open_(task)
+        with batched_wakeups():
+            sched.step()  # three prefills, then one decode step
+        assert at_open == [0, 1, 1]  # woken after the first prefill; the second's token joins the pending drain
+        loop.run_until_complete(asyncio.sleep(0))
+        assert all(h.get_nowait().token is not None for h in handles)  # every first token arrived
+        for h in handles:
+            h.cancel()
+        sched.step()
+        assert len(pool) == 0
+    finally:
+        loop.close()
+
+
 def test_a_stop_met_in_flight_spends_one_dropped_step_and_leaves_the_pool_clean(model):
     """Overlapped decode: the step after a token that stops the request (a stop string here) is already built
     when the token is read; its token is dropped, the sequence released, and the manager's placeholder id never

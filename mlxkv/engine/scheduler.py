@@ -185,7 +185,7 @@ class Scheduler:
                           "cancelled")
         self._admit()
         self._prefill()
-        flush_wakeups()  # first tokens sampled by this step's prefills go out before its decode runs
+        flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
         self._decode()
 
     def _seats(self) -> int:
@@ -324,6 +324,8 @@ class Scheduler:
                     budget -= n
                 if task.done == target:
                     self._start_decoding(task, last_logits)
+                    if last_logits is not None:
+                        flush_wakeups()  # its first token goes out now, not after the step's other prefills
             except Exception as exc:  # noqa: BLE001
                 self._fail(task.job, exc)
             if budget == 0:
