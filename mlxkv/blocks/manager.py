@@ -21,7 +21,13 @@ from mlxkv.blocks.block_pool import BlockPool
 from mlxkv.blocks.coordinator import PrefixHit
 from mlxkv.blocks.events import KVEventBuffer
 from mlxkv.blocks.eviction import EvictionPolicy
-from mlxkv.blocks.hashing import HashContext, HashFn, MemoizedHash, extend_block_hashes, make_hash_fn
+from mlxkv.blocks.hashing import (
+    HashContext,
+    HashFn,
+    MemoizedHash,
+    extend_block_hashes,
+    make_hash_fn,
+)
 from mlxkv.blocks.retention import DEFAULT_RETENTION, RetentionConfig
 from mlxkv.blocks.sequence import (
     GroupTable,

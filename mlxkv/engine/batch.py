@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.engine.batch_probe import probe_batched_decode
+from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
 from mlxkv.engine.delivery import batched_wakeups
 from mlxkv.engine.paged_policy import max_paged_tokens
 from mlxkv.engine.request import (
@@ -105,6 +105,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._batched_reason = "not probed yet"
+        self._batched_prefill_reason = "not probed yet"
         self._snapshot: dict = {}
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -206,6 +207,7 @@ class BatchEngine:
         sched = self._scheduler
         try:
             sched.batched, self._batched_reason = self._decide_batching()
+            sched.batched_prefill, self._batched_prefill_reason = self._decide_prefill_batching(sched.batched)
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._start_error = exc
             self._running = False
@@ -244,6 +246,13 @@ class BatchEngine:
         if not ok:
             log.warning("batched decode unavailable (%s): decoding sequences one by one", reason)
         return ok, reason
+
+    def _decide_prefill_batching(self, batched_decode: bool) -> tuple[bool, str]:
+        """Batched prefill where batched decode works and the prefill probe passes (else one by one, silently:
+        it is an optimisation, and the results are the same)."""
+        if not batched_decode:
+            return False, "batched decode is off"
+        return probe_batched_prefill(self.model, self.pool)
 
     def _handle_commands(self, block: bool) -> None:
         try:
@@ -306,6 +315,8 @@ class BatchEngine:
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "batched_decode": sched.batched,
             "batched_decode_reason": self._batched_reason,
+            "batched_prefill": sched.batched_prefill,
+            "batched_prefill_reason": self._batched_prefill_reason,
             "context_length": self.context_length,
             # token-weighted, one lookup per request (parallel samples and resumes after preemption excluded)
             "prefix_cache": {"enabled": paged and self._manager.pool.enable_caching, "queries": queries,

@@ -1,4 +1,5 @@
-"""Checks once, at engine start, that batch views give the same next tokens as one-by-one decoding.
+"""Checks once, at engine start, that batch views give the same next tokens as one-by-one decoding, and that
+batched prefill (:mod:`mlxkv.engine.prefill_batch`) gives the same logits as one-by-one prefill.
 
 Some architectures read cache internals batch views do not have (e.g. mlx-lm's llama4 builds its chunk mask
 from ``cache.start_position``), and batch views need mlxkv's attention hook. The probe runs two sequences of
@@ -16,6 +17,7 @@ import mlx.core as mx
 
 from mlxkv.engine.batch_view import check_attended, make_batch_views
 from mlxkv.engine.forking import fork_caches
+from mlxkv.engine.prefill_batch import prefill_together
 from mlxkv.pool import CachePool
 
 _PROMPTS = ([3, 17, 9, 41, 5], [11, 7, 23])  # different lengths, small ids valid in any vocabulary
@@ -53,7 +55,7 @@ def _compare(batched: mx.array, single: mx.array) -> tuple[bool, str]:
     if batched.shape != single.shape:
         return False, f"batched logits have shape {batched.shape}, expected {single.shape}"
     if not mx.array_equal(mx.argmax(batched, axis=-1), mx.argmax(single, axis=-1)).item():
-        return False, "batched decode picks different tokens than one-by-one decode"
+        return False, "the batched run picks different tokens than one-by-one runs"
     scale = mx.abs(single).max().item() + 1e-6
     err = mx.abs(batched.astype(mx.float32) - single.astype(mx.float32)).max().item()
     if err > 1e-2 * scale:
@@ -92,6 +94,39 @@ def _probe_paged(model: Any, pool: CachePool) -> tuple[bool, str]:
         mx.eval(batched)
         return _compare(batched, single)
     except Exception as exc:  # noqa: BLE001 - any failure means: do not batch this model
+        return False, f"{type(exc).__name__}: {exc}"
+    finally:
+        for seq in seqs:
+            pool.release(seq.id)
+
+
+def probe_batched_prefill(model: Any, pool: CachePool) -> tuple[bool, str]:
+    """Return ``(True, "ok")`` when prefilling two prompts of different lengths in one forward gives the last
+    positions' logits of prefilling each alone, else ``(False, reason)``. Each run opens its own sequences (under
+    probe-only cache salts on paged pools, so no run reuses another's blocks), released before returning."""
+    if pool.max_sequences - len(pool) < 2:
+        return False, "no room in the pool for the probe"
+    seqs: list = []
+
+    def opened(prompt: list[int], salt: str):
+        if pool.paged is not None:
+            seqs.append(pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt))
+        else:
+            seqs.append(pool.open(prompt_length=len(prompt)))
+        return seqs[-1]
+
+    try:
+        rows = []
+        for b, prompt in enumerate(_PROMPTS):
+            seq = opened(prompt, f"mlxkv-probe-prefill-single-{b}")
+            rows.append(model(mx.array(prompt, dtype=mx.uint32)[None], cache=seq.caches)[:, -1, :])  # (1, vocab)
+            mx.eval(rows[-1])
+            pool.release(seqs.pop().id)
+        single = mx.concatenate(rows)  # (2, vocab)
+        pair = [opened(p, f"mlxkv-probe-prefill-batch-{b}") for b, p in enumerate(_PROMPTS)]
+        batched = prefill_together(model, [s.caches for s in pair], list(_PROMPTS))  # (2, vocab)
+        return _compare(batched, single)
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not batch prefills for this model
         return False, f"{type(exc).__name__}: {exc}"
     finally:
         for seq in seqs:

@@ -8,9 +8,12 @@ Runs on the engine thread only (it owns the model and the CachePool). Each :meth
 3. prefills up to ``prefill_chunk_size`` prompt tokens over the admitted sequences, in admission order;
    a sequence is opened (paged: its prefix hit taken) only when its turn comes, i.e. once every sequence
    ahead of it has prefilled: requests admitted together that share an uncached prefix compute it once (the
-   first commits its blocks, the next ones open after it and hit them: in-flight prefix sharing). A prompt
-   is prefilled except its last token, as mlx-lm's ``generate_step`` does, and from ``seq.num_cached`` on
-   (the paged prefix hit); then ``n > 1`` makes the other samples' sequences (dense:
+   first commits its blocks, the next ones open after it and hit them: in-flight prefix sharing). With batched
+   prefill on (:mod:`mlxkv.engine.prefill_batch`), the step's chunks of at most ``MAX_BATCHED_CHUNK`` tokens
+   run in one forward after the others (sharing in flight then covers what was committed before the step). A
+   request's own prompt is prefilled whole and its first token sampled from the last position's logits; a
+   resumed or sample sequence's except its last token, as mlx-lm's ``generate_step`` does; from
+   ``seq.num_cached`` on (the paged prefix hit). Then ``n > 1`` makes the other samples' sequences (dense:
    copied caches; paged: sequences opened on the same prompt, which take its cached blocks) and the choices
    join the running set;
 4. runs one decode forward for every running sequence, whatever their lengths (batch views, see
@@ -39,12 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mlxkv.engine.batch_view import BatchUnsupported, check_attended, make_batch_views
 from mlxkv.engine.delivery import flush_wakeups
 from mlxkv.engine.forking import fork_caches
 from mlxkv.engine.paged_policy import apply_request_policy, blocks_needed
+from mlxkv.engine.prefill_batch import cache_arrays, prefill_together
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.row_sampler import RowSampler, sample_rows
 from mlxkv.engine.text_stream import TextStream
@@ -118,6 +121,9 @@ class Prefill:
 
 #: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
 PLACEHOLDER = -1
+#: Prefill chunks of at most this many tokens may share one batched forward (a longer one would pad every row of
+#: the batch to its length); see :mod:`mlxkv.engine.prefill_batch`.
+MAX_BATCHED_CHUNK = 128
 
 
 class Scheduler:
@@ -132,12 +138,14 @@ class Scheduler:
         observer: receives timings.
         on_dequeue: called once per request leaving the waiting queue (admitted or dropped).
         batched: ``False`` decodes sequences one by one; ``True`` uses batch views.
+        batched_prefill: prefill chunks of up to ``MAX_BATCHED_CHUNK`` tokens of different sequences in one
+            forward (:mod:`mlxkv.engine.prefill_batch`); switched off by the first step that cannot.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
                  prefill_chunk_size: int = 512,
                  observer: EngineObserver | None = None, on_dequeue: Callable[[], None] = lambda: None,
-                 batched: bool = True):
+                 batched: bool = True, batched_prefill: bool = False):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.model = model
@@ -148,6 +156,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.observer = observer or EngineObserver()
         self.batched = batched
+        self.batched_prefill = batched_prefill
         self._on_dequeue = on_dequeue
         self._order = itertools.count()
         self.waiting: list[tuple[int, int, Job]] = []  # heap of (priority, arrival, job)
@@ -157,7 +166,8 @@ class Scheduler:
         self._in_flight: list[tuple[Choice, mx.array, int]] = []  # the last decode step's tokens, not read yet
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
-                           preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0)
+                           preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
+                           batched_prefills=0)
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -291,18 +301,17 @@ class Scheduler:
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _prefill(self) -> None:
+        """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks, in order. With batched prefill on,
+        chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together in one forward after the loop (their slots
+        reserved in turn, so the pool's accounting is the sequential one's); other chunks run one by one."""
         budget = self.prefill_chunk_size
+        together: list[tuple[Prefill, int]] = []
         for task in list(self.prefilling):
             if task not in self.prefilling:  # preempted by an earlier task of this step
                 continue
             if task.seq is None and not self._open(task):
                 continue  # it failed
-            # A request's own sequence prefills its whole prompt and samples its first token from the last
-            # position's logits; a resumed choice or a parallel sample's sequence leaves the last token to its
-            # first decode step (it already has, or shares, what that token predicts).
-            first_from_prefill = task.choice is None
-            target = len(task.tokens) - (0 if first_from_prefill else 1)
-            last_logits = None
+            target = _prefill_target(task)
             try:
                 n = min(budget, target - task.done)
                 if n > 0:
@@ -314,22 +323,70 @@ class Scheduler:
                             n //= 2  # alone: a smaller chunk (windowed groups release blocks as they go)
                         if not self.manager.can_allocate(task.seq.paged.seq_id, n):
                             raise RuntimeError("the prompt does not fit the KV cache budget")
-                    chunk = mx.array(task.tokens[task.done : task.done + n], dtype=mx.uint32)
-                    logits = self.model(chunk[None], cache=task.seq.caches)  # (1, n, vocab)
-                    if first_from_prefill and task.done + n == target:
-                        last_logits = logits[:, -1, :]  # (1, vocab): the first generated token's distribution
-                    mx.eval(_cache_arrays(task.seq.caches), *([last_logits] if last_logits is not None else []))
-                    task.seq.commit()
-                    task.done += n
                     budget -= n
-                if task.done == target:
-                    self._start_decoding(task, last_logits)
-                    if last_logits is not None:
-                        flush_wakeups()  # its first token goes out now, not after the step's other prefills
+                    if self.batched_prefill and n <= MAX_BATCHED_CHUNK:
+                        if self.manager is not None:  # take the slots now: the next task's room check sees them
+                            task.seq.paged.slots(0, task.done, task.done + n)
+                        together.append((task, n))
+                    else:
+                        self._prefilled([task], [n], self._forward_chunk(task, n))
+                elif task.done == target:
+                    self._start_decoding(task)
             except Exception as exc:  # noqa: BLE001
                 self._fail(task.job, exc)
             if budget == 0:
-                return
+                break
+        self._prefill_together([(t, n) for t, n in together if t in self.prefilling and t.seq is not None])
+
+    def _forward_chunk(self, task: Prefill, n: int) -> mx.array | None:
+        """Task's next ``n`` prompt tokens through the model, evaluated; the last position's logits ``(1, vocab)``
+        when the chunk ends a request's own prompt (its first token is sampled from them), else None."""
+        chunk = mx.array(task.tokens[task.done : task.done + n], dtype=mx.uint32)
+        logits = self.model(chunk[None], cache=task.seq.caches)  # (1, n, vocab)
+        last = logits[:, -1, :] if _first_from_prefill(task) and task.done + n == _prefill_target(task) else None
+        mx.eval(cache_arrays(task.seq.caches), *([last] if last is not None else []))
+        return last
+
+    def _prefill_together(self, together: list[tuple[Prefill, int]]) -> None:
+        """The chunks ``together`` in one batched forward (one by one when fewer than two, or when the model's
+        layers cannot be batched: then batched prefill is switched off for good)."""
+        if len(together) > 1:
+            tasks, lengths = [t for t, _ in together], [n for _, n in together]
+            try:
+                last = prefill_together(self.model, [t.seq.caches for t in tasks],
+                                        [t.tokens[t.done : t.done + n] for t, n in together])  # (B, vocab)
+            except Exception as exc:  # noqa: BLE001 - rewind, then one by one: only a request that fails alone fails
+                if isinstance(exc, BatchUnsupported):
+                    self.batched_prefill = False
+                if not all(_rewind(t) for t in tasks):
+                    return self._fail_all(tasks, exc)
+            else:
+                self.totals["batched_prefills"] += 1
+                return self._prefilled(tasks, lengths, last)
+        for task, n in together:
+            try:
+                self._prefilled([task], [n], self._forward_chunk(task, n))
+            except Exception as exc:  # noqa: BLE001
+                self._fail(task.job, exc)
+
+    def _prefilled(self, tasks: list[Prefill], lengths: list[int], last: mx.array | None) -> None:
+        """``tasks`` wrote their next ``lengths`` tokens; those whose prompt is complete start decoding, a request's
+        own sampling its first token from its row of ``last`` ``(B, vocab)`` and waking its client at once."""
+        for b, (task, n) in enumerate(zip(tasks, lengths)):
+            try:
+                task.seq.commit()
+                task.done += n
+                if task.done == _prefill_target(task):
+                    first = last[b : b + 1] if last is not None and _first_from_prefill(task) else None
+                    self._start_decoding(task, first)
+                    if first is not None:
+                        flush_wakeups()  # its first token goes out now, not after the step's other prefills
+            except Exception as exc:  # noqa: BLE001
+                self._fail(task.job, exc)
+
+    def _fail_all(self, tasks: list[Prefill], exc: BaseException) -> None:
+        for job in {id(t.job): t.job for t in tasks}.values():
+            self._fail(job, exc)
 
     def _start_decoding(self, task: Prefill, last_logits: mx.array | None = None) -> None:
         """``task``'s prompt is in its caches: its choices start decoding. ``last_logits`` ``(1, vocab)`` (a
@@ -543,6 +600,33 @@ class Scheduler:
             self.observer.on_request_finished(finish_reason or event.finish_reason or outcome, usage, tpot)
 
 
+def _first_from_prefill(task: Prefill) -> bool:
+    """A request's own sequence prefills its whole prompt and samples its first token from the last position's
+    logits; a resumed choice or a parallel sample's sequence leaves the last token to its first decode step (it
+    already has, or shares, what that token predicts)."""
+    return task.choice is None
+
+
+def _prefill_target(task: Prefill) -> int:
+    """Prompt tokens ``task`` writes before decoding (see :func:`_first_from_prefill`)."""
+    return len(task.tokens) - (0 if _first_from_prefill(task) else 1)
+
+
+def _rewind(task: Prefill) -> bool:
+    """Bring the task's layer caches back to ``task.done`` after a failed forward (paged: the write position
+    only, the slots stay for the retry; dense: an exact trim); False if some layer could not be brought back."""
+    try:
+        for cache in task.seq.caches:
+            if cache.offset > task.done:
+                if hasattr(cache, "rewind_to"):
+                    cache.rewind_to(task.done)
+                else:
+                    cache.trim(cache.offset - task.done)
+        return all(cache.offset == task.done for cache in task.seq.caches)
+    except Exception:  # noqa: BLE001 - a layer without exact trim: the sequence is spoiled
+        return False
+
+
 def _ends_in_flight(choice: Choice) -> bool:
     """Whether the choice's in-flight token is its last by length (no step is spent on what would follow it)."""
     return choice.in_flight is not None and len(choice.generated) + 1 >= choice.job.max_tokens
@@ -558,12 +642,3 @@ def _decode_inputs(choices: list[Choice]) -> mx.array:
     parts = [f[0][f[1]:f[1] + 1] if f is not None else mx.array([c.next_input], dtype=mx.uint32)
              for c, f in zip(choices, flights)]
     return mx.concatenate(parts)[:, None]
-
-
-def _cache_arrays(caches: list) -> list[mx.array]:
-    """The arrays holding the caches' state, to evaluate between prefill chunks."""
-    out = []
-    for c in caches:
-        tree = c.arrays() if hasattr(c, "arrays") else c.state
-        out.extend(x for _, x in tree_flatten(tree) if isinstance(x, mx.array))
-    return out

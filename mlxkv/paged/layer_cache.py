@@ -185,6 +185,15 @@ class PagedLayerCache:
     def rewindable(self) -> int:
         return self.offset
 
+    def rewind_to(self, position: int) -> None:
+        """Move the write position back to ``position``, keeping the slots allocated after it (and the prompt
+        tokens they belong to): a forward that failed before its commit is retried over the same slots, and its
+        rows are written again. Unlike :meth:`trim`, the manager is not told."""
+        if not 0 <= position <= self.offset:
+            raise ValueError(f"rewind_to({position}) outside [0, {self.offset}]")
+        self._returned = None
+        self.offset = position
+
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens through the manager (emptied blocks go back to the pool); returns the
         number removed (less when a window's released block was evicted meanwhile)."""

@@ -1,0 +1,153 @@
+"""Batched prefill: chunks of different sequences and lengths in one forward, equal to one-by-one prefill."""
+
+import mlx.core as mx
+import pytest
+
+from mlxkv.cache import make_caches
+from mlxkv.cache.hook import install_attention_hook
+from mlxkv.config import KvCacheConfig
+from mlxkv.engine.batch_view import BatchUnsupported
+from mlxkv.engine.direct import DirectEngine
+from mlxkv.engine.prefill_batch import last_rows, prefill_inputs, prefill_together
+from mlxkv.engine.request import GenerationRequest, RequestHandle
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.scheduler import Job, Scheduler
+from mlxkv.pool import CachePool
+from mlxkv.testing.archs import build_model
+
+SHARED = [(7 * i) % 800 + 20 for i in range(21)]  # 5 whole blocks of 4, then one token
+SUFFIXES = [[101, 102, 103, 104, 105, 106], [201], [301, 302, 303]]
+PARAMS = SamplingParams(max_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_model("llama")[0]
+    install_attention_hook(m)
+    return m
+
+
+def paged_pool(model, **kw):
+    return CachePool(model, max_sequences=8, backend="paged",
+                     kv_config=KvCacheConfig(backend="paged", block_size=4, kv_cache_budget=1 << 22), **kw)
+
+
+def close(a: mx.array, b: mx.array) -> bool:
+    return mx.abs(a - b).max().item() <= 1e-5 * max(1.0, mx.abs(b).max().item())
+
+
+def test_inputs_are_right_padded_with_each_rows_last_token_and_last_rows_pick_real_positions():
+    assert prefill_inputs([[1, 2, 3], [4]]).tolist() == [[1, 2, 3], [4, 4, 4]]
+    logits = mx.arange(2 * 3 * 2).reshape(2, 3, 2)  # (B, Lmax, vocab)
+    assert last_rows(logits, [3, 1]).tolist() == [[4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("backend", ["paged", "dense"])
+def test_a_batched_prefill_equals_one_by_one(model, backend):
+    """Three prompts sharing a cached prefix (paged: a prefix-cache hit, the suffixes in new pages) prefill
+    their suffixes of 6, 1 and 3 tokens in one forward: each last position's logits and the next decode step
+    equal a dense cache's that ran the whole prompt alone."""
+    pool = paged_pool(model) if backend == "paged" else CachePool(model, max_sequences=8)
+    prompts = [SHARED + s for s in SUFFIXES]
+    if backend == "paged":  # cache the shared blocks first
+        warm = pool.open(prompt=SHARED + [9])
+        mx.eval(model(mx.array([SHARED + [9]], dtype=mx.uint32), cache=warm.caches))
+        warm.commit()
+        pool.release(warm.id)
+    seqs = [pool.open(prompt_length=len(p), **({"prompt": p} if backend == "paged" else {})) for p in prompts]
+    done = [s.num_cached for s in seqs]
+    if backend == "paged":
+        assert min(done) >= 20  # at least the five whole shared blocks from the prefix cache
+    else:  # dense: prefill the shared part one by one first, so the batch runs over a cached prefix too
+        for s in seqs:
+            mx.eval(model(mx.array([SHARED], dtype=mx.uint32), cache=s.caches))
+        done = [len(SHARED)] * 3
+    chunks = [p[d:] for p, d in zip(prompts, done)]
+    last = prefill_together(model, [s.caches for s in seqs], chunks)  # (3, vocab)
+    for b, (seq, prompt) in enumerate(zip(seqs, prompts)):
+        if backend == "paged":
+            seq.commit()
+        dense = make_caches(model)
+        expected = model(mx.array([prompt], dtype=mx.uint32), cache=dense)[0, -1]
+        assert close(last[b], expected)
+        if backend == "paged":
+            seq.feed([7])
+        got = model(mx.array([[7]], dtype=mx.uint32), cache=seq.caches)[0, -1]  # the written rows are right
+        assert close(got, model(mx.array([[7]], dtype=mx.uint32), cache=dense)[0, -1])
+    for s in seqs:
+        pool.release(s.id)
+    if backend == "paged":
+        pool.check_invariants()
+
+
+def test_layers_that_are_not_full_attention_are_refused_before_any_write():
+    gemma = build_model("gemma3_text")[0]  # sliding-window layers
+    install_attention_hook(gemma)
+    pool = CachePool(gemma, max_sequences=2)
+    seqs = [pool.open(prompt_length=3), pool.open(prompt_length=2)]
+    with pytest.raises(BatchUnsupported, match="full-attention"):
+        prefill_together(gemma, [s.caches for s in seqs], [[1, 2, 3], [4, 5]])
+    assert all(c.offset == 0 for s in seqs for c in s.caches if hasattr(c, "offset"))
+
+
+def run(sched: Scheduler, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list]:
+    handles = []
+    for p in prompts:
+        request = GenerationRequest(p, params)
+        handles.append(RequestHandle(request))
+        sched.add(Job(request=request, handle=handles[-1], max_tokens=params.max_tokens))
+    while sched.has_work():
+        sched.step()
+    return [list(h) for h in handles]
+
+
+def test_the_scheduler_prefills_admitted_requests_together_with_directs_tokens(model):
+    """Requests admitted in the same step share one prefill forward (cold: each writes its whole short prompt;
+    then again over the cached prefix); greedy and seeded tokens equal DirectEngine's, and the pool ends clean."""
+    pool = paged_pool(model)
+    sched = Scheduler(model, None, pool, batched_prefill=True)
+    prompts = [SHARED + s for s in SUFFIXES]
+    results = run(sched, prompts)
+    assert sched.totals["batched_prefills"] == 1 and sched.batched_prefill
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    for prompt, events in zip(prompts, results):
+        assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, PARAMS))
+    # Again, now over the cached prefix, sampled with seeds.
+    seeded = SamplingParams(max_tokens=5, temp=0.8, seed=3)
+    results = run(sched, prompts, seeded)
+    assert sched.totals["batched_prefills"] == 2
+    assert all(r[-1].usage.cached_tokens >= 20 for r in results)  # at least the five shared blocks
+    for prompt, events in zip(prompts, results):
+        assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, seeded))
+    assert len(pool) == 0
+    pool.check_invariants()
+
+
+class FailsOnToken:
+    """A model whose prefill forward raises when any row starts with ``token`` (alone or batched), after every
+    layer has written its cache rows."""
+
+    def __init__(self, model, token: int):
+        self.model, self.token, self.layers = model, token, model.layers
+
+    def __call__(self, inputs, cache=None):
+        out = self.model(inputs, cache=cache)
+        if inputs.shape[1] > 1 and (inputs[:, 0] == self.token).any().item():
+            raise RuntimeError("injected fault")
+        return out
+
+
+def test_a_failed_batched_prefill_is_rewound_and_only_the_faulty_request_fails(model):
+    """The shared forward fails after writing: every sequence is trimmed back, the chunks run one by one, and only
+    the request whose own forward fails fails; the others' tokens equal DirectEngine's."""
+    pool = paged_pool(model)
+    sched = Scheduler(FailsOnToken(model, 999), None, pool, batched_prefill=True)
+    prompts = [SHARED + SUFFIXES[0], [999, 5, 6, 7], SHARED + SUFFIXES[2]]
+    results = run(sched, prompts)
+    assert results[1][-1].kind == "error" and "injected fault" in results[1][-1].message
+    assert sched.totals["batched_prefills"] == 0 and sched.batched_prefill  # not the batch's fault: stays on
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    for i in (0, 2):
+        assert [e.token for e in results[i] if e.kind == "token"] == list(direct.generate_tokens(prompts[i], PARAMS))
+    assert len(pool) == 0
+    pool.check_invariants()
