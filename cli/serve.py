@@ -25,6 +25,9 @@ def serve(
                                         help="Most requests waiting for admission; more get HTTP 429."),
     prefill_chunk_size: int = typer.Option(512, "--prefill-chunk-size", min=1,
                                            help="Most prompt tokens prefilled per engine step."),
+    batched_prefill: bool = typer.Option(False, "--batched-prefill",
+                                         help="Prefill the short prompt chunks of requests admitted together in "
+                                              "one forward (checked against one-by-one at start)."),
     api_key: Optional[str] = typer.Option(None, "--api-key",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes "
                                                "(default: the MLXKV_API_KEY environment variable)."),
@@ -74,7 +77,7 @@ def serve(
         raise typer.Exit(code=1) from None
     try:
         config = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
-                              prefill_chunk_size=prefill_chunk_size)
+                              prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
         parts = build(model, config=config, layout=layout, max_kv_size=max_kv_size, kv_bits=kv_bits,
                       kv_group_size=kv_group_size, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024),
                       model_name=served_model_name, kv_backend=kv_backend, kv_block_size=kv_block_size,

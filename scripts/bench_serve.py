@@ -74,6 +74,13 @@ def write_model(out: Path, hidden: int, layers: int, seed: int = 0, context: int
     return out
 
 
+def model_tokenizer(model: str):
+    """The tokenizer both servers load from ``model`` (to report the shared prompt's length in tokens)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -243,7 +250,7 @@ def bench(model: str, levels: list[int], per_client: int, max_tokens: int, workl
             stop_server(proc)
 
 
-def plot(results: dict, path: Path) -> bool:
+def plot(results: dict, path: Path, title: str = "") -> bool:
     try:
         import matplotlib
 
@@ -261,6 +268,8 @@ def plot(results: dict, path: Path) -> bool:
     b.set(xlabel="concurrent clients", ylabel="output tok/s", title="Aggregate throughput")
     a.legend()
     b.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -315,7 +324,12 @@ def main() -> None:
     for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
         print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
               f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")
-    if plot(results, Path(args.plot)):
+    shared_tokens = len(model_tokenizer(model).encode(SHARED[0]))
+    title = (f"{args.workload} system prompt of ~{shared_tokens} tokens, {args.max_tokens} tokens per request "
+             f"(random llama hidden {args.hidden}, {args.layers} layers, CPU)" if args.model is None else
+             f"{args.workload} system prompt of ~{shared_tokens} tokens, {args.max_tokens} tokens per request")
+    print(f"shared system prompt: {shared_tokens} tokens")
+    if plot(results, Path(args.plot), title):
         print(f"plot: {args.plot}")
     else:
         print("plot: skipped (matplotlib not installed)")

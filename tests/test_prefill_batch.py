@@ -151,3 +151,22 @@ def test_a_failed_batched_prefill_is_rewound_and_only_the_faulty_request_fails(m
         assert [e.token for e in results[i] if e.kind == "token"] == list(direct.generate_tokens(prompts[i], PARAMS))
     assert len(pool) == 0
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+def test_the_engine_turns_batched_prefill_on_only_when_configured_and_probed(model, wanted):
+    from mlxkv.engine.batch import BatchEngine, EngineConfig
+
+    engine = BatchEngine(model, None, config=EngineConfig(max_sequences=4, batched_prefill=wanted),
+                         pool=paged_pool(model)).start()
+    try:
+        stats = engine.stats()
+        prompts = [SHARED + s for s in SUFFIXES]
+        handles = [engine.submit(GenerationRequest(p, PARAMS)) for p in prompts]
+        tokens = [[e.token for e in h if e.kind == "token"] for h in handles]
+    finally:
+        engine.stop()
+    assert stats["batched_prefill"] is wanted
+    assert stats["batched_prefill_reason"] == ("ok" if wanted else "disabled by configuration")
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    assert tokens == [list(direct.generate_tokens(p, PARAMS)) for p in prompts]

@@ -84,6 +84,9 @@ class PrefillBatchView(KVBatchView):
             raise BatchUnsupported("batched prefill does not take quantized K/V")
         fetched = [cache.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])  # (1, n_kv, K_b, D)
                    for b, (cache, n) in enumerate(zip(self.caches, self.lengths))]
+        # Paged sequences share one page array per layer: read every one's rows from the array all the writes made
+        # (views of the intermediate arrays would make each write copy the whole array instead of updating it).
+        fetched = [cache.refetch() if hasattr(cache, "refetch") else f for cache, f in zip(self.caches, fetched)]
         self._fetched = fetched
         self._lengths = [k.shape[-2] for k, _ in fetched]
         width = max(self._lengths)

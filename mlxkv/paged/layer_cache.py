@@ -58,6 +58,7 @@ class PagedLayerCache:
         self.offset = seq.num_cached
         self._returned: tuple[mx.array, mx.array] | None = None  # this step's fetched K/V (identity check)
         self._returned_view = False  # whether _returned is a zero-copy view of consecutive pages
+        self._returned_span = (0, 0)  # the positions _returned holds
 
     # -- geometry ----------------------------------------------------------------------------------
     @property
@@ -115,8 +116,18 @@ class PagedLayerCache:
             storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         self.offset = o + N
         start = self._first_returned(o)
+        self._returned_span = (start, o + N)
         self._returned = self._fetch(start, o + N)
         self._returned_view = self._pages(start, o + N)[1] is not None
+        return self._returned
+
+    def refetch(self) -> tuple[mx.array, mx.array]:
+        """What the last ``update_and_fetch`` returned, read again from the current page arrays.
+
+        For a forward in which other sequences then wrote the same layer (batched prefill): a view of the arrays
+        as they were keeps that version alive, and MLX then copies the whole page array at each later write
+        instead of updating it in place."""
+        self._returned = self._fetch(*self._returned_span)
         return self._returned
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
