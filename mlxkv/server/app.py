@@ -12,6 +12,7 @@ import contextlib
 import time
 from typing import Any, AsyncIterator, Union
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -90,6 +91,14 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     async def cache_reset() -> dict:
         return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
 
+    # Templating and tokenizing a long prompt takes milliseconds (~6 ms for 4K tokens here): off the event loop,
+    # which meanwhile streams other requests' tokens, one prompt at a time (a tokenizer shared across threads
+    # is not safe to call concurrently).
+    tokenizer_limiter = anyio.CapacityLimiter(1)
+
+    async def _tokenize(fn: Any) -> list[int]:
+        return await anyio.to_thread.run_sync(fn, limiter=tokenizer_limiter)
+
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -97,7 +106,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
         try:
-            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            prompt = await _tokenize(lambda: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
         return await _generate(request, body, prompt, chat=True)
@@ -111,7 +120,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
         else:
             text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-            prompt = list(tokenizer.encode(text))
+            prompt = await _tokenize(lambda: list(tokenizer.encode(text)))
         return await _generate(request, body, prompt, chat=False)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
