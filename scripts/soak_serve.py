@@ -88,6 +88,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged")
     p.add_argument("--kv-cache-budget", type=int, default=None, help="paged KV bytes (small: forces preemption)")
+    p.add_argument("--batched-prefill", action="store_true", help="the engine's opt-in batched prefill")
     args = p.parse_args()
 
     import httpx
@@ -102,7 +103,8 @@ def main() -> int:
 
         tmp = tempfile.TemporaryDirectory()
         model = str(write_test_model("llama", Path(tmp.name) / "llama"))
-    parts = build(model, config=EngineConfig(max_sequences=args.max_sequences, max_queue_depth=args.requests),
+    parts = build(model, config=EngineConfig(max_sequences=args.max_sequences, max_queue_depth=args.requests,
+                                             batched_prefill=args.batched_prefill),
                   kv_backend=args.kv_backend, kv_cache_budget=args.kv_cache_budget)
     with ServerThread(parts.app, host="127.0.0.1") as srv:
         warm = httpx.post(srv.url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=60)
@@ -127,6 +129,7 @@ def main() -> int:
     print(f"engine: finished {stats['finished_total']}, cancelled {stats['cancelled_total']}, "
           f"failed {stats['failed_total']}, tokens generated {stats['generation_tokens_total']}, "
           f"max batch {stats['max_batch']}, batched steps {stats['batched_steps_total']}, "
+          f"batched prefills {stats['batched_prefills_total']}, "
           f"preemptions {stats.get('preemptions', 0)}, KV blocks used {stats['kv_blocks'].get('used', 0)}")
     print(f"leaked sequences: {leaked}  KV bytes held: {stats['kv_bytes']}  "
           f"RSS: start {rss_start:.1f} MB, end {rss_end:.1f} MB  (MLX active {stats['mlx_active_bytes'] / 1e6:.1f} MB, "
