@@ -123,3 +123,32 @@ def test_long_sequences_in_a_batch_attend_in_place_one_by_one(monkeypatch):
     for seq in seqs:
         pool.release(seq.id)
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_the_batch_views_rows_are_each_caches_own_rows(arch):
+    """What a batch view's update_and_fetch returns (one gather for all B; the kernel paths never compute it, a
+    model that transforms it does) holds, in row b, exactly the rows sequence b's cache would return: every row
+    for full attention, the window for sliding layers (a start inside a page: the shifted rows)."""
+    model, _ = build_model(arch)
+    install_attention_hook(model)
+    pool = CachePool(model, backend="paged", num_blocks=200, kv_config=KvCacheConfig(backend="paged", block_size=4))
+    seqs, _, tokens = prefill(model, pool, PROMPTS)
+    for seq, t in zip(seqs, tokens):
+        seq.feed([t])
+    views = make_batch_views([s.caches for s in seqs])
+    model(mx.array(tokens)[:, None], cache=views)
+    checked = 0
+    for view in views:
+        if not isinstance(view, PagedBatchView):
+            continue
+        keys, values = view._returned
+        for b, (cache, (start, end)) in enumerate(zip(view.caches, view._fetched)):
+            own_k, own_v = cache._fetch(start, end)  # (1, n_kv, end - start, D)
+            assert mx.array_equal(keys[b : b + 1, :, : end - start], own_k).item()
+            assert mx.array_equal(values[b : b + 1, :, : end - start], own_v).item()
+            checked += 1
+    shifted = [start % 4 for v in views if isinstance(v, PagedBatchView) for start, _ in v._fetched]
+    assert checked and (arch == "llama" or any(shifted))  # sliding windows start inside a page somewhere
+    for seq in seqs:
+        pool.release(seq.id)

@@ -26,7 +26,6 @@ from mlxkv.engine.batch_view import (
     KVBatchView,
     StateBatchView,
     _is_state_cache,
-    _pad_rows,
 )
 from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
@@ -46,12 +45,32 @@ class _GroupTables:
         self.caches = list(caches)
         self._tables: mx.array | None = None
         self._groups: list[PrefixGroup] | None = None
+        self._row_pages: tuple[mx.array, mx.array | None, int] | None = None
 
     def prefix_groups(self, tables: list[list[int]], lens: list[int], block_size: int) -> list[PrefixGroup]:
         """Groups of sequences sharing whole prefix pages this step (found once for the group's layers)."""
         if self._groups is None:
             self._groups = find_prefix_groups(tables, lens, block_size, min_group=2, min_shared_pages=1)
         return self._groups
+
+    def row_pages(self, spans: list[tuple[int, int]], block_size: int) -> tuple[mx.array, mx.array | None, int]:
+        """For positions ``spans[b]`` of sequence b: the pages holding them, int32 ``(B, P)`` (null-padded), the
+        row of each position within those pages' rows, int32 ``(B, Lmax)`` (None when every span starts a page),
+        and ``Lmax`` (built once for the group's layers)."""
+        if self._row_pages is None:
+            firsts = [start // block_size for start, _ in spans]
+            n = max(-(-end // block_size) - f for (_, end), f in zip(spans, firsts))
+            ids = []
+            for c, f in zip(self.caches, firsts):
+                row = c.seq.host_table(c.group)[f:f + n]
+                ids.append(row + [0] * (n - len(row)))
+            shifts = [start - f * block_size for (start, _), f in zip(spans, firsts)]
+            width = max(end - start for start, end in spans)
+            rows = None
+            if any(shifts):
+                rows = mx.minimum(mx.arange(width)[None] + mx.array(shifts)[:, None], n * block_size - 1)  # (B, Lmax)
+            self._row_pages = (mx.array(ids, dtype=mx.int32), rows, width)
+        return self._row_pages
 
     def get(self) -> mx.array:
         if self._tables is None:
@@ -97,17 +116,26 @@ class PagedBatchView(KVBatchView):
         for c in caches:
             c._returned = None
         self.storage.write(caches[0].layer, slots, keys[:, :, 0], values[:, :, 0])  # (B, n_kv, D) rows
-        fetched = []
         for c in caches:
             c.offset += 1
-            fetched.append(c._fetch(c._first_returned(c.offset - 1), c.offset))  # (1, n_kv, L_b, D) each
-        self._fetched = fetched
-        self._lengths = [k.shape[2] for k, _ in fetched]
-        width = max(self._lengths)
-        k = mx.concatenate([_pad_rows(f[0], width - n) for f, n in zip(fetched, self._lengths)])  # (B, n_kv, Lmax, D)
-        v = mx.concatenate([_pad_rows(f[1], width - n) for f, n in zip(fetched, self._lengths)])
-        self._returned = (k, v)
+        spans = [(c._first_returned(c.offset - 1), c.offset) for c in caches]  # rows each cache would return
+        self._fetched = spans  # (their rows are row b of _returned)
+        self._lengths = [end - start for start, end in spans]
+        self._returned = self._padded_rows(spans)  # (B, n_kv, Lmax, D) each
         return self._returned
+
+    def _padded_rows(self, spans: list[tuple[int, int]]) -> tuple[mx.array, mx.array]:
+        """Sequence b's positions ``spans[b]`` as row b of ``(B, n_kv, Lmax, D)`` keys and values (past its length:
+        rows of other pages, finite, never attended). One gather per array whatever B, built lazily: the paged
+        attention paths never compute it (building B per-sequence gathers cost ~2-3 ms a step on the CPU)."""
+        pages, rows, width = self.tables.row_pages(spans, self.storage.block_size)  # (B, P), (B, Lmax) or None
+        out = []
+        for p in self.storage.pages(self.caches[0].layer):  # (n_kv, NB, bs, D)
+            H, D = p.shape[0], p.shape[-1]
+            g = mx.take(p, pages, axis=1)  # (n_kv, B, P, bs, D)
+            g = g.reshape(H, len(self.caches), -1, D).transpose(1, 0, 2, 3)  # (B, n_kv, P * bs, D)
+            out.append(g[:, :, :width] if rows is None else mx.take_along_axis(g, rows[:, None, :, None], axis=2))
+        return out[0], out[1]
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
