@@ -14,7 +14,9 @@ Both servers reuse shared prompt prefixes: mlx_lm.server through its prompt cach
 paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend dense`` has no prefix cache).
 
     python scripts/bench_serve.py                      # a random llama (hidden 256, 4 layers) + test tokenizer
-    python scripts/bench_serve.py --model path/to/model --max-tokens 64
+    python scripts/bench_serve.py --prefix-repeat 10 --context 8192 --max-tokens 64 --requests-per-client 2
+                                                       # a ~4K-token shared system prompt
+    python scripts/bench_serve.py --model path/to/model --max-tokens 64 --json out.json
 """
 
 from __future__ import annotations
@@ -300,6 +302,7 @@ def main() -> None:
     p.add_argument("--mlxkv-arg", action="append", default=[],
                    help="extra option for mlxkv serve, repeatable (e.g. --mlxkv-arg=--switch-interval-ms=5)")
     p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
+    p.add_argument("--json", help="also write every figure (and the settings) to this JSON file")
     args = p.parse_args()
     try:
         from bench_common import ensure_openblas
@@ -329,6 +332,9 @@ def main() -> None:
              f"(random llama hidden {args.hidden}, {args.layers} layers, CPU)" if args.model is None else
              f"{args.workload} system prompt of ~{shared_tokens} tokens, {args.max_tokens} tokens per request")
     print(f"shared system prompt: {shared_tokens} tokens")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "shared_prompt_tokens": shared_tokens,
+                                               "results": results}, indent=1))
     if plot(results, Path(args.plot), title):
         print(f"plot: {args.plot}")
     else:
