@@ -31,3 +31,15 @@ def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The random-weight test llama with mlxkv's attention hook installed (built once per test module; a module
+    may define its own ``model`` fixture instead)."""
+    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.testing.archs import build_model
+
+    m = build_model("llama")[0]
+    install_attention_hook(m)
+    return m

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from mlxkv.cache.hook import install_attention_hook
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.delivery import LoopDelivery, batched_wakeups, delivery_for
@@ -22,18 +21,11 @@ from mlxkv.pool import CachePool
 from mlxkv.server.app import _stream
 from mlxkv.server.responses import ResponseBuilder
 from mlxkv.server.runner import set_switch_interval
-from mlxkv.testing.archs import build_model
 
 PARAMS = SamplingParams(max_tokens=6)
 SHARED = [(5 * i) % 900 + 10 for i in range(40)]  # 10 blocks of 4
 PROMPTS = [SHARED + [100 + j, 200 + j, 300 + j] for j in range(3)]
 
-
-@pytest.fixture(scope="module")
-def model():
-    m = build_model("llama")[0]
-    install_attention_hook(m)
-    return m
 
 
 # ---- event delivery ----------------------------------------------------------------------------------------

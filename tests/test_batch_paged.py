@@ -5,7 +5,6 @@ import time
 import httpx
 import pytest
 
-from mlxkv.cache.hook import install_attention_hook
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
@@ -13,17 +12,10 @@ from mlxkv.engine.request import GenerationRequest, PromptTooLongError, Retentio
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.pool import CachePool
 from mlxkv.server.runner import ServerThread, build
-from mlxkv.testing.archs import build_model
 
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]
 PARAMS = SamplingParams(max_tokens=16)
 
-
-@pytest.fixture(scope="module")
-def model():
-    m = build_model("llama")[0]
-    install_attention_hook(m)
-    return m
 
 
 @pytest.fixture(scope="module")

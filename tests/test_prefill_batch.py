@@ -20,12 +20,6 @@ SUFFIXES = [[101, 102, 103, 104, 105, 106], [201], [301, 302, 303]]
 PARAMS = SamplingParams(max_tokens=5)
 
 
-@pytest.fixture(scope="module")
-def model():
-    m = build_model("llama")[0]
-    install_attention_hook(m)
-    return m
-
 
 def paged_pool(model, **kw):
     return CachePool(model, max_sequences=8, backend="paged",

@@ -7,21 +7,13 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.cache import install_attention_hook
 from mlxkv.config import DEFAULT_SECONDARY_DISK_BYTES, KvCacheConfig
 from mlxkv.pool import CachePool
-from mlxkv.testing.archs import build_model
 
 B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(42)]  # 10 full usable blocks
 OTHER = [(11 * i + 5) % 900 + 10 for i in range(44)]  # 11 blocks: evicts all of a 12-block pool
 
-
-@pytest.fixture(scope="module")
-def model():
-    m, _ = build_model("llama")
-    install_attention_hook(m)
-    return m
 
 
 def pool_for(model, num_blocks=12, **secondary):

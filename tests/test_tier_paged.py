@@ -7,10 +7,8 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.blocks.hashing import HashContext, extend_block_hashes
-from mlxkv.cache import install_attention_hook
 from mlxkv.config import KvCacheConfig
 from mlxkv.paged import PagedBackend
-from mlxkv.testing.archs import build_model
 from mlxkv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
 from mlxkv.tier.paged import TierBridge
 
@@ -18,12 +16,6 @@ B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(22)]  # 5 full usable blocks
 OTHER = [(11 * i + 5) % 900 + 10 for i in range(44)]  # 11 blocks: evicts all of a 12-block pool
 
-
-@pytest.fixture(scope="module")
-def model():
-    m, _ = build_model("llama")
-    install_attention_hook(m)
-    return m
 
 
 def backend(model, num_blocks=12):
