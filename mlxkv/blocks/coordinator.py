@@ -182,6 +182,8 @@ class KVCacheCoordinator:
     def _full_chain(sets: list[list[KVCacheBlock]], length: int) -> list[KVCacheBlock]:
         if length == 0:
             return []
+        if all(len(s) == 1 for s in sets[:length]):  # the usual case: ``full`` linked each to the one before
+            return [s[0] for s in sets[:length]]
         chain = [sets[length - 1][0]]
         for i in range(length - 2, -1, -1):
             parent = chain[-1].parent

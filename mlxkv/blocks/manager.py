@@ -138,7 +138,7 @@ class KVCacheManager:
         Returns:
             OpenResult: the engine computes from ``num_cached_tokens`` on, after applying ``copies``.
         """
-        tokens = [int(t) for t in tokens]
+        tokens = list(map(int, tokens))
         if not tokens:
             raise ValueError("open() needs at least one prompt token")
         seq = SequenceState(
