@@ -37,7 +37,8 @@ from mlxkv.paged.sequence import PagedSequence
 #: (a decode row is one run; a prefill chunk needs one per page and a scatter is then fewer operations).
 MAX_SLICE_RUNS = 2
 #: A decode step or causal prefill chunk on the reference path whose visible rows lie in at most this many runs
-#: of consecutive pages attends to each run in place (:func:`mlxkv.kernels.page_views_ref.runs_attention`) instead of gathering.
+#: of consecutive pages attends to each run in place (:func:`mlxkv.kernels.page_views_ref.runs_attention`)
+#: instead of gathering.
 MAX_VIEW_RUNS = 4
 
 
@@ -143,7 +144,10 @@ class PagedLayerCache:
             return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
         k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
         # Every returned row visible to the query (decode), or causally to the chunk's queries (prefill).
-        causal = self._kernel_mask_ok(mask, keys) if queries.shape[2] == 1 else isinstance(mask, str) and mask == "causal"
+        if queries.shape[2] == 1:
+            causal = self._kernel_mask_ok(mask, keys)
+        else:
+            causal = isinstance(mask, str) and mask == "causal"
         if (on_views and sinks is None and causal and k_rows.shape == v_rows.shape
                 and queries.shape[-1] == k_rows.shape[-1]):
             runs = self.seq.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
