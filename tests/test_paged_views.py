@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlxkv.kernels.layout import consecutive
 from mlxkv.paged import layer_cache as layer_cache_module
-from mlxkv.paged.storage import MAX_CONCAT_RUNS, PagedStorage, consecutive, page_runs
+from mlxkv.paged.storage import MAX_CONCAT_RUNS, PagedStorage, page_runs
 
 
 @pytest.mark.parametrize("ids, want", [([3, 4, 5], 3), ([7], 7), ([3, 5, 4], None), ([3, 4, 6], None),

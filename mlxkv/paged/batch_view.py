@@ -188,7 +188,7 @@ class PagedBatchView(KVBatchView):
         if sinks is not None or not reference_on_views():
             return None
         k_rows, v_rows = self.storage.k_rows[first.layer], self.storage.v_rows[first.layer]
-        spans = [(c._first_returned(c.offset - 1), c.offset) for c in self.caches]
+        spans = self._fetched  # the rows each sequence attends to (update_and_fetch)
         if sum(end - start for start, end in spans) * k_rows.shape[1] * k_rows.shape[3] < PER_SEQUENCE_VIEW_ELEMENTS:
             return None  # small: one batched gather costs less than B sets of per-run operations
         runs = [c.seq.row_runs(c.group, start, end, MAX_VIEW_RUNS) for c, (start, end) in zip(self.caches, spans)]

@@ -32,6 +32,7 @@ from mlxkv.kernels import kv_write_is_reference, paged_attention, reference_on_v
 from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.kernels.page_views_ref import runs_attention
 from mlxkv.paged.sequence import PagedSequence
+from mlxkv.paged.storage import is_view
 
 #: A write whose slots form at most this many in-page runs uses static slice updates instead of a scatter
 #: (a decode row is one run; a prefill chunk needs one per page and a scatter is then fewer operations).
@@ -87,18 +88,18 @@ class PagedLayerCache:
         """llama4 calls this before each forward; the manager releases blocks leaving the chunk."""
 
     # -- protocol ----------------------------------------------------------------------------------
-    def _pages(self, start: int, end: int) -> tuple[list[int], int | None, int]:
-        """Page ids of positions ``[start, end)``, the first id when they are consecutive (else None), and
-        ``start``'s row in the first page (memoised per step by the sequence)."""
+    def _pages(self, start: int, end: int) -> tuple[list[int], list[tuple[int, int]], int]:
+        """Page ids of positions ``[start, end)``, their runs of consecutive ids, and ``start``'s row in the first
+        page (memoised per step by the sequence)."""
         bs = self.seq.storage.block_size
         first_block = start // bs
-        ids, run_start = self.seq.page_range(self.group, first_block, -(-end // bs))
-        return ids, run_start, start - first_block * bs
+        ids, runs = self.seq.page_range(self.group, first_block, -(-end // bs))
+        return ids, runs, start - first_block * bs
 
     def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Positions ``[start, end)`` as ``(1, n_kv, end - start, D)`` (a view when the pages are consecutive)."""
-        ids, run_start, first = self._pages(start, end)
-        return self.seq.storage.gather(self.layer, ids, first, end - start, run_start)
+        ids, runs, first = self._pages(start, end)
+        return self.seq.storage.gather(self.layer, ids, first, end - start, runs)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(1, n_kv, N, D)`` rows at ``offset``; return the attendable rows ``(1, n_kv, K, D)`` (lazy)."""
@@ -119,7 +120,7 @@ class PagedLayerCache:
         start = self._first_returned(o)
         self._returned_span = (start, o + N)
         self._returned = self._fetch(start, o + N)
-        self._returned_view = self._pages(start, o + N)[1] is not None
+        self._returned_view = is_view(self._pages(start, o + N)[1])
         return self._returned
 
     def refetch(self) -> tuple[mx.array, mx.array]:

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlxkv.blocks import CopyOp, KVCacheManager
-from mlxkv.kernels.layout import consecutive
-from mlxkv.paged.storage import PagedStorage
+from mlxkv.paged.storage import PagedStorage, page_runs
 
 
 class PagedPoolExhausted(RuntimeError):
@@ -49,7 +48,7 @@ class PagedSequence:
         self._slots: tuple[int, int, list[list[int]], list[mx.array | None]] | None = None
         self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)
         self._host_tables: list[list[int]] | None = None  # per group, the same ids as Python ints
-        self._runs: dict[tuple, object] = {}  # page_range / row_runs memo (cleared when the sequence changes)
+        self._runs: dict[tuple, tuple] = {}  # page_range memo (cleared when the sequence changes)
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -130,38 +129,30 @@ class PagedSequence:
             self._host_tables = self.manager.block_tables(self.seq_id)
         return self._host_tables[group]
 
-    def page_range(self, group: int, first: int, end: int) -> tuple[list[int], int | None]:
-        """Table entries ``[first, end)`` of ``group`` and, when they are consecutive blocks, the first id
-        (:func:`mlxkv.paged.storage.consecutive`); computed once per step for all the group's layers."""
+    def page_range(self, group: int, first: int, end: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Table entries ``[first, end)`` of ``group`` and their runs of consecutive ids
+        (:func:`mlxkv.paged.storage.page_runs`); computed once per step for all the group's layers."""
         key = (group, first, end)
         if key not in self._runs:
             ids = self.host_table(group)[first:end]
-            self._runs[key] = (ids, consecutive(ids))
+            self._runs[key] = (ids, page_runs(ids))
         return self._runs[key]
 
     def row_runs(self, group: int, start: int, end: int, limit: int) -> list[tuple[int, int]] | None:
         """Positions ``[start, end)`` of ``group`` as ranges ``(first row, rows)`` of the stored page rows
         (:mod:`mlxkv.paged.storage`), consecutive pages merged; None past ``limit`` ranges or over a released
-        (null) page. Computed once per step for all the group's layers."""
-        key = (group, start, end, "rows")
-        if key not in self._runs:
-            bs = self.storage.block_size
-            first_block = start // bs
-            ids, _ = self.page_range(group, first_block, -(-end // bs))
-            runs: list[tuple[int, int]] | None = []
-            for k, block in enumerate(ids):
-                base = (first_block + k) * bs  # position of the page's first row
-                lo, hi = max(start, base), min(end, base + bs)
-                row = block * bs + lo - base
-                if block == 0 or (len(runs) == limit and runs[-1][0] + runs[-1][1] != row):
-                    runs = None
-                    break
-                if runs and runs[-1][0] + runs[-1][1] == row:
-                    runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo)
-                else:
-                    runs.append((row, hi - lo))
-            self._runs[key] = runs
-        return self._runs[key]
+        (null) page."""
+        bs = self.storage.block_size
+        first_block = start // bs
+        _, runs = self.page_range(group, first_block, -(-end // bs))
+        if len(runs) > limit or any(b == 0 for b, _ in runs):
+            return None
+        out, base = [], first_block * bs  # base: position of the run's first page's first row
+        for b, n in runs:
+            lo, hi = max(start, base), min(end, base + n * bs)
+            out.append((b * bs + lo - base, hi - lo))
+            base += n * bs
+        return out
 
     def table(self, group: int) -> mx.array:
         """The block table of ``group`` as int32 ``(n_blocks,)`` (null block 0 where a window released one)."""

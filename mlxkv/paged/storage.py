@@ -20,7 +20,6 @@ import mlx.core as mx
 
 from mlxkv.kernels import kv_write
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
-from mlxkv.kernels.layout import consecutive
 
 #: A gather of pages lying in at most this many runs of consecutive pages concatenates those slices (a few
 #: contiguous copies) instead of indexing every page (measured ~1.8x faster for a 4K-row prefix + a few pages).
@@ -97,23 +96,21 @@ class PagedStorage:
         self.write(layer, slots, k_rows, v_rows)
 
     def gather(self, layer: int, block_ids: list[int], first: int, length: int,
-               start: int | None = -1) -> tuple[mx.array, mx.array]:
+               runs: list[tuple[int, int]] | None = None) -> tuple[mx.array, mx.array]:
         """Rows ``[first, first + length)`` of the concatenated pages ``block_ids``, as ``(1, kv_heads, length,
-        D)`` keys and values. Pages that are consecutive in the pool (:func:`consecutive`) come back as a
-        zero-copy view, in exactly a dense cache's layout; pages in at most ``MAX_CONCAT_RUNS`` runs of
-        consecutive pages as a lazy concatenation of those slices; others as a lazy ``mx.take`` (computed if
-        used). The values are the same in every case. ``start``: ``consecutive(block_ids)`` when the caller
-        already knows it."""
-        if start == -1:
-            start = consecutive(block_ids)
+        D)`` keys and values. Pages that are consecutive in the pool come back as a zero-copy view, in exactly a
+        dense cache's layout; pages in at most ``MAX_CONCAT_RUNS`` runs of consecutive pages as a lazy
+        concatenation of those slices; others as a lazy ``mx.take`` (computed if used). The values are the same
+        in every case. ``runs``: ``page_runs(block_ids)`` when the caller already has them."""
+        if runs is None:
+            runs = page_runs(block_ids)
         bs = self.block_size
-        runs = None if start is not None else page_runs(block_ids, MAX_CONCAT_RUNS)
         out = []
         for rows in (self.k_rows[layer], self.v_rows[layer]):  # (1, H, NB * bs, D)
-            if start is not None:  # one slice of the rows, exactly a dense cache's read: no copy
-                row = start * bs + first
+            if is_view(runs):  # one slice of the rows, exactly a dense cache's read: no copy
+                row = runs[0][0] * bs + first
                 out.append(rows[:, :, row:row + length])  # (1, H, length, D)
-            elif runs is not None:  # a few slices, copied once into one array
+            elif len(runs) <= MAX_CONCAT_RUNS:  # a few slices, copied once into one array
                 parts = [rows[:, :, b * bs:(b + n) * bs] for b, n in runs]  # (1, H, n * bs, D) views
                 out.append(mx.concatenate(parts, axis=2)[:, :, first:first + length])  # (1, H, length, D)
             else:
@@ -130,17 +127,22 @@ class PagedStorage:
         return sum(a.nbytes for a in self.arrays())
 
 
-def page_runs(block_ids: list[int], limit: int) -> list[tuple[int, int]] | None:
+def page_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int]] | None:
     """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
     runs: list[tuple[int, int]] = []
     for b in block_ids:
         if runs and runs[-1][0] + runs[-1][1] == b:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        elif len(runs) == limit:
+        elif limit is not None and len(runs) == limit:
             return None
         else:
             runs.append((b, 1))
     return runs
+
+
+def is_view(runs: list[tuple[int, int]]) -> bool:
+    """Whether pages in ``runs`` (:func:`page_runs`) are one run of real blocks: readable as one slice."""
+    return len(runs) == 1 and runs[0][0] != 0
 
 
 def _as_pages(rows: mx.array, block_size: int) -> mx.array:
