@@ -179,6 +179,14 @@ def system_prompt(workload: str, clients: int, k: int, round_: int = 0) -> str:
     return SHARED[0]
 
 
+def question(workload: str, clients: int, k: int, round_: int = 0) -> str:
+    """Request ``k``'s user question: one of ``QUESTIONS``, asked anew in every request for ``shared-unique``."""
+    text = QUESTIONS[k % len(QUESTIONS)]
+    if workload == "shared-unique":  # the prompt past the shared system prompt was never seen before
+        return f"Ticket {clients}-{round_}-{k}: {text}"
+    return text
+
+
 def run_level(url: str, clients: int, per_client: int, max_tokens: int, workload: str,
               client_per_request: bool = False, round_: int = 0) -> dict:
     """One round at a level: every client sends ``per_client`` requests back to back; raw TTFTs, tokens, tok/s."""
@@ -191,7 +199,7 @@ def run_level(url: str, clients: int, per_client: int, max_tokens: int, workload
         for i in range(per_client):
             k = c * per_client + i
             system = system_prompt(workload, clients, k, round_)
-            t, n = one_request(url, QUESTIONS[k % len(QUESTIONS)], max_tokens, system, https[c])
+            t, n = one_request(url, question(workload, clients, k, round_), max_tokens, system, https[c])
             with lock:
                 ttfts.append(t)
                 tokens[0] += n
@@ -288,8 +296,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per concurrency level; the two servers alternate round by round")
-    p.add_argument("--workload", choices=["shared", "cold-shared", "distinct"], default="shared",
-                   help="shared: one long system prompt for all requests; cold-shared: one per concurrency level (its "
+    p.add_argument("--workload", choices=["shared", "shared-unique", "cold-shared", "distinct"], default="shared",
+                   help="shared: one long system prompt for all requests, the user questions drawn from ten (a "
+                        "question comes back across rounds and levels: the whole prompt then hits the cache); "
+                        "shared-unique: the same, every question asked once; cold-shared: one per concurrency level (its "
                         "first concurrent wave finds it uncached); distinct: each request's prompt differs "
                         "from its first tokens (no prefix reuse on either side)")
     p.add_argument("--prefix-repeat", type=int, default=1,

@@ -149,11 +149,11 @@ def consecutive_prefix(case, rows, pages, first):
     case.block_tables = mx.array(table, dtype=mx.int32)
 
 
-@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+@pytest.mark.parametrize("layout", ["consecutive", "two runs", "scattered"])
 @pytest.mark.parametrize("gqa", [1, 4])
 def test_shared_prefix_attention_equals_flat(layout, gqa):
     """Groups (one of all but two rows, one of two rows), a row in no group, ragged lengths: equal to flat
-    attention; consecutive shared pages are read as a view, scattered ones gathered once."""
+    attention; shared pages in a few runs are read as views run by run, scattered ones gathered once."""
     from mlxkv.kernels.page_views_ref import shared_prefix_attention
 
     bs = 16
@@ -161,6 +161,12 @@ def test_shared_prefix_attention_equals_flat(layout, gqa):
     case = shared_case(gqa=gqa, bs=bs, lens=lens, share=[((0, 1, 2, 3), 3), ((4, 5), 2)])
     if layout == "consecutive":
         consecutive_prefix(case, (0, 1, 2, 3), 3, 1)  # overlaps other rows' pages: only equality matters here
+    elif layout == "two runs":  # pages 1, 2, then the pool's last page (a block cached later, elsewhere)
+        consecutive_prefix(case, (0, 1, 2, 3), 2, 1)
+        table = case.block_tables.tolist()
+        for r in (0, 1, 2, 3):
+            table[r][2] = case.k_pages.shape[1] - 1
+        case.block_tables = mx.array(table, dtype=mx.int32)
     tables, host_lens = case.block_tables.tolist(), case.context_lens.tolist()
     groups = find_prefix_groups(tables, host_lens, bs, min_group=2, min_shared_pages=1)
     assert sorted(g.rows for g in groups) == [(0, 1, 2, 3), (4, 5)]
@@ -173,6 +179,29 @@ def test_shared_prefix_attention_equals_flat(layout, gqa):
     only = shared_prefix_attention(case.queries, case.k_pages, case.v_pages, case.block_tables, tables,
                                    host_lens, [g for g in groups if g.rows == (4, 5)], scale=0.125)
     assert max_abs_error(only, flat) < 1e-5  # rows 0-3 in no group: every page is their own
+
+
+def test_shared_pages_in_a_few_runs_are_views_in_order():
+    """A shared prefix in a few runs of consecutive pages comes back as one view per run, in order (no gather);
+    pages in more runs than MAX_SHARED_RUNS (or the null block) as one gathered piece; the rows equal the pages'."""
+    from mlxkv.kernels.page_views_ref import MAX_SHARED_RUNS, _shared_rows
+
+    kv_heads, pool, bs, d = 2, 40, 4, 8
+    k_pages = mx.random.normal((kv_heads, pool, bs, d))
+    v_pages = mx.random.normal((kv_heads, pool, bs, d))
+
+    def expected(ids):
+        idx = mx.array(ids, dtype=mx.int32)
+        return [mx.take(p, idx, axis=1).reshape(kv_heads, len(ids) * bs, d) for p in (k_pages, v_pages)]
+
+    scattered = list(range(1, 2 * MAX_SHARED_RUNS + 3, 2))  # MAX_SHARED_RUNS + 1 runs of one page
+    for ids, pieces in (([3, 4, 5, 30], 2), ([7, 8], 1), (scattered, 1), ([0, 1], 1)):
+        got = _shared_rows(k_pages, v_pages, ids)
+        assert len(got) == pieces
+        k = mx.concatenate([kp for kp, _ in got], axis=1)
+        v = mx.concatenate([vp for _, vp in got], axis=1)
+        want_k, want_v = expected(ids)
+        assert mx.array_equal(k, want_k) and mx.array_equal(v, want_v)
 
 
 @pytest.mark.parametrize("gqa", [1, 4])

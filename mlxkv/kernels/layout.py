@@ -159,3 +159,16 @@ def consecutive(block_ids: list[int]) -> int | None:
         return None
     first = block_ids[0]
     return first if block_ids == list(range(first, first + len(block_ids))) else None
+
+
+def page_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int]] | None:
+    """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        elif limit is not None and len(runs) == limit:
+            return None
+        else:
+            runs.append((b, 1))
+    return runs

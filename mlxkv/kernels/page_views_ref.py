@@ -5,8 +5,9 @@ sequence each step. Two common cases need no such copy:
 
 * **Shared prefixes** (:func:`shared_prefix_attention`, batches): the sequences of a
   :class:`~mlxkv.kernels.cascade.PrefixGroup` attend to their shared pages in one matmul per kv head, all their
-  queries stacked as rows (``(KVH, n * G, D) @ (KVH, D, P)``), reading the pages in place when they are
-  consecutive in the pool (else one gather for the whole group, not one per sequence); each sequence's own
+  queries stacked as rows (``(KVH, n * G, D) @ (KVH, D, P)``), reading the pages in place, run by run, when
+  they lie in a few runs of consecutive pages (else one gather for the whole group, not one per sequence): a
+  prefix cached in one piece plus a block another request cached later is two runs; each sequence's own
   pages after the shared ones are gathered as the reference gathers them.
 * **A few runs of consecutive pages** (:func:`runs_attention`, one sequence: a decode step, or a prefill chunk
   over a cached prefix, causal): each run is a zero-copy slice of the stored rows; one matmul pair per run.
@@ -21,11 +22,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cascade import PrefixGroup
-from .layout import consecutive
+from .layout import page_runs
 from .paged_attention_ref import gather_head_major
 
 #: ``log2(e)``: scores times this are base-2 exponents (see :func:`_exp2`).
 LOG2E = 1.4426950408889634
+#: Shared pages in at most this many runs of consecutive pages are attended run by run, in place (more: gathered).
+MAX_SHARED_RUNS = 8
 
 
 def shared_prefix_attention(
@@ -70,9 +73,12 @@ def shared_prefix_attention(
 
     for group in groups:
         rows = list(group.rows)
-        kp, vp = _shared_rows(k_pages, v_pages, host_tables[rows[0]][: group.shared_pages])  # (KVH, P, D)
         qg = (q if len(rows) == B else q[:, mx.array(rows, dtype=mx.int32)]).reshape(KVH, len(rows) * G, D)
-        mg, lg, og = (x.reshape(KVH, len(rows), G, -1) for x in _softmax_state(qg @ kp.swapaxes(-1, -2), vp))
+        shared = None
+        for kp, vp in _shared_rows(k_pages, v_pages, host_tables[rows[0]][: group.shared_pages]):  # (KVH, P, D)
+            part = _softmax_state(qg @ kp.swapaxes(-1, -2), vp)  # (KVH, n * G, .)
+            shared = part if shared is None else _merge(*shared, *part)
+        mg, lg, og = (x.reshape(KVH, len(rows), G, -1) for x in shared)
         if len(rows) < B:  # rows outside the group: an empty state (m = -inf, l = 0, o = 0)
             idx = mx.array(rows, dtype=mx.int32)
             mg = _spread(mg, idx, m.shape, -mx.inf)
@@ -112,14 +118,16 @@ def _spread(x: mx.array, idx: mx.array, shape: tuple[int, ...], fill: float) -> 
     return out
 
 
-def _shared_rows(k_pages: mx.array, v_pages: mx.array, ids: list[int]) -> tuple[mx.array, mx.array]:
-    """The rows of pages ``ids`` as ``(KVH, len(ids) * bs, D)``: a view when they are consecutive."""
+def _shared_rows(k_pages: mx.array, v_pages: mx.array, ids: list[int]) -> list[tuple[mx.array, mx.array]]:
+    """The rows of pages ``ids`` as ``(KVH, P, D)`` key/value pieces in position order: a view per run of
+    consecutive pages when they lie in at most ``MAX_SHARED_RUNS`` runs (a prefix cached in one piece, then a
+    block cached later by another request: two runs), else one gather."""
     KVH, _, bs, D = k_pages.shape
-    first = consecutive(ids)
-    if first is not None:
-        return tuple(p[:, first:first + len(ids)].reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
+    runs = page_runs(ids, MAX_SHARED_RUNS)
+    if runs is not None and all(first != 0 for first, _ in runs):
+        return [tuple(p[:, first:first + n].reshape(KVH, n * bs, D) for p in (k_pages, v_pages)) for first, n in runs]
     idx = mx.array(ids, dtype=mx.int32)
-    return tuple(mx.take(p, idx, axis=1).reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))
+    return [tuple(mx.take(p, idx, axis=1).reshape(KVH, len(ids) * bs, D) for p in (k_pages, v_pages))]
 
 
 def runs_attention(queries: mx.array, k_rows: mx.array, v_rows: mx.array, runs: list[tuple[int, int]], *,

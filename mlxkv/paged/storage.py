@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlxkv.kernels import kv_write
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
+from mlxkv.kernels.layout import page_runs
 
 #: A gather of pages lying in at most this many runs of consecutive pages concatenates those slices (a few
 #: contiguous copies) instead of indexing every page (measured ~1.8x faster for a 4K-row prefix + a few pages).
@@ -125,19 +126,6 @@ class PagedStorage:
     def nbytes(self) -> int:
         """Bytes of the allocated page arrays (the whole pool share of every layer written so far)."""
         return sum(a.nbytes for a in self.arrays())
-
-
-def page_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int]] | None:
-    """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
-    runs: list[tuple[int, int]] = []
-    for b in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        elif limit is not None and len(runs) == limit:
-            return None
-        else:
-            runs.append((b, 1))
-    return runs
 
 
 def is_view(runs: list[tuple[int, int]]) -> bool:
