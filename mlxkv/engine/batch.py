@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
+from mlxkv.kernels.fast_exp import fast_exp2_ready
 from mlxkv.engine.delivery import batched_wakeups
 from mlxkv.engine.paged_policy import max_paged_tokens
 from mlxkv.engine.request import (
@@ -211,6 +212,7 @@ class BatchEngine:
     def _main(self) -> None:
         sched = self._scheduler
         try:
+            fast_exp2_ready()  # the attention's compiled exponential: checked (built, on a new machine) before requests
             sched.batched, self._batched_reason = self._decide_batching()
             sched.batched_prefill, self._batched_prefill_reason = self._decide_prefill_batching(sched.batched)
         except BaseException as exc:  # noqa: BLE001 - reported by start()
