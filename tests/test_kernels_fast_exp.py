@@ -75,3 +75,10 @@ def test_a_build_error_falls_back_with_a_warning(unchecked, monkeypatch, caplog)
 def test_disabled_compilation_keeps_mx_power(unchecked, monkeypatch):
     monkeypatch.setenv("MLX_DISABLE_COMPILE", "1")
     assert not fast_exp.fast_exp2_ready()
+
+
+def test_no_compiler_keeps_mx_power(unchecked, monkeypatch):
+    """Without g++ MLX would run the polynomial op by op (slower than mx.power): not used."""
+    monkeypatch.setattr(fast_exp.sys, "platform", "linux")
+    monkeypatch.setattr(fast_exp.shutil, "which", lambda name: None)
+    assert not fast_exp.fast_exp2_ready()
