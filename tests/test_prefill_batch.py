@@ -106,12 +106,40 @@ def test_the_scheduler_prefills_admitted_requests_together_with_directs_tokens(m
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     for prompt, events in zip(prompts, results):
         assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, PARAMS))
-    # Again, now over the cached prefix, sampled with seeds.
+    # Again, now over the cached prefix with new endings (a prompt cached but for its last token would join the
+    # decode batch instead), sampled with seeds.
+    prompts = [p + [500 + i, 600 + i] for i, p in enumerate(prompts)]
     seeded = SamplingParams(max_tokens=5, temp=0.8, seed=3)
     results = run(sched, prompts, seeded)
     assert sched.totals["batched_prefills"] == 2
     assert all(r[-1].usage.cached_tokens >= 20 for r in results)  # at least the five shared blocks
     for prompt, events in zip(prompts, results):
+        assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, seeded))
+    assert len(pool) == 0
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_prompt_cached_but_for_its_last_token_joins_the_decode_batch(model, monkeypatch, batched):
+    """A repeated prompt (the prefix cache holds all but its last token) runs no prefill forward of its own when
+    decode is batched: the step's decode forward feeds that token, alongside a running request, and samples its
+    first token. Greedy and seeded tokens equal DirectEngine's; unbatched decode keeps the one-token prefill."""
+    pool = paged_pool(model)
+    sched = Scheduler(model, None, pool, batched=batched)
+    chunks = []
+    real = sched._forward_chunk
+    monkeypatch.setattr(sched, "_forward_chunk", lambda task, n: chunks.append(n) or real(task, n))
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    repeated = SHARED + SUFFIXES[0]
+    run(sched, [repeated])  # now cached
+    chunks.clear()
+    other = SHARED[:9] + [900, 901, 902]  # a request sharing some blocks, running alongside
+    seeded = SamplingParams(max_tokens=6, temp=0.8, seed=5)
+    results = run(sched, [other, repeated, repeated], seeded)
+    assert results[1][-1].usage.cached_tokens == len(repeated) - 1
+    rest = len(other) - results[0][-1].usage.cached_tokens
+    assert chunks == ([rest] if batched else [rest, 1, 1])  # other's uncached part only (batched)
+    for prompt, events in zip([other, repeated, repeated], results):
         assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, seeded))
     assert len(pool) == 0
     pool.check_invariants()

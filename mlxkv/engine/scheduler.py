@@ -314,7 +314,9 @@ class Scheduler:
             target = _prefill_target(task)
             try:
                 n = min(budget, target - task.done)
-                if n > 0:
+                if n == 1 and task.done == target - 1 and self._last_token_decodes(task):
+                    self._start_decoding(task)  # its first decode step, with the running batch, feeds that token
+                elif n > 0:
                     if self.manager is not None and not self._make_room(task.seq, n):
                         if len(self.pool) > 1:
                             self._preempt_prefill(task)  # it ranks lowest: wait for blocks
@@ -337,6 +339,13 @@ class Scheduler:
             if budget == 0:
                 break
         self._prefill_together([(t, n) for t, n in together if t in self.prefilling and t.seq is not None])
+
+    def _last_token_decodes(self, task: Prefill) -> bool:
+        """Whether a request whose prompt the prefix cache holds but for its last token skips a one-token prefill
+        forward: it joins this step's decode batch (paged, batched decode), whose forward feeds that token and
+        samples its first token — as mixed prefill/decode batches do; a separate forward would cost about a
+        whole decode step of its own."""
+        return self.manager is not None and self.batched and _first_from_prefill(task)
 
     def _forward_chunk(self, task: Prefill, n: int) -> mx.array | None:
         """Task's next ``n`` prompt tokens through the model, evaluated; the last position's logits ``(1, vocab)``
