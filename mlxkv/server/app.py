@@ -25,6 +25,7 @@ from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -51,6 +52,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     tokenizer = engine.tokenizer
+    prompts = PromptEncoder(tokenizer)  # a long shared system prompt is tokenized once
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -106,7 +108,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
         try:
-            prompt = await _tokenize(lambda: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+            prompt = await _tokenize(lambda: prompts.chat(messages))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
         return await _generate(request, body, prompt, chat=True)

@@ -1,0 +1,78 @@
+"""PromptEncoder: the chat template's own token ids, a long shared head tokenized once."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from mlxkv.models import demo_model_path
+from mlxkv.server.prompts import PromptEncoder
+
+SYSTEM = ("You are a careful assistant.  Answer in short sentences; quote code exactly, with tabs\tand  spaces. "
+          "Ünïcödé, 日本語 and emoji 🙂 stay as they are. ") * 25  # ~3K characters
+QUESTIONS = ["What is a tuple?", "  leading spaces and a trailing one ", "digits 0123456789", "x",
+             "special text inside: </s> <s> <|user|> <|im_end|>", "\nnew line first"]
+
+
+@pytest.fixture(scope="module", params=["demo", "test"])
+def tokenizer(request, test_model_dir):
+    return load_tokenizer(demo_model_path() if request.param == "demo" else test_model_dir("llama"))
+
+
+def own(tokenizer, messages):
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def test_prompts_sharing_a_long_system_prompt_reuse_its_tokens_and_equal_the_templates(tokenizer):
+    encoder = PromptEncoder(tokenizer)
+    for i, question in enumerate(QUESTIONS * 2):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        assert encoder.chat(messages) == own(tokenizer, messages)
+        assert encoder.hits == i  # the first prompt fills the memo, every later one reuses it
+    assert encoder.memo_on
+
+
+def test_multi_turn_and_short_prompts_equal_the_templates(tokenizer):
+    encoder = PromptEncoder(tokenizer)
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "hello ünïcödé 🙂"}]
+    for question in QUESTIONS:
+        messages = history + [{"role": "user", "content": question}]
+        assert encoder.chat(messages) == own(tokenizer, messages)
+    assert encoder.hits == len(QUESTIONS) - 1
+    short = PromptEncoder(tokenizer)
+    for question in QUESTIONS:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+        assert short.chat(messages) == own(tokenizer, messages)
+    assert short.hits == 0  # a short head is not memoized
+
+
+class _SplitsDifferently:
+    """A tokenizer whose template ids are not its pieces' ids (an extra id at the end): the memo must stand down."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self._tokenizer = inner._tokenizer
+        self.chat_template = inner.chat_template
+
+    def apply_chat_template(self, messages, **kwargs):
+        out = self.inner.apply_chat_template(messages, **kwargs)
+        return out if kwargs.get("tokenize") is False else list(out) + [7]
+
+    def encode(self, text, **kwargs):
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_tokenizer_that_does_not_split_at_special_tokens_turns_the_memo_off(tokenizer, caplog):
+    odd = _SplitsDifferently(tokenizer)
+    encoder = PromptEncoder(odd)
+    for question in QUESTIONS[:3]:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        assert encoder.chat(messages) == own(odd, messages)
+    assert not encoder.memo_on and encoder.hits == 0
+    assert "tokenized whole" in caplog.text
+
+
+def test_template_errors_propagate(tokenizer):
+    with pytest.raises(Exception):  # noqa: B017 - jinja raises its own types
+        PromptEncoder(tokenizer).chat([{"role": "nobody", "content": SYSTEM}, {"role": "user", "content": "x"}])
