@@ -26,8 +26,8 @@ def test_partial_reuse_copy_does_not_copy_the_pool():
     pages = pool.paged.storage
     page_bytes = pages.k_rows[0].nbytes  # one layer's key pages: 8000 blocks
     copies = []
-    copy_block = pages.copy_block
-    pages.copy_block = lambda *a: (copies.append(a), copy_block(*a))
+    copy_blocks = pages.copy_blocks
+    pages.copy_blocks = lambda ops: (copies.extend(ops), copy_blocks(ops))
     mx.eval(pages.arrays())
     mx.reset_peak_memory()
     base_memory = mx.get_active_memory()

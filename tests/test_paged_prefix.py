@@ -178,8 +178,8 @@ def test_partial_block_reuse_copies_the_matching_rows(arch, monkeypatch):
     install_attention_hook(model)
     pool = paged_pool(model)
     copies = []
-    real = pool.paged.storage.copy_block
-    monkeypatch.setattr(pool.paged.storage, "copy_block", lambda *a: copies.append(a) or real(*a))
+    real = pool.paged.storage.copy_blocks
+    monkeypatch.setattr(pool.paged.storage, "copy_blocks", lambda ops: copies.extend(ops) or real(ops))
     base = PROMPT + OTHER_TAIL[:3]  # 48 tokens: 12 full blocks of 4
     first = pool.open(prompt=base)
     prefill(model, first, base)

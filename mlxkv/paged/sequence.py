@@ -64,9 +64,9 @@ class PagedSequence:
 
     def apply_copies(self, copies: Sequence[CopyOp]) -> None:
         """Copy-on-write / partial-reuse instructions from the manager, applied to every layer of the group."""
-        for op in copies:
-            for layer in self.group_layers[op.group_id]:
-                self.storage.copy_block(layer, op.src_block, op.dst_block, op.num_tokens)
+        if copies:
+            self.storage.copy_blocks([(layer, op.src_block, op.dst_block, op.num_tokens)
+                                      for op in copies for layer in self.group_layers[op.group_id]])
 
     def _allocate(self, n: int | None = None, token_ids: Sequence[int] | None = None) -> None:
         alloc = self.manager.allocate_slots(self.seq_id, n, token_ids)

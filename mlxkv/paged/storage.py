@@ -82,19 +82,24 @@ class PagedStorage:
         self.k_rows[layer] = self.v_rows[layer] = None  # sole owner while the write is built (see write)
         self.k_rows[layer], self.v_rows[layer] = write_row_runs(kr, runs, k), write_row_runs(vr, runs, v)
 
-    def copy_block(self, layer: int, src: int, dst: int, num_tokens: int) -> None:
-        """Copy rows ``[0, num_tokens)`` of page ``src`` into page ``dst`` (a CopyOp, for one layer)."""
-        if self.k_rows[layer] is None:
-            return  # nothing was ever written in this layer, so the source holds nothing either
-        # Materialise the source rows into their own buffers first: a write whose source is a view of the
-        # pages (``p[dst] = p[src]``) keeps the pages shared at the write, and MLX then copies the whole pool.
-        a = src * self.block_size
-        k_rows = self.k_rows[layer][0, :, a:a + num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_k), new buffer
-        v_rows = self.v_rows[layer][0, :, a:a + num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_v)
-        mx.eval(k_rows, v_rows)
-        first = dst * self.block_size
-        slots = mx.arange(first, first + num_tokens, dtype=mx.int32)  # (num_tokens,)
-        self.write(layer, slots, k_rows, v_rows)
+    def copy_blocks(self, copies: list[tuple[int, int, int, int]]) -> None:
+        """For each ``(layer, src, dst, num_tokens)``: copy rows ``[0, num_tokens)`` of page ``src`` into page
+        ``dst`` of that layer (the CopyOps of one allocation, every layer of a group; one evaluation for all)."""
+        bs = self.block_size
+        sources = []
+        for layer, src, dst, num_tokens in copies:
+            if self.k_rows[layer] is None:
+                continue  # nothing was ever written in this layer, so the source holds nothing either
+            # Materialise the source rows into their own buffers first: a write whose source is a view of the
+            # pages (``p[dst] = p[src]``) keeps the pages shared at the write, and MLX then copies the whole pool.
+            a = src * bs
+            k_rows = self.k_rows[layer][0, :, a:a + num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_k)
+            v_rows = self.v_rows[layer][0, :, a:a + num_tokens].transpose(1, 0, 2) + 0  # (num_tokens, H, D_v)
+            sources.append((layer, dst, num_tokens, k_rows, v_rows))
+        mx.eval([rows for source in sources for rows in source[3:]])
+        for layer, dst, num_tokens, k_rows, v_rows in sources:
+            slots = mx.arange(dst * bs, dst * bs + num_tokens, dtype=mx.int32)  # (num_tokens,)
+            self.write(layer, slots, k_rows, v_rows)
 
     def gather(self, layer: int, block_ids: list[int], first: int, length: int,
                runs: list[tuple[int, int]] | None = None) -> tuple[mx.array, mx.array]:
