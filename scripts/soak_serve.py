@@ -38,13 +38,21 @@ def rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
+#: Prompts that come back (``--repeat-prob``): long enough to be served from the prefix cache.
+REPEATED = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(40 + 10 * i)) for i in range(4)]
+REPEAT_PROB = [0.0]
+
+
 def one_request(url: str, rng: random.Random, disconnect_prob: float, deadline: float) -> str:
     """Send one random request; returns its outcome: completed | disconnected | http_<status> | error."""
     import httpx
 
     if time.monotonic() > deadline:
         return "skipped"
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
+    if rng.random() < REPEAT_PROB[0]:  # a prompt asked before: cached but for its last token, it joins the decode
+        prompt = REPEATED[rng.randrange(len(REPEATED))]
+    else:
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
     chat = rng.random() < 0.5
     body: dict = {"max_tokens": rng.randint(1, 96), "temperature": rng.choice([0.0, 0.8]),
                   "stream": rng.random() < 0.6, "n": rng.choice([1, 1, 1, 2])}
@@ -89,7 +97,10 @@ def main() -> int:
     p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged")
     p.add_argument("--kv-cache-budget", type=int, default=None, help="paged KV bytes (small: forces preemption)")
     p.add_argument("--batched-prefill", action="store_true", help="the engine's opt-in batched prefill")
+    p.add_argument("--repeat-prob", type=float, default=0.25,
+                   help="chance a request repeats one of four earlier prompts (its last token joins a decode step)")
     args = p.parse_args()
+    REPEAT_PROB[0] = args.repeat_prob
 
     import httpx
 
@@ -130,6 +141,7 @@ def main() -> int:
           f"failed {stats['failed_total']}, tokens generated {stats['generation_tokens_total']}, "
           f"max batch {stats['max_batch']}, batched steps {stats['batched_steps_total']}, "
           f"batched prefills {stats['batched_prefills_total']}, "
+          f"prompts joining a decode step {stats.get('prefills_joined_decode_total', 0)}, "
           f"preemptions {stats.get('preemptions', 0)}, KV blocks used {stats['kv_blocks'].get('used', 0)}")
     print(f"leaked sequences: {leaked}  KV bytes held: {stats['kv_bytes']}  "
           f"RSS: start {rss_start:.1f} MB, end {rss_end:.1f} MB  (MLX active {stats['mlx_active_bytes'] / 1e6:.1f} MB, "

@@ -167,7 +167,7 @@ class Scheduler:
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
-                           batched_prefills=0)
+                           batched_prefills=0, prefills_joined_decode=0)
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -315,6 +315,7 @@ class Scheduler:
             try:
                 n = min(budget, target - task.done)
                 if n == 1 and task.done == target - 1 and self._last_token_decodes(task):
+                    self.totals["prefills_joined_decode"] += 1
                     self._start_decoding(task)  # its first decode step, with the running batch, feeds that token
                 elif n > 0:
                     if self.manager is not None and not self._make_room(task.seq, n):
