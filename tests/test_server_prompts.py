@@ -28,7 +28,7 @@ def test_prompts_sharing_a_long_system_prompt_reuse_its_tokens_and_equal_the_tem
     for i, question in enumerate(QUESTIONS * 2):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         assert encoder.chat(messages) == own(tokenizer, messages)
-        assert encoder.hits == i  # the first prompt fills the memo, every later one reuses it
+        assert encoder.hits == max(0, i - 1)  # the second prompt checks and fills the memo, later ones reuse it
     assert encoder.memo_on
 
 
@@ -39,7 +39,7 @@ def test_multi_turn_and_short_prompts_equal_the_templates(tokenizer):
     for question in QUESTIONS:
         messages = history + [{"role": "user", "content": question}]
         assert encoder.chat(messages) == own(tokenizer, messages)
-    assert encoder.hits == len(QUESTIONS) - 1
+    assert encoder.hits == len(QUESTIONS) - 2
     short = PromptEncoder(tokenizer)
     for question in QUESTIONS:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
@@ -71,6 +71,17 @@ def test_a_tokenizer_that_does_not_split_at_special_tokens_turns_the_memo_off(to
         assert encoder.chat(messages) == own(odd, messages)
     assert not encoder.memo_on and encoder.hits == 0
     assert "tokenized whole" in caplog.text
+
+
+def test_a_head_met_once_costs_no_extra_encoding(tokenizer, monkeypatch):
+    encoder = PromptEncoder(tokenizer)
+    calls = []
+    real = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(a) or real(*a, **k), raising=False)
+    for i in range(3):  # three different system prompts, each met once
+        messages = [{"role": "system", "content": f"{i} {SYSTEM}"}, {"role": "user", "content": "hi"}]
+        assert encoder.chat(messages) == own(tokenizer, messages)
+    assert calls == [] and encoder.hits == 0
 
 
 def test_template_errors_propagate(tokenizer):

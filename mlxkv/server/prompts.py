@@ -8,9 +8,10 @@ independently, so for a rendered chat ``text = head + tail`` where ``head`` ends
     encode(text) == encode(head) + encode(S + tail)[1:]
 
 (``S + tail`` keeps the tail a non-first piece, as in the whole text, for tokenizers that treat the first piece
-differently). :class:`PromptEncoder` memoizes ``encode(head)`` for heads ending at the last special token before
-the last message's content, and checks the identity against the tokenizer's own ``apply_chat_template`` the first
-time it meets each head; one mismatch turns the memo off for good (with a warning).
+differently). :class:`PromptEncoder` takes as head the text up to the last special token within the rendering of
+all messages but the last (a system prompt, earlier turns). A head met once costs nothing extra; met again, the
+identity is checked against the tokenizer's own ``apply_chat_template`` and its ids remembered; later prompts
+with that head encode only their tail. One mismatch turns the memo off for good (with a warning).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ class PromptEncoder:
         self.entries = entries
         self.memo_on = True
         self.hits = 0
-        self._memo: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        # head -> its ids (None: seen once, not checked yet), least recently used first
+        self._heads: collections.OrderedDict[str, list[int] | None] = collections.OrderedDict()
         self._lock = threading.Lock()
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        specials = getattr(hf, "all_special_tokens", None) or []
+        specials = set(getattr(hf, "all_special_tokens", None) or ())  # named ones (bos, eos, pad, ...)
+        specials |= {t.content for t in (getattr(hf, "added_tokens_decoder", None) or {}).values()
+                     if getattr(t, "special", False)}  # and the template's role markers
         self._specials = sorted({s for s in specials if s}, key=len, reverse=True)
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -57,30 +61,34 @@ class PromptEncoder:
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
-        if not self.memo_on or not self._specials:
+        if not self.memo_on or not self._specials or len(messages) < 2:
             return self._whole(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        split = self._split(text, messages[-1].get("content") if messages else None)
+        split = self._split(text, messages)
         if split is None:
             return self._whole(messages)
         head, special, tail = text[:split[0]], split[1], text[split[0]:]
         with self._lock:
-            ids = self._memo.get(head)
-            if ids is not None:
-                self._memo.move_to_end(head)
+            seen = head in self._heads
+            ids = self._heads.get(head)
+            self._heads[head] = ids
+            self._heads.move_to_end(head)
+            while len(self._heads) > self.entries:
+                self._heads.popitem(last=False)
         if ids is not None:
             self.hits += 1
             return ids + self._encode(special + tail)[1:]
-        whole = self._whole(messages)  # the first time this head is seen: the reference, and the check
+        whole = self._whole(messages)
+        if not seen:  # a head met once costs nothing extra; the second time it is checked and remembered
+            return whole
         ids = self._encode(head)
         if ids + self._encode(special + tail)[1:] != whole:
             self.memo_on = False
             log.warning("a chat prompt did not tokenize as its pieces: prompts are tokenized whole from now on")
             return whole
         with self._lock:
-            self._memo[head] = ids
-            while len(self._memo) > self.entries:
-                self._memo.popitem(last=False)
+            if head in self._heads:
+                self._heads[head] = ids
         return whole
 
     def _whole(self, messages: list[dict[str, str]]) -> list[int]:
@@ -89,19 +97,18 @@ class PromptEncoder:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _split(self, text: str, last_content: str | None) -> tuple[int, str] | None:
-        """``(end, token)``: the last special token ending before the last message's content, when the head up to
-        it is long enough to memoize; else None."""
-        if not last_content:
+    def _split(self, text: str, messages: list[dict[str, str]]) -> tuple[int, str] | None:
+        """``(end, token)``: the last special token within the rendering of the messages before the last one (when
+        the whole text starts with that rendering), if the head up to it is long enough to memoize; else None."""
+        try:
+            earlier = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template may refuse a conversation that ends early
             return None
-        limit = text.rfind(last_content)
-        if limit < self.min_head_chars:
+        if len(earlier) < self.min_head_chars or not text.startswith(earlier):
             return None
         best: tuple[int, str] | None = None
         for special in self._specials:
-            at = text.rfind(special, 0, limit)
-            while at >= 0 and at + len(special) > limit:  # must end before the content starts
-                at = text.rfind(special, 0, at)
+            at = text.rfind(special, 0, len(earlier))  # ends within the earlier messages' rendering
             if at >= 0 and (best is None or at + len(special) > best[0]):
                 best = (at + len(special), special)
         if best is None or best[0] < self.min_head_chars:
