@@ -146,6 +146,28 @@ def test_a_prompt_cached_but_for_its_last_token_joins_the_decode_batch(model, mo
     pool.check_invariants()
 
 
+def test_a_joined_prompts_first_token_comes_out_in_the_step_that_computes_it(model):
+    """Decode steps overlap (a step's tokens are read while the next is built), but a step computing a joined
+    prompt's first token is read at once: after one step the request has its first token."""
+    pool = paged_pool(model)
+    sched = Scheduler(model, None, pool)
+    repeated = SHARED + SUFFIXES[0]
+    run(sched, [repeated])  # now cached
+    running = Job(request=GenerationRequest(SHARED + [900, 901], PARAMS), handle=None, max_tokens=5)
+    running.handle = RequestHandle(running.request)
+    sched.add(running)
+    sched.step()
+    sched.step()  # running decodes, its tokens in flight
+    joined = Job(request=GenerationRequest(repeated, PARAMS), handle=None, max_tokens=5)
+    joined.handle = RequestHandle(joined.request)
+    sched.add(joined)
+    sched.step()
+    assert sched.totals["prefills_joined_decode"] == 1 and joined.first_token_at is not None
+    while sched.has_work():
+        sched.step()
+    assert len(pool) == 0
+
+
 class FailsOnToken:
     """A model whose prefill forward raises when any row starts with ``token`` (alone or batched), after every
     layer has written its cache rows."""

@@ -479,7 +479,9 @@ class Scheduler:
         lazily; paged slots taken under a placeholder id) and handed to MLX with ``async_eval``; only then are
         the previous tokens read, named in the manager, and emitted — so building a step's graph overlaps the
         evaluation of the one before (mlx-lm's generation loop does the same). When blocks are short, the
-        previous tokens are read first: a preemption must see every emitted token.
+        previous tokens are read first: a preemption must see every emitted token. A step that computes some
+        request's first token (a prompt that joined the decode batch) is read at once: that token goes out now, and
+        the next step's graph is built after it.
         """
         if self._in_flight and self.manager is not None and not self._surely_fits():
             self._land()
@@ -507,6 +509,8 @@ class Scheduler:
             c.seq.commit()
             c.in_flight = (tokens, b)
             self._in_flight.append((c, tokens, b))
+        if any(c.job.first_token_at is None for c in choices):
+            self._land()  # a request's first token (its last prompt token joined this step): out now, not a step late
 
     def _surely_fits(self) -> bool:
         """Whether every running choice's next slot fits without preempting (at most one new block per group and
