@@ -44,9 +44,11 @@ def test_compiled_exp2_is_used_on_large_float32_inputs_and_is_accurate(unchecked
     assert mx.isnan(out[1]).item()  # NaN stays NaN (a broken score is not hidden)
 
 
-def test_small_and_half_precision_inputs_take_mx_power():
+def test_small_large_and_half_precision_inputs_take_mx_power():
     small = exponents(fast_exp.MIN_ELEMENTS - 1)
     assert mx.array_equal(fast_exp.exp2(small), mx.power(2.0, small))
+    large = exponents(fast_exp.MAX_ELEMENTS + 1)
+    assert mx.array_equal(fast_exp.exp2(large), mx.power(2.0, large))
     half = exponents().astype(mx.float16)
     assert mx.array_equal(fast_exp.exp2(half), mx.power(2.0, half))
 

@@ -4,12 +4,14 @@ The exponentials of attention's softmax dominate attention over long contexts on
 ~16-26 ns per float32 element there and ``mx.power(2, x)`` ~6-10 ns. Split ``x = n + f`` (``n`` the nearest
 integer, ``f`` in ``[-0.5, 0.5]``): ``2 ** f`` is a degree-6 polynomial (Taylor, relative error ~1e-7) and
 ``2 ** n`` is built in the float's exponent bits. ``mx.compile(shapeless=True)`` fuses the polynomial into one
-C++ kernel (MLX builds it with the system compiler once per machine and caches it on disk), ~2-2.6 ns per
-element measured here; the bit cast and the product are two more element-wise passes.
+C++ kernel (MLX builds it with the system compiler once per machine and caches it on disk): 2-6 ns per element
+measured here against ``mx.power``'s 6-12 on the same inputs (this VM's speed varies over minutes); the bit cast
+and the product are two more element-wise passes.
 
-Used only on the CPU device, for float32 inputs of at least ``MIN_ELEMENTS`` elements (a compiled call costs
-~0.1-0.2 ms; below that ``mx.power`` is as fast), and only after a self-check against ``mx.power`` passed in this
-process (no compiler, ``MLX_DISABLE_COMPILE``, or any mismatch: ``mx.power``, with one warning).
+Used only on the CPU device, for float32 inputs of ``MIN_ELEMENTS`` to ``MAX_ELEMENTS`` elements (a compiled call
+costs ~0.1-0.2 ms, below that ``mx.power`` is as fast; above it the compiled kernel slows down), and only after a
+self-check against ``mx.power`` passed in this process (no compiler, ``MLX_DISABLE_COMPILE``, or any mismatch:
+``mx.power``, with one warning).
 Exponents below -125 give exactly 0 (``mx.power``: below 2**-125, i.e. nothing a softmax sum can see).
 """
 
@@ -27,6 +29,10 @@ log = logging.getLogger(__name__)
 
 #: Smaller inputs take ``mx.power`` (a compiled call's fixed cost is about that of ``mx.power`` on 8K elements).
 MIN_ELEMENTS = 8192
+#: Larger inputs take ``mx.power`` too: measured here, the compiled kernel falls off a cliff past ~400-800K elements
+#: (5-6 -> ~30 ns per element, while ``mx.power`` stays at 6-10), so it is used up to 384K elements (e.g. 16 query
+#: rows x 2 kv heads over 12K keys, or a 48-row prefill chunk with 2 kv heads over 4K).
+MAX_ELEMENTS = 393216
 #: Self-check bound: ``|fast - power| <= RELATIVE * power + ABSOLUTE``.
 RELATIVE, ABSOLUTE = 1e-6, 1e-37
 #: ``2 ** 23 * 1.5``: adding and subtracting it rounds a float32 of magnitude < 2 ** 22 to the nearest integer.
@@ -95,6 +101,6 @@ def fast_exp2_ready() -> bool:
 
 def exp2(x: mx.array) -> mx.array:
     """``2 ** x`` for ``x <= 0`` (softmax exponents): the compiled polynomial where it applies, else ``mx.power``."""
-    if x.dtype == mx.float32 and x.size >= MIN_ELEMENTS and fast_exp2_ready():
+    if x.dtype == mx.float32 and MIN_ELEMENTS <= x.size <= MAX_ELEMENTS and fast_exp2_ready():
         return _exp2_compiled(x)
     return mx.power(2.0, x)
