@@ -73,15 +73,32 @@ def test_a_tokenizer_that_does_not_split_at_special_tokens_turns_the_memo_off(to
     assert "tokenized whole" in caplog.text
 
 
-def test_a_head_met_once_costs_no_extra_encoding(tokenizer, monkeypatch):
-    encoder = PromptEncoder(tokenizer)
-    calls = []
-    real = tokenizer.encode
-    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(a) or real(*a, **k), raising=False)
+class _CountingEncodes:
+    """The tokenizer, counting its ``encode`` calls (what the memo adds to the template's own tokenization)."""
+
+    def __init__(self, inner):
+        self.inner, self.encodes = inner, 0
+        self._tokenizer = inner._tokenizer
+        self.chat_template = inner.chat_template
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.inner.apply_chat_template(messages, **kwargs)
+
+    def encode(self, text, **kwargs):
+        self.encodes += 1
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_head_met_once_costs_no_extra_encoding(tokenizer):
+    counting = _CountingEncodes(tokenizer)
+    encoder = PromptEncoder(counting)
     for i in range(3):  # three different system prompts, each met once
         messages = [{"role": "system", "content": f"{i} {SYSTEM}"}, {"role": "user", "content": "hi"}]
         assert encoder.chat(messages) == own(tokenizer, messages)
-    assert calls == [] and encoder.hits == 0
+    assert counting.encodes == 0 and encoder.hits == 0
+    messages = [{"role": "system", "content": f"2 {SYSTEM}"}, {"role": "user", "content": "again"}]
+    assert encoder.chat(messages) == own(tokenizer, messages)  # met twice: checked (head + tail encoded)
+    assert counting.encodes == 2
 
 
 def test_template_errors_propagate(tokenizer):
