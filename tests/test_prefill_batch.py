@@ -146,6 +146,30 @@ def test_a_prompt_cached_but_for_its_last_token_joins_the_decode_batch(model, mo
     pool.check_invariants()
 
 
+def test_a_repeated_prompt_with_two_samples_joins_and_samples_as_a_fresh_one(model):
+    """n=2, seeded: a prompt cached but for its last token (both samples join the decode batch) gives the tokens
+    the same request gives on a pool that never saw it (prefill, first token from its logits)."""
+    repeated = SHARED + SUFFIXES[2]
+    params = SamplingParams(max_tokens=6, temp=0.9, seed=11)
+
+    def choices(sched):
+        request = GenerationRequest(repeated, params, n=2)
+        handle = RequestHandle(request)
+        sched.add(Job(request=request, handle=handle, max_tokens=params.max_tokens))
+        while sched.has_work():
+            sched.step()
+        events = [e for e in handle if e.kind == "token"]
+        return [[e.token for e in events if e.index == i] for i in range(2)]
+
+    fresh = choices(Scheduler(model, None, paged_pool(model)))
+    pool = paged_pool(model)
+    sched = Scheduler(model, None, pool)
+    run(sched, [repeated])  # now cached
+    assert choices(sched) == fresh and sched.totals["prefills_joined_decode"] == 1
+    assert len(pool) == 0
+    pool.check_invariants()
+
+
 def test_a_joined_prompts_first_token_comes_out_in_the_step_that_computes_it(model):
     """Decode steps overlap (a step's tokens are read while the next is built), but a step computing a joined
     prompt's first token is read at once: after one step the request has its first token."""
