@@ -192,6 +192,30 @@ def test_a_joined_prompts_first_token_comes_out_in_the_step_that_computes_it(mod
     assert len(pool) == 0
 
 
+def test_requests_arriving_during_a_steps_prefill_prefill_before_its_decode(model):
+    """The scheduler's intake, called after the step's prefills, adds a request that arrived meanwhile: it is
+    prefilled (first token out) in the same step, before the decode of the running one; tokens stay DirectEngine's."""
+    pool = paged_pool(model)
+    late = Job(request=GenerationRequest(SHARED + [700, 701, 702], PARAMS), handle=None, max_tokens=5)
+    late.handle = RequestHandle(late.request)
+    arrivals = [late]
+    sched = Scheduler(model, None, pool)
+    sched.intake = lambda: bool(arrivals) and (sched.add(arrivals.pop()) or True)
+    first = Job(request=GenerationRequest(SHARED + SUFFIXES[1], PARAMS), handle=None, max_tokens=5)
+    first.handle = RequestHandle(first.request)
+    sched.add(first)
+    sched.step()
+    assert first.first_token_at is not None and late.first_token_at is not None  # both prefilled in step 1
+    assert sched.totals["decode_steps"] == 1 and not arrivals
+    while sched.has_work():
+        sched.step()
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    for job in (first, late):
+        assert [e.token for e in job.handle if e.kind == "token"] == list(direct.generate_tokens(job.request.prompt,
+                                                                                                   PARAMS))
+    assert len(pool) == 0
+
+
 class FailsOnToken:
     """A model whose prefill forward raises when any row starts with ``token`` (alone or batched), after every
     layer has written its cache rows."""

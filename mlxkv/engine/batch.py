@@ -104,7 +104,7 @@ class BatchEngine:
         self.context_length = context_length
         self._scheduler = Scheduler(model, tokenizer, self.pool, max_sequences=self.config.max_sequences,
                                     prefill_chunk_size=self.config.prefill_chunk_size, observer=observer,
-                                    on_dequeue=self._dequeued)
+                                    on_dequeue=self._dequeued, intake=self._take_submissions)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted (or dropped)
@@ -265,6 +265,12 @@ class BatchEngine:
         if not ok:
             log.warning("batched prefill unavailable (%s): prefilling sequences one by one", reason)
         return ok, reason
+
+    def _take_submissions(self) -> bool:
+        """Mid-step (the scheduler's intake): handle what reached the inbox; whether any request was submitted."""
+        before = self._scheduler.totals["requests"]
+        self._handle_commands(block=False)
+        return self._scheduler.totals["requests"] > before
 
     def _handle_commands(self, block: bool) -> None:
         try:

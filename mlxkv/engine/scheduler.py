@@ -58,6 +58,8 @@ from mlxkv.pool import CachePool, Sequence
 __all__ = ["MAX_BATCHED_CHUNK", "PLACEHOLDER", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
 
 
+#: How long past a step's start newly arrived requests may still prefill before that step's decode (seconds).
+PREFILL_FIRST_S = 0.1
 #: Prefill chunks of at most this many tokens may share one batched forward (a longer one would pad every row of
 #: the batch to its length); see :mod:`mlxkv.engine.prefill_batch`.
 MAX_BATCHED_CHUNK = 128
@@ -77,12 +79,14 @@ class Scheduler:
         batched: ``False`` decodes sequences one by one; ``True`` uses batch views.
         batched_prefill: prefill chunks of up to ``MAX_BATCHED_CHUNK`` tokens of different sequences in one
             forward (:mod:`mlxkv.engine.prefill_batch`); switched off by the first step that cannot.
+        intake: called mid-step to :meth:`add` requests that arrived meanwhile, True if it added any: those
+            are admitted and prefilled before the step's decode, up to ``PREFILL_FIRST_S`` after the step began.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
                  prefill_chunk_size: int = 512,
                  observer: EngineObserver | None = None, on_dequeue: Callable[[], None] = lambda: None,
-                 batched: bool = True, batched_prefill: bool = False):
+                 batched: bool = True, batched_prefill: bool = False, intake: Callable[[], bool] | None = None):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.model = model
@@ -94,6 +98,7 @@ class Scheduler:
         self.observer = observer or EngineObserver()
         self.batched = batched
         self.batched_prefill = batched_prefill
+        self.intake = intake
         self._on_dequeue = on_dequeue
         self._order = itertools.count()
         self.waiting: list[tuple[int, int, Job]] = []  # heap of (priority, arrival, job)
@@ -130,10 +135,22 @@ class Scheduler:
             if job.handle.cancelled:
                 self._end(job, Event("error", finish_reason="cancelled", message="the request was cancelled"),
                           "cancelled")
+        start = time.perf_counter()
         self._admit()
         self._prefill()
         flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
+        # Requests that arrived meanwhile prefill before this step's decode (new prompts first), while the running
+        # sequences' next token has waited less than PREFILL_FIRST_S.
+        while (self.intake is not None and time.perf_counter() - start < PREFILL_FIRST_S and self.intake()
+               and self._admit_new()):
+            self._prefill()
+            flush_wakeups()
         self._decode()
+
+    def _admit_new(self) -> bool:
+        """Admit what fits; whether some new sequence is now waiting to be prefilled."""
+        self._admit()
+        return any(t.seq is None for t in self.prefilling)
 
     def _seats(self) -> int:
         return len(self.running) + sum(t.seats for t in self.prefilling)
