@@ -216,6 +216,31 @@ def test_requests_arriving_during_a_steps_prefill_prefill_before_its_decode(mode
     assert len(pool) == 0
 
 
+def test_a_long_prompt_arriving_mid_step_waits_for_the_next_step(model):
+    """Prefill-first covers short prompts only: a request arriving during a step with more than MAX_BATCHED_CHUNK
+    uncached tokens is opened but left for the next step, so the running sequence's decode is not held up."""
+    from mlxkv.engine.scheduler import MAX_BATCHED_CHUNK
+
+    pool = paged_pool(model)
+    long_prompt = [(11 * i) % 900 + 30 for i in range(MAX_BATCHED_CHUNK + 40)]
+    late = Job(request=GenerationRequest(long_prompt, PARAMS), handle=None, max_tokens=5)
+    late.handle = RequestHandle(late.request)
+    arrivals = [late]
+    sched = Scheduler(model, None, pool)
+    sched.intake = lambda: bool(arrivals) and (sched.add(arrivals.pop()) or True)
+    first = Job(request=GenerationRequest(SHARED + SUFFIXES[1], PARAMS), handle=None, max_tokens=5)
+    first.handle = RequestHandle(first.request)
+    sched.add(first)
+    sched.step()
+    assert first.first_token_at is not None and late.first_token_at is None
+    assert late.opened and sched.totals["decode_steps"] == 1  # opened, not prefilled; the decode ran
+    sched.step()
+    assert late.first_token_at is not None
+    while sched.has_work():
+        sched.step()
+    assert len(pool) == 0
+
+
 class FailsOnToken:
     """A model whose prefill forward raises when any row starts with ``token`` (alone or batched), after every
     layer has written its cache rows."""

@@ -139,18 +139,16 @@ class Scheduler:
         self._admit()
         self._prefill()
         flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
-        # Requests that arrived meanwhile prefill before this step's decode (new prompts first), while the running
-        # sequences' next token has waited less than PREFILL_FIRST_S.
-        while (self.intake is not None and time.perf_counter() - start < PREFILL_FIRST_S and self.intake()
-               and self._admit_new()):
-            self._prefill()
+        # Requests that arrived meanwhile prefill before this step's decode (new prompts first, short ones: a long
+        # uncached prompt waits for the next step), while the running sequences' token has waited < PREFILL_FIRST_S.
+        while self.intake is not None and time.perf_counter() - start < PREFILL_FIRST_S and self.intake():
+            self._admit()
+            new = [t for t in self.prefilling if t.seq is None]
+            if not new:
+                break
+            self._prefill(new, short_only=True)
             flush_wakeups()
         self._decode()
-
-    def _admit_new(self) -> bool:
-        """Admit what fits; whether some new sequence is now waiting to be prefilled."""
-        self._admit()
-        return any(t.seq is None for t in self.prefilling)
 
     def _seats(self) -> int:
         return len(self.running) + sum(t.seats for t in self.prefilling)
@@ -254,18 +252,21 @@ class Scheduler:
         self.totals["preemptions"] += 1
 
     # ---- prefill -------------------------------------------------------------------------------------------
-    def _prefill(self) -> None:
-        """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks, in order. With batched prefill on,
-        chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together in one forward after the loop (their slots
-        reserved in turn, so the pool's accounting is the sequential one's); other chunks run one by one."""
+    def _prefill(self, tasks: list[Prefill] | None = None, short_only: bool = False) -> None:
+        """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in order. With batched
+        prefill on, chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together in one forward after the loop (their
+        slots reserved in turn, so the pool's accounting is the sequential one's); other chunks run one by one.
+        ``short_only``: a task with more than ``MAX_BATCHED_CHUNK`` tokens left waits for the next step (opened)."""
         budget = self.prefill_chunk_size
         together: list[tuple[Prefill, int]] = []
-        for task in list(self.prefilling):
+        for task in list(self.prefilling) if tasks is None else tasks:
             if task not in self.prefilling:  # preempted by an earlier task of this step
                 continue
             if task.seq is None and not self._open(task):
                 continue  # it failed
             target = _prefill_target(task)
+            if short_only and target - task.done > MAX_BATCHED_CHUNK:
+                continue
             try:
                 n = min(budget, target - task.done)
                 if n == 1 and task.done == target - 1 and self._last_token_decodes(task):
