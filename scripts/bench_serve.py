@@ -16,6 +16,7 @@ paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend d
     python scripts/bench_serve.py                      # a random llama (hidden 256, 4 layers) + test tokenizer
     python scripts/bench_serve.py --prefix-repeat 10 --context 8192 --max-tokens 64 --requests-per-client 2
                                                        # a ~4K-token shared system prompt
+    ... --workload shared-unique                       # the same, every user question asked once
     python scripts/bench_serve.py --model path/to/model --max-tokens 64 --json out.json
 """
 
