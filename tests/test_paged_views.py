@@ -5,15 +5,16 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.kernels.layout import consecutive
 from mlxkv.paged import layer_cache as layer_cache_module
-from mlxkv.paged.storage import MAX_CONCAT_RUNS, PagedStorage, page_runs
+from mlxkv.paged.storage import MAX_CONCAT_RUNS, PagedStorage, is_view, page_runs
 
 
 @pytest.mark.parametrize("ids, want", [([3, 4, 5], 3), ([7], 7), ([3, 5, 4], None), ([3, 4, 6], None),
                                        ([0, 1, 2], None), ([], None), ([5, 4], None)])
 def test_consecutive(ids, want):
-    assert consecutive(ids) == want
+    """Consecutive real pages are one run readable as a view, starting at ``want`` (None: not a view)."""
+    runs = page_runs(ids)
+    assert (runs[0][0] if is_view(runs) else None) == want
 
 
 def filled_storage(num_blocks=64, bs=16, heads=2, dim=32, seed=0):
@@ -98,7 +99,7 @@ def test_scattered_pages_decode_through_page_runs_then_the_kernel(monkeypatch):
             if seq is a:
                 expected = model(mx.array([[7 + t]], dtype=mx.uint32), cache=dense)[0, -1]
                 assert mx.abs(logits - expected).max().item() <= 1e-5 * max(1.0, mx.abs(expected).max().item())
-    assert consecutive(a.paged.host_table(0)) is None
+    assert not is_view(page_runs(a.paged.host_table(0)))
     assert runs and max(runs) == layer_cache_module.MAX_VIEW_RUNS and min(runs) >= 2 and kernel
     for seq in (a, b):
         pool.release(seq.id)
@@ -132,7 +133,7 @@ def test_prefill_after_a_prefix_hit_attends_page_runs_in_place(monkeypatch):
     assert seq.num_cached == 12  # the 3 whole shared blocks
     got = model(mx.array([prompt[12:]], dtype=mx.uint32), cache=seq.caches)[0]  # (7, vocab)
     seq.commit()
-    assert consecutive(seq.paged.host_table(0)) is None  # its own blocks come after `first`'s
+    assert not is_view(page_runs(seq.paged.host_table(0)))  # its own blocks come after `first`'s
     assert runs and all(n_q == 7 and n_runs >= 2 for n_q, n_runs in runs)
     dense = make_caches(model)
     expected = model(mx.array([prompt], dtype=mx.uint32), cache=dense)[0, 12:]  # (7, vocab)

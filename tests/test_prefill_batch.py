@@ -84,15 +84,26 @@ def test_layers_that_are_not_full_attention_are_refused_before_any_write():
     assert all(c.offset == 0 for s in seqs for c in s.caches if hasattr(c, "offset"))
 
 
+def new_job(prompt: list[int], params: SamplingParams = PARAMS) -> Job:
+    request = GenerationRequest(prompt, params)
+    return Job(request=request, handle=RequestHandle(request), max_tokens=params.max_tokens)
+
+
 def run(sched: Scheduler, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list]:
-    handles = []
-    for p in prompts:
-        request = GenerationRequest(p, params)
-        handles.append(RequestHandle(request))
-        sched.add(Job(request=request, handle=handles[-1], max_tokens=params.max_tokens))
+    jobs = [new_job(p, params) for p in prompts]
+    for job in jobs:
+        sched.add(job)
     while sched.has_work():
         sched.step()
-    return [list(h) for h in handles]
+    return [list(job.handle) for job in jobs]
+
+
+def arriving_mid_step(model, pool, late: Job) -> Scheduler:
+    """A scheduler whose intake (called after a step's prefills) adds ``late`` once, as if it arrived then."""
+    arrivals = [late]
+    sched = Scheduler(model, None, pool)
+    sched.intake = lambda: bool(arrivals) and (sched.add(arrivals.pop()) or True)
+    return sched
 
 
 def test_the_scheduler_prefills_admitted_requests_together_with_directs_tokens(model):
@@ -177,13 +188,11 @@ def test_a_joined_prompts_first_token_comes_out_in_the_step_that_computes_it(mod
     sched = Scheduler(model, None, pool)
     repeated = SHARED + SUFFIXES[0]
     run(sched, [repeated])  # now cached
-    running = Job(request=GenerationRequest(SHARED + [900, 901], PARAMS), handle=None, max_tokens=5)
-    running.handle = RequestHandle(running.request)
+    running = new_job(SHARED + [900, 901])
     sched.add(running)
     sched.step()
     sched.step()  # running decodes, its tokens in flight
-    joined = Job(request=GenerationRequest(repeated, PARAMS), handle=None, max_tokens=5)
-    joined.handle = RequestHandle(joined.request)
+    joined = new_job(repeated)
     sched.add(joined)
     sched.step()
     assert sched.totals["prefills_joined_decode"] == 1 and joined.first_token_at is not None
@@ -196,17 +205,13 @@ def test_requests_arriving_during_a_steps_prefill_prefill_before_its_decode(mode
     """The scheduler's intake, called after the step's prefills, adds a request that arrived meanwhile: it is
     prefilled (first token out) in the same step, before the decode of the running one; tokens stay DirectEngine's."""
     pool = paged_pool(model)
-    late = Job(request=GenerationRequest(SHARED + [700, 701, 702], PARAMS), handle=None, max_tokens=5)
-    late.handle = RequestHandle(late.request)
-    arrivals = [late]
-    sched = Scheduler(model, None, pool)
-    sched.intake = lambda: bool(arrivals) and (sched.add(arrivals.pop()) or True)
-    first = Job(request=GenerationRequest(SHARED + SUFFIXES[1], PARAMS), handle=None, max_tokens=5)
-    first.handle = RequestHandle(first.request)
+    late = new_job(SHARED + [700, 701, 702])
+    sched = arriving_mid_step(model, pool, late)
+    first = new_job(SHARED + SUFFIXES[1])
     sched.add(first)
     sched.step()
     assert first.first_token_at is not None and late.first_token_at is not None  # both prefilled in step 1
-    assert sched.totals["decode_steps"] == 1 and not arrivals
+    assert sched.totals["decode_steps"] == 1 and sched.totals["requests"] == 2
     while sched.has_work():
         sched.step()
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
@@ -223,13 +228,9 @@ def test_a_long_prompt_arriving_mid_step_waits_for_the_next_step(model):
 
     pool = paged_pool(model)
     long_prompt = [(11 * i) % 900 + 30 for i in range(MAX_BATCHED_CHUNK + 40)]
-    late = Job(request=GenerationRequest(long_prompt, PARAMS), handle=None, max_tokens=5)
-    late.handle = RequestHandle(late.request)
-    arrivals = [late]
-    sched = Scheduler(model, None, pool)
-    sched.intake = lambda: bool(arrivals) and (sched.add(arrivals.pop()) or True)
-    first = Job(request=GenerationRequest(SHARED + SUFFIXES[1], PARAMS), handle=None, max_tokens=5)
-    first.handle = RequestHandle(first.request)
+    late = new_job(long_prompt)
+    sched = arriving_mid_step(model, pool, late)
+    first = new_job(SHARED + SUFFIXES[1])
     sched.add(first)
     sched.step()
     assert first.first_token_at is not None and late.first_token_at is None

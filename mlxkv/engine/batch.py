@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
-from mlxkv.kernels.fast_exp import fast_exp2_ready
 from mlxkv.engine.delivery import batched_wakeups
 from mlxkv.engine.paged_policy import max_paged_tokens
 from mlxkv.engine.request import (
@@ -34,6 +33,7 @@ from mlxkv.engine.request import (
     RequestHandle,
 )
 from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
+from mlxkv.kernels.fast_exp import fast_exp2_ready
 from mlxkv.pool import CachePool
 
 log = logging.getLogger("mlxkv.engine")

@@ -153,14 +153,6 @@ def check_paged_inputs(
     return B, H, D, block_size, kv_heads, H // kv_heads
 
 
-def consecutive(block_ids: list[int]) -> int | None:
-    """The first id when ``block_ids`` are consecutive ascending real blocks (``b, b+1, ...``), else None."""
-    if not block_ids or block_ids[0] == 0:
-        return None
-    first = block_ids[0]
-    return first if block_ids == list(range(first, first + len(block_ids))) else None
-
-
 def page_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int]] | None:
     """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
     runs: list[tuple[int, int]] = []

@@ -92,8 +92,8 @@ def shared_prefix_attention(
 def _exp2(x: mx.array) -> mx.array:
     """``2 ** x``: on MLX's CPU backend ``mx.power(2, x)`` takes ~6-10 ns per element and ``mx.exp`` ~16-26 ns
     (measured, 128K-1M float32 elements), and the softmax's exponentials dominate attention over long contexts
-    there. Scores are kept in base 2 (queries scaled by ``log2(e)``): the softmax is the same function. Large
-    inputs take the compiled polynomial of :mod:`mlxkv.kernels.fast_exp` (~2-2.6 ns per element)."""
+    there. Scores are kept in base 2 (queries scaled by ``log2(e)``): the softmax is the same function. Inputs of
+    8K-384K elements take the compiled polynomial of :mod:`mlxkv.kernels.fast_exp` (2-6 ns per element)."""
     return fast_exp2(x)
 
 
