@@ -206,10 +206,19 @@ def test_shared_pages_in_a_few_runs_are_views_in_order():
 
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_runs_attention_equals_flat(gqa, dtype):
+@pytest.mark.parametrize("one_softmax", [True, False])
+def test_runs_attention_equals_flat(gqa, dtype, one_softmax, monkeypatch):
     """One sequence whose visible rows lie in four runs of the stored rows (single pages, a run of two
-    consecutive pages, a partial last page): equal to flat attention over the same pages."""
+    consecutive pages, a partial last page): equal to flat attention over the same pages, whether the decode
+    step takes one softmax over the runs' scores (few scores) or merges a state per run."""
+    from mlxkv.kernels import page_views_ref
     from mlxkv.kernels.page_views_ref import runs_attention
+
+    calls = []
+    real = page_views_ref._decode_one_softmax
+    monkeypatch.setattr(page_views_ref, "_decode_one_softmax", lambda *a: calls.append(1) or real(*a))
+    if not one_softmax:
+        monkeypatch.setattr(page_views_ref, "ONE_SOFTMAX_MAX_SCORES", 0)
 
     bs, L = 16, 70  # 5 pages: table [3, 7, 8, 12, 20], the last holding 6 rows
     case = random_paged_case(dtype=dtype, head_dim=64, block_size=bs, kv_heads=2, gqa=gqa, context_lens=[L],
@@ -224,6 +233,7 @@ def test_runs_attention_equals_flat(gqa, dtype):
     got = runs_attention(case.queries, k_rows, v_rows, runs, scale=0.125)
     assert got.shape == flat.shape and got.dtype == dtype
     assert max_abs_error(got, flat) <= TOLERANCES[dtype]
+    assert bool(calls) == one_softmax
 
 
 @pytest.mark.parametrize("gqa", [1, 4])
