@@ -104,3 +104,26 @@ def test_a_head_met_once_costs_no_extra_encoding(tokenizer):
 def test_template_errors_propagate(tokenizer):
     with pytest.raises(Exception):  # noqa: B017 - jinja raises its own types
         PromptEncoder(tokenizer).chat([{"role": "nobody", "content": SYSTEM}, {"role": "user", "content": "x"}])
+
+
+def test_chat_if_cheap_answers_short_prompts_and_memoized_heads_only(tokenizer):
+    from mlxkv.server.prompts import CHEAP_CHARS
+
+    counting = _CountingEncodes(tokenizer)
+    encoder = PromptEncoder(counting)
+    short = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert encoder.chat_if_cheap(short) == own(tokenizer, short)
+    long_head = [{"role": "system", "content": SYSTEM * 3}, {"role": "user", "content": "What is a tuple?"}]
+    assert len(SYSTEM * 3) > CHEAP_CHARS
+    assert encoder.chat_if_cheap(long_head) is None  # not memoized yet: nothing encoded
+    assert counting.encodes == 0
+    for question in QUESTIONS[:2]:  # met, then checked and memoized
+        encoder.chat([long_head[0], {"role": "user", "content": question}])
+    before = counting.encodes
+    for question in QUESTIONS:
+        messages = [long_head[0], {"role": "user", "content": question}]
+        assert encoder.chat_if_cheap(messages) == own(tokenizer, messages)
+    assert counting.encodes - before == len(QUESTIONS)  # the tails only
+    long_tail = [long_head[0], {"role": "user", "content": "why? " * (CHEAP_CHARS // 5 + 1)}]
+    assert encoder.chat_if_cheap(long_tail) is None
+    assert encoder.chat(long_tail) == own(tokenizer, long_tail)

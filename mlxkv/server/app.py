@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from typing import Any, AsyncIterator, Union
+from typing import Any, AsyncIterator, Callable, Union
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,7 +26,7 @@ from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
-from mlxkv.server.prompts import PromptEncoder
+from mlxkv.server.prompts import CHEAP_CHARS, PromptEncoder
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -95,11 +96,24 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     # Templating and tokenizing a long prompt takes milliseconds (~6 ms for 4K tokens here): off the event loop,
     # which meanwhile streams other requests' tokens, one prompt at a time (a tokenizer shared across threads
-    # is not safe to call concurrently).
+    # is not safe to call concurrently). A cheap one (see PromptEncoder.chat_if_cheap) is tokenized on the loop
+    # when no thread is tokenizing: the hop to a thread and back costs more than the work under load.
     tokenizer_limiter = anyio.CapacityLimiter(1)
+    tokenizer_lock = threading.Lock()
 
-    async def _tokenize(fn: Any) -> list[int]:
-        return await anyio.to_thread.run_sync(fn, limiter=tokenizer_limiter)
+    def _locked(fn: Callable[[], Any]) -> Any:
+        with tokenizer_lock:
+            return fn()
+
+    async def _tokenize(cheap: Callable[[], list[int] | None], full: Callable[[], list[int]]) -> list[int]:
+        if tokenizer_lock.acquire(blocking=False):
+            try:
+                ids = cheap()
+            finally:
+                tokenizer_lock.release()
+            if ids is not None:
+                return ids
+        return await anyio.to_thread.run_sync(_locked, full, limiter=tokenizer_limiter)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -108,7 +122,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
         try:
-            prompt = await _tokenize(lambda: prompts.chat(messages))
+            prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages), lambda: prompts.chat(messages))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
         return await _generate(request, body, prompt, chat=True)
@@ -122,7 +136,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
         else:
             text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-            prompt = await _tokenize(lambda: list(tokenizer.encode(text)))
+            prompt = await _tokenize(lambda: list(tokenizer.encode(text)) if len(text) <= CHEAP_CHARS else None,
+                                     lambda: list(tokenizer.encode(text)))
         return await _generate(request, body, prompt, chat=False)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],

@@ -12,6 +12,11 @@ differently). :class:`PromptEncoder` takes as head the text up to the last speci
 all messages but the last (a system prompt, earlier turns). A head met once costs nothing extra; met again, the
 identity is checked against the tokenizer's own ``apply_chat_template`` and its ids remembered; later prompts
 with that head encode only their tail. One mismatch turns the memo off for good (with a warning).
+
+:meth:`PromptEncoder.chat_if_cheap` answers only when the answer costs well under a millisecond (a short prompt,
+or a memoized head and a short tail), so the server can tokenize those on its event loop instead of hopping to a
+worker thread and back (measured at 8 concurrent clients on a 4K-token system prompt: arrival -> engine 15 -> 8-9
+ms median, the hop waiting on the engine thread's hold of the GIL).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ log = logging.getLogger(__name__)
 MIN_HEAD_CHARS = 2048
 #: Heads remembered (least recently used dropped first).
 MEMO_ENTRIES = 32
+#: :meth:`PromptEncoder.chat_if_cheap` encodes at most this many characters (~0.1-0.3 ms here).
+CHEAP_CHARS = 8192
 
 
 class PromptEncoder:
@@ -68,13 +75,7 @@ class PromptEncoder:
         if split is None:
             return self._whole(messages)
         head, special, tail = text[:split[0]], split[1], text[split[0]:]
-        with self._lock:
-            seen = head in self._heads
-            ids = self._heads.get(head)
-            self._heads[head] = ids
-            self._heads.move_to_end(head)
-            while len(self._heads) > self.entries:
-                self._heads.popitem(last=False)
+        seen, ids = self._look_up(head)
         if ids is not None:
             self.hits += 1
             return ids + self._encode(special + tail)[1:]
@@ -90,6 +91,42 @@ class PromptEncoder:
             if head in self._heads:
                 self._heads[head] = ids
         return whole
+
+    def chat_if_cheap(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """:meth:`chat`'s ids when they cost well under a millisecond — messages of at most ``CHEAP_CHARS``
+        characters in all, or a memoized head and a tail of at most ``CHEAP_CHARS`` — else ``None`` (after
+        rendering the template, nothing encoded, the memo untouched).
+
+        Raises:
+            Exception: whatever the chat template raises for these messages.
+        """
+        if sum(len(m["content"]) for m in messages) <= CHEAP_CHARS:
+            return self.chat(messages)
+        if not self.memo_on or not self._specials or len(messages) < 2:
+            return None
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        split = self._split(text, messages)
+        if split is None or len(text) - split[0] > CHEAP_CHARS:
+            return None
+        with self._lock:
+            ids = self._heads.get(text[:split[0]])
+        if ids is None:
+            return None
+        self._look_up(text[:split[0]])  # most recently used
+        self.hits += 1
+        return ids + self._encode(split[1] + text[split[0]:])[1:]
+
+    def _look_up(self, head: str) -> tuple[bool, list[int] | None]:
+        """Whether ``head`` was met before and its ids (None: not checked yet); it becomes the most recently used
+        (added, unchecked, if new; the least recently used heads beyond ``entries`` dropped)."""
+        with self._lock:
+            seen = head in self._heads
+            ids = self._heads.get(head)
+            self._heads[head] = ids
+            self._heads.move_to_end(head)
+            while len(self._heads) > self.entries:
+                self._heads.popitem(last=False)
+        return seen, ids
 
     def _whole(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
