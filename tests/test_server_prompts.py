@@ -106,7 +106,8 @@ def test_template_errors_propagate(tokenizer):
         PromptEncoder(tokenizer).chat([{"role": "nobody", "content": SYSTEM}, {"role": "user", "content": "x"}])
 
 
-def test_chat_if_cheap_answers_short_prompts_and_memoized_heads_only(tokenizer):
+def test_chat_if_cheap_answers_short_prompts_and_memoized_heads_only(tokenizer, monkeypatch):
+    from mlxkv.server import prompts as prompts_module
     from mlxkv.server.prompts import CHEAP_CHARS
 
     counting = _CountingEncodes(tokenizer)
@@ -127,3 +128,6 @@ def test_chat_if_cheap_answers_short_prompts_and_memoized_heads_only(tokenizer):
     long_tail = [long_head[0], {"role": "user", "content": "why? " * (CHEAP_CHARS // 5 + 1)}]
     assert encoder.chat_if_cheap(long_tail) is None
     assert encoder.chat(long_tail) == own(tokenizer, long_tail)
+    assert encoder.chat_if_cheap(long_head) == own(tokenizer, long_head)
+    monkeypatch.setattr(prompts_module, "CHEAP_RENDER_CHARS", len(SYSTEM * 3))  # too long to render on the loop
+    assert encoder.chat_if_cheap(long_head) is None
