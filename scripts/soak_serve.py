@@ -40,16 +40,15 @@ def rss_mb() -> float:
 
 #: Prompts that come back (``--repeat-prob``): long enough to be served from the prefix cache.
 REPEATED = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(40 + 10 * i)) for i in range(4)]
-REPEAT_PROB = [0.0]
 
 
-def one_request(url: str, rng: random.Random, disconnect_prob: float, deadline: float) -> str:
+def one_request(url: str, rng: random.Random, disconnect_prob: float, repeat_prob: float, deadline: float) -> str:
     """Send one random request; returns its outcome: completed | disconnected | http_<status> | error."""
     import httpx
 
     if time.monotonic() > deadline:
         return "skipped"
-    if rng.random() < REPEAT_PROB[0]:  # a prompt asked before: cached but for its last token, it joins the decode
+    if rng.random() < repeat_prob:  # a prompt asked before: cached but for its last token, it joins the decode
         prompt = REPEATED[rng.randrange(len(REPEATED))]
     else:
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
@@ -100,7 +99,6 @@ def main() -> int:
     p.add_argument("--repeat-prob", type=float, default=0.25,
                    help="chance a request repeats one of four earlier prompts (its last token joins a decode step)")
     args = p.parse_args()
-    REPEAT_PROB[0] = args.repeat_prob
 
     import httpx
 
@@ -125,7 +123,7 @@ def main() -> int:
         deadline = start + args.max_seconds
         rngs = [random.Random(args.seed * 100003 + i) for i in range(args.requests)]
         with ThreadPoolExecutor(args.concurrency) as pool:
-            outcomes = list(pool.map(lambda r: one_request(srv.url, r, args.disconnect_prob, deadline), rngs))
+            outcomes = list(pool.map(lambda r: one_request(srv.url, r, args.disconnect_prob, args.repeat_prob, deadline), rngs))
         elapsed = time.monotonic() - start
         settle = time.monotonic() + 30
         stats = httpx.get(srv.url + "/v1/cache/stats").json()

@@ -433,7 +433,8 @@ class Scheduler:
         The step is built from the previous step's sampled tokens while they are still being computed (fed
         lazily; paged slots taken under a placeholder id) and handed to MLX with ``async_eval``; only then are
         the previous tokens read, named in the manager, and emitted — so building a step's graph overlaps the
-        evaluation of the one before (mlx-lm's generation loop does the same). When blocks are short, the
+        evaluation of the one before (mlx-lm's generation loop does the same; on MLX's CPU backend only partly:
+        ``async_eval`` returns once all but the last few dozen operations have run). When blocks are short, the
         previous tokens are read first: a preemption must see every emitted token. A step that computes some
         request's first token (a prompt that joined the decode batch) is read at once: that token goes out now, and
         the next step's graph is built after it.

@@ -144,19 +144,17 @@ class PagedLayerCache:
         storage = self.seq.storage
         on_views = own and reference_on_views()
         decode = queries.shape[2] == 1
-        if on_views and self._returned_view and not decode:
-            return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
         k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
         # Every returned row visible to the query (decode), or causally to the chunk's queries (prefill).
         causal = self._kernel_mask_ok(mask, keys) if decode else isinstance(mask, str) and mask == "causal"
-        if (on_views and sinks is None and causal and k_rows.shape == v_rows.shape
-                and queries.shape[-1] == k_rows.shape[-1]):
+        if (on_views and (decode or not self._returned_view) and sinks is None and causal
+                and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             runs = self.seq.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
             if runs is not None:  # a few runs of consecutive pages (a view: one): attend to each in place
                 return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
-        if on_views and self._returned_view:
-            return dense_attend(queries, keys, values, scale, mask, sinks)  # a decode step with sinks or a mask
-        if (own and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1 and queries.shape[2] == 1
+        if on_views and self._returned_view:  # a prefill chunk, or a decode step with sinks or a mask
+            return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
+        if (own and decode and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1
                 and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             return paged_attention(
                 queries, *storage.pages(self.layer), self.seq.table(self.group)[None],

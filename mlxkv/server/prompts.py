@@ -79,8 +79,7 @@ class PromptEncoder:
         head, special, tail = text[:split[0]], split[1], text[split[0]:]
         seen, ids = self._look_up(head)
         if ids is not None:
-            self.hits += 1
-            return ids + self._encode(special + tail)[1:]
+            return self._with_head(ids, special, tail)
         whole = self._whole(messages)
         if not seen:  # a head met once costs nothing extra; the second time it is checked and remembered
             return whole
@@ -111,13 +110,17 @@ class PromptEncoder:
         split = self._split(text, messages)
         if split is None or len(text) - split[0] > CHEAP_CHARS:
             return None
+        head = text[:split[0]]
         with self._lock:
-            ids = self._heads.get(text[:split[0]])
-        if ids is None:
-            return None
-        self._look_up(text[:split[0]])  # most recently used
+            ids = self._heads.get(head)
+            if ids is not None:
+                self._heads.move_to_end(head)  # most recently used
+        return None if ids is None else self._with_head(ids, split[1], text[split[0]:])
+
+    def _with_head(self, ids: list[int], special: str, tail: str) -> list[int]:
+        """A memoized head's ``ids`` and the tail's (encoded after the head's last special token ``special``)."""
         self.hits += 1
-        return ids + self._encode(split[1] + text[split[0]:])[1:]
+        return ids + self._encode(special + tail)[1:]
 
     def _look_up(self, head: str) -> tuple[bool, list[int] | None]:
         """Whether ``head`` was met before and its ids (None: not checked yet); it becomes the most recently used
