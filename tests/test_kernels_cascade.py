@@ -258,3 +258,17 @@ def test_runs_attention_of_a_prefill_chunk_equals_causal_sdpa(gqa, dtype, last_r
     got = runs_attention(queries, k_rows, v_rows, runs, scale=0.125)
     assert got.shape == expected.shape and got.dtype == dtype
     assert max_abs_error(got, expected) <= TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_row_sums_equal_the_reduction_on_both_paths(rows):
+    """Small states sum with MLX's reduction, large ones with a matmul against ones: the same sums, shape kept,
+    rows of zeros (fully masked) still zero."""
+    from mlxkv.kernels.page_views_ref import MATMUL_SUM_MIN_SCORES, _row_sums
+
+    e = mx.random.uniform(shape=(2, rows, 1000), key=mx.random.key(0))
+    e[:, 0] = 0.0
+    assert (e.size >= MATMUL_SUM_MIN_SCORES) == (rows == 40)
+    got, want = _row_sums(e), e.sum(axis=-1, keepdims=True)
+    assert got.shape == want.shape == (2, rows, 1)
+    assert mx.allclose(got, want, rtol=1e-5).item() and not mx.any(got[:, 0]).item()
