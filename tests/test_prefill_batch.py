@@ -242,6 +242,37 @@ def test_a_long_prompt_arriving_mid_step_waits_for_the_next_step(model):
     assert len(pool) == 0
 
 
+
+def test_prompts_queued_behind_running_sequences_stop_prefilling_at_the_steps_deadline(model, monkeypatch):
+    """With sequences decoding, a step starts no prefill past its deadline (here: at once, so one per step) and
+    the running ones decode between the newcomers' prefills; into an idle engine a burst still prefills whole
+    before the first decode. Tokens stay DirectEngine's and the pool ends clean."""
+    from mlxkv.engine import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "PREFILL_FIRST_S", 0.0)
+    pool = paged_pool(model)
+    sched = Scheduler(model, None, pool)
+    idle_burst = [new_job(SHARED + [400 + i, 410 + i]) for i in range(3)]
+    for job in idle_burst:
+        sched.add(job)
+    sched.step()
+    assert all(job.first_token_at is not None for job in idle_burst) and sched.totals["decode_steps"] == 1
+    queued = [new_job(SHARED + [500 + i, 510 + i]) for i in range(3)]
+    for job in queued:
+        sched.add(job)
+    for step in range(3):
+        sched.step()
+        assert [job.first_token_at is not None for job in queued] == [i <= step for i in range(3)]
+        assert sched.totals["decode_steps"] == 2 + step  # the running sequences decoded in every step
+    while sched.has_work():
+        sched.step()
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    for job in idle_burst + queued:
+        assert [e.token for e in job.handle if e.kind == "token"] == list(direct.generate_tokens(job.request.prompt,
+                                                                                                   PARAMS))
+    assert len(pool) == 0
+    pool.check_invariants()
+
 class FailsOnToken:
     """A model whose prefill forward raises when any row starts with ``token`` (alone or batched), after every
     layer has written its cache rows."""

@@ -58,7 +58,8 @@ from mlxkv.pool import CachePool, Sequence
 __all__ = ["MAX_BATCHED_CHUNK", "PLACEHOLDER", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
 
 
-#: How long past a step's start newly arrived requests may still prefill before that step's decode (seconds).
+#: How long past a step's start prefills may still start before that step's decode (seconds): new arrivals when the
+#: engine was idle, any prompt when sequences are decoding (they wait at most this long plus one prefill).
 PREFILL_FIRST_S = 0.1
 #: Prefill chunks of at most this many tokens may share one batched forward (a longer one would pad every row of
 #: the batch to its length); see :mod:`mlxkv.engine.prefill_batch`.
@@ -136,8 +137,11 @@ class Scheduler:
                 self._end(job, Event("error", finish_reason="cancelled", message="the request was cancelled"),
                           "cancelled")
         start = time.perf_counter()
+        # Sequences already decoding wait for this step's prefills: none starts past the deadline (a burst of
+        # prompts into a busy engine spreads over steps instead of stalling every running stream for all of them).
+        deadline = start + PREFILL_FIRST_S if self.running else None
         self._admit()
-        self._prefill()
+        self._prefill(deadline=deadline)
         flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
         # Requests that arrived meanwhile prefill before this step's decode (new prompts first, short ones: a long
         # uncached prompt waits for the next step), while the running sequences' token has waited < PREFILL_FIRST_S.
@@ -146,7 +150,7 @@ class Scheduler:
             new = [t for t in self.prefilling if t.seq is None]
             if not new:
                 break
-            self._prefill(new, short_only=True)
+            self._prefill(new, short_only=True, deadline=deadline)
             flush_wakeups()
         self._decode()
 
@@ -252,16 +256,22 @@ class Scheduler:
         self.totals["preemptions"] += 1
 
     # ---- prefill -------------------------------------------------------------------------------------------
-    def _prefill(self, tasks: list[Prefill] | None = None, short_only: bool = False) -> None:
+    def _prefill(self, tasks: list[Prefill] | None = None, short_only: bool = False,
+                 deadline: float | None = None) -> None:
         """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in order. With batched
         prefill on, chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together in one forward after the loop (their
         slots reserved in turn, so the pool's accounting is the sequential one's); other chunks run one by one.
-        ``short_only``: a task with more than ``MAX_BATCHED_CHUNK`` tokens left waits for the next step (opened)."""
+        ``short_only``: a task with more than ``MAX_BATCHED_CHUNK`` tokens left waits for the next step (opened).
+        ``deadline`` (``perf_counter`` time): no task starts past it, but the first always does."""
         budget = self.prefill_chunk_size
         together: list[tuple[Prefill, int]] = []
+        ran = False
         for task in list(self.prefilling) if tasks is None else tasks:
             if task not in self.prefilling:  # preempted by an earlier task of this step
                 continue
+            if ran and deadline is not None and time.perf_counter() >= deadline:
+                break  # the running sequences have waited long enough: the rest prefill after their decode
+            ran = True
             if task.seq is None and not self._open(task):
                 continue  # it failed
             target = _prefill_target(task)
