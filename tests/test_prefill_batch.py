@@ -242,7 +242,6 @@ def test_a_long_prompt_arriving_mid_step_waits_for_the_next_step(model):
     assert len(pool) == 0
 
 
-
 def test_prompts_queued_behind_running_sequences_stop_prefilling_at_the_steps_deadline(model, monkeypatch):
     """With sequences decoding, a step starts no prefill past its deadline (here: at once, so one per step) and
     the running ones decode between the newcomers' prefills; into an idle engine a burst still prefills whole
@@ -272,6 +271,7 @@ def test_prompts_queued_behind_running_sequences_stop_prefilling_at_the_steps_de
                                                                                                    PARAMS))
     assert len(pool) == 0
     pool.check_invariants()
+
 
 class FailsOnToken:
     """A model whose prefill forward raises when any row starts with ``token`` (alone or batched), after every
