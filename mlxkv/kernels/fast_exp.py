@@ -5,8 +5,9 @@ The exponentials of attention's softmax dominate attention over long contexts on
 integer, ``f`` in ``[-0.5, 0.5]``): ``2 ** f`` is a degree-6 polynomial (Taylor, relative error ~1e-7) and
 ``2 ** n`` is built in the float's exponent bits. ``mx.compile(shapeless=True)`` fuses the graph into C++ kernels
 (MLX builds them with the system compiler once per machine and caches them on disk; MLX 0.32 splits this graph
-into seven, seen with ``mx.export_to_dot``): 2-6 ns per element measured here against ``mx.power``'s 6-12 on the same inputs (5.5 against 6.5-7.5 in a slow patch of
-this VM, whose speed varies over minutes); the bit cast and the product run after it, outside the compiled function.
+into seven, seen with ``mx.export_to_dot``): 2-6 ns per element measured here against ``mx.power``'s 6-12 on the
+same inputs (5.5 against 6.5-7.5 in a slow patch of this VM, whose speed varies over minutes); the bit cast and the
+product run after it, outside the compiled function.
 
 Used only on the CPU device, for float32 inputs of ``MIN_ELEMENTS`` to ``MAX_ELEMENTS`` elements (a compiled call
 costs ~0.1-0.2 ms, below that ``mx.power`` is as fast; above it the compiled kernel slows down), and only after a
