@@ -118,7 +118,8 @@ def _softmax_state(scores: mx.array, v: mx.array, masked: bool = False) -> tuple
 
 
 def _row_sums(e: mx.array) -> mx.array:
-    """``e.sum(axis=-1, keepdims=True)``; over ``MATMUL_SUM_MIN_SCORES`` elements as ``e @ ones`` ``(.., n) @ (n, 1)``."""
+    """``e.sum(axis=-1, keepdims=True)``; from ``MATMUL_SUM_MIN_SCORES`` elements on as ``e @ ones``,
+    ``(.., n) @ (n, 1)``."""
     if e.size >= MATMUL_SUM_MIN_SCORES:
         return e @ mx.ones((e.shape[-1], 1), dtype=e.dtype)
     return e.sum(axis=-1, keepdims=True)
