@@ -26,3 +26,46 @@ def test_top_k_one_is_argmax_even_when_sampling():
 
 def test_empty_stop_strings_are_dropped():
     assert SamplingParams(stop=("", "x")).stop == ("x",)
+
+
+def _logprobs(vocab: int = 32, seed: int = 0) -> mx.array:
+    x = mx.random.normal((1, vocab), key=mx.random.key(seed))
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("top_k", [32, 33, 10**12])
+def test_a_top_k_of_the_whole_vocabulary_samples_as_no_top_k(top_k):
+    """top_k >= the vocabulary keeps every token (mlx-lm's apply_top_k would raise for it, and poison MLX's random
+    state): the direct sampler, the batch engine's row sampler and the speculative verifier's distribution all equal
+    top_k = 0, and random draws still work afterwards."""
+    from mlxkv.engine.row_sampler import RowSampler, sample_rows
+    from mlxkv.engine.verify import sampling_logprobs
+
+    lp = _logprobs()
+    wide, off = SamplingParams(temp=0.8, top_k=top_k), SamplingParams(temp=0.8)
+    draws = []
+    for params in (wide, off):
+        mx.random.seed(5)
+        sampler = params.make_sampler()
+        draws.append([sampler(lp).item() for _ in range(8)])
+    assert draws[0] == draws[1]
+    rows_a = sample_rows(mx.concatenate([lp, lp]), [RowSampler(wide, seed=1), RowSampler(wide, seed=2)]).tolist()
+    rows_b = sample_rows(mx.concatenate([lp, lp]), [RowSampler(off, seed=1), RowSampler(off, seed=2)]).tolist()
+    assert rows_a == rows_b
+    assert mx.allclose(sampling_logprobs(lp, wide), sampling_logprobs(lp, off)).item()
+    mx.eval(mx.random.categorical(lp))  # the global generator still draws
+
+
+def test_a_sampler_that_raises_leaves_the_global_generator_usable():
+    """An error inside one of mlx-lm's filters (compiled with MLX's random state as input and output) while the batch
+    engine samples: the error reaches the caller and later random draws still work (the generator is reseeded)."""
+    from mlx_lm.sample_utils import apply_top_k
+
+    from mlxkv.engine.row_sampler import RowSampler, sample_rows
+
+    broken = RowSampler(SamplingParams(temp=0.8))
+    broken._filters = [lambda x: apply_top_k(x, 10**6)]  # a filter mlx-lm rejects while tracing
+    with pytest.raises(ValueError, match="top_k"):
+        sample_rows(_logprobs(), [broken])
+    mx.eval(mx.random.categorical(_logprobs()))
+    assert sample_rows(_logprobs(), [RowSampler(SamplingParams(temp=0.8))]).shape == (1,)

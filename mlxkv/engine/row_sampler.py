@@ -8,11 +8,12 @@ through ``DirectEngine`` (tested). Unseeded sequences draw from the global gener
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.sampling import SamplingParams, effective_top_k
 
 
 class RowSampler:
@@ -50,15 +51,23 @@ def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
         filters.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p != 0.0:
         filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
+    if params.top_k > 0:  # k >= the vocabulary keeps every token (see effective_top_k)
+        filters.append(lambda x: x if not effective_top_k(params.top_k, x.shape[-1]) else apply_top_k(x, params.top_k))
     return filters
 
 
 def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
-    """Next token of every row of ``logits`` (B, vocab) with its own sampler; returns (B,) uint32 (lazy)."""
+    """Next token of every row of ``logits`` (B, vocab) with its own sampler; returns (B,) uint32 (lazy).
+
+    If a sampler raises, MLX's global generator is reseeded before the error propagates: mlx-lm's filters are
+    compiled with the generator's state as input and output, and an exception while one is traced leaves that state
+    a placeholder, so every later random draw in the process would fail ("eval an array without a primitive")."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, vocab)
     if all(s.greedy for s in samplers):
         return mx.argmax(logprobs, axis=-1).astype(mx.uint32)  # (B,)
-    rows = [s(logprobs[i : i + 1]).astype(mx.uint32) for i, s in enumerate(samplers)]  # B x (1,)
+    try:
+        rows = [s(logprobs[i : i + 1]).astype(mx.uint32) for i, s in enumerate(samplers)]  # B x (1,)
+    except Exception:
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        raise
     return mx.concatenate(rows)  # (B,)

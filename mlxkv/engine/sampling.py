@@ -42,8 +42,24 @@ class SamplingParams:
         self.stop = tuple(s for s in self.stop if s)
 
     def make_sampler(self) -> Callable:
-        """mlx-lm's sampler for these settings (greedy when ``temp == 0``)."""
+        """mlx-lm's sampler for these settings (greedy when ``temp == 0``); a ``top_k`` of at least the
+        vocabulary keeps every token (see :func:`effective_top_k`)."""
         from mlx_lm.sample_utils import make_sampler
 
         top_p = 0.0 if self.top_p >= 1.0 else self.top_p
-        return make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+        built: dict[int, Callable] = {}
+
+        def sample(logprobs):  # (.., vocab) -> (..,)
+            top_k = effective_top_k(self.top_k, logprobs.shape[-1])
+            if top_k not in built:
+                built[top_k] = make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=top_k)
+            return built[top_k](logprobs)
+
+        return sample
+
+
+def effective_top_k(top_k: int, vocab_size: int) -> int:
+    """``top_k`` as the filters take it: 0 (off) when it keeps the whole vocabulary. mlx-lm's ``apply_top_k``
+    raises for k >= the vocabulary, inside a function compiled with MLX's random state as input and output, and
+    that error leaves the state unusable: every later random draw in the process fails."""
+    return top_k if top_k < vocab_size else 0
