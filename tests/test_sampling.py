@@ -69,3 +69,22 @@ def test_a_sampler_that_raises_leaves_the_global_generator_usable():
         sample_rows(_logprobs(), [broken])
     mx.eval(mx.random.categorical(_logprobs()))
     assert sample_rows(_logprobs(), [RowSampler(SamplingParams(temp=0.8))]).shape == (1,)
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**70), 2**64, 2**80 + 3])
+def test_any_integer_seed_is_reproducible_and_equal_on_the_direct_and_batch_paths(seed):
+    """Seeds outside MLX's unsigned 64-bit range (negative, too large) are taken modulo 2**64: the direct sampler
+    after seeding and the batch engine's row sampler draw the same tokens, as they do for the seed's residue."""
+    from mlxkv.engine.row_sampler import RowSampler, sample_rows
+    from mlxkv.engine.sampling import mlx_seed
+
+    lp = _logprobs()
+    params = SamplingParams(temp=1.0, seed=seed)
+    mx.random.seed(mlx_seed(seed))
+    sampler = params.make_sampler()
+    direct = [sampler(lp).item() for _ in range(6)]
+    row = RowSampler(params, seed=seed)
+    batch = [sample_rows(lp, [row]).item() for _ in range(6)]
+    residue = RowSampler(SamplingParams(temp=1.0), seed=seed % 2**64)
+    assert direct == batch == [sample_rows(lp, [residue]).item() for _ in range(6)]
+    assert mlx_seed(-1) == 2**64 - 1

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence as Seq
 import mlx.core as mx
 
 from mlxkv.engine.prefill import prefill
-from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.engine.stops import StopStringMatcher
 from mlxkv.pool import CachePool
 
@@ -75,7 +75,7 @@ class DirectEngine:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         if params.seed is not None:
-            mx.random.seed(params.seed)
+            mx.random.seed(mlx_seed(params.seed))
         sampler = params.make_sampler()
         stats = GenerationStats(prompt_tokens=len(prompt))
         self.last_stats = stats

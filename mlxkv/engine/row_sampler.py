@@ -13,7 +13,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams, effective_top_k
+from mlxkv.engine.sampling import SamplingParams, effective_top_k, mlx_seed
 
 
 class RowSampler:
@@ -28,7 +28,7 @@ class RowSampler:
         self.greedy = params.temp == 0
         self._temp = params.temp
         self._filters = _filters(params)
-        self._key = mx.random.key(seed) if seed is not None and not self.greedy else None
+        self._key = mx.random.key(mlx_seed(seed)) if seed is not None and not self.greedy else None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """The sampled token, shape ``(1,)`` (lazy)."""

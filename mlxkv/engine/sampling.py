@@ -16,7 +16,8 @@ class SamplingParams:
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         min_p: drop tokens below ``min_p`` x the top token's probability, in [0, 1); 0 disables it.
-        seed: seeds MLX's random generator for reproducible sampling (``None``: not seeded).
+        seed: seeds MLX's random generator for reproducible sampling (``None``: not seeded); any integer
+            (taken modulo 2**64, see :func:`mlx_seed`).
         stop: strings that end generation; the stop string itself is not emitted.
     """
 
@@ -56,6 +57,12 @@ class SamplingParams:
             return built[top_k](logprobs)
 
         return sample
+
+
+def mlx_seed(seed: int) -> int:
+    """Any integer seed as MLX's generator takes it (an unsigned 64-bit value: ``-1`` is ``2**64 - 1``); MLX's
+    ``random.seed`` and ``random.key`` reject negative and larger values with a ``TypeError``."""
+    return seed % (1 << 64)
 
 
 def effective_top_k(top_k: int, vocab_size: int) -> int:

@@ -36,7 +36,7 @@ from mlxkv.engine.direct import DirectEngine, GenerationStats
 from mlxkv.engine.drafters import Draft, Drafter
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
-from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.engine.verify import sampling_logprobs, verify_greedy, verify_sampled
 from mlxkv.pool import CachePool, Sequence
 
@@ -114,7 +114,7 @@ class SpeculativeEngine(DirectEngine):
             raise ValueError("the prompt is empty: at least one token is needed")
         prompt = list(prompt)
         if params.seed is not None:
-            mx.random.seed(params.seed)
+            mx.random.seed(mlx_seed(params.seed))
         stats = SpeculativeStats(prompt_tokens=len(prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
