@@ -123,7 +123,8 @@ def main() -> int:
         deadline = start + args.max_seconds
         rngs = [random.Random(args.seed * 100003 + i) for i in range(args.requests)]
         with ThreadPoolExecutor(args.concurrency) as pool:
-            outcomes = list(pool.map(lambda r: one_request(srv.url, r, args.disconnect_prob, args.repeat_prob, deadline), rngs))
+            outcomes = list(pool.map(
+                lambda r: one_request(srv.url, r, args.disconnect_prob, args.repeat_prob, deadline), rngs))
         elapsed = time.monotonic() - start
         settle = time.monotonic() + 30
         stats = httpx.get(srv.url + "/v1/cache/stats").json()

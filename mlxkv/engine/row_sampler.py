@@ -13,7 +13,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams, effective_top_k, mlx_seed
+from mlxkv.engine.sampling import SamplingParams, mlx_seed, top_k_filter
 
 
 class RowSampler:
@@ -44,15 +44,15 @@ class RowSampler:
 
 def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
     """mlx-lm's logprob filters, in the order its ``make_sampler`` applies them."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+    from mlx_lm.sample_utils import apply_min_p, apply_top_p
 
     filters = []
     if 0 < params.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p != 0.0:
         filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:  # k >= the vocabulary keeps every token (see effective_top_k)
-        filters.append(lambda x: x if not effective_top_k(params.top_k, x.shape[-1]) else apply_top_k(x, params.top_k))
+    if params.top_k > 0:
+        filters.append(lambda x: top_k_filter(x, params.top_k))
     return filters
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import mlx.core as mx
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -63,6 +65,14 @@ def mlx_seed(seed: int) -> int:
     """Any integer seed as MLX's generator takes it (an unsigned 64-bit value: ``-1`` is ``2**64 - 1``); MLX's
     ``random.seed`` and ``random.key`` reject negative and larger values with a ``TypeError``."""
     return seed % (1 << 64)
+
+
+def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
+    """mlx-lm's ``apply_top_k`` on ``(.., vocab)`` log-probabilities; unchanged when ``top_k`` keeps every token
+    (see :func:`effective_top_k`)."""
+    from mlx_lm.sample_utils import apply_top_k
+
+    return apply_top_k(logprobs, top_k) if effective_top_k(top_k, logprobs.shape[-1]) else logprobs
 
 
 def effective_top_k(top_k: int, vocab_size: int) -> int:

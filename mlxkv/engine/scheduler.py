@@ -136,16 +136,16 @@ class Scheduler:
             if job.handle.cancelled:
                 self._end(job, Event("error", finish_reason="cancelled", message="the request was cancelled"),
                           "cancelled")
-        start = time.perf_counter()
-        # Sequences already decoding wait for this step's prefills: none starts past the deadline (a burst of
+        limit = time.perf_counter() + PREFILL_FIRST_S
+        # Sequences already decoding wait for this step's prefills: none starts past the limit (a burst of
         # prompts into a busy engine spreads over steps instead of stalling every running stream for all of them).
-        deadline = start + PREFILL_FIRST_S if self.running else None
+        deadline = limit if self.running else None
         self._admit()
         self._prefill(deadline=deadline)
         flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
         # Requests that arrived meanwhile prefill before this step's decode (new prompts first, short ones: a long
         # uncached prompt waits for the next step), while the running sequences' token has waited < PREFILL_FIRST_S.
-        while self.intake is not None and time.perf_counter() - start < PREFILL_FIRST_S and self.intake():
+        while self.intake is not None and time.perf_counter() < limit and self.intake():
             self._admit()
             new = [t for t in self.prefilling if t.seq is None]
             if not new:

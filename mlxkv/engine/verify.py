@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams, effective_top_k
+from mlxkv.engine.sampling import SamplingParams, top_k_filter
 
 
 @dataclass
@@ -44,7 +44,7 @@ def sampling_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     Returns:
         (R, V) normalized log-probabilities (``-inf`` for filtered-out tokens).
     """
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+    from mlx_lm.sample_utils import apply_min_p, apply_top_p
 
     assert params.temp > 0, "greedy decoding has no sampling distribution"
     lp = logprobs(logits)  # (R, V)
@@ -53,8 +53,8 @@ def sampling_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
         lp = apply_top_p(lp, params.top_p)
     if params.min_p != 0.0:
         lp = apply_min_p(lp, params.min_p, 1)
-    if effective_top_k(params.top_k, lp.shape[-1]) > 0:
-        lp = apply_top_k(lp, params.top_k)
+    if params.top_k > 0:
+        lp = top_k_filter(lp, params.top_k)
     scaled = lp * (1.0 / params.temp)  # what categorical_sampling feeds mx.random.categorical
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
