@@ -43,7 +43,10 @@ def _read_prompt(prompt: str) -> str:
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Hugging Face repo id or local folder (default: the embedded demo model)."),
+                                        help="Hugging Face repo id, local folder or GGUF file "
+                                             "(default: the embedded demo model)."),
+    dequantize: bool = typer.Option(False, "--dequantize",
+                                    help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
     system: Optional[str] = typer.Option(None, help="System message (chat mode)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
     temp: float = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 is greedy."),
@@ -89,10 +92,10 @@ def generate(
         options = EngineOptions(kv_backend=kv_backend, kv_block_size=kv_block_size, max_kv_size=max_kv_size,
                                 kv_bits=kv_bits, kv_group_size=kv_group_size, draft_model=draft_model,
                                 prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
-                                ngram_size=ngram_size)
+                                ngram_size=ngram_size, dequantize=dequantize)
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=seed, stop=tuple(stop or ()))
-        loaded = load(model)
+        loaded = load(model, dequantize=dequantize)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
         engine = build_engine(loaded, options, context_tokens=len(tokens) + max_tokens)
         for chunk in engine.generate(tokens, params):
@@ -114,6 +117,27 @@ def generate(
         if hasattr(s, "acceptance_rate"):
             typer.echo(f"speculative: acceptance {s.acceptance_rate:.1%}, "
                        f"{s.tokens_per_forward:.2f} tokens per target forward", err=True)
+
+
+@app.command()
+def convert(
+    gguf_file: str = typer.Argument(..., help="The GGUF file to convert."),
+    out_dir: str = typer.Argument(..., help="Folder to write (must not exist, or be empty)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Tracebacks on errors."),
+) -> None:
+    """Write a GGUF model as a Hugging Face folder (config, safetensors, tokenizer) that mlx-lm loads too."""
+    from pathlib import Path
+
+    from mlxkv.gguf import GGUFError, convert as convert_gguf, is_gguf
+
+    source = Path(gguf_file).expanduser()
+    if not source.is_file() or not is_gguf(source):
+        _fail(f"not a GGUF file: {gguf_file}", verbose)
+    try:
+        out = convert_gguf(source, out_dir)
+    except GGUFError as exc:
+        _fail(str(exc), verbose)
+    typer.echo(f"wrote {out}")
 
 
 from mlxkv.cli.cache import cache_app  # noqa: E402  (registered after generate: help lists generate first)

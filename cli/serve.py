@@ -17,7 +17,9 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Hugging Face repo id or local folder (default: the demo model)."),
+                                        help="Hugging Face repo id, local folder or GGUF file (default: the demo model)."),
+    dequantize: bool = typer.Option(False, "--dequantize",
+                                    help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8080, min=0, max=65535, help="Port to listen on."),
     max_sequences: int = typer.Option(8, "--max-sequences", min=1, help="Most sequences decoding at once."),
@@ -82,7 +84,7 @@ def serve(
                       kv_group_size=kv_group_size, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024),
                       model_name=served_model_name, kv_backend=kv_backend, kv_block_size=kv_block_size,
                       kv_cache_budget=kv_cache_budget, host_cache_bytes=host_cache_size,
-                      disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size)
+                      disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size, dequantize=dequantize)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

@@ -22,6 +22,7 @@ class EngineOptions:
         draft_model: a second model (repo id or folder) drafting tokens for speculative decoding.
         prompt_lookup: draft by n-gram lookup over the prompt and output (no second model).
         num_draft_tokens / ngram_size: tokens drafted per round; n-gram length for prompt lookup.
+        dequantize: load the draft model's quantized weights unquantized, as the target's were.
     """
 
     kv_backend: str = "dense"
@@ -33,6 +34,7 @@ class EngineOptions:
     prompt_lookup: bool = False
     num_draft_tokens: int = 3
     ngram_size: int = 3
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_backend not in ("dense", "paged"):
@@ -93,7 +95,7 @@ def build_engine(loaded: Any, options: EngineOptions, context_tokens: int) -> Di
     else:
         from mlxkv.models import load
 
-        draft = load(options.draft_model)
+        draft = load(options.draft_model, dequantize=options.dequantize)
         # The draft's caches stay dense (one sequence, rewound every round): no prefix caching to gain.
         dense = dataclasses.replace(options, kv_backend="dense")
         drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, dense, context_tokens))

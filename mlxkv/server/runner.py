@@ -29,12 +29,14 @@ def build(model: str | None, *, config: EngineConfig | None = None, layout: str 
           api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           model_name: str | None = None, manage_engine: bool = True, kv_backend: str = "paged",
           kv_block_size: int = 16, kv_cache_budget: int | None = None, host_cache_bytes: int = 0,
-          disk_cache_dir: str | None = None, disk_cache_bytes: int = 0) -> ServerParts:
+          disk_cache_dir: str | None = None, disk_cache_bytes: int = 0,
+          dequantize: bool = False) -> ServerParts:
     """Load ``model`` (see :func:`mlxkv.models.load`) and wire pool, engine, metrics and app together.
 
     ``kv_backend="paged"`` (default): one block pool with prefix caching, sized by ``kv_cache_budget`` bytes
     (default: see :func:`paged_kv_config`); ``host_cache_bytes`` / ``disk_cache_dir`` / ``disk_cache_bytes``
     size the secondary KV tier. ``"dense"``: per-sequence buffers (``layout``, ``max_kv_size``, ``kv_bits``).
+    ``dequantize`` runs quantized weights unquantized (see :func:`mlxkv.models.load`).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -45,7 +47,7 @@ def build(model: str | None, *, config: EngineConfig | None = None, layout: str 
     from mlxkv.server.app import create_app
 
     config = config or EngineConfig()
-    loaded = load(model, progress=True)
+    loaded = load(model, progress=True, dequantize=dequantize)
     context = context_length_of(loaded.config)
     if kv_backend == "paged":
         if kv_bits is not None or max_kv_size is not None or layout != "mlxkv":

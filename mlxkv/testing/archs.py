@@ -231,9 +231,13 @@ def build_model(arch: str, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     Raises:
         ValueError: if ``arch`` is unknown.
     """
+    return build_from_config(get_config(arch), seed)
+
+
+def build_from_config(config: dict[str, Any], seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`build_model` for a config dict of any mlx-lm architecture (same weight draw)."""
     from mlx_lm.utils import _get_classes
 
-    config = get_config(arch)
     model_class, args_class = _get_classes(config=config)
     mx.random.seed(seed)  # some modules draw their vectors at construction (qwen3_next A_log)
     model = model_class(args_class.from_dict(config))

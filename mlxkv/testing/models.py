@@ -29,9 +29,13 @@ def write_test_model(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
     Raises:
         ValueError: if ``arch`` is unknown.
     """
+    return write_model(*build_model(arch, seed), out_dir)
+
+
+def write_model(model, config: dict, out_dir: str | Path) -> Path:
+    """Write an in-memory test model and its config (vocabulary of the test tokenizer) into ``out_dir``."""
     from mlx_lm.utils import save_config
 
-    model, config = build_model(arch, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))

@@ -1,0 +1,100 @@
+"""A GGUF file as an mlx-lm model and tokenizer, loaded in place or written out as a Hugging Face folder.
+
+Both paths share one translation (config from metadata, tensors renamed and q/k rows unpermuted, tokenizer
+rebuilt), so ``mlxkv generate -m model.gguf`` runs exactly the model that ``mlxkv convert`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxkv.gguf.config import build_config, end_of_turn_ids
+from mlxkv.gguf.reader import GGUFError, read
+from mlxkv.gguf.tokenizer import build_tokenizer
+from mlxkv.gguf.weights import hf_weights, quantization
+
+
+@dataclass
+class Translated:
+    """A GGUF file in Hugging Face terms: mlx-lm config, weights by HF name, a transformers tokenizer."""
+
+    config: dict[str, Any]
+    weights: dict[str, Any]
+    tokenizer: Any
+    eos_token_ids: list[int]
+
+
+def translate(path: str | Path) -> Translated:
+    """Read ``path`` and translate it (nothing is written).
+
+    Raises:
+        GGUFError: anything about the file mlxkv cannot map, with a one-line message.
+    """
+    gguf = read(path)
+    config = build_config(gguf)
+    weights = hf_weights(gguf, config)
+    quant = quantization(weights)
+    if quant is not None:
+        config["quantization"] = quant
+    return Translated(config=config, weights=weights, tokenizer=build_tokenizer(gguf.metadata),
+                      eos_token_ids=end_of_turn_ids(gguf.metadata))
+
+
+def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
+    """Instantiate the mlx-lm model for ``config`` and load ``weights`` into it (quantized layers keep the
+    bits of their own tensors, as mlx-lm's loader does).
+
+    Raises:
+        GGUFError: the weights do not fit the model built from the metadata.
+    """
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    quant = config.get("quantization")
+    if quant is not None:
+        def quantized(path: str, module: Any) -> Any:
+            if path in quant:
+                return quant[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=quantized)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise GGUFError(f"the GGUF tensors do not fit a {config['model_type']} model: {exc}") from None
+    return model
+
+
+def load_gguf(path: str | Path) -> tuple[Any, dict[str, Any], Any]:
+    """``(model, config, tokenizer)`` for a GGUF file; the tokenizer is mlx-lm's ``TokenizerWrapper``."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    t = translate(path)
+    model = build_model(t.config, t.weights)
+    return model, t.config, TokenizerWrapper(t.tokenizer, eos_token_ids=t.eos_token_ids)
+
+
+def convert(path: str | Path, out_dir: str | Path) -> Path:
+    """Write the GGUF file at ``path`` as a Hugging Face folder (``config.json``, ``model.safetensors``,
+    tokenizer files) that mlx-lm and mlxkv load.
+
+    Raises:
+        GGUFError: the file cannot be translated, or ``out_dir`` exists and is not an empty folder.
+    """
+    import mlx.core as mx
+
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise GGUFError(f"{out} already exists and is not an empty folder")
+    t = translate(path)
+    build_model(t.config, t.weights)  # refuse before writing anything if the tensors do not fit
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), t.weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(t.config, indent=2) + "\n")
+    t.tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,109 @@
+"""Reading a GGUF file: its tensors (through MLX's native reader) and its metadata as plain Python values.
+
+MLX reads Q4_0, Q4_1 and Q8_0 tensors as affine-quantized triplets (``name.weight`` packed uint32,
+``name.scales`` and ``name.biases``, groups of 32 along the row) and F32 / F16 / BF16 as they are. Other
+ggml types (the K-quants, IQ-quants, ...) cannot be represented that way: the file's tensor table is read
+first so such a file is refused with its type named (MLX itself would silently dequantize some of them to
+float16).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxkv.gguf.header import header_tensor_types
+
+#: ggml tensor types MLX turns into arrays it can compute with (quantized ones keep their quantization).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that mlxkv cannot load; the message is one line meant for the user."""
+
+
+@dataclass
+class GGUFFile:
+    """The contents of a GGUF file.
+
+    tensors: MLX arrays by GGUF tensor name (quantized tensors as ``.weight`` / ``.scales`` / ``.biases``).
+    metadata: every key-value pair, as Python scalars, strings and lists.
+    types: the ggml type name of each tensor (``"Q4_1"``, ``"F32"``, ...).
+    """
+
+    path: Path
+    tensors: dict[str, Any]
+    metadata: dict[str, Any]
+    types: dict[str, str]
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture`` (``llama``, ``qwen2``, ...)."""
+        return str(self.metadata.get("general.architecture", ""))
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """The ggml type name of every tensor in the file, read from its header alone.
+
+    Raises:
+        GGUFError: the file is not a GGUF file, or its header cannot be parsed.
+    """
+    try:
+        with open(path, "rb") as f:
+            return header_tensor_types(f)
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise GGUFError(f"{path} is not a readable GGUF file: {_first_line(exc)}") from None
+
+
+def check_types(types: dict[str, str], path: Path) -> None:
+    """Raise :class:`GGUFError` naming the first tensor whose type MLX cannot represent."""
+    for name, kind in types.items():
+        if kind not in SUPPORTED_TYPES:
+            count = sum(1 for k in types.values() if k == kind)
+            raise GGUFError(
+                f"{path.name}: tensor {name} is {kind} ({count} of its tensors are); mlxkv loads GGUF tensors "
+                f"of types {', '.join(SUPPORTED_TYPES)} only (re-quantize the model to Q4_0, Q4_1 or Q8_0)"
+            )
+
+
+def read(path: str | Path) -> GGUFFile:
+    """Read a GGUF file: tensors as MLX arrays, metadata as Python values.
+
+    Raises:
+        GGUFError: unreadable file or a tensor type MLX cannot represent.
+    """
+    import mlx.core as mx
+
+    path = Path(path)
+    types = tensor_types(path)
+    check_types(types, path)
+    try:
+        tensors, raw_meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise GGUFError(f"MLX could not read {path.name}: {_first_line(exc)}") from None
+    return GGUFFile(path=path, tensors=tensors, metadata={k: _plain(v) for k, v in raw_meta.items()}, types=types)
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as Python: MLX scalars become int/float/bool, arrays become lists."""
+    if isinstance(value, (str, list)):
+        return value
+    if value.ndim == 0:
+        return value.item()
+    return value.tolist()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

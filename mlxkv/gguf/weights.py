@@ -1,0 +1,106 @@
+"""GGUF tensors renamed and reordered into the Hugging Face layout mlx-lm's model classes load.
+
+Quantized tensors stay quantized: a ``Q4_0`` / ``Q4_1`` / ``Q8_0`` tensor is MLX's affine triplet
+(``weight`` packed uint32, ``scales``, ``biases``; groups of 32), so each linear layer becomes an
+``nn.QuantizedLinear`` with the bits its own tensor has (a file may mix 4- and 8-bit layers).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from mlxkv.gguf.config import PERMUTED_QK
+from mlxkv.gguf.reader import GGUFError, GGUFFile
+
+#: GGUF quantization group size (every block type MLX reads holds 32 weights).
+GROUP_SIZE = 32
+
+_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_SUFFIXES = ("weight", "scales", "biases", "bias")
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(\w+)$")
+_TOP = re.compile(r"^(\w+)\.(\w+)$")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face parameter name for a GGUF tensor name (``blk.3.attn_q.scales`` ->
+    ``model.layers.3.self_attn.q_proj.scales``).
+
+    Raises:
+        GGUFError: a tensor this mapping does not know (another architecture's, or a MoE expert tensor).
+    """
+    if m := _BLOCK.match(name):
+        layer, part, suffix = m.groups()
+        if part in _LAYER and suffix in _SUFFIXES:
+            return f"model.layers.{layer}.{_LAYER[part]}.{suffix}"
+    elif (m := _TOP.match(name)) and m.group(1) in _GLOBAL and m.group(2) in _SUFFIXES:
+        return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
+    raise GGUFError(f"GGUF tensor {name!r} has no counterpart in mlxkv's llama-family mapping")
+
+
+def unpermute_rows(w: Any, heads: int) -> Any:
+    """Undo llama.cpp's RoPE row permutation of a q or k projection.
+
+    llama.cpp interleaves each head's two rotary halves; the Hugging Face layout keeps them as halves.
+    Only rows move, so a packed quantized weight, its scales and biases, and a bias vector permute alike.
+    """
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    # (heads, rows/head/2, 2, ...) -> (heads, 2, rows/head/2, ...)
+    return w.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def hf_weights(gguf: GGUFFile, config: dict) -> dict[str, Any]:
+    """Every tensor of ``gguf`` under its Hugging Face name, q/k rows in Hugging Face order."""
+    permute = gguf.architecture in PERMUTED_QK
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out: dict[str, Any] = {}
+    for name, w in gguf.tensors.items():
+        m = _BLOCK.match(name)
+        if permute and m and m.group(2) in heads:
+            w = unpermute_rows(w, heads[m.group(2)])
+        out[hf_name(name)] = w
+    return out
+
+
+def quantization(weights: dict[str, Any]) -> dict[str, Any] | None:
+    """mlx-lm's ``quantization`` config for these weights: the most common bit width as the default and
+    one entry per layer that differs; ``None`` when nothing is quantized."""
+    bits = {name[: -len(".scales")]: layer_bits(weights, name[: -len(".scales")])
+            for name in weights if name.endswith(".scales")}
+    if not bits:
+        return None
+    values = list(bits.values())
+    default = max(set(values), key=values.count)
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default}
+    for layer, b in sorted(bits.items()):
+        if b != default:
+            config[layer] = {"group_size": GROUP_SIZE, "bits": b}
+    return config
+
+
+def layer_bits(weights: dict[str, Any], layer: str) -> int:
+    """Bits per weight of a quantized layer, from its packed width: 32-bit words hold 32 / bits values."""
+    packed = weights[f"{layer}.weight"].shape[-1]
+    columns = weights[f"{layer}.scales"].shape[-1] * GROUP_SIZE
+    bits, rem = divmod(packed * 32, columns)
+    if rem or bits not in (4, 8):
+        raise GGUFError(f"quantized tensor {layer} has an unexpected packing ({packed} words for {columns} columns)")
+    return bits
