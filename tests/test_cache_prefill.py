@@ -62,11 +62,20 @@ def test_padded_equals_unpadded(arch, monkeypatch):
     monkeypatch.setenv("MLXKV_NO_PADDED_PREFILL", "0")
     monkeypatch.setenv("MLXKV_FORCE_PADDED_PREFILL", "1")
     caches = make_caches(model)
-    assert padded_prefill_enabled(model, caches) == supports_padded_prefill(model, caches)
+    pads = padded_prefill_enabled(model, caches)
+    assert pads == supports_padded_prefill(model, caches)
     padded_logits = prefill(model, caches, PROMPT)
     assert [getattr(c, "offset", None) for c in caches] == plain_offsets
     padded = decode(model, caches, padded_logits)
-    assert max(mx.abs(a - b).max().item() for a, b in zip(padded, plain)) <= 1e-5
+    assert [mx.argmax(a).item() for a in padded] == [mx.argmax(b).item() for b in plain]  # same greedy tokens
+    if not pads:  # the same forwards run: bit-exact
+        assert all(mx.array_equal(a, b).item() for a, b in zip(padded, plain))
+        return
+    # The padded forward multiplies 64 rows where the plain one multiplies 45, and a BLAS may block (so sum) a
+    # dot product differently by row count: float32 rounding of n reordered terms is at most n * eps (1.2e-7)
+    # relative, with the test models' longest sums 128 terms: 1e-5 of the logit magnitude.
+    scale = max(1.0, max(mx.abs(b).max().item() for b in plain))
+    assert max(mx.abs(a - b).max().item() for a, b in zip(padded, plain)) <= 1e-5 * scale
 
 
 def test_padding_really_happens(monkeypatch):
