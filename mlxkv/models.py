@@ -27,7 +27,11 @@ DOWNLOAD_PATTERNS = [
     "*.jsonl",
     "*.jinja",
 ]
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# A Hugging Face repo id as the hub names them (huggingface_hub's validate_repo_id, with the owner required):
+# owner/name, each part 1-96 ASCII letters, digits, '-', '_' or '.', starting and ending with a letter, digit or
+# '_'; '--' and '..' are reserved (the cache's folder names use '--'), and a name cannot end in '.git'.
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]{0,94}[A-Za-z0-9_])?"
+_REPO_ID = re.compile(rf"{_REPO_PART}/{_REPO_PART}")
 
 
 class ModelLoadError(Exception):
@@ -61,7 +65,33 @@ def demo_model_path() -> Path:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or spec.count("/") != 1 or Path(spec).suffix != ""
+    """Whether ``spec`` names a local file or folder rather than a repo id, even if nothing is there.
+
+    Explicit paths (``./x``, ``../x``, ``/x``, ``~/x``), Windows separators, more than one ``/`` and GGUF file
+    names are paths; anything else with one ``/`` is read as a repo id (names with dots, such as
+    ``Qwen/Qwen2.5-0.5B``, are ids: the hub allows dots in names).
+    """
+    return (spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1
+            or spec.lower().endswith(".gguf"))
+
+
+def _repo_id_problem(spec: str) -> str | None:
+    """Why ``spec`` is not a Hugging Face repo id (``owner/name``), or ``None`` when it is one."""
+    if spec.count("/") != 1:
+        return "a repo id is owner/name"
+    if "--" in spec or ".." in spec:
+        return "'--' and '..' are not allowed in repo ids"
+    if spec.endswith(".git"):
+        return "a repo name cannot end in '.git'"
+    for part in spec.split("/"):
+        if not 1 <= len(part) <= 96:
+            return "owner and name must each have 1 to 96 characters"
+        bad = sorted({c for c in part if not (c.isascii() and (c.isalnum() or c in "-_."))})
+        if bad:
+            return f"repo ids use only ASCII letters, digits, '-', '_' and '.', not {' '.join(map(repr, bad))}"
+    if not _REPO_ID.fullmatch(spec):
+        return "owner and name cannot start or end with '-' or '.'"
+    return None
 
 
 def resolve_model_path(spec: str | None, *, progress: bool = True) -> Path:
@@ -70,11 +100,12 @@ def resolve_model_path(spec: str | None, *, progress: bool = True) -> Path:
     Args:
         spec: ``None`` for the embedded demo model, a local folder (a Hugging Face folder, or one holding a
             single ``.gguf`` file), a ``.gguf`` file, or a Hugging Face repo id (``owner/name``) that is
-            downloaded into the standard HF cache unless already there.
+            downloaded into the standard HF cache unless already there. What exists locally is a path; so is
+            what only looks like one (see :func:`_looks_like_path`); anything else must be a repo id.
         progress: show a rich progress bar while downloading.
 
     Raises:
-        ModelLoadError: missing folder, malformed id, repo not cached while offline, download failure.
+        ModelLoadError: missing file or folder, malformed id, repo not cached while offline, download failure.
     """
     if spec is None:
         path = demo_model_path()
@@ -88,8 +119,12 @@ def resolve_model_path(spec: str | None, *, progress: bool = True) -> Path:
                 raise ModelLoadError(f"model path is neither a folder nor a GGUF file: {spec}")
             return local
         return _folder_model(local)
-    if _looks_like_path(spec) or not _REPO_ID.match(spec):
-        raise ModelLoadError(f"model not found: {spec} is neither an existing folder nor a repo id like owner/name")
+    if _looks_like_path(spec):
+        raise ModelLoadError(f"model not found: no such file or folder: {spec}")
+    problem = _repo_id_problem(spec)
+    if problem is not None:
+        raise ModelLoadError(f"model not found: {spec} is neither a local file or folder nor a Hugging Face "
+                             f"repo id ({problem})")
     return _download(spec, progress=progress)
 
 
@@ -209,13 +244,13 @@ def _load_gguf(path: Path) -> tuple[Any, dict, Any]:
         raise ModelLoadError(str(exc)) from None
 
 
-def _dequantize(model: Any, config: dict) -> dict:
-    """Replace quantized layers by float ones (mlx-lm's ``dequantize_model``); the config loses its
-    quantization entry."""
+def dequantized_in_place(model: Any, config: dict) -> dict:
+    """Replace quantized layers by float ones (mlx-lm's ``dequantize_model``), after upcasting their scales
+    on the CPU backend so the weights come out in float32; returns the config without its quantization."""
+    import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
-    import mlx.core as mx
-
+    _upcast_on_cpu(model)
     dequantize_model(model)
     mx.eval(model.parameters())  # materialise on this thread's stream, as the upcast does
     return {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
@@ -240,9 +275,9 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     """
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path) if path.is_file() else _load_folder(path)
+    if dequantize:
+        config = dequantized_in_place(model, config)
     _upcast_on_cpu(model)
-    if dequantize:  # after the upcast, so that float32 scales give float32 weights on the CPU backend
-        config = _dequantize(model, config)
     from mlxkv.cache.hook import install_attention_hook
     from mlxkv.mla import apply_mla
 

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from mlxkv.config import KV_GROUP_SIZES
+
 CacheFactory = Callable[[Any], list]
 LAYOUTS = ("mlxkv", "mlx-lm")
 BACKENDS = ("dense", "paged")
@@ -104,6 +106,46 @@ def mlxkv_caches(model: Any, *, max_kv_size: int | None = None, kv_bits: int | N
     return make_caches(model, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
 
 
+def kv_head_dims(model: Any) -> set[int]:
+    """The head sizes of the keys and values ``model``'s attention layers cache (from their projections).
+
+    Found on modules that name their kv-head count (``n_kv_heads`` or ``num_key_value_heads``) and have
+    ``k_proj`` / ``v_proj`` projections, as mlx-lm's attention classes do; a quantized projection's weight
+    keeps one row per output feature. Empty when no layer looks like that (MLA, fused projections).
+    """
+    dims = set()
+    for module in model.modules():
+        kv_heads = getattr(module, "n_kv_heads", None) or getattr(module, "num_key_value_heads", None)
+        if not isinstance(kv_heads, int) or kv_heads < 1:
+            continue
+        for name in ("k_proj", "v_proj"):
+            weight = getattr(getattr(module, name, None), "weight", None)
+            if weight is not None and weight.shape[0] % kv_heads == 0:
+                dims.add(weight.shape[0] // kv_heads)
+    return dims
+
+
+def check_kv_group_size(model: Any, kv_group_size: int) -> None:
+    """Refuse a quantized KV cache whose group size does not divide every cached head size of ``model``.
+
+    MLX quantizes each cached row in groups along head_dim; checked here so that the error comes when the pool
+    is built, before any prompt is processed.
+
+    Raises:
+        ValueError: one line naming the head_dim and the group sizes that fit, or saying that none does.
+    """
+    head_dims = kv_head_dims(model)
+    misfits = sorted(d for d in head_dims if d % kv_group_size)
+    if not misfits:
+        return
+    fits = [g for g in KV_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
+    hint = (f"use --kv-group-size {' or '.join(map(str, fits))}" if fits else
+            f"no valid group size ({', '.join(map(str, KV_GROUP_SIZES))}) divides it, so this model cannot use a "
+            "quantized KV cache: run it without --kv-bits")
+    raise ValueError(f"--kv-bits: the model's head_dim {misfits[0]} is not divisible by the KV quantization "
+                     f"group size {kv_group_size}; {hint}")
+
+
 class CachePool:
     """Owns the layer caches of every open sequence of one model.
 
@@ -151,6 +193,8 @@ class CachePool:
             self.paged = PagedBackend(model, kv_config or KvCacheConfig(backend="paged"), num_blocks=num_blocks,
                                       model_path=model_path)
         if cache_factory is None:
+            if kv_bits is not None:
+                check_kv_group_size(model, kv_group_size)
             build = mlxkv_caches if layout == "mlxkv" else mlx_lm_caches
             cache_factory = functools.partial(build, max_kv_size=max_kv_size, kv_bits=kv_bits,
                                               kv_group_size=kv_group_size)
