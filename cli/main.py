@@ -123,6 +123,8 @@ def generate(
 def convert(
     gguf_file: str = typer.Argument(..., help="The GGUF file to convert."),
     out_dir: str = typer.Argument(..., help="Folder to write (must not exist, or be empty)."),
+    dequantize: bool = typer.Option(False, "--dequantize",
+                                    help="Write quantized weights unquantized (float32 on the CPU backend)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Tracebacks on errors."),
 ) -> None:
     """Write a GGUF model as a Hugging Face folder (config, safetensors, tokenizer) that mlx-lm loads too."""
@@ -134,7 +136,7 @@ def convert(
     if not source.is_file() or not is_gguf(source):
         _fail(f"not a GGUF file: {gguf_file}", verbose)
     try:
-        out = convert_gguf(source, out_dir)
+        out = convert_gguf(source, out_dir, dequantize=dequantize)
     except GGUFError as exc:
         _fail(str(exc), verbose)
     typer.echo(f"wrote {out}")

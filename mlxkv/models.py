@@ -203,25 +203,6 @@ def _check_architecture(config: dict) -> None:
         ) from None
 
 
-def _upcast_on_cpu(model: Any) -> None:
-    """On the CPU backend, run float16/bfloat16 weights, and quantized layers' scales and biases, as float32.
-
-    float32 is MLX's fast CPU dtype (half-precision matmuls bypass BLAS there, and half-precision scales slow
-    quantized matmuls down: SmolLM2-135M Q4_1 decodes at 4.8 tok/s with float16 scales, 5.8 with float32),
-    and float32 arithmetic makes every KV path (dense SDPA, paged reference kernel) agree token for token.
-    Packed quantized weights stay packed. GPUs keep the stored dtype.
-    """
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
-    if mx.default_device() != mx.cpu:
-        return
-    halves = (mx.float16, mx.bfloat16)
-    model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in halves else p, model.parameters()))
-    # Materialise now: a lazy cast is bound to this thread's stream (serve's engine thread could not evaluate it).
-    mx.eval(model.parameters())
-
-
 def _load_folder(path: Path) -> tuple[Any, dict, Any]:
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -244,18 +225,6 @@ def _load_gguf(path: Path) -> tuple[Any, dict, Any]:
         raise ModelLoadError(str(exc)) from None
 
 
-def dequantized_in_place(model: Any, config: dict) -> dict:
-    """Replace quantized layers by float ones (mlx-lm's ``dequantize_model``), after upcasting their scales
-    on the CPU backend so the weights come out in float32; returns the config without its quantization."""
-    import mlx.core as mx
-    from mlx_lm.utils import dequantize_model
-
-    _upcast_on_cpu(model)
-    dequantize_model(model)
-    mx.eval(model.parameters())  # materialise on this thread's stream, as the upcast does
-    return {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-
-
 def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = False) -> LoadedModel:
     """Load a model and its tokenizer through mlx-lm.
 
@@ -268,16 +237,19 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
 
     Returns:
         The loaded model with mlxkv's attention hook installed (the cache decides how attention runs).
-        On the CPU backend, half-precision weights are upcast to float32 (see :func:`_upcast_on_cpu`).
+        On the CPU backend, half-precision weights are upcast to float32
+        (see :func:`mlxkv.precision.upcast_on_cpu`).
 
     Raises:
         ModelLoadError: with a one-line message for any failure a user can cause.
     """
+    from mlxkv.precision import dequantize_in_place, upcast_on_cpu
+
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path) if path.is_file() else _load_folder(path)
     if dequantize:
-        config = dequantized_in_place(model, config)
-    _upcast_on_cpu(model)
+        config = dequantize_in_place(model, config)
+    upcast_on_cpu(model)
     from mlxkv.cache.hook import install_attention_hook
     from mlxkv.mla import apply_mla
 

@@ -165,9 +165,9 @@ def test_convert_writes_a_folder_mlx_lm_loads_with_the_same_outputs(hf_folder, t
     tokens = tokenizer.encode(PROMPT)
     assert native.tokenizer.encode(PROMPT) == tokens
     # mlx-lm keeps the stored float16 scales; mlxkv upcasts them on the CPU backend (exactly representable).
-    from mlxkv.models import _upcast_on_cpu
+    from mlxkv.precision import upcast_on_cpu
 
-    _upcast_on_cpu(model)
+    upcast_on_cpu(model)
     assert mx.array_equal(_logits(native.model, tokens), _logits(model, tokens))
     again = runner.invoke(app, ["convert", str(gguf), str(tmp_path / "out")])
     assert again.exit_code == 1 and "not an empty folder" in again.stderr

@@ -79,9 +79,13 @@ def load_gguf(path: str | Path) -> tuple[Any, dict[str, Any], Any]:
     return model, t.config, TokenizerWrapper(t.tokenizer, eos_token_ids=t.eos_token_ids)
 
 
-def convert(path: str | Path, out_dir: str | Path) -> Path:
+def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False) -> Path:
     """Write the GGUF file at ``path`` as a Hugging Face folder (``config.json``, ``model.safetensors``,
     tokenizer files) that mlx-lm and mlxkv load.
+
+    ``dequantize`` writes quantized layers unquantized: in float32 on the CPU backend (scales upcast first,
+    so the weights equal those ``mlxkv.models.load(path, dequantize=True)`` computes), in the scales' own
+    dtype elsewhere.
 
     Raises:
         GGUFError: the file cannot be translated, or ``out_dir`` exists and is not an empty folder.
@@ -92,9 +96,17 @@ def convert(path: str | Path, out_dir: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GGUFError(f"{out} already exists and is not an empty folder")
     t = translate(path)
-    build_model(t.config, t.weights)  # refuse before writing anything if the tensors do not fit
+    model = build_model(t.config, t.weights)  # refuses before anything is written if the tensors do not fit
+    weights = t.weights
+    if dequantize:
+        from mlx.utils import tree_flatten
+
+        from mlxkv.precision import dequantize_in_place
+
+        t.config = dequantize_in_place(model, t.config)
+        weights = dict(tree_flatten(model.parameters()))
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), t.weights, metadata={"format": "mlx"})
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(t.config, indent=2) + "\n")
     t.tokenizer.save_pretrained(str(out))
     return out
