@@ -5,7 +5,8 @@ qk_nope 128, qk_rope 64, v_head 128; 4 layers, hidden 512, dense MLP, so it runs
 ``apply_mla`` builds the absorbed attention modules over the *same* weights; the bench points the layers
 at mlx-lm's modules (on mlx-lm's caches) or the absorbed ones (on latent caches, with and without split-KV)
 and alternates the variants round by round. Also times a 4-token speculative verification step (then
-trimmed back), the multi-token case where mlx-lm re-expands K/V over the whole cache.
+trimmed back), the multi-token case where mlx-lm re-expands K/V over the whole cache. ``--model`` is refused:
+the real and demo models are llamas, without the MLA attention measured here.
 
     python scripts/bench_mla.py                          # deepseek_v2, contexts 1024 and 4096
     python scripts/bench_mla.py --arch deepseek_v3 --contexts 1024
@@ -18,7 +19,7 @@ import os
 import statistics
 import time
 
-from bench_common import ensure_openblas
+from bench_common import check_refused_model, describe_model, ensure_openblas, print_header, refuse_model_arg
 
 # V2-Lite attention shapes; a small hidden size and a dense MLP (no experts) keep the weights every step
 # reads small, so the step time shows the attention and its cache rather than the feed-forward.
@@ -26,6 +27,8 @@ SHAPE = dict(hidden_size=512, num_attention_heads=16, num_key_value_heads=16, kv
              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=1024,
              n_routed_experts=None, vocab_size=4096, max_position_embeddings=16384)
 VARIANTS = ("mlx-lm", "absorbed", "absorbed+split")
+NO_MODEL = ("this benchmark builds a random DeepSeek model with V2-Lite attention shapes (--arch, --layers); "
+            "the reference model and the demo model are llamas, without MLA")
 
 
 def prefill(model, caches, n_tokens, chunk=512):
@@ -111,30 +114,29 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    refuse_model_arg(parser, NO_MODEL)
     args = parser.parse_args()
-    assert all(c % 256 == 0 for c in args.contexts), "contexts must be multiples of 256"
+    check_refused_model(parser, args, NO_MODEL)
+    if any(c % 256 for c in args.contexts):
+        parser.error("contexts must be multiples of 256")
     blas = ensure_openblas()
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from mlxkv.mla import apply_mla
     from mlxkv.mla.tiny import build_deepseek
 
     model, config = build_deepseek(args.arch, num_hidden_layers=args.layers, **SHAPE)
-    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    R, dr = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    H, dn, dv = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    print_header(blas, describe_model(model, f"random-weight {args.arch} ({args.layers} layers, H={H} "
+                                             f"kv_lora_rank={R} qk_nope={dn} qk_rope={dr} v_head={dv})"))
     originals = [layer.self_attn for layer in model.layers]
     os.environ["MLXKV_MLA_ABSORBED"] = "1"  # what a user sets; env.py reads it in apply_mla
     assert apply_mla(model) == list(range(args.layers))
     swapped = [layer.self_attn for layer in model.layers]
+    print(f"{args.steps} decode steps x {args.rounds} alternating rounds (medians); split chunk "
+          f"{swapped[0].split_chunk} keys", flush=True)
     results = measure(model, args.contexts, args.steps, args.rounds, originals, swapped)
 
-    R, dr = config["kv_lora_rank"], config["qk_rope_head_dim"]
-    H, dn, dv = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
-    print(f"model: random {args.arch} float32, {args.layers} layers, {n_params / 1e6:.0f}M params; "
-          f"H={H} kv_lora_rank={R} qk_nope={dn} qk_rope={dr} v_head={dv}")
-    print(f"BLAS: {blas}; MLX {mx.__version__}, device {mx.default_device()}; {args.steps} decode steps x {args.rounds} "
-          f"alternating rounds (medians); split chunk {swapped[0].split_chunk} keys")
     print(f"expected bytes/token/layer: latent (R+dr)x4 = {(R + dr) * 4}, per-head K/V Hx(dn+dr+dv)x4 = "
           f"{H * (dn + dr + dv) * 4}")
     for name, rows in results.items():

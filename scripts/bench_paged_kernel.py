@@ -2,7 +2,9 @@
 
 Function level, no model: one decode query per sequence over K/V stored in pages, at 1K, 4K and
 16K context, batch 1 and 8. Prints milliseconds per call (median of ``--iters``) and the ratio to
-``mx.fast.scaled_dot_product_attention`` over the same K/V already laid out densely.
+``mx.fast.scaled_dot_product_attention`` over the same K/V already laid out densely. ``--model`` is refused:
+the shapes come from ``--kv-heads`` / ``--gqa`` / ``--head-dim`` (SmolLM2-135M: ``--kv-heads 3 --gqa 3
+--head-dim 64``); ``scripts/bench_paged.py`` measures paged vs dense decode on a model.
 
     PYTHONPATH=. python scripts/bench_paged_kernel.py [--contexts 1024 4096 16384] [--batches 1 8]
 """
@@ -16,8 +18,11 @@ import time
 
 import mlx.core as mx
 
+from bench_common import check_refused_model, ensure_openblas, print_header, refuse_model_arg
 from mlxkv.kernels.paged_attention_ref import paged_attention_reference
 
+NO_MODEL = ("this benchmark times the attention function alone on random pages; set the shapes with --kv-heads, "
+            "--gqa, --head-dim (scripts/bench_paged.py runs a model)")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -78,7 +83,11 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--iters", type=int, default=5)
+    refuse_model_arg(ap, NO_MODEL)
     args = ap.parse_args()
+    check_refused_model(ap, args, NO_MODEL)
+    blas = ensure_openblas()
+    print_header(blas, "none (function level, random K/V pages)")
     dtype = DTYPES[args.dtype]
 
     metal_attention = None

@@ -8,13 +8,16 @@ prefilled and yields one token (TTFT = prefill + first sample). Sides, in one pr
 - paged, no reuse: paged storage with ``enable_block_reuse=False``.
 - paged + prefix cache: the second and later requests of a group prefill only their tail.
 - mlx-lm prompt cache: the system prompt prefilled once per group into mlx-lm caches, ``copy.deepcopy``'d per
-  request, the tail prefilled on the copy (the first request of a group pays the system prefill).
+  request, the tail prefilled on the copy (the first request of a group pays the system prefill). It runs the
+  model ``mlx_lm.utils.load`` builds from the folder bench_common prepares (for a GGUF: the float32 folder
+  ``mlxkv.gguf.convert(..., dequantize=True)`` writes), the same weights as mlxkv's sides.
 
 Capacity: how many sequences of this workload (prompt + ``--gen`` tokens) fit one KV budget. Dense reserves
 ``--max-context`` rows per sequence, as a dense server must; paged takes blocks as used, the shared system
 prompt's blocks once per group (measured with the real block manager, opening sequences until it refuses).
 
-    python scripts/bench_prefix.py
+    python scripts/bench_prefix.py                    # the reference model, SmolLM2-135M-Instruct
+    python scripts/bench_prefix.py --model random     # a random llama, hidden 256, 4 layers, 8 / 2 KV heads
 """
 
 from __future__ import annotations
@@ -24,13 +27,12 @@ import copy
 import statistics
 import time
 
-from bench_common import ensure_openblas, random_llama
+from bench_common import add_model_args, bench_model, describe, ensure_openblas, load_peer_model, print_header
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    add_model_args(parser, random_shape="hidden 256, 4 layers, 8 heads / 2 KV heads")
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--system", type=int, default=1024)
@@ -39,29 +41,30 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-context", type=int, default=4096, help="dense: rows reserved per sequence")
     parser.add_argument("--budget-mib", type=int, default=1024)
-    args = parser.parse_args()
-    blas = ensure_openblas()
+    return parser, parser.parse_args()
 
+
+def workload(args, vocab: int) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+    """``(system prompts, [(group, prompt)])``: requests interleave the groups (g0 g1 g2 g0 g1 g2 ...)."""
+    systems = [[(37 * i + 101 * g + 11) % (vocab - 10) + 5 for i in range(args.system)] for g in range(args.groups)]
+    requests = [(g, systems[g] + [(13 * i + 7 * r + 3 * g + 1) % (vocab - 10) + 5 for i in range(args.user)])
+                for r in range(args.requests) for g in range(args.groups)]
+    return systems, requests
+
+
+def ttft_sides(model, theirs, args, systems, requests) -> dict:
+    """Each side as ``name -> callable`` returning the TTFT of every request, in order."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxkv.blocks import KVCacheManager
-    from mlxkv.cache.hook import install_attention_hook
     from mlxkv.config import KvCacheConfig
     from mlxkv.engine.direct import DirectEngine
     from mlxkv.engine.sampling import SamplingParams
     from mlxkv.pool import CachePool
 
-    vocab = 8192
-    model, n_params = random_llama(args.hidden, args.layers, vocab, heads=8, kv_heads=2)
-    install_attention_hook(model)
-    systems = [[(37 * i + 101 * g + 11) % (vocab - 10) + 5 for i in range(args.system)] for g in range(args.groups)]
-    requests = [(g, systems[g] + [(13 * i + 7 * r + 3 * g + 1) % (vocab - 10) + 5 for i in range(args.user)])
-                for r in range(args.requests) for g in range(args.groups)]
     one = SamplingParams(max_tokens=1)
-    prompt_len = args.system + args.user
-    blocks_needed = args.groups * args.requests * -(-(prompt_len + 8) // args.block_size) + 8
+    blocks_needed = args.groups * args.requests * -(-(args.system + args.user + 8) // args.block_size) + 8
 
     def ttft(engine, prompt):
         start = time.perf_counter()
@@ -79,48 +82,46 @@ def main() -> None:
         for g, prompt in requests:
             start = time.perf_counter()
             if g not in base:
-                base[g] = make_prompt_cache(model)
-                mx.eval(model(mx.array(systems[g])[None], cache=base[g]))
+                base[g] = make_prompt_cache(theirs)
+                mx.eval(theirs(mx.array(systems[g])[None], cache=base[g]))
                 mx.eval([c.state for c in base[g]])
             cache = copy.deepcopy(base[g])
-            steps = generate_step(mx.array(prompt[args.system:]), model, max_tokens=1, prompt_cache=cache)
+            steps = generate_step(mx.array(prompt[args.system:]), theirs, max_tokens=1, prompt_cache=cache)
             next(steps)
             times.append(time.perf_counter() - start)
         return times
 
-    cfg = {"backend": "paged", "block_size": args.block_size}
-    sides = {
+    def paged(reuse: bool):
+        config = KvCacheConfig(backend="paged", block_size=args.block_size, enable_block_reuse=reuse)
+        return CachePool(model, backend="paged", num_blocks=blocks_needed, kv_config=config)
+
+    return {
         "dense (mlxkv layouts, no reuse)": lambda: run_engine(CachePool(model, max_sequences=1)),
-        "paged, no prefix reuse": lambda: run_engine(CachePool(
-            model, backend="paged", num_blocks=blocks_needed, kv_config=KvCacheConfig(**cfg, enable_block_reuse=False))),
-        "paged + prefix cache": lambda: run_engine(CachePool(
-            model, backend="paged", num_blocks=blocks_needed, kv_config=KvCacheConfig(**cfg))),
+        "paged, no prefix reuse": lambda: run_engine(paged(False)),
+        "paged + prefix cache": lambda: run_engine(paged(True)),
         "mlx-lm prompt cache (deepcopy)": run_mlx_lm,
     }
-    print(f"BLAS: {blas}; random llama float32 hidden {args.hidden}, {args.layers} layers, "
-          f"{n_params / 1e6:.0f}M params, kv_heads 2; {args.groups} groups x {args.requests} requests, "
-          f"system {args.system} + user {args.user} tokens")
+
+
+def report_ttft(sides: dict, groups: int) -> None:
+    """Run every side once and print its mean TTFT (all, first of a group, later ones), then the ratios."""
     print(f"{'side':34s} {'mean TTFT':>10s} {'first/group':>12s} {'later':>10s}")
     results = {}
     for name, run in sides.items():
         t = run()
-        first = [x for i, x in enumerate(t) if i < args.groups]
-        later = [x for i, x in enumerate(t) if i >= args.groups]
+        first, later = t[:groups], t[groups:]
         results[name] = statistics.mean(t)
         print(f"{name:34s} {statistics.mean(t) * 1e3:8.1f}ms {statistics.mean(first) * 1e3:10.1f}ms "
-              f"{statistics.mean(later) * 1e3:8.1f}ms")
+              f"{statistics.mean(later) * 1e3 if later else float('nan'):8.1f}ms", flush=True)
     base = results["dense (mlxkv layouts, no reuse)"]
     for name, v in results.items():
         print(f"  {name}: mean TTFT x{base / v:.2f} vs dense")
 
-    # ---- capacity in one KV budget -------------------------------------------------------------------
-    from mlxkv.paged import probe_block_bytes
 
-    bytes_per_block = sum(probe_block_bytes(model, args.block_size))
-    bytes_per_token = bytes_per_block // args.block_size
-    budget = args.budget_mib << 20
-    dense_fit = budget // (args.max_context * bytes_per_token)
-    num_blocks = budget // bytes_per_block
+def fit_paged(args, systems, vocab: int, num_blocks: int) -> int:
+    """Sequences of this workload the real block manager admits in ``num_blocks`` blocks, sharing prefixes."""
+    from mlxkv.blocks import KVCacheManager
+
     manager = KVCacheManager(num_blocks, args.block_size)
     fit = 0
     while True:
@@ -140,12 +141,39 @@ def main() -> None:
             break
         fit += 1
     manager.check_invariants()
+    return fit
+
+
+def report_capacity(model, args, systems, vocab: int) -> None:
+    """Sequences per KV budget: dense reservations, paged without sharing, paged sharing the system prompts."""
+    from mlxkv.paged import probe_block_bytes
+
+    bytes_per_block = sum(probe_block_bytes(model, args.block_size))
+    bytes_per_token = bytes_per_block // args.block_size
+    budget = args.budget_mib << 20
+    dense_fit = budget // (args.max_context * bytes_per_token)
+    fit = fit_paged(args, systems, vocab, budget // bytes_per_block)
+    prompt_len = args.system + args.user
     unshared = budget // (-(-(prompt_len + args.gen) // args.block_size) * bytes_per_block)
-    print(f"\nKV budget {args.budget_mib} MiB, {bytes_per_token} B/token, sequences of {prompt_len} + {args.gen} tokens:")
+    print(f"\nKV budget {args.budget_mib} MiB, {bytes_per_token} B/token, sequences of {prompt_len} + {args.gen} "
+          "tokens:")
     print(f"  dense (reserves {args.max_context} rows each): {dense_fit} sequences")
     print(f"  paged, blocks as used, no sharing:        {unshared} sequences")
     print(f"  paged + shared system prompt ({args.groups} groups): {fit} sequences "
           f"(x{fit / max(dense_fit, 1):.1f} vs dense)")
+
+
+def main() -> None:
+    parser, args = parse_args()
+    blas = ensure_openblas()  # first: it may re-exec the script
+    loaded, folder = bench_model(parser, args, hidden=256, layers=4, vocab=8192, heads=8, kv_heads=2)
+    theirs = load_peer_model(folder, loaded.model)
+    print_header(blas, describe(loaded), folder or "the same model object (random weights)")
+    vocab = loaded.config["vocab_size"]
+    systems, requests = workload(args, vocab)
+    print(f"{args.groups} groups x {args.requests} requests, system {args.system} + user {args.user} tokens")
+    report_ttft(ttft_sides(loaded.model, theirs, args, systems, requests), args.groups)
+    report_capacity(loaded.model, args, systems, vocab)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,30 @@
-"""Serving benchmark: ``mlxkv serve`` vs ``mlx_lm.server`` on the same model folder, same shared-prefix workload.
+"""Serving benchmark: ``mlxkv serve`` vs ``mlx_lm.server`` on the same weights, same shared-prefix workload.
 
 Both servers run as subprocesses on 127.0.0.1, started once; at each concurrency level they take turns, round by
 round (``--rounds``, mlxkv first in even rounds, mlx-lm first in odd ones), so only one is busy at a time and a
 slow patch of this shared machine hits both. The workload: chat requests that share a long system prompt and
 differ in the user question, streamed, greedy, ``--max-tokens`` each. In a round at a concurrency level (1, 4, 8
-clients by default) every client sends ``--requests-per-client`` requests back to back, each on its own loopback connection (one httpx client per client thread, built before the clock starts;
-``--client-per-request`` restores the old timing, which counted httpx's ~30 ms TLS-context setup in every
-TTFT). Reported: time to first token (TTFT: request sent -> first content chunk) p50/p95 over all the level's
-requests, aggregate output tok/s (the median round's), and mlxkv/mlx-lm ratios; a PNG plot when matplotlib is
-installed.
+clients by default) every client sends ``--requests-per-client`` requests back to back, each on its own loopback
+connection (one httpx client per client thread, built before the clock starts; ``--client-per-request`` restores
+the old timing, which counted httpx's ~30 ms TLS-context setup in every TTFT). Reported: time to first token
+(TTFT: request sent -> first content chunk) p50/p95 over all the level's requests, aggregate output tok/s (the
+median round's), and mlxkv/mlx-lm ratios; a PNG plot when matplotlib is installed.
+
+The model (``--model``, default: the reference model SmolLM2-135M-Instruct Q4_1): mlxkv serve loads the GGUF
+itself with ``--dequantize`` (float32 on the CPU backend), mlx_lm.server the float32 folder
+``mlxkv.gguf.convert(..., dequantize=True)`` writes (kept under ~/.cache/mlxkv-bench), so both run the same
+weights; ``--keep-quantized`` runs both quantized. The warm-up request, one per server, is checked to get the
+same greedy text from both (a warning says when it does not). ``--model random`` writes a random llama (hidden
+256, 4 layers) with the test tokenizer that both servers load.
 
 Both servers reuse shared prompt prefixes: mlx_lm.server through its prompt cache, mlxkv serve through the
 paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend dense`` has no prefix cache).
 
-    python scripts/bench_serve.py                      # a random llama (hidden 256, 4 layers) + test tokenizer
-    python scripts/bench_serve.py --prefix-repeat 10 --context 8192 --max-tokens 64 --requests-per-client 2
+    python scripts/bench_serve.py                      # the reference model, ~200-token shared system prompt
+    python scripts/bench_serve.py --prefix-repeat 20 --max-tokens 64 --requests-per-client 2
                                                        # a ~4K-token shared system prompt
     ... --workload shared-unique                       # the same, every user question asked once
+    python scripts/bench_serve.py --model random --prefix-repeat 10 --context 8192   # a random llama
     python scripts/bench_serve.py --model path/to/model --max-tokens 64 --json out.json
 """
 
@@ -38,11 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_common import (add_model_args, describe_model, ensure_openblas, gguf_types, model_spec,  # noqa: E402
+                          peer_folder, print_header, resolve_spec, stored_note, versions)
+
 PREFIX = ("You are a patient teacher of the Python language. Answer with short, correct explanations and one "
           "example. The import statement binds names in a module namespace; generators yield values lazily; "
           "context managers release resources when their block ends; classes bundle data and behaviour. ") * 4
 SHARED = [PREFIX]  # the shared system prompt (``--prefix-repeat`` copies of PREFIX)
-MODEL_NAME = ["default"]  # mlx_lm.server loads whatever `model` names: send the folder both servers serve
+MODEL_NAME = ["default"]  # mlx_lm.server loads whatever `model` names: send its own folder (mlxkv ignores it)
 QUESTIONS = ["What is a tuple?", "How does import work?", "What is a generator?", "Explain the with statement.",
              "What is a decorator?", "How do exceptions propagate?", "What is a list comprehension?",
              "What does yield from do?", "How are arguments passed?", "What is a closure?"]
@@ -92,6 +103,7 @@ def free_port() -> int:
 
 def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
                  kv_budget: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
+    """Start server ``name`` ("mlxkv" or "mlx-lm") on ``model`` and wait until it answers /v1/models."""
     if name == "mlxkv":
         cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
@@ -140,11 +152,12 @@ def http_client():
 
 
 def one_request(url: str, question: str, max_tokens: int, system: str | None = None,
-                http=None) -> tuple[float, int]:
+                http=None, text: list[str] | None = None) -> tuple[float, int]:
     """Stream one chat completion; return (seconds to the first content, completion tokens).
 
     The clock starts when the request is sent. ``http``: the thread's client (``None``: build one inside the
     timed region, the old timing: httpx's TLS context setup, ~30 ms of client CPU, then lands in every TTFT).
+    ``text``: the streamed content pieces are appended to it.
     """
     body = {"model": MODEL_NAME[0], "messages": [{"role": "system", "content": system or SHARED[0]},
                                                  {"role": "user", "content": question}],
@@ -162,8 +175,11 @@ def one_request(url: str, question: str, max_tokens: int, system: str | None = N
             if data.get("usage"):
                 usage = data["usage"]["completion_tokens"]
             for choice in data.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
+                content = (choice.get("delta") or {}).get("content")
+                if content:
                     chunks += 1
+                    if text is not None:
+                        text.append(content)
                     if ttft is None:
                         ttft = time.perf_counter() - start
     if own:
@@ -227,20 +243,38 @@ def pooled(clients: int, rounds: list[dict]) -> dict:
             "tok_s_rounds": [r["tok_s"] for r in rounds], "wall_s": sum(r["wall_s"] for r in rounds)}
 
 
-def bench(model: str, levels: list[int], per_client: int, max_tokens: int, workload: str, rounds: int,
+def check_same_text(urls: dict[str, str], max_tokens: int) -> bool:
+    """The warm-up: one greedy request to each server; warn when their texts differ (then the two do not run
+    the same model, tokenizer or chat template, and their figures compare different work)."""
+    texts = {}
+    for name, url in urls.items():
+        pieces: list[str] = []
+        one_request(url, "warm up", max_tokens, text=pieces)
+        texts[name] = "".join(pieces)
+    if len(set(texts.values())) == 1:
+        print(f"warm-up: both servers answer the same greedy text: {texts['mlxkv'][:80]!r}", flush=True)
+        return True
+    print("WARNING: the two servers answer the warm-up request with different greedy texts:", flush=True)
+    for name, text in texts.items():
+        print(f"  {name:6s} {text[:300]!r}", flush=True)
+    return False
+
+
+def bench(models: dict[str, str], levels: list[int], per_client: int, max_tokens: int, workload: str, rounds: int,
           kv_backend: str = "paged", kv_budget: int | None = None, client_per_request: bool = False,
-          extra: list[str] | None = None) -> dict[str, list[dict]]:
-    """Both servers up at once (an idle server takes no CPU); at each level the two alternate round by round
-    (mlxkv first in even rounds, mlx-lm first in odd ones), so a slow patch of the machine hits both."""
+          extra: list[str] | None = None) -> tuple[dict[str, list[dict]], bool]:
+    """Both servers up at once (an idle server takes no CPU), ``models[name]`` each; at each level the two
+    alternate round by round (mlxkv first in even rounds, mlx-lm first in odd ones), so a slow patch of the
+    machine hits both. Returns the figures and whether the warm-up texts agreed."""
     names = ("mlxkv", "mlx-lm")
     procs, urls = {}, {}
     try:
         for name in names:
             port = free_port()
-            procs[name] = start_server(name, model, port, max(levels), kv_backend, kv_budget,
+            procs[name] = start_server(name, models[name], port, max(levels), kv_backend, kv_budget,
                                        extra if name == "mlxkv" else None)
             urls[name] = f"http://127.0.0.1:{port}"
-            one_request(urls[name], "warm up", 4)
+        same = check_same_text(urls, max_tokens)
         results: dict[str, list[dict]] = {name: [] for name in names}
         for clients in levels:
             per_round: dict[str, list[dict]] = {name: [] for name in names}
@@ -255,7 +289,7 @@ def bench(model: str, levels: list[int], per_client: int, max_tokens: int, workl
                       f"{p['ttft_p95'] * 1e3:7.1f} ms  {p['tok_s']:7.1f} tok/s (rounds: "
                       f"{', '.join(f'{t:.0f}' for t in p['tok_s_rounds'])})  ({p['tokens']} tokens, "
                       f"{p['wall_s']:.1f}s)", flush=True)
-        return results
+        return results, same
     finally:
         for proc in procs.values():
             stop_server(proc)
@@ -286,12 +320,11 @@ def plot(results: dict, path: Path, title: str = "") -> bool:
     return True
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model folder both servers load (default: write a random llama)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--context", type=int, default=4096, help="the random llama's context length (positions)")
+    add_model_args(p, random_shape="hidden 256, 4 layers, with the test tokenizer")
+    p.add_argument("--context", type=int, default=None,
+                   help="--model random only: the random llama's context length (positions; default 4096)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -300,11 +333,12 @@ def main() -> None:
     p.add_argument("--workload", choices=["shared", "shared-unique", "cold-shared", "distinct"], default="shared",
                    help="shared: one long system prompt for all requests, the user questions drawn from ten (a "
                         "question comes back across rounds and levels: the whole prompt then hits the cache); "
-                        "shared-unique: the same, every question asked once; cold-shared: one per concurrency level (its "
-                        "first concurrent wave finds it uncached); distinct: each request's prompt differs "
-                        "from its first tokens (no prefix reuse on either side)")
+                        "shared-unique: the same, every question asked once; cold-shared: one per concurrency "
+                        "level (its first concurrent wave finds it uncached); distinct: each request's prompt "
+                        "differs from its first tokens (no prefix reuse on either side)")
     p.add_argument("--prefix-repeat", type=int, default=1,
-                   help="the shared system prompt is this many copies of the default one (~400 tokens each)")
+                   help="the shared system prompt is this many copies of the default one (~200 tokens each "
+                        "with SmolLM2's tokenizer, ~400 with the random llama's test tokenizer)")
     p.add_argument("--kv-backend", choices=["paged", "dense"], default="paged", help="mlxkv serve's KV storage")
     p.add_argument("--kv-cache-budget", type=int, default=None, help="mlxkv serve's paged KV bytes (default: its own)")
     p.add_argument("--client-per-request", action="store_true",
@@ -315,43 +349,81 @@ def main() -> None:
     p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
     p.add_argument("--json", help="also write every figure (and the settings) to this JSON file")
     args = p.parse_args()
-    try:
-        from bench_common import ensure_openblas
+    spec = model_spec(p, args, hidden=256, layers=4)
+    if spec != "random" and args.context is not None:
+        p.error("--context sets the random llama's positions: add --model random")
+    args.context = args.context or 4096
+    return args
 
-        print(f"BLAS: {ensure_openblas()}")  # both server processes inherit it
-    except ImportError:
-        pass
-    tmp = None
-    model = args.model
-    if model is None:
-        tmp = tempfile.TemporaryDirectory()
-        model = str(write_model(Path(tmp.name) / "llama", args.hidden, args.layers, context=args.context))
-        print(f"model: random llama hidden={args.hidden} layers={args.layers} context={args.context} (test tokenizer) "
-              f"in {model}")
-    MODEL_NAME[0] = model
-    SHARED[0] = PREFIX * args.prefix_repeat
-    results = bench(model, args.clients, args.requests_per_client, args.max_tokens, args.workload, args.rounds,
-                    args.kv_backend, args.kv_cache_budget, args.client_per_request, args.mlxkv_arg)
+
+def served_models(args, tmp: Path) -> tuple[dict[str, str], list[str], str]:
+    """``({server: what it loads}, mlxkv serve's extra options, one line on the model)``.
+
+    A GGUF: mlxkv serve loads the file (``--dequantize`` unless ``--keep-quantized``), mlx_lm.server the folder
+    bench_common converts from it. A folder: mlx_lm.server loads it as it is, or a float32 copy when it holds
+    half-precision tensors (mlxkv runs those as float32 on the CPU backend). ``random``: both load the folder
+    written into ``tmp``.
+    """
+    if args.model == "random":
+        folder = write_model(tmp / "llama", args.hidden, args.layers, context=args.context)
+        line = describe_folder(folder, f"random-weight llama (hidden {args.hidden}, {args.layers} layers, "
+                                       f"context {args.context}, test tokenizer)")
+        return {"mlxkv": str(folder), "mlx-lm": str(folder)}, [], line
+    dequantize = not args.keep_quantized
+    path = resolve_spec(args.model)
+    peer = peer_folder(path, dequantize=dequantize)
+    extra = ["--dequantize"] if path.is_file() and dequantize else []
+    source = stored_note(path)
+    if path.is_file():
+        source = f"GGUF {gguf_types(path)}" + (", mlxkv serve --dequantize" if extra else "")
+    name = "mlxkv demo model" if args.model == "demo" else path.name
+    return {"mlxkv": str(path), "mlx-lm": str(peer)}, extra, describe_folder(peer, name, source)
+
+
+def describe_folder(folder: Path, name: str, source: str = "") -> str:
+    """:func:`bench_common.describe_model` of the folder's model, built lazily (no weight is read)."""
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(Path(folder), lazy=True)
+    return describe_model(model, f"{name} ({config.get('model_type', 'unknown')})", source)
+
+
+def report(args, results: dict, models: dict[str, str], same: bool, model_line: str) -> None:
+    """The ratios, the shared prompt's length, the JSON file and the plot."""
     print(f"\nworkload: {args.workload} prefix x{args.prefix_repeat}, {args.max_tokens} tokens per request, "
           f"{args.rounds} alternating rounds; mlxkv {args.kv_backend} KV; ratios mlxkv / mlx-lm (TTFT: lower is "
           "better; tok/s: higher is better)")
     for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
         print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
               f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")
-    shared_tokens = len(model_tokenizer(model).encode(SHARED[0]))
-    title = (f"{args.workload} system prompt of ~{shared_tokens} tokens, {args.max_tokens} tokens per request "
-             f"(random llama hidden {args.hidden}, {args.layers} layers, CPU)" if args.model is None else
-             f"{args.workload} system prompt of ~{shared_tokens} tokens, {args.max_tokens} tokens per request")
+    if not same:
+        print("WARNING: the warm-up texts differed (see above): the servers may not compute the same thing")
+    shared_tokens = len(model_tokenizer(models["mlx-lm"]).encode(SHARED[0]))
+    title = (f"{args.workload} system prompt of ~{shared_tokens} tokens, {args.max_tokens} tokens per request\n"
+             f"{model_line.split(':')[0]}, CPU")
     print(f"shared system prompt: {shared_tokens} tokens")
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "shared_prompt_tokens": shared_tokens,
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "model": model_line, "versions": versions(),
+                                               "served": models, "same_warmup_text": same,
+                                               "shared_prompt_tokens": shared_tokens, "results": results}, indent=1))
     if plot(results, Path(args.plot), title):
         print(f"plot: {args.plot}")
     else:
         print("plot: skipped (matplotlib not installed)")
-    if tmp is not None:
-        tmp.cleanup()
+
+
+def main() -> None:
+    args = parse_args()
+    blas = ensure_openblas()  # both server processes inherit it
+    with tempfile.TemporaryDirectory() as tmp:
+        models, extra, model_line = served_models(args, Path(tmp))
+        print_header(blas, model_line, models["mlx-lm"], " ".join([models["mlxkv"], *extra]))
+        MODEL_NAME[0] = models["mlx-lm"]
+        SHARED[0] = PREFIX * args.prefix_repeat
+        results, same = bench(models, args.clients, args.requests_per_client, args.max_tokens, args.workload,
+                              args.rounds, args.kv_backend, args.kv_cache_budget, args.client_per_request,
+                              extra + args.mlxkv_arg)
+        report(args, results, models, same, model_line)
 
 
 if __name__ == "__main__":
