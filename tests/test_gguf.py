@@ -216,3 +216,35 @@ def test_bad_ggufs_fail_with_one_line(hf_folder, tmp_path):
     for name in ("x.gguf", "y.gguf"):
         (two / name).write_bytes(good)
     _fails_with(str(two), "several GGUF files", "x.gguf, y.gguf")
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does():
+    """A ``llama`` (SentencePiece BPE, byte fallback) vocabulary as llama.cpp's converter writes it (pieces,
+    scores, token types), checked against the sentencepiece library on text it was not trained on."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    import pydoc_data.topics as topics
+
+    from mlxkv.gguf.tokenizer import build_tokenizer
+
+    texts = list(topics.topics.values())
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts[:60]), model_writer=proto, vocab_size=1200, model_type="bpe", byte_fallback=True,
+        split_digits=True, normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    ids = range(sp.get_piece_size())
+    # llama.cpp's token types: 2 unknown, 3 control, 6 byte, 1 normal
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids]
+    tok = build_tokenizer({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in ids],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in ids], "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+    })
+    for text in texts[60:] + ["In 2024, 12345 apples", "  two spaces", "ünïcödé ✓ 日本語 😀", "tabs\tand\nlines "]:
+        expected = sp.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == expected, text[:60]
+        assert tok.decode(expected) == sp.decode(expected)
+    assert tok.encode("hi")[0] == 1  # llama.cpp adds BOS to a SentencePiece vocabulary unless told otherwise
