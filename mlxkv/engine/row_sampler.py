@@ -9,11 +9,10 @@ through ``DirectEngine`` (tested). Unseeded sequences draw from the global gener
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams, mlx_seed, top_k_filter
+from mlxkv.engine.sampling import SamplingParams, mlx_seed
 
 
 class RowSampler:
@@ -27,7 +26,7 @@ class RowSampler:
     def __init__(self, params: SamplingParams, seed: int | None = None):
         self.greedy = params.temp == 0
         self._temp = params.temp
-        self._filters = _filters(params)
+        self._filters = params.filters()
         self._key = mx.random.key(mlx_seed(seed)) if seed is not None and not self.greedy else None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
@@ -40,20 +39,6 @@ class RowSampler:
             return mx.random.categorical(logprobs * (1 / self._temp))  # (1,)
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1 / self._temp), key=sub)  # (1,)
-
-
-def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
-    """mlx-lm's logprob filters, in the order its ``make_sampler`` applies them."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_p
-
-    filters = []
-    if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        filters.append(lambda x: top_k_filter(x, params.top_k))
-    return filters
 
 
 def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:

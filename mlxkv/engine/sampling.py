@@ -1,4 +1,4 @@
-"""Sampling parameters for one request, validated, and the mlx-lm sampler they build."""
+"""Sampling parameters for one request, validated, and the one chain of filters every sampler applies."""
 
 from __future__ import annotations
 
@@ -44,19 +44,33 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         self.stop = tuple(s for s in self.stop if s)
 
-    def make_sampler(self) -> Callable:
-        """mlx-lm's sampler for these settings (greedy when ``temp == 0``); a ``top_k`` of at least the
-        vocabulary keeps every token (see :func:`effective_top_k`)."""
-        from mlx_lm.sample_utils import make_sampler
+    def filters(self) -> list[Callable[[mx.array], mx.array]]:
+        """The log-probability filters these settings turn on, in the order mlx-lm's ``make_sampler`` applies
+        them (top-p, min-p, top-k): the one chain every sampling path uses (direct, batch rows, speculative
+        verification). Each maps ``(.., vocab)`` log-probabilities to the same shape, ``-inf`` where filtered."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_p
 
-        top_p = 0.0 if self.top_p >= 1.0 else self.top_p
-        built: dict[int, Callable] = {}
+        chain: list[Callable[[mx.array], mx.array]] = []
+        if 0 < self.top_p < 1.0:
+            chain.append(lambda lp: apply_top_p(lp, self.top_p))
+        if self.min_p != 0.0:
+            chain.append(lambda lp: apply_min_p(lp, self.min_p, 1))
+        if self.top_k > 0:
+            chain.append(lambda lp: top_k_filter(lp, self.top_k))
+        return chain
 
-        def sample(logprobs):  # (.., vocab) -> (..,)
-            top_k = effective_top_k(self.top_k, logprobs.shape[-1])
-            if top_k not in built:
-                built[top_k] = make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=top_k)
-            return built[top_k](logprobs)
+    def make_sampler(self) -> Callable[[mx.array], mx.array]:
+        """A sampler ``(.., vocab) log-probabilities -> (..,) tokens`` drawing from MLX's global generator:
+        argmax when ``temp == 0``, else :meth:`filters` then a categorical draw at temperature ``temp`` (what
+        mlx-lm's ``make_sampler`` builds)."""
+        if self.temp == 0:
+            return lambda lp: mx.argmax(lp, axis=-1)
+        chain, inverse_temp = self.filters(), 1 / self.temp
+
+        def sample(lp: mx.array) -> mx.array:
+            for apply in chain:
+                lp = apply(lp)
+            return mx.random.categorical(lp * inverse_temp)
 
         return sample
 
@@ -68,15 +82,11 @@ def mlx_seed(seed: int) -> int:
 
 
 def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
-    """mlx-lm's ``apply_top_k`` on ``(.., vocab)`` log-probabilities; unchanged when ``top_k`` keeps every token
-    (see :func:`effective_top_k`)."""
+    """mlx-lm's ``apply_top_k`` on ``(.., vocab)`` log-probabilities; unchanged when ``top_k`` keeps every token.
+
+    mlx-lm's ``apply_top_k`` raises for k >= the vocabulary, inside a function compiled with MLX's random state
+    as input and output, and that error leaves the state unusable: every later random draw in the process fails.
+    """
     from mlx_lm.sample_utils import apply_top_k
 
-    return apply_top_k(logprobs, top_k) if effective_top_k(top_k, logprobs.shape[-1]) else logprobs
-
-
-def effective_top_k(top_k: int, vocab_size: int) -> int:
-    """``top_k`` as the filters take it: 0 (off) when it keeps the whole vocabulary. mlx-lm's ``apply_top_k``
-    raises for k >= the vocabulary, inside a function compiled with MLX's random state as input and output, and
-    that error leaves the state unusable: every later random draw in the process fails."""
-    return top_k if top_k < vocab_size else 0
+    return apply_top_k(logprobs, top_k) if top_k < logprobs.shape[-1] else logprobs

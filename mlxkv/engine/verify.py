@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams, top_k_filter
+from mlxkv.engine.sampling import SamplingParams
 
 
 @dataclass
@@ -44,17 +44,10 @@ def sampling_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     Returns:
         (R, V) normalized log-probabilities (``-inf`` for filtered-out tokens).
     """
-    from mlx_lm.sample_utils import apply_min_p, apply_top_p
-
     assert params.temp > 0, "greedy decoding has no sampling distribution"
     lp = logprobs(logits)  # (R, V)
-    # Same filters, same order and same conditions as mlx-lm's make_sampler (SamplingParams maps top_p 1 -> off).
-    if 0 < params.top_p < 1.0:
-        lp = apply_top_p(lp, params.top_p)
-    if params.min_p != 0.0:
-        lp = apply_min_p(lp, params.min_p, 1)
-    if params.top_k > 0:
-        lp = top_k_filter(lp, params.top_k)
+    for apply in params.filters():
+        lp = apply(lp)
     scaled = lp * (1.0 / params.temp)  # what categorical_sampling feeds mx.random.categorical
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
