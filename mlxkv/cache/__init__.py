@@ -6,6 +6,8 @@ Layouts (each speaks mlx-lm's cache protocol exactly, plus ``attend`` and ``rewi
 - :class:`RotatingKVCache` — sliding window of ``max_size`` tokens with ``keep`` sink tokens.
 - :class:`ChunkedKVCache` — Llama 4 local chunks (global offset, visible chunk start).
 - ``Quantized*`` twins of the three — rows stored as 4/8-bit ``mx.quantize`` planes.
+- :class:`BatchKVCache` / :class:`BatchRotatingKVCache` — mlx-lm's batch caches, which ``KVCache.merge`` /
+  ``RotatingKVCache.merge`` build for mlx-lm's batched generation; their ``extract`` gives mlxkv layouts back.
 
 Storage (:mod:`mlxkv.cache.storage`) owns the buffers; layouts only map positions to slots. The
 attention hook (:mod:`mlxkv.cache.hook`) makes the cache decide attention; :func:`make_caches`
@@ -52,6 +54,7 @@ same slice write.
 """
 
 from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache, RewindError
+from mlxkv.cache.batch import BatchKVCache, BatchRotatingKVCache
 from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.hook import install_attention_hook
 from mlxkv.cache.layout import describe_layout, layer_kind, make_caches
@@ -67,6 +70,8 @@ from mlxkv.cache.storage import DenseStorage
 
 __all__ = [
     "DEFAULT_MAX_REWIND",
+    "BatchKVCache",
+    "BatchRotatingKVCache",
     "ChunkedKVCache",
     "DenseStorage",
     "KVCache",

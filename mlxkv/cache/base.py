@@ -1,7 +1,8 @@
 """What every mlxkv layer cache shares: mlx-lm's cache protocol plus ``attend``.
 
 mlx-lm models talk to a cache through ``offset``, ``update_and_fetch``, ``make_mask``, ``state`` /
-``from_state``, ``is_trimmable`` / ``trim``, ``nbytes``, ``empty`` and ``size``; mlxkv layouts keep that
+``from_state``, ``is_trimmable`` / ``trim``, ``nbytes``, ``empty`` and ``size``; code around them also reads
+and assigns ``keys`` / ``values`` and calls ``to_quantized`` and (batching) ``merge``. mlxkv layouts keep that
 protocol exactly (so every mlx-lm architecture runs on them unchanged) and add ``attend`` (the cache
 decides how attention runs) and ``rewindable`` (how many tokens ``trim`` can remove exactly).
 """
@@ -72,6 +73,45 @@ class LayerCache:
     def arrays(self) -> list[mx.array]:
         """The resident buffers (for ``mx.eval`` between prefill chunks)."""
         return self._store.arrays()
+
+    # -- mlx-lm's buffer attributes ----------------------------------------------------------
+    # Read from storage on every access and never kept on the cache: no view of a buffer may outlive
+    # the step that made it, or the next in-place decode write copies the whole buffer.
+    @property
+    def keys(self) -> Any:
+        """mlx-lm's ``keys``: the whole key buffer ``(B, n_kv, capacity, D)`` (a plane tuple when quantized),
+        ``None`` while empty. Rows are at their slots: row ``p`` holds token ``p`` for the standard layout (so
+        ``cache.keys[..., :cache.offset, :]`` are the cached keys, as in mlx-lm). Assigning replaces the buffer."""
+        return self._store.buffer("k")
+
+    @keys.setter
+    def keys(self, x: Any) -> None:
+        self._store.set_buffer("k", x)
+
+    @property
+    def values(self) -> Any:
+        """mlx-lm's ``values``: the whole value buffer, as :attr:`keys`."""
+        return self._store.buffer("v")
+
+    @values.setter
+    def values(self, x: Any) -> None:
+        self._store.set_buffer("v", x)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> LayerCache:
+        """mlx-lm's ``to_quantized``: the quantized twin of this layout holding the same rows, each quantized.
+
+        Rows stay at their slots, so the offset, window, chunk and rewind bookkeeping carry over unchanged.
+        """
+        from mlxkv.cache.quantized import quantized_class  # quantized.py imports the layouts
+
+        twin = object.__new__(quantized_class(type(self)))
+        twin.__dict__.update(self.__dict__)  # the layout's positions and sizes: the same for the twin
+        twin.bits, twin.group_size = bits, group_size
+        twin._store = twin._make_storage()
+        if not self._store.empty():
+            k, v = self._store.buffer("k"), self._store.buffer("v")  # (B, n_kv, capacity, D) each
+            twin._store.load(twin._store.encode(k), twin._store.encode(v))
+        return twin
 
     # -- attention ---------------------------------------------------------------------------
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,

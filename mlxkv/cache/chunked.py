@@ -81,9 +81,12 @@ class ChunkedKVCache(LayerCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Chunk mask for ``N`` new queries over rows ``[start_position, offset + N)`` (llama4 builds its
-        own; this serves any model that asks the cache)."""
+        own; this serves any model that asks the cache), shaped as mlx-lm's KVCache's: ``None`` (one query,
+        whatever ``return_array`` says) or ``"causal"`` when every query sees all earlier rows, else a
+        boolean ``(N, K)`` array."""
         start = self.start_position
-        if not return_array and window_size is None and self._chunk_start(self.offset + N - 1) == start:
+        same_start = self._chunk_start(self.offset + N - 1) == start
+        if (N == 1 or not return_array) and window_size is None and same_start:
             return None if N == 1 else "causal"
         q = mx.arange(self.offset, self.offset + N)
         k = mx.arange(start, self.offset + N)

@@ -2,8 +2,9 @@
 
 ``save_prompt_cache`` is mlx-lm's own: our layouts carry mlx-lm's class names and state tuples, so the
 files are ordinary mlx-lm prompt caches (mlx-lm's ``load_prompt_cache`` reads the unquantized standard,
-rotating and chunked ones, and quantized standard ones, into its own classes). ``load_prompt_cache``
-here reads the same format into mlxkv layouts (mlx-lm classes for anything else, e.g. recurrent state).
+rotating and chunked ones, quantized standard ones and the batch caches into its own classes).
+``load_prompt_cache`` here reads the same format into mlxkv layouts (mlx-lm classes for anything else,
+e.g. recurrent state); a loaded cache continues exactly as the saved one (same rows, same order).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import save_prompt_cache  # noqa: F401  (re-exported: the format is mlx-lm's)
 
+from mlxkv.cache.batch import BatchKVCache, BatchRotatingKVCache
 from mlxkv.cache.chunked import ChunkedKVCache
 from mlxkv.cache.quantized import QuantizedChunkedKVCache, QuantizedKVCache, QuantizedRotatingKVCache
 from mlxkv.cache.rotating import RotatingKVCache
 from mlxkv.cache.standard import KVCache
 
 _OURS = {cls.__name__: cls for cls in (KVCache, RotatingKVCache, ChunkedKVCache, QuantizedKVCache,
-                                       QuantizedRotatingKVCache, QuantizedChunkedKVCache)}
+                                       QuantizedRotatingKVCache, QuantizedChunkedKVCache, BatchKVCache,
+                                       BatchRotatingKVCache)}
 
 
 def _from_state(class_name: str, state: Any) -> Any:

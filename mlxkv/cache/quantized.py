@@ -12,6 +12,9 @@ the logit range on the tiny random test models, whose sharp attention amplifies 
 
 Classes carry ``bits`` and ``group_size`` (mlx-lm's own attention checks ``hasattr(cache, "bits")``),
 and their state appends ``(group_size, bits)`` to the layout's state, as mlx-lm's QuantizedKVCache does.
+Like mlx-lm's QuantizedKVCache they have no ``to_quantized`` and no ``merge``: mlx-lm tests for those with
+``hasattr`` (generate quantizes every cache that has ``to_quantized`` at every step; the server batches only
+caches that have ``merge``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,21 @@ from mlxkv.cache.standard import KVCache
 from mlxkv.cache.storage import VALID_BITS, VALID_GROUP_SIZES
 
 
+class _Absent:
+    """A class attribute that reads as missing (``hasattr`` is False): hides a method a layout defines."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, objtype=None):
+        raise AttributeError(f"{objtype.__name__} has no {self.name!r} (as mlx-lm's QuantizedKVCache)")
+
+
 class _Quantized:
     """Mixin: quantized storage under a layout (put first in the bases)."""
+
+    to_quantized = _Absent()  # already quantized
+    merge = _Absent()  # mlx-lm's batch caches hold dense rows only
 
     def __init__(self, *args, bits: int = 8, group_size: int = 64, **kwargs):
         if bits not in VALID_BITS:
@@ -53,7 +69,16 @@ class _Quantized:
 
 
 class QuantizedKVCache(_Quantized, KVCache):
-    """Standard layout, quantized rows (mlx-lm ``QuantizedKVCache`` state and save/load compatible)."""
+    """Standard layout, quantized rows (mlx-lm ``QuantizedKVCache`` state and save/load compatible).
+
+    Args (mlx-lm's order):
+        group_size: quantization group along head_dim (32, 64 or 128).
+        bits: 4 or 8.
+        step: growth granularity in rows.
+    """
+
+    def __init__(self, group_size: int = 64, bits: int = 8, step: int = 256):
+        super().__init__(step, bits=bits, group_size=group_size)
 
 
 class QuantizedRotatingKVCache(_Quantized, RotatingKVCache):

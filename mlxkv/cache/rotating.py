@@ -17,10 +17,15 @@ multi-token updates past the window with ``keep > 0`` mlx-lm masks the sinks out
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 
 from mlxkv.cache.base import DEFAULT_MAX_REWIND, LayerCache
 from mlxkv.cache.masks import visible
+
+if TYPE_CHECKING:
+    from mlxkv.cache.batch import BatchRotatingKVCache
 
 
 class RotatingKVCache(LayerCache):
@@ -97,15 +102,18 @@ class RotatingKVCache(LayerCache):
         self.offset += n
         self._floor = max(self._floor, self.offset - self.ring)
 
+    def _ring_runs(self, end: int) -> list[tuple[int, int, int]]:
+        """Slot runs of the sinks and the window of tokens before ``end`` in mlx-lm's ring order (token ``p``
+        in its slot ``keep + (p - origin) % window``): what mlx-lm's buffer holds, in its order."""
+        if end <= self.max_size:  # mlx-lm's ring is not full yet: every token, in order
+            return self._slot_runs(0, end)
+        a = end - 1 - ((end - 1 - self._origin) % self.window)  # the token in mlx-lm's slot `keep`
+        return self._slot_runs(0, self.keep) + self._slot_runs(a, end) + self._slot_runs(end - self.window, a)
+
     def _decode_runs(self, last: int) -> list[tuple[int, int, int]]:
         """Slot runs of the rows a single-token update at ``last`` returns: sinks, then the window in
-        mlx-lm's ring order (token ``p`` in slot ``keep + (p - origin) % window``), so attention sums
-        exactly as mlx-lm's does."""
-        if last < self.max_size:  # mlx-lm's ring is not full yet: every token, in order
-            return self._slot_runs(0, last + 1)
-        a = last - ((last - self._origin) % self.window)  # the token in mlx-lm's slot `keep`
-        return (self._slot_runs(0, self.keep) + self._slot_runs(a, last + 1)
-                + self._slot_runs(last - self.window + 1, a))
+        mlx-lm's ring order, so attention sums exactly as mlx-lm's does."""
+        return self._ring_runs(last + 1)
 
     # -- protocol -----------------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -113,8 +121,9 @@ class RotatingKVCache(LayerCache):
 
         One token (in-place path): the row goes into its ring slot; returned are the sinks and the
         window in mlx-lm's ring order — a view where those rows are one run of slots (always before
-        the window wraps), else a gathered copy of the window (never of the ring). Several tokens (or ``kv_inplace_write`` off): sinks + the last
-        ``window - 1`` tokens + the new rows in temporal order, as mlx-lm returns them.
+        the window wraps), else a gathered copy of the window (never of the ring). Several tokens (or
+        ``kv_inplace_write`` off): sinks + the last ``window - 1`` tokens + the new rows in temporal order,
+        as mlx-lm returns them.
         """
         L = keys.shape[2]
         k, v = self._store.encode(keys), self._store.encode(values)
@@ -152,22 +161,48 @@ class RotatingKVCache(LayerCache):
         return pos, start, n_sink
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return.
+        """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return, shaped as mlx-lm's.
 
-        ``None`` (one query) or ``"causal"`` (several) when every earlier returned row is visible,
-        else a boolean ``(N, K)`` array.
+        Several queries: ``"causal"`` when every earlier returned row is visible (and ``return_array`` is
+        off), else a boolean ``(N, K)`` array. One query (``return_array`` does not apply, as in mlx-lm):
+        ``None`` when it sees every returned row, else a boolean ``(K,)`` array.
         """
         w = self.window if window_size is None else min(window_size, self.window)
         sinks = self.keep if window_size is None else 0
         pos, oldest, n_sink = self._fetch_positions(N)
         if n_sink and not sinks:
             oldest = 0  # sinks are ordinary (windowed) rows when the model passes its own window
-        if not return_array and (self.offset + N - 1) - oldest < w:
+        if (N == 1 or not return_array) and (self.offset + N - 1) - oldest < w:
             return None if N == 1 else "causal"
-        return visible(mx.arange(self.offset, self.offset + N), pos, w, sinks)
+        mask = visible(mx.arange(self.offset, self.offset + N), pos, w, sinks)  # (N, K)
+        return mask[0] if N == 1 else mask
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchRotatingKVCache:
+        """mlx-lm's batching entry point: the caches (one per sequence, same ``max_size``) as one
+        :class:`~mlxkv.cache.batch.BatchRotatingKVCache` (a plain window: like mlx-lm's, it keeps no sinks);
+        its ``extract(i)`` gives sequence ``i`` back as a ``RotatingKVCache``."""
+        from mlxkv.cache.batch import BatchRotatingKVCache  # batch.py imports the layouts
+
+        return BatchRotatingKVCache.merge(caches)
+
+    def _temporal_order(self, v):
+        """mlx-lm's helper (its ``BatchRotatingKVCache.merge`` calls it on ``cache.keys`` / ``cache.values``):
+        the :meth:`size` rows of buffer ``v`` mlx-lm's cache would hand over, in temporal order. Right after a
+        multi-token update mlx-lm's buffer holds every recent token: the last ``max_size`` (sinks included only
+        if among them); else the sinks and the window."""
+        last = self.offset - min(self.offset, self.max_size)
+        if self._origin == self.offset and max(last, self.keep) >= self._floor:
+            runs = self._slot_runs(last, self.offset)
+        else:
+            runs = self._slot_runs(0, min(self.keep, self.offset)) + self._slot_runs(
+                max(self.keep, self._floor, self.offset - self.window), self.offset)
+        return mx.concatenate([v[..., s: s + n, :] for _, s, n in runs], axis=2)  # (B, n_kv, size, D)
 
     def size(self) -> int:
-        return min(self.offset, self.max_size)
+        """Tokens held for attention: ``min(offset, max_size)`` as mlx-lm's (one fewer right after a trim to
+        the rewind limit, whose oldest window row was overwritten)."""
+        return min(self.offset, self.max_size, self.keep + self.offset - self._floor)
 
     def rewindable(self) -> int:
         if self._floor <= self.keep:
@@ -187,21 +222,50 @@ class RotatingKVCache(LayerCache):
             self._origin = self.offset if self.offset - self.keep >= self.window else self.keep
         return n
 
-    # -- state: mlx-lm's (keys, values, offset, keep, max_size, _idx), rows in temporal order --------
+    # -- state: mlx-lm's (keys, values, offset, keep, max_size, _idx) ----------------------------------
+    # The rows are every intact token (sinks first). mlx-lm reads ``_idx`` as its ring's write index; with
+    # ``_idx`` equal to the row count it takes the rows in temporal order (its state after a multi-token
+    # update), and so do we, the ring then restarting at the next token. Once mlx-lm's window is full the
+    # single-token order we return depends on where the ring started (``_origin``), so the state keeps it:
+    # - rows exactly sinks + window: mlx-lm's own ring layout, ``_idx`` its write index;
+    # - more rows (the undo record): temporal order and ``_idx = offset + 1 + (offset - origin)``. mlx-lm
+    #   treats every ``_idx`` at or beyond both the row count and the offset alike (temporal rows; a
+    #   single-token update keeps the last window), so it reads the file as before.
     def _state_runs(self) -> list[tuple[int, int, int]]:
         """Slot runs of every intact token, sinks first, in temporal order."""
         return self._slot_runs(0, min(self.keep, self.offset)) + self._slot_runs(
             max(self.keep, self._floor), self.offset)
 
-    def _arrays_state(self) -> tuple:
+    def _state_layout(self) -> tuple[list[tuple[int, int, int]], int]:
+        """Slot runs of the state's rows, in the state's order, and the state's ``_idx``."""
         runs = self._state_runs()
+        rows = sum(n for _, _, n in runs)
+        if self.offset < self.max_size or self._origin == self.offset:
+            return runs, rows  # no ring order yet, or the one temporal rows stand for
+        if rows == self.max_size:
+            phase = (self.offset - self._origin) % self.window  # tokens written since the ring's slot `keep`
+            return self._ring_runs(self.offset), self.keep + (phase or self.window)
+        return runs, 2 * self.offset + 1 - self._origin
+
+    def _arrays_state(self) -> tuple:
+        runs, _ = self._state_layout()
         if self._store.empty() or not runs:
             return (None, None)
         return self._store.gather([(s, s + n) for _, s, n in runs])
 
     def _scalars(self) -> tuple:
-        rows = sum(n for _, _, n in self._state_runs()) if not self._store.empty() else 0
-        return (self.offset, self.keep, self.max_size, rows)
+        idx = self._state_layout()[1] if not self._store.empty() else 0
+        return (self.offset, self.keep, self.max_size, idx)
+
+    def _state_origin(self, offset: int, rows: int, idx: int) -> int:
+        """``_origin`` from a state's offset, row count and ``_idx`` (ours or mlx-lm's; see above)."""
+        if offset < self.max_size:
+            return self.keep
+        if idx > rows:
+            return 2 * offset + 1 - idx
+        if rows == self.max_size:
+            return offset - (idx - self.keep) % self.window
+        return offset
 
     def _restore(self, arrays: tuple, scalars: tuple) -> None:
         offset, keep, max_size, idx = (int(s) for s in scalars)
@@ -214,7 +278,8 @@ class RotatingKVCache(LayerCache):
             return
         k, v = self._planes(keys), self._planes(values)
         rows = k[0].shape[2]
-        if idx != rows:  # mlx-lm's ring order: put it in temporal order first
+        origin = self._state_origin(offset, rows, idx)
+        if idx < rows:  # mlx-lm's ring order (or a buffer with unused rows): put it in temporal order first
             k, v = (tuple(self._temporal(x, idx, offset) for x in planes) for planes in (k, v))
             rows = k[0].shape[2]
         n_sink = min(self.keep, offset, rows)
@@ -227,7 +292,7 @@ class RotatingKVCache(LayerCache):
         self._write_positions(first, offset, tuple(x[..., n_sink:, :] for x in k),
                               tuple(x[..., n_sink:, :] for x in v), first)
         self._floor = max(self.keep, first)
-        self._origin = offset if offset - self.keep >= self.window else self.keep
+        self._origin = origin
 
     def _temporal(self, x: mx.array, idx: int, offset: int) -> mx.array:
         if idx < offset:  # wrapped: sinks, then slots from the write index on, then the rest

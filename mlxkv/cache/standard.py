@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mlxkv.cache.base import LayerCache
 from mlxkv.cache.masks import standard_mask
+
+if TYPE_CHECKING:
+    from mlxkv.cache.batch import BatchKVCache
 
 
 class KVCache(LayerCache):
@@ -32,6 +37,14 @@ class KVCache(LayerCache):
 
     def size(self) -> int:
         return self.offset
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchKVCache:
+        """mlx-lm's batching entry point: the caches (one per sequence) as one left-padded
+        :class:`~mlxkv.cache.batch.BatchKVCache`; its ``extract(i)`` gives sequence ``i`` back as a ``KVCache``."""
+        from mlxkv.cache.batch import BatchKVCache  # batch.py imports the layouts
+
+        return BatchKVCache.merge(caches)
 
     def rewindable(self) -> int:
         return self.offset

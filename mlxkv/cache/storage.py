@@ -85,13 +85,26 @@ class DenseStorage:
     @property
     def nbytes(self) -> int:
         """Bytes allocated (capacity rows, not only the filled ones)."""
-        if self._k is None:
-            return 0
-        return sum(p.nbytes for p in self._k) + sum(p.nbytes for p in self._v)
+        return sum(p.nbytes for p in self.arrays())
 
     def arrays(self) -> list[mx.array]:
         """The resident buffers (to ``mx.eval`` after a prefill chunk)."""
-        return [] if self._k is None else [*self._k, *self._v]
+        return [*(self._k or ()), *(self._v or ())]
+
+    # ------------------------------------------------------------------ whole buffers (mlx-lm attributes)
+    def buffer(self, which: str) -> Presented | None:
+        """The whole key (``"k"``) or value (``"v"``) buffer as presented, ``(B, n_kv, capacity, width)``; ``None``
+        when empty. The resident array itself, not a copy (a slice of it kept across a write makes MLX copy)."""
+        planes = self._k if which == "k" else self._v
+        return None if planes is None else self.present(planes)
+
+    def set_buffer(self, which: str, x: Presented | None) -> None:
+        """Replace the key or value buffer with ``x`` (an array, or a quantized plane tuple; ``None`` empties it)."""
+        planes = None if x is None else tuple(x) if isinstance(x, (tuple, list)) else (x,)
+        if which == "k":
+            self._k = planes
+        else:
+            self._v = planes
 
     def _grow(self, rows: int, k: Planes, v: Planes) -> None:
         cap = _round_up(rows, self.step)
