@@ -39,8 +39,8 @@ def _folder(path: Path) -> Path:
 
 def _scan(folder: Path) -> tuple[list[dict], int]:
     """Headers of our block files (with ``_size`` and ``_ok``), and the count of unreadable ones."""
-    from mlxkv.tier.disk import read_header_file
-    from mlxkv.tier.format import FILE_SUFFIX, FormatError
+    from mlxkv.kv.tier.disk_store import read_header_file
+    from mlxkv.kv.tier.format import FILE_SUFFIX, FormatError
 
     entries, bad = [], 0
     for path in sorted(folder.iterdir()):
@@ -115,7 +115,7 @@ def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> N
 def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
           yes: bool = typer.Option(True, "--yes/--ask", help="Ask before deleting.")) -> None:
     """Delete the tier's block files (and leftover temp files) in a folder; other files are left alone."""
-    from mlxkv.tier.disk import is_tier_file, is_tier_temp
+    from mlxkv.kv.tier.disk_store import is_tier_file, is_tier_temp
 
     folder = _folder(folder)
     ours = [p for p in sorted(folder.iterdir()) if is_tier_temp(p) or is_tier_file(p)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxkv.blocks.hashing import HASH_ALGOS, xxhash_available
-from mlxkv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
+from mlxkv.kv.blocks.hashing import HASH_ALGOS, xxhash_available
+from mlxkv.kv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
 
 KV_BACKENDS = ("dense", "paged")
 KV_BITS = (None, 4, 8)

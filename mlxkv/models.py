@@ -250,7 +250,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     if dequantize:
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)
-    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.kv.layouts.attention_hook import install_attention_hook
     from mlxkv.mla import apply_mla
 
     apply_mla(model)  # absorbed MLA for the DeepSeek family when MLXKV_MLA_ABSORBED=1 (no-op otherwise)

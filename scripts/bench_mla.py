@@ -122,7 +122,7 @@ def main() -> None:
     blas = ensure_openblas()
 
     from mlxkv.mla import apply_mla
-    from mlxkv.mla.tiny import build_deepseek
+    from testkit.deepseek import build_deepseek
 
     model, config = build_deepseek(args.arch, num_hidden_layers=args.layers, **SHAPE)
     R, dr = config["kv_lora_rank"], config["qk_rope_head_dim"]

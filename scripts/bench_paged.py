@@ -90,7 +90,7 @@ class Bench:
         """One timed greedy decode step per call (the step is evaluated before the clock stops)."""
         import mlx.core as mx
 
-        from mlxkv.engine.batch_view import make_batch_views
+        from mlxkv.kv.batching import make_batch_views
 
         B = len(caches_per_seq)
         state = {"tokens": mx.array([[5]] * B)}  # (B, 1)
@@ -120,7 +120,7 @@ class Bench:
 
     def paged_sequences(self, pool, ctx: int, batch: int) -> list:
         """``batch`` pool sequences holding ``ctx`` random rows each, laid out as the options ask."""
-        from mlxkv.paged import PagedLayerCache
+        from mlxkv.kv.paged import PagedLayerCache
 
         args = self.args
         seqs = [pool.open(prompt=[7] * ctx) for _ in range(batch)]
@@ -143,9 +143,9 @@ class Bench:
 
     def row(self, ctx: int, batch: int) -> tuple[float, float]:
         """``(dense tok/s, paged tok/s)`` at one context and batch."""
-        from mlxkv.cache import make_caches
+        from mlxkv.kv.layouts import make_caches
         from mlxkv.config import KvCacheConfig
-        from mlxkv.pool import CachePool
+        from mlxkv.kv.store import CachePool
 
         dense = [make_caches(self.model) for _ in range(batch)]
         for b, caches in enumerate(dense):

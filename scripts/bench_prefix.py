@@ -61,7 +61,7 @@ def ttft_sides(model, theirs, args, systems, requests) -> dict:
     from mlxkv.config import KvCacheConfig
     from mlxkv.engine.direct import DirectEngine
     from mlxkv.engine.sampling import SamplingParams
-    from mlxkv.pool import CachePool
+    from mlxkv.kv.store import CachePool
 
     one = SamplingParams(max_tokens=1)
     blocks_needed = args.groups * args.requests * -(-(args.system + args.user + 8) // args.block_size) + 8
@@ -120,7 +120,7 @@ def report_ttft(sides: dict, groups: int) -> None:
 
 def fit_paged(args, systems, vocab: int, num_blocks: int) -> int:
     """Sequences of this workload the real block manager admits in ``num_blocks`` blocks, sharing prefixes."""
-    from mlxkv.blocks import KVCacheManager
+    from mlxkv.kv.blocks import KVCacheManager
 
     manager = KVCacheManager(num_blocks, args.block_size)
     fit = 0
@@ -146,7 +146,7 @@ def fit_paged(args, systems, vocab: int, num_blocks: int) -> int:
 
 def report_capacity(model, args, systems, vocab: int) -> None:
     """Sequences per KV budget: dense reservations, paged without sharing, paged sharing the system prompts."""
-    from mlxkv.paged import probe_block_bytes
+    from mlxkv.kv.paged import probe_block_bytes
 
     bytes_per_block = sum(probe_block_bytes(model, args.block_size))
     bytes_per_token = bytes_per_block // args.block_size

@@ -66,8 +66,8 @@ def write_model(out: Path, hidden: int, layers: int, seed: int = 0, context: int
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes, save_config
 
-    from mlxkv.testing.archs import TEST_VOCAB_SIZE, get_config
-    from mlxkv.testing.tokenizer import write_tokenizer
+    from testkit.archs import TEST_VOCAB_SIZE, get_config
+    from testkit.tokenizer import write_tokenizer
 
     config = get_config("llama")
     heads = max(1, hidden // 64)

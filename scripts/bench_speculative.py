@@ -80,7 +80,7 @@ def spread(*models) -> None:
     """Re-draw the models' weights as the test models are drawn (gain 2)."""
     import mlx.core as mx
 
-    from mlxkv.testing.archs import _init_weights
+    from testkit.archs import _init_weights
 
     for seed, m in enumerate(models):
         _init_weights(m, seed)

@@ -51,7 +51,7 @@ def ttft(model, be, tokens) -> tuple[float, int]:
 def measure(model, n: int, block: int, vocab: int) -> dict:
     """Every case's ``(seconds, cached tokens)``, the disk tier's bytes and the restarted backend's tier stats."""
     from mlxkv.config import KvCacheConfig
-    from mlxkv.paged import PagedBackend
+    from mlxkv.kv.paged import PagedBackend
 
     span = min(vocab - 20, 4000)  # token ids 10 .. span + 9
     prompt = [(7 * i + 3) % span + 10 for i in range(n)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxkv.testing.archs import ARCH_NAMES
+    from testkit.archs import ARCH_NAMES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("test_models"), help="output folder (default: ./test_models)")
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     args = parser.parse_args(argv)
 
-    from mlxkv.testing.models import write_test_model
+    from testkit.models import write_test_model
 
     for arch in args.arch or ARCH_NAMES:
         path = write_test_model(arch, args.out / arch, seed=args.seed)
@@ -34,5 +34,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit
     sys.exit(main())

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the tiny test models
 
 WORDS = ("the import statement binds names in a module namespace while generators yield values lazily and "
          "context managers release what they hold when the block ends").split()
@@ -108,7 +109,7 @@ def main() -> int:
     tmp = None
     model = args.model
     if model is None:
-        from mlxkv.testing.models import write_test_model
+        from testkit.models import write_test_model
 
         tmp = tempfile.TemporaryDirectory()
         model = str(write_test_model("llama", Path(tmp.name) / "llama"))

@@ -2,7 +2,7 @@
 
 A Llama-architecture model (mlx-lm's ``llama`` class) trained from scratch with MLX on the English
 prose of ``pydoc_data.topics`` (the Python language reference that ships with every Python install),
-with its own byte-level BPE tokenizer from ``mlxkv.testing.tokenizer``. Whole topics are held out
+with its own byte-level BPE tokenizer from ``testkit.tokenizer``. Whole topics are held out
 for validation. Training stops at ``--steps`` or ``--minutes``, whichever comes first; the learning
 rate follows a cosine over whichever budget is closer to running out. The checkpoint with the best
 validation loss is written in float16 with config.json, tokenizer files, training.json and
@@ -80,7 +80,7 @@ def token_streams(args):
     """(train ids, val ids): each topic is ``<s> text </s>``; every n-th topic (sorted keys) is val."""
     import numpy as np
 
-    from mlxkv.testing.tokenizer import corpus_documents, train_tokenizer
+    from testkit.tokenizer import corpus_documents, train_tokenizer
 
     tok = train_tokenizer(args.vocab)
     train, val = [], []
@@ -229,7 +229,7 @@ def write_folder(args, config: dict, model, record: dict) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config
 
-    from mlxkv.testing.tokenizer import write_tokenizer
+    from testkit.tokenizer import write_tokenizer
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -259,4 +259,5 @@ def write_folder(args, config: dict, model, record: dict) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))  # testkit: the tokenizer trainer
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny random-weight test models written to disk once per test run.
 
-Parametrize over architectures with ``from mlxkv.testing.archs import ARCH_NAMES``.
+Parametrize over architectures with ``from testkit.archs import ARCH_NAMES``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Callable
 
 import pytest
 
-from mlxkv.testing.archs import ARCH_NAMES
+from testkit.archs import ARCH_NAMES
 
 __all__ = ["ARCH_NAMES"]
 
@@ -19,7 +19,7 @@ __all__ = ["ARCH_NAMES"]
 def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
     """Factory ``test_model_dir(arch, seed=0) -> Path``: the folder of that test model, written on
     first use and reused for the rest of the session. Load it with ``mlx_lm.utils.load(str(path))``."""
-    from mlxkv.testing.models import write_test_model
+    from testkit.models import write_test_model
 
     root = tmp_path_factory.mktemp("test_models")
     built: dict[tuple[str, int], Path] = {}
@@ -37,8 +37,8 @@ def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
 def model():
     """The random-weight test llama with mlxkv's attention hook installed (built once per test module; a module
     may define its own ``model`` fixture instead)."""
-    from mlxkv.cache.hook import install_attention_hook
-    from mlxkv.testing.archs import build_model
+    from mlxkv.kv.layouts.attention_hook import install_attention_hook
+    from testkit.archs import build_model
 
     m = build_model("llama")[0]
     install_attention_hook(m)

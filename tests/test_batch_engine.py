@@ -6,14 +6,14 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlxkv.cache.hook import install_attention_hook
+from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import GenerationRequest, PromptTooLongError, QueueFullError
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.models import load
-from mlxkv.pool import CachePool
-from mlxkv.testing.archs import build_model
+from mlxkv.kv.store import CachePool
+from testkit.archs import build_model
 
 # Lengths straddle gemma3's 8-token window and llama4's 16-token chunks; the first is a single token.
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]
@@ -55,7 +55,7 @@ def quantizable_llama():
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes
 
-    from mlxkv.testing.archs import get_config
+    from testkit.archs import get_config
 
     config = get_config("llama")
     config.update(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)

@@ -17,7 +17,7 @@ from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.scheduler import PLACEHOLDER, Job, Scheduler
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 from mlxkv.server.app import _stream
 from mlxkv.server.responses import ResponseBuilder
 from mlxkv.server.runner import set_switch_interval

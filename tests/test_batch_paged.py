@@ -10,7 +10,7 @@ from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import GenerationRequest, PromptTooLongError, RetentionRange, RetentionSpec
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 from mlxkv.server.runner import ServerThread, build
 
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxkv.blocks.hashing import (
+from mlxkv.kv.blocks.hashing import (
     HashContext,
     builtin_block_hash,
     encode_key,
@@ -16,7 +16,7 @@ from mlxkv.blocks.hashing import (
     sha256_block_hash,
     xxhash_available,
 )
-from mlxkv.blocks.retention import RetentionConfig, TokenRangeRetention, merge_retention
+from mlxkv.kv.blocks.retention import RetentionConfig, TokenRangeRetention, merge_retention
 from mlxkv.config import KvCacheConfig, num_blocks_for_budget
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -38,7 +38,7 @@ def test_sha256_chain_depends_on_parent_tokens_and_extra_keys():
 
 
 def test_sha256_is_stable_across_processes():
-    code = ("from mlxkv.blocks.hashing import sha256_block_hash as h;"
+    code = ("from mlxkv.kv.blocks.hashing import sha256_block_hash as h;"
             "print(h(h(None,(5,6),(('s','salt'),)),(7,8),()).hex())")
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -64,7 +64,7 @@ def test_hash_algorithms_and_choices():
 
 
 def test_memoized_hash_returns_the_same_hashes_and_hashes_a_seen_prefix_once():
-    from mlxkv.blocks.hashing import MemoizedHash
+    from mlxkv.kv.blocks.hashing import MemoizedHash
 
     calls = []
     memo = MemoizedHash(lambda p, t, e: calls.append(t) or sha256_block_hash(p, t, e), max_entries=3)
@@ -189,7 +189,7 @@ def test_num_blocks_for_budget_smaller_limit_wins():
 
 
 def test_no_mlx_import_in_block_manager_or_config():
-    code = ("import sys, mlxkv.config, mlxkv.blocks, mlxkv.blocks.manager;"
+    code = ("import sys, mlxkv.config, mlxkv.kv.blocks, mlxkv.kv.blocks.manager;"
             "print(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": ROOT}).stdout.strip()

@@ -3,11 +3,11 @@ hybrid groups, retention and preemption (pure Python)."""
 
 import pytest
 
-from mlxkv.blocks.events import BlockRemoved, BlockStored
-from mlxkv.blocks.manager import KVCacheManager
-from mlxkv.blocks.retention import RetentionConfig
-from mlxkv.blocks.sequence import CopyOp, SeqStatus, slot_mapping
-from mlxkv.blocks.specs import KVCacheGroupSpec
+from mlxkv.kv.blocks.events import BlockRemoved, BlockStored
+from mlxkv.kv.blocks.manager import KVCacheManager
+from mlxkv.kv.blocks.retention import RetentionConfig
+from mlxkv.kv.blocks.seq_state import CopyOp, SeqStatus, slot_mapping
+from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 
 def prefill(m, seq_id):
@@ -428,9 +428,9 @@ def test_copy_target_is_not_cached_before_a_commit_proves_the_copy_ran():
 
 
 def test_partial_reuse_uses_the_shortest_match_over_groups():
-    from mlxkv.blocks.block_pool import BlockPool
-    from mlxkv.blocks.coordinator import KVCacheCoordinator
-    from mlxkv.blocks.hashing import HashContext, extend_block_hashes, sha256_block_hash
+    from mlxkv.kv.blocks.block_pool import BlockPool
+    from mlxkv.kv.blocks.coordinator import KVCacheCoordinator
+    from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes, sha256_block_hash
 
     pool = BlockPool(10, 4)
     specs = [KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=3)]

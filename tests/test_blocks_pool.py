@@ -2,16 +2,16 @@
 
 import pytest
 
-from mlxkv.blocks.block import DEFAULT_PRIORITY, KVCacheBlock
-from mlxkv.blocks.block_pool import BlockPool, NoFreeBlocksError
-from mlxkv.blocks.events import (
+from mlxkv.kv.blocks.block import DEFAULT_PRIORITY, KVCacheBlock
+from mlxkv.kv.blocks.block_pool import BlockPool, NoFreeBlocksError
+from mlxkv.kv.blocks.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBuffer,
 )
-from mlxkv.blocks.eviction import LFUPolicy, make_eviction_policy
-from mlxkv.blocks.free_queue import BucketedFreeQueue, FreeBlockQueue
+from mlxkv.kv.blocks.eviction import LFUPolicy, make_eviction_policy
+from mlxkv.kv.blocks.free_queue import BucketedFreeQueue, FreeBlockQueue
 
 
 class FakeClock:

@@ -22,9 +22,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from mlxkv.blocks.manager import KVCacheManager
-from mlxkv.blocks.sequence import SeqStatus
-from mlxkv.blocks.specs import KVCacheGroupSpec
+from mlxkv.kv.blocks.manager import KVCacheManager
+from mlxkv.kv.blocks.seq_state import SeqStatus
+from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 B = 4
 BASES = ([0] * 8, [1, 2, 1, 2, 1, 2, 1, 2, 1], [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 2])

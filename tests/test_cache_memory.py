@@ -7,8 +7,8 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlxkv.cache import ChunkedKVCache, KVCache, QuantizedRotatingKVCache, RotatingKVCache, install_attention_hook
-from mlxkv.testing.archs import build_model
+from mlxkv.kv.layouts import ChunkedKVCache, KVCache, QuantizedRotatingKVCache, RotatingKVCache, install_attention_hook
+from testkit.archs import build_model
 
 N_KV, D = 2, 16
 ROW = 2 * N_KV * D * 4  # bytes per token: K and V, float32

@@ -3,14 +3,14 @@ prefill and 64 decode steps — past gemma3's 8-token window, across llama4's 16
 
 from functools import cache
 
-import cache_helpers
+import testkit.cache_runs as cache_helpers
 import mlx.core as mx
 import pytest
-from cache_helpers import max_diff
+from testkit.cache_runs import max_diff
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache import describe_layout, install_attention_hook, layer_kind, make_caches
-from mlxkv.testing.archs import ARCH_NAMES, build_model
+from mlxkv.kv.layouts import describe_layout, install_attention_hook, layer_kind, make_caches
+from testkit.archs import ARCH_NAMES, build_model
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]  # 40 tokens: 5 gemma3 windows, 2.5 llama4 chunks
 STEPS = 64

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache import install_attention_hook, make_caches
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.engine.prefill import (
     PAD_TILE,
     PADDED_PREFILL_DEFAULT,
@@ -14,7 +14,7 @@ from mlxkv.engine.prefill import (
     prefill,
     supports_padded_prefill,
 )
-from mlxkv.testing.archs import ARCH_NAMES, build_model
+from testkit.archs import ARCH_NAMES, build_model
 
 PROMPT = mx.array([(i * 37 + 11) % 1000 + 3 for i in range(45)])  # 45: padded to 64 (19 pad tokens)
 

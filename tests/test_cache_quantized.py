@@ -4,14 +4,14 @@ tolerance of dense."""
 
 from functools import cache
 
-import cache_helpers
+import testkit.cache_runs as cache_helpers
 import mlx.core as mx
 import pytest
-from cache_helpers import max_diff
+from testkit.cache_runs import max_diff
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.utils import _get_classes
 
-from mlxkv.cache import (
+from mlxkv.kv.layouts import (
     ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
@@ -19,8 +19,8 @@ from mlxkv.cache import (
     install_attention_hook,
     make_caches,
 )
-from mlxkv.cache.attention import quantized_attend
-from mlxkv.testing.archs import _init_weights, get_config
+from mlxkv.kv.layouts.dense_attention import quantized_attend
+from testkit.archs import _init_weights, get_config
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 GROUP = 32

@@ -6,7 +6,7 @@ from functools import cache
 import mlx.core as mx
 import pytest
 
-from mlxkv.cache import (
+from mlxkv.kv.layouts import (
     ChunkedKVCache,
     KVCache,
     QuantizedChunkedKVCache,
@@ -16,7 +16,7 @@ from mlxkv.cache import (
     install_attention_hook,
     make_caches,
 )
-from mlxkv.testing.archs import build_model
+from testkit.archs import build_model
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache import (
+from mlxkv.kv.layouts import (
     ChunkedKVCache,
     KVCache,
     LayerCache,
@@ -19,7 +19,7 @@ from mlxkv.cache import (
     make_caches,
     save_prompt_cache,
 )
-from mlxkv.testing.archs import build_model
+from testkit.archs import build_model
 
 LAYOUTS = {
     "standard": lambda: KVCache(step=16),

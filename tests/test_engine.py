@@ -8,8 +8,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.models import load
-from mlxkv.pool import CachePool
-from mlxkv.testing.archs import ARCHITECTURES, build_model
+from mlxkv.kv.store import CachePool
+from testkit.archs import ARCHITECTURES, build_model
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # 45 tokens: past gemma3's window, across llama4 chunks
 NEW_TOKENS = 24

@@ -1,7 +1,7 @@
 """GGUF loading: test models written by llama.cpp's own writer load back as the models they came from.
 
 The files are written with llama.cpp's ``gguf`` package (its tensor-name map, its quantizers, its
-converter's q/k permutation: ``tests/gguf_helpers.py``), so these tests check mlxkv's reading against an
+converter's q/k permutation: ``tests/testkit/gguf_files.py``), so these tests check mlxkv's reading against an
 independent writer. The real SmolLM2-135M file is covered in ``test_real_model.py``.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxkv.cli.main import app
-from gguf_helpers import dequantized, write_gguf
+from testkit.gguf_files import dequantized, write_gguf
 
 pytest.importorskip("gguf")
 runner = CliRunner()
@@ -33,8 +33,8 @@ QWEN2 = {
 @pytest.fixture(scope="module")
 def hf_folder(test_model_dir, tmp_path_factory):
     """``hf_folder(arch)``: a Hugging Face folder of the test model (qwen2 built here: it has q/k/v biases)."""
-    from mlxkv.testing.archs import build_from_config
-    from mlxkv.testing.models import write_model
+    from testkit.archs import build_from_config
+    from testkit.models import write_model
 
     qwen2 = None
 

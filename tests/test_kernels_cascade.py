@@ -10,10 +10,10 @@ from mlxkv.kernels import (
     KernelDispatch,
     PrefixGroup,
     cascade_attention,
-    dense_paged_attention,
     find_prefix_groups,
     paged_attention_reference,
 )
+from testkit.kernel_oracle import dense_paged_attention
 from mlxkv.kernels.paged_attention_ref import REFERENCE
 from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
 

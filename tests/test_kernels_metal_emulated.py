@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mlxkv.kernels.cascade import cascade_attention, find_prefix_groups
-from mlxkv.kernels.layout import TOLERANCES, plan_splits
+from mlxkv.kernels.geometry import TOLERANCES, plan_splits
 from mlxkv.kernels.metal import KernelCall, MetalKvWrite, MetalPagedAttention
 from mlxkv.kernels.metal_specs import MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, TYPE_NAMES, ArgInfo, render_kernel
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlxkv.kernels.layout import plan_splits
+from mlxkv.kernels.geometry import plan_splits
 from mlxkv.kernels.metal import MetalKvWrite, MetalPagedAttention
 from mlxkv.kernels.metal_specs import (
     ALL_SPECS,

@@ -7,8 +7,9 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlxkv.kernels import TOLERANCES, dense_paged_attention, paged_attention_reference, plan_splits
-from mlxkv.kernels.layout import visible_page_bound
+from mlxkv.kernels import TOLERANCES, paged_attention_reference, plan_splits
+from testkit.kernel_oracle import dense_paged_attention
+from mlxkv.kernels.geometry import visible_page_bound
 from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

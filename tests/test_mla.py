@@ -7,7 +7,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.mla import MLAAttention, apply_mla, make_mla_caches, prefer_absorbed, set_mla_mode
-from mlxkv.mla.tiny import ARCHS, build_deepseek
+from testkit.deepseek import ARCHS, build_deepseek
 
 TOL = 1e-4  # float32 max abs logit difference
 PROMPT = [5, 9, 100, 200, 300, 17, 18, 19, 20, 21, 400, 500, 600, 700, 800, 900, 33, 34, 35, 36, 77, 88]

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxkv.mla import LatentCache, apply_mla, latent_attention, make_mla_caches, set_mla_mode
-from mlxkv.mla.tiny import ARCHS, build_deepseek
-from mlxkv.pool import CachePool
+from testkit.deepseek import ARCHS, build_deepseek
+from mlxkv.kv.store import CachePool
 
 TOL = 1e-4
 

@@ -6,8 +6,8 @@ import pytest
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.mla import LatentCache, apply_mla
-from mlxkv.pool import CachePool
-from mlxkv.mla.tiny import build_deepseek
+from mlxkv.kv.store import CachePool
+from testkit.deepseek import build_deepseek
 
 PROMPT = [(13 * i + 7) % 900 + 10 for i in range(40)]
 

@@ -20,8 +20,8 @@ from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_attention_mask
 
-import mlxkv.cache as ours
-from mlxkv.cache import (
+import mlxkv.kv.layouts as ours
+from mlxkv.kv.layouts import (
     BatchKVCache,
     BatchRotatingKVCache,
     ChunkedKVCache,
@@ -34,8 +34,8 @@ from mlxkv.cache import (
     install_attention_hook,
     make_caches,
 )
-from mlxkv.cache import load_prompt_cache as our_load
-from mlxkv.testing.archs import build_from_config, get_config
+from mlxkv.kv.layouts import load_prompt_cache as our_load
+from testkit.archs import build_from_config, get_config
 
 D = 32  # head_dim: a valid quantization group size
 SUBSTITUTED = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache", "BatchKVCache",

@@ -4,12 +4,12 @@ architecture, with decode attention running through paged_attention on the page 
 import mlx.core as mx
 import pytest
 
-import mlxkv.paged.layer_cache as layer_cache_module
-from mlxkv.cache import install_attention_hook, make_caches
+import mlxkv.kv.paged.layer_cache as layer_cache_module
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.config import KvCacheConfig
-from mlxkv.paged import PagedLayerCache, PagedPoolExhausted
-from mlxkv.pool import CachePool
-from mlxkv.testing.archs import ARCHITECTURES, build_model
+from mlxkv.kv.paged import PagedLayerCache, PagedPoolExhausted
+from mlxkv.kv.store import CachePool
+from testkit.archs import ARCHITECTURES, build_model
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window 8, across llama4's 16-token chunks
 DECODE_STEPS = 40
@@ -159,7 +159,7 @@ def test_pages_hold_exactly_the_dense_rows(arch, monkeypatch):
     """With gather-then-SDPA (the kernels' oracle) in place of the kernel, paged logits equal dense bit for bit:
     every row landed in its slot and block tables/windows/chunks select exactly the dense rows. (Rotating
     layers are left out: the dense ring returns its window in mlx-lm's ring order, so sums round differently.)"""
-    from mlxkv.kernels import dense_paged_attention
+    from testkit.kernel_oracle import dense_paged_attention
 
     def oracle(q, k, v, bt, cl, *, scale=None, window=None, chunk_size=None, sinks=None, **_):
         return dense_paged_attention(q, k, v, bt, cl, scale=scale, window=window, chunk_size=chunk_size, sinks=sinks)

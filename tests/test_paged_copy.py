@@ -4,8 +4,8 @@ import mlx.core as mx
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.prefill import prefill
-from mlxkv.pool import CachePool
-from mlxkv.testing.archs import build_model
+from mlxkv.kv.store import CachePool
+from testkit.archs import build_model
 
 BASE = [(7 * i + 3) % 900 + 10 for i in range(407)]  # 25 full blocks + a 7-token partial block
 

@@ -5,12 +5,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxkv.cache import install_attention_hook, make_caches
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.pool import CachePool
-from mlxkv.testing.archs import ARCHITECTURES, build_model
+from mlxkv.kv.store import CachePool
+from testkit.archs import ARCHITECTURES, build_model
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]
 OTHER_TAIL = [(11 * i + 5) % 900 + 10 for i in range(13)]

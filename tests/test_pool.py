@@ -3,8 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from mlxkv.pool import CachePool, PoolFullError, SequenceId
-from mlxkv.testing.archs import build_model
+from mlxkv.kv.store import CachePool, PoolFullError, SequenceId
+from testkit.archs import build_model
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_memory_usage_matches_kv_formula(llama, layout):
 def test_window_layers_stop_growing_while_standard_layers_grow(arch):
     """memory_usage_bytes() follows each layout: full layers grow with context, sliding/chunked ones stop
     at their window plus the documented slack (max_rewind rows and one growth step)."""
-    from mlxkv.cache import KVCache
+    from mlxkv.kv.layouts import KVCache
 
     model, _ = build_model(arch)
     pool = CachePool(model)

@@ -7,8 +7,8 @@ from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.pool import CachePool, PoolFullError
-from mlxkv.testing.archs import build_model
+from mlxkv.kv.store import CachePool, PoolFullError
+from testkit.archs import build_model
 
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(200)]
 BLOCK = 16

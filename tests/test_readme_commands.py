@@ -207,8 +207,8 @@ def _mlxkv_bin() -> Path:
 
 def _hub_stand_in(out: Path) -> Path:
     """The test llama with head_dim 64 (four heads of 64 over hidden 64), standing in for hub models."""
-    from mlxkv.testing.archs import build_from_config, get_config
-    from mlxkv.testing.models import write_model
+    from testkit.archs import build_from_config, get_config
+    from testkit.models import write_model
 
     config = {**get_config("llama"), "head_dim": 64}
     return write_model(*build_from_config(config), out)
@@ -218,7 +218,7 @@ def _fill_tier_folder(folder: Path) -> None:
     """Real secondary-tier block files (one chain of two blocks), as ``mlxkv cache ls`` lists them."""
     from test_tier_store import FP, make_block
 
-    from mlxkv.tier import DiskStore
+    from mlxkv.kv.tier import DiskStore
 
     store = DiskStore(folder, FP, 1 << 20)
     for i in range(2):
@@ -331,8 +331,8 @@ def test_kv_bits_on_a_head_dim_no_group_divides_fails_in_one_line_before_generat
 
 def test_kv_bits_group_sizes_are_checked_when_the_pool_is_built():
     """A head_dim some valid group divides: that group works, another is refused naming the ones that fit."""
-    from mlxkv.pool import CachePool, kv_head_dims
-    from mlxkv.testing.archs import build_from_config, get_config
+    from mlxkv.kv.store import CachePool, kv_head_dims
+    from testkit.archs import build_from_config, get_config
 
     wide = build_from_config({**get_config("llama"), "head_dim": 64})[0]
     assert kv_head_dims(wide) == {64}

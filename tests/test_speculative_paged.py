@@ -6,14 +6,14 @@ gives the logits of a cold run."""
 
 import mlx.core as mx
 import pytest
-from speculative_helpers import ScriptedDrafter, build, perturbed
+from testkit.speculative import ScriptedDrafter, build, perturbed
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculative import SpeculativeEngine
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 ARCHS = ["llama", "gemma3_text", "llama4"]
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window, across llama4 chunks

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache import ChunkedKVCache, KVCache, RotatingKVCache
+from mlxkv.kv.layouts import ChunkedKVCache, KVCache, RotatingKVCache
 from mlxkv.engine.drafters import Draft, PromptLookupDrafter
 from mlxkv.engine.rewind import CacheRewinder, RewindError, check_rewindable
 from mlxkv.engine.sampling import SamplingParams

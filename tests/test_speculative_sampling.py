@@ -13,7 +13,7 @@ from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculative import SpeculativeEngine
 from mlxkv.engine.verify import sampling_logprobs, verify_sampled
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # periodic: prompt lookup finds matches

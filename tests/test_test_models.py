@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxkv.testing.archs import ARCH_NAMES, TEST_VOCAB_SIZE, build_model, get_config
-from mlxkv.testing.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
+from testkit.archs import ARCH_NAMES, TEST_VOCAB_SIZE, build_model, get_config
+from testkit.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
 
 PROMPT = "The import statement is executed in two steps: find a module, then bind a name."
 

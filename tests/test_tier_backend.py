@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.config import DEFAULT_SECONDARY_DISK_BYTES, KvCacheConfig
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(42)]  # 10 full usable blocks

@@ -12,7 +12,7 @@ from mlxkv.cli.cache import cache_app
 from test_tier_store import FP, OTHER_FP, h, make_block
 from typer.testing import CliRunner
 
-from mlxkv.tier import DiskStore, HostMemoryStore, SecondaryTier, make_fingerprint
+from mlxkv.kv.tier import DiskStore, HostMemoryStore, SecondaryTier, make_fingerprint
 
 runner = CliRunner(env={"COLUMNS": "200"})
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.blocks.hashing import HashContext, extend_block_hashes
+from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.config import KvCacheConfig
-from mlxkv.paged import PagedBackend
-from mlxkv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
-from mlxkv.tier.paged import TierBridge
+from mlxkv.kv.paged import PagedBackend
+from mlxkv.kv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
+from mlxkv.kv.tier.bridge import TierBridge
 
 B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(22)]  # 5 full usable blocks
@@ -135,14 +135,14 @@ def test_corrupt_disk_block_stops_restore_and_is_recomputed(model, tmp_path, cap
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with caplog.at_level("WARNING", logger="mlxkv.tier"):
+    with caplog.at_level("WARNING", logger="mlxkv.kv.tier"):
         logits, cached = run(be, bridge, PROMPT)
     assert cached == 8 and "checksum" in caplog.text and not path.exists()
     assert_recomputed_close(logits, reference)
 
 
 def test_attach_tier_reads_the_config_threshold(model, tmp_path):
-    from mlxkv.tier.paged import attach_tier
+    from mlxkv.kv.tier.bridge import attach_tier
 
     be = PagedBackend(model, KvCacheConfig(backend="paged", block_size=B, secondary_offload_min_priority=50),
                       num_blocks=12)

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mlxkv.tier.disk as disk_module
-from mlxkv.tier import (
+import mlxkv.kv.tier.disk_store as disk_module
+from mlxkv.kv.tier import (
     DiskStore,
     FormatError,
     HostMemoryStore,
@@ -25,7 +25,7 @@ from mlxkv.tier import (
     encode_block,
     make_fingerprint,
 )
-from mlxkv.tier.format import extra_digest, to_host, to_mx
+from mlxkv.kv.tier.format import extra_digest, to_host, to_mx
 
 FP = make_fingerprint("llama", "sample", "a" * 64)
 OTHER_FP = make_fingerprint("llama", "sample", "b" * 64)
@@ -121,7 +121,7 @@ def test_damaged_file_is_dropped_with_warning_and_never_served(tmp_path, caplog,
     else:
         raw[-60 if damage == "flip_payload" else 30] ^= 0x10
     path.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="mlxkv.tier"):
+    with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         # damage found at read time by the live store, or at scan time by a restarted one
         assert s.get((0, b.block_hash)) is None
     assert "dropping" in caplog.text and not path.exists() and len(s) == 0 and s.num_corrupt == 1
@@ -129,14 +129,14 @@ def test_damaged_file_is_dropped_with_warning_and_never_served(tmp_path, caplog,
     path = _only_file(tmp_path)
     path.write_bytes(path.read_bytes()[:-7])
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mlxkv.tier"):
+    with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         s2 = DiskStore(tmp_path, FP, 1 << 20)
     assert len(s2) == 0 and "truncated" in caplog.text and not path.exists()
 
 
 def test_other_models_files_are_ignored_not_deleted(tmp_path, caplog):
     DiskStore(tmp_path, OTHER_FP, 1 << 20).put(make_block(1))
-    with caplog.at_level(logging.WARNING, logger="mlxkv.tier"):
+    with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         s = DiskStore(tmp_path, FP, 1 << 20)
     assert len(s) == 0 and s.num_foreign == 1 and "another model" in caplog.text
     assert len(list(tmp_path.iterdir())) == 1  # left for its own model
@@ -145,7 +145,7 @@ def test_other_models_files_are_ignored_not_deleted(tmp_path, caplog):
     foreign = _only_file(tmp_path)
     os.rename(foreign, s.path_for((0, h(1))))
     s._lru.add((0, h(1)), 35, foreign.stat().st_size if foreign.exists() else 1)
-    with caplog.at_level(logging.WARNING, logger="mlxkv.tier"):
+    with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         assert s.get((0, h(1))) is None
     assert "another model" in caplog.text
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
 from mlxkv.engine.delivery import batched_wakeups
-from mlxkv.engine.paged_policy import max_paged_tokens
+from mlxkv.kv.admission import max_paged_tokens
 from mlxkv.engine.request import (
     EngineStoppedError,
     Event,
@@ -34,7 +34,7 @@ from mlxkv.engine.request import (
 )
 from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
 from mlxkv.kernels.fast_exp import fast_exp2_ready
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 log = logging.getLogger("mlxkv.engine")
 

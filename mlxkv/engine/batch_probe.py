@@ -15,10 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.engine.batch_view import check_attended, make_batch_views
+from mlxkv.kv.batching import check_attended, make_batch_views
 from mlxkv.engine.forking import fork_caches
 from mlxkv.engine.prefill_batch import prefill_together
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 _PROMPTS = ([3, 17, 9, 41, 5], [11, 7, 23])  # different lengths, small ids valid in any vocabulary
 

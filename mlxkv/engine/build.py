@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 
 @dataclass(slots=True)
@@ -54,7 +54,7 @@ class EngineOptions:
 def paged_blocks_for(model: Any, block_size: int, context_tokens: int) -> int:
     """Pool blocks one sequence of ``context_tokens`` tokens can need: every KV group (full, each window,
     each chunk size) may hold the whole context, plus one spare block per group and the null block."""
-    from mlxkv.cache import layer_kind, make_caches
+    from mlxkv.kv.layouts import layer_kind, make_caches
 
     groups = {layer_kind(c) for c in make_caches(model)}
     return len(groups) * (-(-context_tokens // block_size) + 1) + 1

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.engine.stops import StopStringMatcher
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 
 @dataclass
@@ -112,7 +112,7 @@ class DirectEngine:
                 else:
                     # Build the next step's graph while this token computes, but schedule it only after
                     # reading the token: MLX decides at scheduling time whether the K/V write can reuse the
-                    # buffer, and the running step's attention still holds it (see mlxkv.cache docs).
+                    # buffer, and the running step's attention still holds it (see mlxkv.kv.layouts docs).
                     next_y = step(y) if more else None
                     token = y.item()
                     if next_y is not None:

@@ -20,7 +20,7 @@ from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.verify import logprobs, sampling_logprobs
-from mlxkv.pool import CachePool
+from mlxkv.kv.store import CachePool
 
 
 @dataclass

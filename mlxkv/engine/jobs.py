@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlxkv.engine.request import GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.engine.text_stream import TextStream
-from mlxkv.pool import Sequence
+from mlxkv.kv.store import Sequence
 
 
 class EngineObserver:

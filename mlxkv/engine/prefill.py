@@ -29,9 +29,9 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv import env
-from mlxkv.cache.chunked import ChunkedKVCache
-from mlxkv.cache.rotating import RotatingKVCache
-from mlxkv.cache.standard import KVCache
+from mlxkv.kv.layouts.chunked import ChunkedKVCache
+from mlxkv.kv.layouts.rotating import RotatingKVCache
+from mlxkv.kv.layouts.standard import KVCache
 
 #: Pad the last chunk to a multiple of this many tokens.
 PAD_TILE = 32

@@ -26,14 +26,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.cache.standard import KVCache
-from mlxkv.engine.batch_view import (
+from mlxkv.kv.layouts.standard import KVCache
+from mlxkv.kv.batching.dense_views import (
     BatchUnsupported,
     KVBatchView,
     _pad_rows,
     check_attended,
 )
-from mlxkv.paged.layer_cache import PagedLayerCache
+from mlxkv.kv.paged.layer_cache import PagedLayerCache
 
 
 def _full_attention(cache: Any) -> bool:

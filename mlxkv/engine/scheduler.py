@@ -19,7 +19,7 @@ Runs on the engine thread only (it owns the model and the CachePool). Each :meth
    copied caches; paged: sequences opened on the same prompt, which take its cached blocks) and the choices
    join the running set;
 4. runs one decode forward for every running sequence, whatever their lengths (batch views, see
-   :mod:`mlxkv.engine.batch_view`), feeding each its pending token (the last prompt token first), samples,
+   :mod:`mlxkv.kv.batching.dense_views`), feeding each its pending token (the last prompt token first), samples,
    streams text and releases finished sequences. Paged: each sequence's slot is reserved before the forward
    and every sequence commits after it.
 
@@ -44,16 +44,16 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlxkv.engine.batch_view import BatchUnsupported, check_attended, make_batch_views
+from mlxkv.kv.batching import BatchUnsupported, check_attended, make_batch_views
 from mlxkv.engine.delivery import flush_wakeups
 from mlxkv.engine.forking import fork_caches
 from mlxkv.engine.jobs import PLACEHOLDER, Choice, EngineObserver, Job, Prefill
-from mlxkv.engine.paged_policy import apply_request_policy, blocks_needed
+from mlxkv.kv.admission import apply_request_policy, blocks_needed
 from mlxkv.engine.prefill_batch import cache_arrays, prefill_together
 from mlxkv.engine.request import Event, Usage
 from mlxkv.engine.row_sampler import RowSampler, sample_rows
 from mlxkv.engine.text_stream import TextStream
-from mlxkv.pool import CachePool, Sequence
+from mlxkv.kv.store import CachePool, Sequence
 
 __all__ = ["MAX_BATCHED_CHUNK", "PLACEHOLDER", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
 

@@ -38,7 +38,7 @@ from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.engine.verify import sampling_logprobs, verify_greedy, verify_sampled
-from mlxkv.pool import CachePool, Sequence
+from mlxkv.kv.store import CachePool, Sequence
 
 
 @dataclass

@@ -44,8 +44,7 @@ from .dispatch import (
     reference_on_views,
 )
 from .kv_write_ref import kv_write_reference
-from .layout import TOLERANCES, SplitPlan, plan_splits
-from .oracle import dense_paged_attention
+from .geometry import TOLERANCES, SplitPlan, plan_splits
 from .paged_attention_ref import merge_partials, paged_attention_reference
 
 __all__ = [
@@ -54,7 +53,6 @@ __all__ = [
     "SplitPlan",
     "TOLERANCES",
     "cascade_attention",
-    "dense_paged_attention",
     "find_prefix_groups",
     "kv_write",
     "kv_write_is_reference",

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from mlxkv import env
 
-from .layout import check_paged_inputs, default_scale, plan_splits
+from .geometry import check_paged_inputs, default_scale, plan_splits
 
 
 @dataclass(frozen=True, slots=True)

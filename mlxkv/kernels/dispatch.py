@@ -32,7 +32,7 @@ from mlxkv import env
 from . import metal
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
 from .kv_write_ref import check_kv_write_inputs, kv_write_reference
-from .layout import check_paged_inputs
+from .geometry import check_paged_inputs
 from .paged_attention_ref import REFERENCE, run_paged_attention
 from .selfcheck import check_attention_impl, check_kv_write_impl
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .layout import SplitPlan
+from .geometry import SplitPlan
 from .metal_specs import KV_WRITE, PAGED_ATTENTION, PAGED_MERGE, KernelSpec
 
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from .cascade import PrefixGroup
 from .fast_exp import exp2 as fast_exp2
-from .layout import page_runs
+from .geometry import page_runs
 from .paged_attention_ref import gather_head_major
 
 #: ``log2(e)``: scores times this are base-2 exponents (see :func:`_exp2`).
@@ -161,7 +161,7 @@ def runs_attention(queries: mx.array, k_rows: mx.array, v_rows: mx.array, runs: 
 
     Args:
         queries: ``(1, H, L, D)``.
-        k_rows, v_rows: the pages stored as rows ``(1, KVH, NB * bs, D)`` (:mod:`mlxkv.paged.storage`).
+        k_rows, v_rows: the pages stored as rows ``(1, KVH, NB * bs, D)`` (:mod:`mlxkv.kv.paged.page_arrays`).
         runs: the visible rows in position order as ranges of consecutive rows (at least ``L`` rows in all).
 
     Returns:

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlxkv import env
 
-from .layout import (
+from .geometry import (
     SplitPlan,
     check_paged_inputs,
     default_scale,

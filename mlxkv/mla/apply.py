@@ -6,7 +6,7 @@ from typing import Any
 
 from mlxkv import env
 from mlxkv.mla.attention import MODES, SPLIT_CHUNK, MLAAttention
-from mlxkv.mla.cache import LatentCache
+from mlxkv.kv.layouts.latent_cache import LatentCache
 
 
 def _mla_classes() -> tuple[type, ...]:

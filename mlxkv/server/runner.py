@@ -43,7 +43,7 @@ def build(model: str | None, *, config: EngineConfig | None = None, layout: str 
         ValueError: invalid engine or cache settings.
     """
     from mlxkv.models import load
-    from mlxkv.pool import CachePool
+    from mlxkv.kv.store import CachePool
     from mlxkv.server.app import create_app
 
     config = config or EngineConfig()

@@ -1,0 +1,39 @@
+"""The KV cache, behind one facade: the engine imports this package and nothing below it.
+
+- :class:`CachePool` (store.py): the store of one model's sequences, dense or paged — open (with its
+  prefix hit), extend, fork, preempt, resume, release, and whether more tokens fit;
+- :class:`Sequence` (store.py): one sequence's handle, with its single id, its layer caches for the model
+  and the per-step protocol (``feed`` before a step, ``commit`` after it);
+- ``layouts/``: the layer caches per attention type (standard, rotating, chunked, quantized, latent), in
+  mlx-lm's cache protocol plus ``attend``; ``paged/``: the same layouts over pages of one block pool;
+  ``batching/``: B sequences' caches as one batched cache for a decode forward; ``blocks/``: the block
+  manager (pure Python: no MLX import); ``tier/``: the secondary tier (host memory, disk).
+
+Names are resolved on first use so that importing the pure-Python block manager (``mlxkv.kv.blocks``) does not
+import MLX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CachePool": "mlxkv.kv.store",
+    "PoolFullError": "mlxkv.kv.store",
+    "Sequence": "mlxkv.kv.store",
+    "SequenceId": "mlxkv.kv.store",
+    "BatchUnsupported": "mlxkv.kv.batching",
+    "check_attended": "mlxkv.kv.batching",
+    "make_batch_views": "mlxkv.kv.batching",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlxkv.kv' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_EXPORTS)

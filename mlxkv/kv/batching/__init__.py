@@ -1,0 +1,28 @@
+"""Batch views: B sequences' own layer caches seen as one batched cache for one decode forward.
+
+:mod:`~mlxkv.kv.batching.dense_views` wraps any mlx-lm-protocol cache (each sequence attends over its own
+rows); :mod:`~mlxkv.kv.batching.paged_views` runs one paged-attention call per layer over the B block tables.
+:func:`make_batch_views` picks between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mlxkv.kv.batching.dense_views import BatchUnsupported, check_attended, make_dense_batch_views
+from mlxkv.kv.batching.paged_views import is_paged, make_paged_batch_views
+
+
+def make_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
+    """Per-layer batch views over B sequences' caches (``seq_caches[b][layer]``): paged views when the
+    sequences are paged, dense ones otherwise.
+
+    Raises:
+        BatchUnsupported: the sequences' layers cannot be batched (see the two view modules).
+    """
+    if is_paged(seq_caches):
+        return make_paged_batch_views(seq_caches)
+    return make_dense_batch_views(seq_caches)
+
+
+__all__ = ["BatchUnsupported", "check_attended", "make_batch_views"]

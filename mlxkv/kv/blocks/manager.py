@@ -1,0 +1,367 @@
+"""KVCacheManager: the per-sequence API the engine uses over one pool and one or more KV-cache groups.
+
+Lifecycle of a sequence (positions are token indices):
+
+    res = m.open(prompt, salt=..., retention=...)     # prefix hit: res.num_cached_tokens need no compute
+    a = m.allocate_slots(res.seq_id, n)               # slots for the next n prompt tokens (or token_ids=...)
+    ...model step: apply res.copies / a.copies, then write K/V at a.slot_mapping...
+    m.commit(res.seq_id)                              # verified: full blocks become cached
+    m.trim(seq_id, k)                                 # drop the last k tokens (rejected drafts)
+    m.fork(seq_id, n) / m.preempt(seq_id) / m.resume(seq_id) / m.free(seq_id)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from mlxkv.kv.blocks.block_pool import BlockPool
+from mlxkv.kv.blocks.coordinator import PrefixHit
+from mlxkv.kv.blocks.events import KVEventBuffer
+from mlxkv.kv.blocks.eviction import EvictionPolicy
+from mlxkv.kv.blocks.hashing import (
+    HashContext,
+    HashFn,
+    MemoizedHash,
+    extend_block_hashes,
+    make_hash_fn,
+)
+from mlxkv.kv.blocks.retention import DEFAULT_RETENTION, RetentionConfig
+from mlxkv.kv.blocks.seq_state import (
+    GroupTable,
+    ManagerStats,
+    OpenResult,
+    SeqStatus,
+    SequenceState,
+    SlotAllocation,
+)
+from mlxkv.kv.blocks.specs import KVCacheGroupSpec
+from mlxkv.kv.blocks.block_tables import BlockTables, ceil_div
+
+if TYPE_CHECKING:
+    from mlxkv.config import KvCacheConfig
+
+
+class KVCacheManager:
+    """Block tables, prefix caching and preemption for every sequence of one engine. Not thread-safe.
+
+    Args:
+        num_blocks: pool size including the null block.
+        block_size: token slots per block.
+        groups: attention groups (default: one full-attention group).
+        enable_block_reuse: prefix caching on/off.
+        enable_partial_reuse: reuse the matching prefix of a cached block past the last full hit.
+        copy_on_partial_reuse: copy such a block when another sequence holds it (else skip the reuse).
+        hash_algo: "sha256" | "builtin" | "xxhash" | callable (see hashing.py).
+        eviction_policy: "priority" (default; LRU among equal retention priorities) | "lru" | "lfu".
+        event_capacity: KV events kept in the ring buffer.
+        clock: monotonic seconds for retention expiry.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        groups: Sequence[KVCacheGroupSpec] | None = None,
+        *,
+        enable_block_reuse: bool = True,
+        enable_partial_reuse: bool = True,
+        copy_on_partial_reuse: bool = True,
+        hash_algo: str | HashFn = "sha256",
+        eviction_policy: str | EvictionPolicy = "priority",
+        event_capacity: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.specs = list(groups) if groups else [KVCacheGroupSpec("full")]
+        self.pool = BlockPool(
+            num_blocks, block_size, enable_caching=enable_block_reuse, eviction_policy=eviction_policy,
+            events=KVEventBuffer(event_capacity), clock=clock,
+        )
+        self.hash_fn = make_hash_fn(hash_algo)
+        if hash_algo in ("sha256", "xxhash"):  # slow per block: remember recent prefixes' hashes
+            self.hash_fn = MemoizedHash(self.hash_fn)
+        self.tables = BlockTables(
+            self.pool, self.specs, self.hash_fn, enable_block_reuse=enable_block_reuse,
+            enable_partial_reuse=enable_partial_reuse, copy_on_partial_reuse=copy_on_partial_reuse,
+        )
+        self._seqs: dict[int, SequenceState] = {}
+        self._ids = itertools.count(1)
+        self._arrivals = itertools.count()
+        self._preempted_log: list[int] = []
+        self._prompt_tokens = self._hit_tokens = self._preemptions = 0
+
+    @classmethod
+    def from_config(
+        cls, config: KvCacheConfig, num_blocks: int, groups: Sequence[KVCacheGroupSpec] | None = None, **kw
+    ) -> KVCacheManager:
+        """A manager with the block size, reuse and hashing settings of a KvCacheConfig."""
+        return cls(
+            num_blocks, config.block_size, groups, enable_block_reuse=config.enable_block_reuse,
+            enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
+            hash_algo=config.hash_algo, **kw,
+        )
+
+    @property
+    def events(self) -> KVEventBuffer:
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared); see events.py for readers."""
+        return self.pool.events
+
+    # ---- opening --------------------------------------------------------------------------------------
+    def find_prefix_hit(self, tokens: Sequence[int], salt=None, extra: tuple = (), spans: tuple = ()) -> PrefixHit:
+        """Longest usable cached prefix of a prompt (at most len - 1 tokens); takes nothing."""
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        hashes = extend_block_hashes(self.hash_fn, tokens, len(tokens), self.block_size, ctx, [])
+        return self.tables.find(tokens, hashes, ctx)
+
+    def open(
+        self,
+        tokens: Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        extra: tuple = (),
+        spans: tuple = (),
+        retention: RetentionConfig | None = None,
+        priority: int = 0,
+    ) -> OpenResult:
+        """Register a sequence with its prompt and take its prefix hit.
+
+        Args:
+            tokens: prompt token ids (at least one).
+            salt: cache salt; sequences with different salts never share blocks.
+            extra: extra hash keys for every block (e.g. a LoRA name); spans: ``(start, end, key)`` token
+                ranges with a key for the blocks they overlap (e.g. image hashes).
+            retention: retention priorities for this sequence's blocks.
+            priority: scheduling priority (higher is preempted later).
+        Returns:
+            OpenResult: the engine computes from ``num_cached_tokens`` on, after applying ``copies``.
+        """
+        tokens = list(map(int, tokens))
+        if not tokens:
+            raise ValueError("open() needs at least one prompt token")
+        seq = SequenceState(
+            seq_id=next(self._ids), tokens=tokens, prompt_len=len(tokens),
+            ctx=HashContext(salt, tuple(extra), tuple(spans)), retention=retention or DEFAULT_RETENTION,
+            priority=priority, arrival=next(self._arrivals), tables=[GroupTable() for _ in self.specs],
+        )
+        self._seqs[seq.seq_id] = seq
+        cached, copies = self.tables.attach(seq)
+        self._prompt_tokens += len(tokens)
+        self._hit_tokens += cached
+        return OpenResult(seq.seq_id, cached, copies, self.block_tables(seq.seq_id))
+
+    # ---- growing --------------------------------------------------------------------------------------
+    def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots`` for that many tokens would succeed now without preempting."""
+        seq = self._running(seq_id)
+        self.tables.release_skipped(seq)
+        return self.tables.blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
+
+    def allocate_slots(
+        self,
+        seq_id: int,
+        num_new_tokens: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        *,
+        preempt: bool = False,
+    ) -> SlotAllocation | None:
+        """Slots for the next tokens of a sequence.
+
+        Either ``num_new_tokens`` of its pending prompt tokens (default: all), or new ``token_ids`` (decode
+        input, draft tokens) once every prompt token has a slot. With ``preempt``, running sequences ranking
+        below this one (lower priority, then newer) are preempted until the blocks fit.
+        Returns None when the blocks do not fit; this sequence is then unchanged.
+        """
+        seq = self._running(seq_id)
+        pending = len(seq.tokens) - seq.num_allocated
+        if token_ids is not None:
+            if pending:
+                raise ValueError(f"sequence {seq_id} has {pending} prompt tokens without slots; allocate them first")
+            n = len(token_ids)
+        else:
+            n = pending if num_new_tokens is None else num_new_tokens
+            if not 0 <= n <= pending:
+                raise ValueError(f"num_new_tokens={num_new_tokens}: expected 0..{pending} (pending prompt tokens)")
+        self.tables.release_skipped(seq)
+        preempted: list[int] = []
+        while self.tables.blocks_needed(seq, n) > self.pool.num_free_blocks:
+            victim = self.choose_victim(requester=seq_id) if preempt else None
+            if victim is None:
+                return None
+            self.preempt(victim)
+            self._preempted_log.append(victim)
+            preempted.append(victim)
+        start = seq.num_allocated
+        copies, new_blocks = self.tables.grow(seq, n)
+        if token_ids is not None:
+            seq.tokens.extend(int(t) for t in token_ids)
+        slots = self.slot_mapping(seq_id, start, start + n)
+        return SlotAllocation(seq_id, start, n, slots, new_blocks, copies, preempted)
+
+    def set_token(self, seq_id: int, position: int, token_id: int) -> None:
+        """Name the token at an allocated, not yet committed ``position`` (allocated under a placeholder id while
+        its value was still being computed: an overlapped decode step). Ids are hashed only at commit."""
+        seq = self._running(seq_id)
+        if not seq.num_committed <= position < seq.num_allocated:
+            raise ValueError(f"position {position}: expected an allocated, uncommitted one "
+                             f"({seq.num_committed}..{seq.num_allocated - 1})")
+        seq.tokens[position] = int(token_id)
+
+    def commit(self, seq_id: int, num_tokens: int | None = None) -> None:
+        """Mark the next ``num_tokens`` allocated tokens as written and verified (default: all); full
+        blocks of verified tokens become cached. Call it after the model step; unverified (draft) tokens
+        are never cached."""
+        seq = self._running(seq_id)
+        room = seq.num_allocated - seq.num_committed
+        n = room if num_tokens is None else num_tokens
+        if not 0 <= n <= room:
+            raise ValueError(f"num_tokens={num_tokens}: expected 0..{room}")
+        seq.num_committed += n
+        seq.unconfirmed_copies.clear()  # a model step ran, applying every copy handed out before it
+        self.tables.cache_full_blocks(seq)
+
+    def trim(self, seq_id: int, n: int) -> int:
+        """Drop the last ``n`` tokens with their slots (pending prompt tokens after them too), releasing
+        emptied blocks. Sliding/chunked groups take back released blocks the shorter sequence needs again
+        from the cache; where one was evicted, the trim stops short. Returns the number of tokens removed."""
+        if n < 0:
+            raise ValueError(f"trim n={n}: expected >= 0")
+        seq = self._running(seq_id)
+        target = self.tables.trimmable_to(seq, max(0, seq.num_allocated - n))
+        removed = seq.num_allocated - target
+        self.tables.trim(seq, target)
+        return removed
+
+    def fork(self, seq_id: int, n: int = 1) -> list[int]:
+        """``n`` new sequences sharing every block of ``seq_id`` (ref counts); a shared partial tail is copied
+        on its first write (a CopyOp from ``allocate_slots``). Fork after the model step that wrote the
+        parent's allocated slots. Returns the new ids."""
+        if n < 1:
+            raise ValueError(f"fork n={n}: expected >= 1")
+        parent = self._running(seq_id)
+        out = []
+        for _ in range(n):
+            child = SequenceState(
+                seq_id=next(self._ids), tokens=list(parent.tokens), prompt_len=parent.prompt_len, ctx=parent.ctx,
+                retention=parent.retention, priority=parent.priority, arrival=next(self._arrivals),
+                tables=self.tables.share(parent), block_hashes=list(parent.block_hashes),
+                num_allocated=parent.num_allocated, num_committed=parent.num_committed,
+                unconfirmed_copies=set(parent.unconfirmed_copies),
+            )
+            self._seqs[child.seq_id] = child
+            out.append(child.seq_id)
+        return out
+
+    # ---- releasing and preemption ---------------------------------------------------------------------
+    def free(self, seq_id: int) -> None:
+        """Release a finished sequence's blocks, tail first; verified content stays cached."""
+        seq = self._get(seq_id)
+        if seq.status is SeqStatus.RUNNING:
+            self.tables.release(seq)
+        del self._seqs[seq_id]
+
+    def choose_victim(self, requester: int | None = None) -> int | None:
+        """The running sequence to preempt: lowest priority, then newest. With ``requester``, only one
+        ranking strictly below it (never the requester itself); None when there is none."""
+        def rank(s: SequenceState):
+            return (s.priority, -s.arrival)
+
+        cands = [s for s in self._seqs.values() if s.status is SeqStatus.RUNNING and s.seq_id != requester]
+        if requester is not None:
+            bar = rank(self._get(requester))
+            cands = [s for s in cands if rank(s) < bar]
+        return min(cands, key=rank).seq_id if cands else None
+
+    def preempt(self, seq_id: int) -> None:
+        """Release a running sequence's blocks for recompute later (``resume``); they stay cached.
+        Unverified tokens are dropped."""
+        seq = self._running(seq_id)
+        self.tables.release(seq)
+        del seq.tokens[max(seq.num_committed, seq.prompt_len) :]
+        del seq.block_hashes[len(seq.tokens) // self.block_size :]
+        seq.num_allocated = seq.num_committed = 0
+        seq.status = SeqStatus.PREEMPTED
+        self._preemptions += 1
+
+    def take_preempted(self) -> list[int]:
+        """Sequences preempted by ``allocate_slots(preempt=True)`` since the last call."""
+        out, self._preempted_log = self._preempted_log, []
+        return out
+
+    def resume(self, seq_id: int) -> OpenResult:
+        """Re-attach a preempted sequence to whatever of its tokens is still cached (not counted as hits);
+        the engine recomputes the rest through ``allocate_slots``."""
+        seq = self._get(seq_id)
+        if seq.status is not SeqStatus.PREEMPTED:
+            raise ValueError(f"sequence {seq_id} is {seq.status.value}, not preempted")
+        seq.status = SeqStatus.RUNNING
+        cached, copies = self.tables.attach(seq)
+        return OpenResult(seq_id, cached, copies, self.block_tables(seq_id))
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def _get(self, seq_id: int) -> SequenceState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id}")
+        return seq
+
+    def _running(self, seq_id: int) -> SequenceState:
+        seq = self._get(seq_id)
+        if seq.status is not SeqStatus.RUNNING:
+            raise ValueError(f"sequence {seq_id} is {seq.status.value}; resume() it first")
+        return seq
+
+    def status(self, seq_id: int) -> SeqStatus:
+        return self._get(seq_id).status
+
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Positions with a slot."""
+        return self._get(seq_id).num_allocated
+
+    def num_committed(self, seq_id: int) -> int:
+        """Positions whose K/V is written and verified."""
+        return self._get(seq_id).num_committed
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        """Known tokens: those with slots, then pending prompt tokens."""
+        return list(self._get(seq_id).tokens)
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        """Per group, the block ids of a sequence (0, the null block, where a group released a block)."""
+        return [[b.block_id for b in t.blocks] for t in self._get(seq_id).tables]
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[list[int]]:
+        """Per group, the flat slot of each position in ``[start, end)``."""
+        seq = self._get(seq_id)
+        if not 0 <= start <= end <= seq.num_allocated:
+            raise ValueError(f"positions [{start}, {end}): expected within [0, {seq.num_allocated}]")
+        B = self.block_size  # O(end - start), not O(table length): this runs every decode step
+        return [[t.blocks[p // B].block_id * B + p % B for p in range(start, end)] for t in seq.tables]
+
+    def stats(self) -> ManagerStats:
+        running = sum(s.status is SeqStatus.RUNNING for s in self._seqs.values())
+        return ManagerStats(
+            prompt_tokens=self._prompt_tokens, hit_tokens=self._hit_tokens, preemptions=self._preemptions,
+            running=running, preempted=len(self._seqs) - running, pool=self.pool.stats(),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert pool and table consistency (tests): each ref count equals the tables holding the block."""
+        self.pool.check_invariants()
+        held: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for spec, table in zip(self.specs, seq.tables):
+                assert len(table.blocks) == len(table.refs) == ceil_div(seq.num_allocated, self.block_size)
+                for i in spec.needed_blocks(seq.num_committed, self.block_size):
+                    assert not table.blocks[i].is_null, f"seq {seq.seq_id} lost needed block {i}"
+                for block in table.blocks:
+                    if not block.is_null:
+                        held[block.block_id] = held.get(block.block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == held.get(block.block_id, 0), f"{block}: {held.get(block.block_id, 0)} tables"
+        assert self.pool.num_free_blocks + self.pool.num_used_blocks == self.pool.num_usable_blocks

@@ -1,0 +1,26 @@
+"""Paged K/V storage: mlxkv's layer layouts over pages of one shared block pool.
+
+- :class:`PagedStorage` (page_arrays.py): per-layer page arrays ``[kv_heads, num_blocks, block_size, D]``,
+  allocated at the first write; writes through ``kv_write``.
+- :class:`PagedSequence` (paged_sequence.py): one sequence against the block manager — slots, block tables,
+  copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``.
+- :class:`PagedLayerCache` (layer_cache.py): mlx-lm's cache protocol for full, sliding and chunked layers;
+  decode attention through ``paged_attention`` on the pages, dense SDPA otherwise.
+- :class:`PagedBackend` (backend.py): groups from the model's layouts, manager, storage; what
+  ``CachePool(model, backend="paged", kv_config=...)`` uses.
+
+Batched decode over paged sequences (one ``paged_attention`` call per layer) is in
+:mod:`mlxkv.kv.batching.paged_views`.
+
+Engine protocol: ``CachePool.open(prompt=..., salt=...)`` (prefix hit: prefill from ``seq.num_cached``),
+prompt chunks allocate their slots themselves, ``seq.feed([token])`` before each decode step,
+``seq.commit()`` after every model step, ``CachePool.release`` frees the blocks (they stay cached).
+"""
+
+from mlxkv.kv.paged.layer_cache import PagedLayerCache
+from mlxkv.kv.paged.backend import PagedBackend, probe_block_bytes
+from mlxkv.kv.paged.paged_sequence import PagedPoolExhausted, PagedSequence
+from mlxkv.kv.paged.page_arrays import PagedStorage
+
+__all__ = ["PagedBackend", "PagedLayerCache", "PagedPoolExhausted", "PagedSequence",
+           "PagedStorage", "probe_block_bytes"]

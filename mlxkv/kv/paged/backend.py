@@ -1,0 +1,225 @@
+"""PagedBackend: paged K/V for every sequence of one model — groups, manager, page arrays, sequences.
+
+Layer layouts come from :func:`mlxkv.kv.layouts.make_caches` (the model's own cache structure): standard layers
+form the "full" group, sliding-window layers a "sliding" group per window, Llama-4 chunked layers a
+"chunked" group per chunk size (:class:`~mlxkv.kv.blocks.KVCacheGroupSpec`). Recurrent layers (ArraysCache)
+keep mlx-lm's placeholders, created fresh per sequence.
+
+Prefix caching is off for models with recurrent layers: their state after a prefix is a running summary
+the model keeps outside the KV blocks, so a hit on the attention blocks could not restore it — the sequence
+would have to recompute the prefix anyway to rebuild the recurrent state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.kv.blocks import KVCacheGroupSpec, KVCacheManager
+from mlxkv.kv.layouts import (
+    ChunkedKVCache,
+    KVCache,
+    LayerCache,
+    RotatingKVCache,
+    make_caches,
+)
+from mlxkv.config import KvCacheConfig, num_blocks_for_budget
+from mlxkv.kv.paged.layer_cache import PagedLayerCache
+from mlxkv.kv.paged.paged_sequence import PagedSequence
+from mlxkv.kv.paged.page_arrays import PagedStorage
+
+
+def _group_key(cache: Any) -> tuple | None:
+    """The manager group a dense layout maps to; None for recurrent state."""
+    if isinstance(cache, RotatingKVCache):
+        if cache.keep:
+            raise ValueError("the paged backend supports sliding windows without sink tokens (keep=0); "
+                             f"this layer keeps {cache.keep}: use backend='dense'")
+        return ("sliding", cache.max_size)
+    if isinstance(cache, ChunkedKVCache):
+        return ("chunked", cache.chunk_size)
+    if isinstance(cache, KVCache):
+        return ("full",)
+    if isinstance(cache, LayerCache):
+        raise ValueError(f"the paged backend has no layout for {type(cache).__name__}; use backend='dense'")  # noqa: TRY004
+    if hasattr(cache, "update_and_fetch") and not hasattr(cache, "__getitem__"):
+        raise ValueError(f"the paged backend cannot page {type(cache).__name__} layers; use backend='dense'")
+    return None
+
+
+def _spec(key: tuple, layers: list[int]) -> KVCacheGroupSpec:
+    if key[0] == "sliding":
+        return KVCacheGroupSpec("sliding", window=key[1], layer_ids=tuple(layers))
+    if key[0] == "chunked":
+        return KVCacheGroupSpec("chunked", chunk_size=key[1], layer_ids=tuple(layers))
+    return KVCacheGroupSpec("full", layer_ids=tuple(layers))
+
+
+def probe_block_bytes(model: Any, block_size: int) -> list[int]:
+    """Bytes one block takes in each layer (0 for recurrent layers), from one probe token through dense caches."""
+    caches = make_caches(model)
+    model(mx.array([[1]], dtype=mx.uint32), cache=caches)
+    out = []
+    for c in caches:
+        if isinstance(c, LayerCache):
+            k, v = c.state[:2]  # (1, H, 1, D) each
+            out.append(block_size * (k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize))
+        else:
+            out.append(0)
+    return out
+
+
+def free_memory_bytes() -> int:
+    """Free memory for ``kv_cache_budget='auto'``: Metal's recommended working set less active memory, else
+    the system's available physical memory."""
+    if mx.metal.is_available():
+        info = mx.metal.device_info()
+        return max(0, int(info["max_recommended_working_set_size"]) - mx.get_active_memory())
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PagedBackend:
+    """Paged storage for one model: ``open`` a sequence (prefix hit included), ``release`` it.
+
+    Args:
+        model: the mlx-lm model.
+        config: block size, budget and reuse settings (``backend`` is not read here).
+        num_blocks: pool size overriding the budget (tests, benchmarks).
+        free_bytes: free memory for ``kv_cache_budget='auto'`` (default: measured).
+        model_path: the model's folder (config.json + safetensors), for the secondary tier's model
+            fingerprint; without it the fingerprint samples the weights.
+
+    With any ``secondary_*`` field of ``config`` set, a secondary tier (host memory and/or disk,
+    :func:`mlxkv.kv.tier.bridge.attach_tier`) sits behind the pool: evicted blocks are offloaded to it and
+    ``open`` restores a prompt's blocks from it before taking the prefix hit (``self.tier``; None without).
+
+    Raises:
+        ValueError: a layer layout the paged backend cannot hold (sink tokens, quantized, CacheList).
+    """
+
+    def __init__(self, model: Any, config: KvCacheConfig, *, num_blocks: int | None = None,
+                 free_bytes: int | None = None, model_path: str | None = None):
+        if config.kv_bits is not None:
+            raise ValueError("the paged backend stores K/V unquantized: use kv_bits=None or backend='dense'")
+        if config.max_kv_size is not None:
+            raise ValueError("max_kv_size applies to the dense backend only; the paged backend is bounded by "
+                             "kv_cache_budget / max_tokens")
+        self.model = model
+        self.config = config
+        template = make_caches(model)
+        keys = [_group_key(c) for c in template]
+        order: dict[tuple, list[int]] = {}
+        for layer, key in enumerate(keys):
+            if key is not None:
+                order.setdefault(key, []).append(layer)
+        if not order:
+            raise ValueError("the model has no attention layer to page")
+        self.group_keys = list(order)
+        self.specs = [_spec(k, layers) for k, layers in order.items()]
+        self.layer_group = [None if k is None else self.group_keys.index(k) for k in keys]
+        self.recurrent = any(k is None for k in keys)
+        self.block_size = config.block_size
+        self.layer_block_bytes = probe_block_bytes(model, config.block_size)
+        self.bytes_per_block = sum(self.layer_block_bytes)
+        if num_blocks is None:
+            if config.kv_cache_budget == "auto" and free_bytes is None:
+                free_bytes = free_memory_bytes()
+            num_blocks = num_blocks_for_budget(config, self.bytes_per_block, free_bytes)
+        # one block id = one page in every layer, so a block costs bytes_per_block whichever group holds it
+        # recurrent state cannot be restored from KV blocks: no prefix reuse then (module docstring)
+        self.manager = KVCacheManager(
+            num_blocks, config.block_size, self.specs,
+            enable_block_reuse=config.enable_block_reuse and not self.recurrent,
+            enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
+            hash_algo=config.hash_algo,
+        )
+        self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
+        self.sequences: dict[int, PagedSequence] = {}
+        self.tier = None
+        if config.secondary_enabled:
+            from mlxkv.kv.tier.bridge import attach_tier
+
+            self.tier = attach_tier(self, memory_bytes=config.secondary_memory_bytes,
+                                    disk_dir=config.secondary_disk_dir, disk_bytes=config.secondary_disk_cap,
+                                    model_path=model_path)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.storage.num_blocks
+
+    def open(self, prompt: Sequence[int], salt: str | bytes | None = None) -> tuple[list, PagedSequence]:
+        """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
+
+        Returns:
+            ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
+            the sequence (``seq.num_cached`` prompt tokens need no compute; prefill from there).
+        """
+        if self.tier is not None:
+            self.tier.restore(prompt, salt)  # tier blocks extending the primary hit come back as cached blocks
+        res = self.manager.open(prompt, salt=salt)
+        seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
+                            res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
+        seq.apply_copies(res.copies)
+        self.sequences[seq.seq_id] = seq
+        caches = []
+        for layer, c in enumerate(make_caches(self.model)):
+            g = self.layer_group[layer]
+            caches.append(c if g is None else PagedLayerCache(seq, layer, g, self.specs[g]))
+        return caches, seq
+
+    def fork(self, parent: PagedSequence, parent_caches: list, n: int) -> list[tuple[list, PagedSequence]]:
+        """``n`` children sharing every block of ``parent`` (ref counts, no K/V copied); a shared partial
+        tail block is copied on a child's first write. Recurrent placeholders are deep-copied (their state is
+        per sequence). Call after the step that wrote the parent's slots.
+
+        Returns:
+            One ``(caches, seq)`` per child, positioned where the parent is.
+        """
+        import copy
+
+        offset = next((c.offset for c in parent_caches if isinstance(c, PagedLayerCache)), 0)
+        children = []
+        for child_id in self.manager.fork(parent.seq_id, n):
+            seq = PagedSequence(self.manager, self.storage, parent.group_layers, child_id, parent.num_cached,
+                                self.layer_block_bytes)
+            self.sequences[child_id] = seq
+            caches = []
+            for layer, c in enumerate(parent_caches):
+                if isinstance(c, PagedLayerCache):
+                    child = PagedLayerCache(seq, layer, c.group, c.spec)
+                    child.offset = offset
+                    caches.append(child)
+                else:
+                    caches.append(copy.deepcopy(c))
+            children.append((caches, seq))
+        return children
+
+    def release(self, seq: PagedSequence) -> None:
+        """Free the sequence's blocks tail first (verified blocks stay cached for later hits)."""
+        seq.release()
+        self.sequences.pop(seq.seq_id, None)
+
+    def tier_stats(self) -> dict:
+        """Prefix-hit figures for ``/v1/cache/stats`` and metrics: blocks of prompts seen, hits served by the
+        primary pool vs by the secondary tier, and the tier's own counters under ``secondary`` (None
+        without a tier; the hit figures are then the manager's, in tokens)."""
+        if self.tier is not None:
+            return {"enabled": True, **self.tier.stats()}
+        st = self.manager.stats()
+        return {"enabled": False, "prompt_tokens": st.prompt_tokens, "primary_hit_tokens": st.hit_tokens,
+                "secondary_hit_blocks": 0, "secondary": None}
+
+    def flush_cached(self) -> int:
+        """Evict every cached block no sequence holds (offloading it to the secondary tier, when attached
+        and its priority allows): e.g. before shutting down so a restart finds the blocks on disk. Returns
+        how many blocks were evicted."""
+        pool = self.manager.pool
+        return pool.evict_cached(len(pool.blocks))
+
+    def check_invariants(self) -> None:
+        """Manager invariants plus: every open sequence is registered, nothing else holds blocks."""
+        self.manager.check_invariants()
+        assert sorted(self.manager.sequences()) == sorted(self.sequences), "manager and backend disagree"

@@ -1,0 +1,173 @@
+"""PagedSequence: one sequence's bridge between its layer caches, the block manager and the page arrays.
+
+The manager works per sequence (slots, commits, trims); mlx-lm calls the layer caches one by one. This
+object holds what the layers of one sequence share for a model step: the slot mapping of the positions
+being written (allocated once, by the first layer that writes them), the block tables as int32 arrays,
+and the copy instructions to apply before any write.
+
+Slots for *prompt* tokens are allocated on demand (the manager knows the prompt from ``open``), so plain
+chunked prefill needs no engine help. Decode tokens must be announced with :meth:`feed` before the model
+step (the manager hashes verified blocks by their token ids), and :meth:`commit` marks them verified after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from mlxkv.kv.blocks import CopyOp, KVCacheManager
+from mlxkv.kv.paged.page_arrays import PagedStorage, page_runs
+
+
+class PagedPoolExhausted(RuntimeError):
+    """The block pool has no free block for the next tokens (raise the KV budget or run fewer sequences)."""
+
+
+class PagedSequence:
+    """A sequence registered with the manager.
+
+    Args:
+        manager: the block manager.
+        storage: the page arrays.
+        group_layers: per manager group, the layers whose pages it addresses.
+        seq_id: the manager's id; num_cached: prompt tokens served by the prefix cache.
+        layer_block_bytes: bytes one block takes in each layer (for ``nbytes``).
+    """
+
+    def __init__(self, manager: KVCacheManager, storage: PagedStorage, group_layers: list[list[int]],
+                 seq_id: int, num_cached: int, layer_block_bytes: list[int]):
+        self.manager = manager
+        self.storage = storage
+        self.group_layers = group_layers
+        self.seq_id = seq_id
+        self.num_cached = num_cached
+        self.layer_block_bytes = layer_block_bytes
+        self.released = False
+        # (start, end, per group the slots as ints, per group the same as int32 (T,) arrays once asked for)
+        self._slots: tuple[int, int, list[list[int]], list[mx.array | None]] | None = None
+        self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)
+        self._host_tables: list[list[int]] | None = None  # per group, the same ids as Python ints
+        self._runs: dict[tuple, tuple] = {}  # page_range memo (cleared when the sequence changes)
+
+    # -- manager state ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Positions with a slot (written, or being written by the current step)."""
+        return self.manager.num_tokens(self.seq_id)
+
+    def _changed(self) -> None:
+        self._slots = None
+        self._tables = None
+        self._host_tables = None
+        self._runs = {}
+
+    def apply_copies(self, copies: Sequence[CopyOp]) -> None:
+        """Copy-on-write / partial-reuse instructions from the manager, applied to every layer of the group."""
+        if copies:
+            self.storage.copy_blocks([(layer, op.src_block, op.dst_block, op.num_tokens)
+                                      for op in copies for layer in self.group_layers[op.group_id]])
+
+    def _allocate(self, n: int | None = None, token_ids: Sequence[int] | None = None) -> None:
+        alloc = self.manager.allocate_slots(self.seq_id, n, token_ids)
+        if alloc is None:
+            raise PagedPoolExhausted(
+                f"no free KV blocks for {n if token_ids is None else len(token_ids)} more tokens of sequence "
+                f"{self.seq_id} ({self.manager.pool.num_free_blocks} free); raise kv_cache_budget or open fewer "
+                "sequences")
+        self._changed()
+        self.apply_copies(alloc.copies)
+
+    def feed(self, token_ids: Sequence[int]) -> None:
+        """Announce the tokens the next model step appends (decode input, drafts): allocates their slots."""
+        self._allocate(token_ids=[int(t) for t in token_ids])
+
+    def commit(self, num_tokens: int | None = None) -> None:
+        """After a model step: mark written tokens verified (default: all); full blocks become cached."""
+        self.manager.commit(self.seq_id, num_tokens)
+        self._changed()
+
+    def trim_to(self, target: int) -> int:
+        """Drop positions from ``target`` on (the manager may stop short for windowed groups); returns the
+        new length."""
+        n = self.num_tokens - target
+        if n > 0:
+            self.manager.trim(self.seq_id, n)
+            self._changed()
+        return self.num_tokens
+
+    # -- what the layer caches ask -----------------------------------------------------------------
+    def slots(self, group: int, start: int, end: int) -> mx.array:
+        """Flat slots (int32 ``(end - start,)``) of positions ``[start, end)`` in ``group``; allocates
+        pending prompt positions the first time a layer writes them."""
+        if self._slots is None or self._slots[:2] != (start, end):
+            have = self.num_tokens
+            if end > have:
+                if start != have:
+                    raise RuntimeError(f"paged cache: write at {start} but the sequence has {have} positions")
+                pending = len(self.manager.token_ids(self.seq_id)) - have
+                if end - start > pending:
+                    raise RuntimeError(
+                        "paged cache: no slots for the new tokens; call feed(token_ids) (CachePool: "
+                        "Sequence.feed) before the model step")
+                self._allocate(end - start)
+            mapping = self.manager.slot_mapping(self.seq_id, start, end)
+            self._slots = (start, end, mapping, [None] * len(mapping))
+        arrays = self._slots[3]
+        if arrays[group] is None:
+            arrays[group] = mx.array(self._slots[2][group], dtype=mx.int32)
+        return arrays[group]
+
+    def host_slots(self, group: int, start: int, end: int) -> list[int]:
+        """The slots of :meth:`slots` as Python ints (allocating as it does; do not modify)."""
+        self.slots(group, start, end)
+        return self._slots[2][group]
+
+    def host_table(self, group: int) -> list[int]:
+        """The block table of ``group`` as a list of ids (cached until the sequence changes; do not modify)."""
+        if self._host_tables is None:
+            self._host_tables = self.manager.block_tables(self.seq_id)
+        return self._host_tables[group]
+
+    def page_range(self, group: int, first: int, end: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Table entries ``[first, end)`` of ``group`` and their runs of consecutive ids
+        (:func:`mlxkv.kv.paged.page_arrays.page_runs`); computed once per step for all the group's layers."""
+        key = (group, first, end)
+        if key not in self._runs:
+            ids = self.host_table(group)[first:end]
+            self._runs[key] = (ids, page_runs(ids))
+        return self._runs[key]
+
+    def row_runs(self, group: int, start: int, end: int, limit: int) -> list[tuple[int, int]] | None:
+        """Positions ``[start, end)`` of ``group`` as ranges ``(first row, rows)`` of the stored page rows
+        (:mod:`mlxkv.kv.paged.page_arrays`), consecutive pages merged; None past ``limit`` ranges or over a released
+        (null) page."""
+        bs = self.storage.block_size
+        first_block = start // bs
+        _, runs = self.page_range(group, first_block, -(-end // bs))
+        if len(runs) > limit or any(b == 0 for b, _ in runs):
+            return None
+        out, base = [], first_block * bs  # base: position of the run's first page's first row
+        for b, n in runs:
+            lo, hi = max(start, base), min(end, base + n * bs)
+            out.append((b * bs + lo - base, hi - lo))
+            base += n * bs
+        return out
+
+    def table(self, group: int) -> mx.array:
+        """The block table of ``group`` as int32 ``(n_blocks,)`` (null block 0 where a window released one)."""
+        if self._tables is None:
+            self.host_table(group)
+            self._tables = [mx.array(t, dtype=mx.int32) for t in self._host_tables]
+        return self._tables[group]
+
+    def blocks_held(self, group: int) -> int:
+        """Real (non-null) blocks in this sequence's table of ``group``."""
+        return sum(1 for b in self.manager.block_tables(self.seq_id)[group] if b != 0)
+
+    def release(self) -> None:
+        """Free every block (tail first; verified content stays cached). Idempotent."""
+        if not self.released:
+            self.manager.free(self.seq_id)
+            self.released = True
+            self._changed()

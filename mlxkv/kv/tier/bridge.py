@@ -1,0 +1,197 @@
+"""TierBridge: the secondary tier behind a PagedBackend's block pool — evict → offload, hit → restore.
+
+Two hooks, nothing else in the paged code changes:
+
+- the pool's eviction hook copies an evicted cached full block's K/V (every layer of its group) to the host
+  and offers it to the tier (which keeps it only at ``min_priority`` or above);
+- :meth:`TierBridge.restore`, called before ``PagedBackend.open(prompt)``, extends the prompt's primary
+  prefix hit with blocks found in the tier: each is verified (tokens, extra-keys digest, layout), written
+  into fresh pages and cached in the pool exactly as if it had never left, so the following ``open`` finds
+  it as an ordinary hit.
+
+Restore covers models whose groups are all full attention (windowed groups' anchors are not restored);
+for other models the bridge stays inactive (no offload, no restore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlxkv.kv.blocks import KVCacheBlock
+from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
+from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
+from mlxkv.kv.tier.secondary import SecondaryTier
+
+
+class TierBridge:
+    """Connects a :class:`~mlxkv.kv.paged.PagedBackend` (duck-typed: ``manager``, ``storage``, ``specs``,
+    ``block_size``) to a :class:`SecondaryTier`. Counts primary and secondary hit blocks apart."""
+
+    def __init__(self, backend, tier: SecondaryTier):
+        self.backend = backend
+        self.tier = tier
+        self.manager = backend.manager
+        self.pool = backend.manager.pool
+        self.storage = backend.storage
+        self.B = backend.block_size
+        self.active = self.pool.enable_caching and all(s.is_full for s in backend.specs)
+        self.primary_hit_blocks = 0
+        self.secondary_hit_blocks = 0
+        self.prompt_blocks = 0
+        if self.active:
+            self.pool.add_evict_hook(self._on_evict)
+
+    def _layers(self, group: int) -> tuple[int, ...]:
+        return tuple(self.backend.specs[group].layer_ids)
+
+    # ---- evict → offload ---------------------------------------------------------------------------
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        h = block.block_hash
+        if not isinstance(h, bytes):
+            return  # partial block, or a process-local hash ("builtin"): not addressable across evictions
+        layers = self._layers(block.group_id)
+        if not all(self.storage.allocated(layer) for layer in layers):
+            return
+        priority = block.effective_priority(self.pool.clock())
+        if priority < self.tier.min_priority:
+            self.tier.counters.offered += 1
+            self.tier.counters.dropped_low_priority += 1
+            return  # dropped without copying its K/V off the pages
+        parent = self.pool.resolve(block.parent)
+        arrays, dtypes = [], []
+        for layer in layers:
+            for pages in self.storage.pages(layer):  # (kv_heads, NB, B, D) each
+                a, d = to_host(mx.contiguous(pages[:, block.block_id].transpose(1, 0, 2)))  # (B, kv_heads, D), token-major
+                arrays.append(a)
+                dtypes.append(d)
+        self.tier.offload(TierBlock(
+            block_hash=h, parent_hash=None if parent is None else parent.block_hash, group_id=block.group_id,
+            layers=layers, token_ids=tuple(block.token_ids), extra_digest=extra_digest(block.extra_keys),
+            priority=priority, arrays=arrays, dtypes=dtypes,
+        ))
+
+    # ---- hit → restore -----------------------------------------------------------------------------
+    def _valid(self, tb: TierBlock, group: int, tokens: tuple, extra: tuple) -> bool:
+        if tb.token_ids != tokens or tb.extra_digest != extra_digest(extra) or tb.layers != self._layers(group):
+            return False
+        for j, layer in enumerate(tb.layers):
+            for a, d, rows in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.k_rows),
+                               (tb.arrays[2 * j + 1], tb.dtypes[2 * j + 1], self.storage.v_rows)):
+                p = rows[layer]  # (1, kv_heads, NB * B, D) or None
+                if a.shape[0] != self.B or (p is not None and ((p.shape[1], p.shape[3]) != a.shape[1:]
+                                                              or str(p.dtype).split(".")[-1] != d)):
+                    return False
+        return True
+
+    def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+                spans: tuple = ()) -> int:
+        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit.
+        Call before ``open`` with the same arguments. Returns the number of blocks restored."""
+        tokens = [int(t) for t in tokens]
+        usable = max(0, len(tokens) - 1) // self.B  # the last prompt token is always recomputed
+        self.prompt_blocks += usable
+        hit = self.manager.find_prefix_hit(tokens, salt, extra, spans)
+        first = hit.num_full_blocks
+        self.primary_hit_blocks += first
+        if not self.active or first >= usable:
+            return 0
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * self.B, self.B, ctx, [])
+        groups = range(len(self.backend.specs))
+        held = [b for chain in hit.blocks for b in chain if not b.is_null]
+        self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
+        prev = [hit.blocks[g][first - 1] if first else None for g in groups]
+        restored: list[KVCacheBlock] = []
+        writes: list[tuple[int, TierBlock]] = []
+        try:
+            for i in range(first, usable):
+                if not all(self.tier.contains((g, hashes[i])) for g in groups):
+                    break
+                if self.pool.num_free_blocks < len(groups):
+                    break
+                btoks = tuple(tokens[i * self.B:(i + 1) * self.B])
+                bextra = ctx.block_extra_keys(i, self.B)
+                taken = [self.tier.take((g, hashes[i])) for g in groups]
+                if not all(tb is not None and self._valid(tb, g, btoks, bextra) for g, tb in zip(groups, taken)):
+                    for tb in taken:
+                        if tb is not None:
+                            self.tier.put_back(tb)
+                    break
+                for g, tb in zip(groups, taken):
+                    block = self.pool.get_new_blocks(1)[0]
+                    restored.append(block)
+                    writes.append((block.block_id, tb))
+                    self.pool.cache_full_block(
+                        block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
+                        parent_ref=None if prev[g] is None else prev[g].ref, token_ids=btoks, extra_keys=bextra)
+                    self.pool.set_retention(block, tb.priority, None, merge=False)
+                    prev[g] = block
+                self.secondary_hit_blocks += 1
+            self._write(writes)  # before any model step reads these pages
+        except BaseException:
+            for block in restored:  # their pages may not hold the content: never let them be hit
+                self.pool.uncache(block)
+            raise
+        finally:
+            self.pool.free_blocks(list(reversed(restored)))  # tail first: the chain's end is evicted first
+            self.pool.free_blocks(list(reversed(held)))
+        return len(restored) // len(groups)
+
+    def _write(self, writes: list[tuple[int, TierBlock]]) -> None:
+        """Write restored blocks into their pages: one write per layer for all of them."""
+        by_layer: dict[int, tuple[list[int], list, list, tuple[str, str]]] = {}
+        for block_id, tb in writes:
+            for j, layer in enumerate(tb.layers):
+                ids, ks, vs, _ = by_layer.setdefault(layer, ([], [], [], (tb.dtypes[2 * j], tb.dtypes[2 * j + 1])))
+                ids.append(block_id)
+                ks.append(tb.arrays[2 * j])  # (B, kv_heads, D_k), host; dtypes checked equal by _valid
+                vs.append(tb.arrays[2 * j + 1])
+        for layer, (ids, ks, vs, (dk, dv)) in by_layer.items():
+            slots = (mx.array(ids, dtype=mx.int32)[:, None] * self.B + mx.arange(self.B, dtype=mx.int32)).reshape(-1)
+            k = to_mx(np.concatenate(ks), dk)  # (n*B, kv_heads, D_k)
+            v = to_mx(np.concatenate(vs), dv)  # (n*B, kv_heads, D_v)
+            self.storage.write(layer, slots, k, v)
+        if by_layer:
+            mx.eval(self.storage.arrays())
+
+    def stats(self) -> dict:
+        """Primary and secondary hits apart, plus the tier's own stats."""
+        p = self.prompt_blocks
+        return {
+            "prompt_blocks": p, "primary_hit_blocks": self.primary_hit_blocks,
+            "secondary_hit_blocks": self.secondary_hit_blocks,
+            "primary_hit_rate": self.primary_hit_blocks / p if p else 0.0,
+            "secondary_hit_rate": self.secondary_hit_blocks / p if p else 0.0,
+            "secondary": self.tier.stats(),
+        }
+
+
+def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0,
+                model_path: str | None = None) -> TierBridge | None:
+    """A TierBridge for ``backend`` with a host-memory store (``memory_bytes`` > 0) and/or a disk store
+    (``disk_dir`` with ``disk_bytes`` > 0); None when neither is asked for. The offload threshold is the
+    backend config's ``secondary_offload_min_priority``; the model fingerprint comes from ``model_path``
+    (config.json + safetensors metadata) or, without one, from a sample of the weights.
+
+    Raises:
+        ValueError: a disk tier with ``hash_algo='builtin'`` (its hashes differ between processes).
+    """
+    from mlxkv.kv.tier.disk_store import DiskStore
+    from mlxkv.kv.tier.fingerprint import fingerprint_model
+    from mlxkv.kv.tier.host_store import HostMemoryStore
+
+    use_disk = disk_dir is not None and disk_bytes > 0
+    if memory_bytes <= 0 and not use_disk:
+        return None
+    if use_disk and backend.config.hash_algo == "builtin":
+        raise ValueError("a disk tier needs process-stable block hashes: use hash_algo='sha256' or 'xxhash'")
+    memory = HostMemoryStore(memory_bytes) if memory_bytes > 0 else None
+    disk = None
+    if use_disk:
+        disk = DiskStore(disk_dir, fingerprint_model(backend.model, model_path), disk_bytes,
+                         block_size=backend.block_size)
+    tier = SecondaryTier(backend.config.secondary_offload_min_priority, memory=memory, disk=disk)
+    return TierBridge(backend, tier)

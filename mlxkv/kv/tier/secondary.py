@@ -1,0 +1,115 @@
+"""SecondaryTier: where blocks evicted from the primary pool go, and where prefix lookups look next.
+
+Offload: a block whose retention priority is below ``min_priority`` is dropped; otherwise it goes to host
+memory when there is a memory store (whose own evictions cascade to disk), else straight to disk.
+Lookup: memory first (a memory hit *moves* the block back to the primary pool), then disk (the file stays:
+it survives restarts and costs no host memory). Every outcome is counted for stats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxkv.kv.tier.disk_store import DiskStore
+from mlxkv.kv.tier.format import TierBlock
+from mlxkv.kv.tier.host_store import HostMemoryStore, Key, block_key
+
+
+@dataclass(slots=True)
+class TierCounters:
+    offered: int = 0  # blocks evicted from the primary pool and handed to the tier
+    dropped_low_priority: int = 0  # below min_priority: not kept
+    dropped_no_room: int = 0  # larger than a cap, or would push out more valuable blocks
+    stored_memory: int = 0
+    stored_disk: int = 0
+    lookups: int = 0
+    hits_memory: int = 0
+    hits_disk: int = 0
+
+
+class SecondaryTier:
+    """Host-memory and/or disk store behind the primary block pool.
+
+    Args:
+        min_priority: blocks below this retention priority are dropped on eviction (KvCacheConfig's
+            ``secondary_offload_min_priority``).
+        memory: host-memory store or None; disk: disk store or None (at least one).
+    """
+
+    def __init__(self, min_priority: int = 35, memory: HostMemoryStore | None = None,
+                 disk: DiskStore | None = None):
+        if memory is None and disk is None:
+            raise ValueError("a secondary tier needs a host-memory store, a disk store, or both")
+        if not 0 <= min_priority <= 100:
+            raise ValueError(f"min_priority={min_priority}: expected 0..100")
+        self.min_priority = min_priority
+        self.memory = memory
+        self.disk = disk
+        self.counters = TierCounters()
+
+    def offload(self, block: TierBlock) -> bool:
+        """Keep an evicted block if its priority allows and it fits; returns whether it was kept."""
+        c = self.counters
+        c.offered += 1
+        if block.priority < self.min_priority:
+            c.dropped_low_priority += 1
+            return False
+        if self.memory is not None:
+            stored, evicted = self.memory.put(block)
+            if self.disk is not None:
+                for old in evicted:
+                    c.stored_disk += self.disk.put(old)
+            if stored:
+                c.stored_memory += 1
+                return True
+        if self.disk is not None and self.disk.put(block):
+            c.stored_disk += 1
+            return True
+        c.dropped_no_room += 1
+        return False
+
+    def contains(self, key: Key) -> bool:
+        return (self.memory is not None and key in self.memory) or (self.disk is not None and key in self.disk)
+
+    def take(self, key: Key) -> TierBlock | None:
+        """The block for ``key`` to restore into the primary pool (verified), or None. Counts the lookup."""
+        self.counters.lookups += 1
+        if self.memory is not None and key in self.memory:
+            self.counters.hits_memory += 1
+            return self.memory.pop(key)
+        if self.disk is not None:
+            block = self.disk.get(key)
+            if block is not None:
+                self.counters.hits_disk += 1
+                return block
+        return None
+
+    def put_back(self, block: TierBlock) -> None:
+        """Return a taken block that could not be restored (keeps the tier's content unchanged)."""
+        if self.memory is not None and block_key(block) not in self.memory:
+            self.memory.put(block)
+
+    def clear(self) -> None:
+        if self.memory is not None:
+            self.memory.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def stats(self) -> dict:
+        """Counters and per-store sizes (JSON-able; served under ``secondary`` by /v1/cache/stats)."""
+        c = self.counters
+        hits = c.hits_memory + c.hits_disk
+        out: dict = {
+            "min_priority": self.min_priority, "offered": c.offered, "dropped_low_priority": c.dropped_low_priority,
+            "dropped_no_room": c.dropped_no_room, "stored_memory": c.stored_memory, "stored_disk": c.stored_disk,
+            "lookups": c.lookups, "hits_memory": c.hits_memory, "hits_disk": c.hits_disk,
+            "hit_rate": hits / c.lookups if c.lookups else 0.0,
+        }
+        for name, store in (("memory", self.memory), ("disk", self.disk)):
+            if store is not None:
+                out[name] = {"blocks": len(store), "bytes": store.nbytes, "capacity_bytes": store.capacity_bytes,
+                             "blocks_by_priority": {str(p): n for p, n in store.by_priority().items()}}
+        if self.disk is not None:
+            out["disk"]["corrupt_dropped"] = self.disk.num_corrupt
+            out["disk"]["folder"] = str(self.disk.folder)
+        return out
