@@ -12,11 +12,12 @@ import pytest
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
-from mlxkv.engine.delivery import LoopDelivery, batched_wakeups, delivery_for
+from mlxkv.engine.output import LoopDelivery, batched_wakeups, delivery_for
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.engine.scheduler import PLACEHOLDER, Job, Scheduler
+from mlxkv.engine.scheduler import Job, Scheduler
+from mlxkv.kv.paged.paged_sequence import PLACEHOLDER
 from mlxkv.kv.store import CachePool
 from mlxkv.server.app import _stream
 from mlxkv.server.responses import ResponseBuilder

@@ -6,7 +6,7 @@ import pytest
 from mlxkv.kv.blocks.events import BlockRemoved, BlockStored
 from mlxkv.kv.blocks.manager import KVCacheManager
 from mlxkv.kv.blocks.retention import RetentionConfig
-from mlxkv.kv.blocks.seq_state import CopyOp, SeqStatus, slot_mapping
+from mlxkv.kv.blocks.seq_state import CopyOp, slot_mapping
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 
@@ -320,19 +320,17 @@ def test_preemption_picks_lowest_priority_newest_and_keeps_blocks_cached():
         prefill(m, s.seq_id)  # 2 blocks each → 2 free
     assert m.choose_victim() == lo_new.seq_id
     assert m.choose_victim(requester=lo_new.seq_id) is None  # nobody ranks below it
+    assert m.choose_victim(requester=hi.seq_id) == lo_new.seq_id
     assert m.allocate_slots(lo_new.seq_id, token_ids=list(range(12))) is None  # needs 3 blocks
-    alloc = m.allocate_slots(hi.seq_id, token_ids=list(range(300, 312)), preempt=True)
-    assert alloc is not None and alloc.preempted == [lo_new.seq_id]
-    assert m.take_preempted() == [lo_new.seq_id] and m.take_preempted() == []
-    assert m.status(lo_new.seq_id) is SeqStatus.PREEMPTED
-    with pytest.raises(ValueError, match="resume"):
-        m.allocate_slots(lo_new.seq_id, 1)
+    assert not m.can_allocate(hi.seq_id, 12)
+    tokens = m.token_ids(lo_new.seq_id)
+    m.free(lo_new.seq_id)  # preempted: its verified blocks stay cached
+    alloc = m.allocate_slots(hi.seq_id, token_ids=list(range(300, 312)))
+    assert alloc is not None
     m.free(hi.seq_id)
-    res = m.resume(lo_new.seq_id)
+    res = m.open(tokens)  # resumed over its tokens: a prefix hit
     # its blocks stayed cached, and the one allocation that needed an eviction took its tail (block 6)
     assert res.num_cached_tokens == 4 and res.block_tables == [[5]]
-    st = m.stats()
-    assert st.preemptions == 1 and st.hit_tokens == 0 and st.prompt_tokens == 24  # resume is not a hit
     m.check_invariants()
 
 

@@ -23,7 +23,6 @@ from hypothesis.stateful import (
 )
 
 from mlxkv.kv.blocks.manager import KVCacheManager
-from mlxkv.kv.blocks.seq_state import SeqStatus
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 B = 4
@@ -37,7 +36,11 @@ class _Seq:
     def __init__(self, tokens, salt, allocated):
         self.tokens, self.salt, self.prompt_len = list(tokens), salt, len(tokens)
         self.allocated = self.committed = allocated
-        self.status = SeqStatus.RUNNING
+
+
+def alloc_count(s, n, new):
+    """Tokens an allocate_slots call asked for (None: every pending prompt token)."""
+    return len(new) if new is not None else (len(s.tokens) - s.allocated if n is None else n)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -65,15 +68,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 g[c.dst_block * B + k] = g.get(c.src_block * B + k)
 
     def running(self):
-        return [i for i, s in self.model.items() if s.status is SeqStatus.RUNNING]
-
-    def preempted(self):
-        return [i for i, s in self.model.items() if s.status is SeqStatus.PREEMPTED]
+        return list(self.model)
 
     def attached(self, sid, res):
         s = self.model[sid]
         s.allocated = s.committed = res.num_cached_tokens
-        s.status = SeqStatus.RUNNING
         self.apply_copies(res.copies)
 
     # ---- rules ---------------------------------------------------------------------------------------------
@@ -81,7 +80,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def seed(self, base, salt):
         """Start with one prefilled sequence so prefix hits are common."""
         sid = self.open(base, [], salt)
-        self.prefill(sid, False)
+        self.prefill(sid)
         return sid
 
     @precondition(lambda self: len(self.model) < 6)
@@ -95,21 +94,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.attached(res.seq_id, res)
         return res.seq_id
 
-    def _allocate(self, sid, n=None, new=None, preempt=False):
+    def _allocate(self, sid, n=None, new=None):
         """allocate_slots and "run the model": write each new slot's value. Returns the count allocated."""
         s = self.model[sid]
         if new is None:
-            alloc = self.m.allocate_slots(sid, n, preempt=preempt)
+            alloc = self.m.allocate_slots(sid, n)
         else:
-            alloc = self.m.allocate_slots(sid, token_ids=new, preempt=preempt)
-        for victim in self.m.take_preempted():
-            v = self.model[victim]
-            assert victim != sid and v.status is SeqStatus.RUNNING
-            del v.tokens[max(v.committed, v.prompt_len):]
-            v.allocated = v.committed = 0
-            v.status = SeqStatus.PREEMPTED
+            alloc = self.m.allocate_slots(sid, token_ids=new)
         if alloc is None:
-            assert not preempt or self.m.choose_victim(requester=sid) is None
+            assert not self.m.can_allocate(sid, alloc_count(s, n, new))
             return 0
         assert alloc.start == s.allocated
         if new is not None:
@@ -125,34 +118,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.m.commit(sid, k)
         self.model[sid].committed += k
 
-    @rule(sid=seqs, preempt=st.booleans())
-    def prefill(self, sid, preempt):
+    @rule(sid=seqs)
+    def prefill(self, sid):
         """Allocate, write and commit every pending prompt token."""
         if sid in self.running():
             s = self.model[sid]
-            if len(s.tokens) > s.allocated and self._allocate(sid, None, preempt=preempt):
+            if len(s.tokens) > s.allocated and self._allocate(sid, None):
                 self._commit(sid, s.allocated - s.committed)
 
-    @rule(sid=seqs, new=st.lists(token, min_size=1, max_size=5), accept=st.integers(0, 5), preempt=st.booleans())
-    def decode(self, sid, new, accept, preempt):
+    @rule(sid=seqs, new=st.lists(token, min_size=1, max_size=5), accept=st.integers(0, 5))
+    def decode(self, sid, new, accept):
         """Speculative round: feed tokens, accept some, trim the rest."""
         if sid in self.running():
             s = self.model[sid]
-            if len(s.tokens) == s.allocated and self._allocate(sid, new=new, preempt=preempt):
+            if len(s.tokens) == s.allocated and self._allocate(sid, new=new):
                 accept = min(accept, len(new))
                 self._commit(sid, s.allocated - s.committed - (len(new) - accept))
                 self.trim(sid, len(new) - accept)
 
-    @rule(sid=seqs, data=st.data(), preempt=st.booleans())
-    def allocate(self, sid, data, preempt):
+    @rule(sid=seqs, data=st.data())
+    def allocate(self, sid, data):
         """Fine-grained: a slice of the prompt, or new tokens, without committing."""
         if sid in self.running():
             s = self.model[sid]
             pending = len(s.tokens) - s.allocated
             if pending:
-                self._allocate(sid, data.draw(st.integers(1, pending)), preempt=preempt)
+                self._allocate(sid, data.draw(st.integers(1, pending)))
             else:
-                self._allocate(sid, new=data.draw(st.lists(token, min_size=1, max_size=5)), preempt=preempt)
+                self._allocate(sid, new=data.draw(st.lists(token, min_size=1, max_size=5)))
 
     @rule(sid=seqs, data=st.data())
     def commit(self, sid, data):
@@ -200,20 +193,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
             salt = None if salt else "s1"
         return self.open(tokens[:cut] or [0], suffix, salt)
 
-    @rule(sid=seqs)
-    def preempt(self, sid):
-        if sid in self.running():
-            self.m.preempt(sid)
-            s = self.model[sid]
-            del s.tokens[max(s.committed, s.prompt_len):]
-            s.allocated = s.committed = 0
-            s.status = SeqStatus.PREEMPTED
-
-    @rule(sid=seqs)
-    def resume(self, sid):
-        if sid in self.preempted():
-            self.attached(sid, self.m.resume(sid))
-
     @rule(n=st.integers(1, 6))
     def evict(self, n):
         self.m.pool.evict_cached(n)
@@ -229,9 +208,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_its_own_kv(self):
         for sid, s in self.model.items():
-            assert self.m.status(sid) is s.status
-            if s.status is not SeqStatus.RUNNING:
-                continue
             assert self.m.token_ids(sid) == s.tokens
             assert self.m.num_tokens(sid) == s.allocated and self.m.num_committed(sid) == s.committed
             for g, table in enumerate(self.m.block_tables(sid)):

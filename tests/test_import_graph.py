@@ -92,3 +92,18 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_engine_reaches_the_kv_cache_only_through_its_facade():
+    """Engine modules import ``mlxkv.kv`` (the store and the sequence handle), never a module below it."""
+    below = sorted((m, n) for m, imported in import_graph().items() if m.startswith("mlxkv.engine")
+                   for n in imported if n.startswith("mlxkv.kv."))
+    assert below == []
+
+
+def test_the_server_and_the_cli_do_not_reach_into_the_kv_cache():
+    """HTTP and the command line talk to engines; only ``mlxkv cache`` reads the disk tier's files."""
+    graph = import_graph()
+    reach = sorted((m, n) for m, imported in graph.items() if m.startswith(("mlxkv.server", "mlxkv.cli"))
+                   for n in imported if n.startswith("mlxkv.kv") and m != "mlxkv.cli.cache")
+    assert reach == []

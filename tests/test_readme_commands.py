@@ -331,7 +331,8 @@ def test_kv_bits_on_a_head_dim_no_group_divides_fails_in_one_line_before_generat
 
 def test_kv_bits_group_sizes_are_checked_when_the_pool_is_built():
     """A head_dim some valid group divides: that group works, another is refused naming the ones that fit."""
-    from mlxkv.kv.store import CachePool, kv_head_dims
+    from mlxkv.kv.layouts import kv_head_dims
+    from mlxkv.kv.store import CachePool
     from testkit.archs import build_from_config, get_config
 
     wide = build_from_config({**get_config("llama"), "head_dim": 64})[0]

@@ -1,4 +1,4 @@
-from mlxkv.engine.stops import StopStringMatcher
+from mlxkv.engine.output import StopStringMatcher
 
 
 def feed_all(stops, segments):

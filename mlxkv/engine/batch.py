@@ -4,7 +4,7 @@ Callers (HTTP handlers) never touch MLX: :meth:`BatchEngine.submit` validates an
 a :class:`~mlxkv.engine.request.RequestHandle` at once; the engine thread runs
 :class:`~mlxkv.engine.scheduler.Scheduler` steps while there is work and blocks on its inbox otherwise, so a
 submission wakes an idle engine at once (no polling); while busy it takes new commands between steps. Each
-step's events reach each event loop with a single wake-up (:mod:`mlxkv.engine.delivery`).
+step's events reach each event loop with a single wake-up (:mod:`mlxkv.engine.output`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
-from mlxkv.engine.delivery import batched_wakeups
-from mlxkv.kv.admission import max_paged_tokens
+from mlxkv.engine.output import batched_wakeups
 from mlxkv.engine.request import (
     EngineStoppedError,
     Event,
@@ -34,7 +33,7 @@ from mlxkv.engine.request import (
 )
 from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
 from mlxkv.kernels.fast_exp import fast_exp2_ready
-from mlxkv.kv.store import CachePool
+from mlxkv.kv import CachePool
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -115,9 +114,7 @@ class BatchEngine:
         self._snapshot: dict = {}
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        manager = self.pool.paged.manager if self.pool.paged is not None else None
-        self._manager = manager
-        self._kv_capacity = max_paged_tokens(manager) if manager is not None else None  # longest sequence
+        self._kv_capacity = self.pool.max_sequence_tokens()  # the longest sequence the block pool holds (paged)
         self._kv_stats: dict = {}
         self._kv_stats_at = 0.0
 
@@ -282,11 +279,8 @@ class BatchEngine:
             if kind == "submit":
                 self._scheduler.add(payload)
             elif kind == "reset":
-                blocks = 0
-                if self._manager is not None:
-                    pool = self._manager.pool
-                    blocks = pool.evict_cached(pool.stats().evictable)  # cached blocks no sequence holds
-                    self._kv_stats_at = 0.0  # republish at once
+                blocks = self.pool.evict_cached()  # cached blocks no sequence holds
+                self._kv_stats_at = 0.0  # republish at once
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
@@ -298,28 +292,18 @@ class BatchEngine:
                 return
 
     def _paged_stats(self, force: bool) -> dict:
-        """Block and prefix-cache figures from the manager (its block scan is O(blocks): at most every 0.25 s
+        """Block and prefix-cache figures from the pool (its block scan is O(blocks): at most every 0.25 s
         while busy, always when idle)."""
         now = time.monotonic()
-        if self._manager is None or (not force and now - self._kv_stats_at < 0.25):
+        if not self.pool.is_paged or (not force and now - self._kv_stats_at < 0.25):
             return self._kv_stats
-        m = self._manager.stats()
-        p = m.pool
-        self._kv_stats = {
-            "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
-                          "evictable": p.evictable, "block_size": self._manager.block_size,
-                          "capacity_tokens": self._kv_capacity,
-                          "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
-            "evictions": p.evictions,
-            "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
-        }
+        self._kv_stats = self.pool.block_stats()
         self._kv_stats_at = now
         return self._kv_stats
 
     def _publish(self) -> None:
         sched = self._scheduler
         totals = sched.totals
-        paged = self._manager is not None
         queries, hits = totals["prefix_queries"], totals["prefix_hits"]
         snap = {
             "running": len(sched.running),
@@ -337,7 +321,7 @@ class BatchEngine:
             "batched_prefill_reason": self._batched_prefill_reason,
             "context_length": self.context_length,
             # token-weighted, one lookup per request (parallel samples and resumes after preemption excluded)
-            "prefix_cache": {"enabled": paged and self._manager.pool.enable_caching, "queries": queries,
+            "prefix_cache": {"enabled": self.pool.prefix_caching, "queries": queries,
                              "hits": hits, "hit_rate": hits / queries if queries else 0.0},
             "kv_blocks": {"paged": False, "used": 0, "free": 0, "cached": 0},
             "evictions": 0,

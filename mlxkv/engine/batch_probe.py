@@ -11,14 +11,13 @@ sequences one by one.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.kv.batching import check_attended, make_batch_views
-from mlxkv.engine.forking import fork_caches
 from mlxkv.engine.prefill_batch import prefill_together
-from mlxkv.kv.store import CachePool
+from mlxkv.kv import CachePool, cache_arrays, check_attended, make_batch_views
 
 _PROMPTS = ([3, 17, 9, 41, 5], [11, 7, 23])  # different lengths, small ids valid in any vocabulary
 
@@ -28,7 +27,7 @@ def probe_batched_decode(model: Any, pool: CachePool) -> tuple[bool, str]:
     ``(False, reason)``. Uses two pool sequences, released before returning."""
     if pool.max_sequences - len(pool) < 2:
         return False, "no room in the pool for the probe"
-    if pool.paged is not None:
+    if pool.is_paged:
         return _probe_paged(model, pool)
     seqs = []
     try:
@@ -36,7 +35,7 @@ def probe_batched_decode(model: Any, pool: CachePool) -> tuple[bool, str]:
             seq = pool.open(prompt_length=len(prompt))
             seqs.append(seq)
             model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)
-        copies = [fork_caches(s.caches) for s in seqs]
+        copies = [copy.deepcopy(s.caches) for s in seqs]
         last = mx.array([[p[-1]] for p in _PROMPTS], dtype=mx.uint32)  # (2, 1)
         views = make_batch_views([s.caches for s in seqs])
         batched = model(last, cache=views)[:, -1, :]  # (2, vocab)
@@ -73,10 +72,9 @@ def _probe_paged(model: Any, pool: CachePool) -> tuple[bool, str]:
         seq = pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt)
         seqs.append(seq)
         model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)
-        mx.eval([a for c in seq.caches if hasattr(c, "arrays") for a in c.arrays()])
+        mx.eval(cache_arrays(seq.caches))
         seq.commit()
-        n = seq.paged.num_tokens
-        seq.paged.slots(0, n, n + 1)  # the pending last prompt token's slot, as the scheduler allocates it
+        seq.reserve_last()  # the pending last prompt token's slot, as the scheduler takes it
         return seq
 
     try:
@@ -109,10 +107,7 @@ def probe_batched_prefill(model: Any, pool: CachePool) -> tuple[bool, str]:
     seqs: list = []
 
     def opened(prompt: list[int], salt: str):
-        if pool.paged is not None:
-            seqs.append(pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt))
-        else:
-            seqs.append(pool.open(prompt_length=len(prompt)))
+        seqs.append(pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt))
         return seqs[-1]
 
     try:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.kv.store import CachePool
+from mlxkv.kv import CachePool, KvCacheConfig, paged_blocks_for
 
 
 @dataclass(slots=True)
@@ -51,19 +51,8 @@ class EngineOptions:
         return bool(self.draft_model) or self.prompt_lookup
 
 
-def paged_blocks_for(model: Any, block_size: int, context_tokens: int) -> int:
-    """Pool blocks one sequence of ``context_tokens`` tokens can need: every KV group (full, each window,
-    each chunk size) may hold the whole context, plus one spare block per group and the null block."""
-    from mlxkv.kv.layouts import layer_kind, make_caches
-
-    groups = {layer_kind(c) for c in make_caches(model)}
-    return len(groups) * (-(-context_tokens // block_size) + 1) + 1
-
-
 def _pool(model: Any, options: EngineOptions, context_tokens: int) -> CachePool:
     if options.kv_backend == "paged":
-        from mlxkv.config import KvCacheConfig
-
         # One sequence: size the pool for its context instead of a share of free memory.
         config = KvCacheConfig(backend="paged", block_size=options.kv_block_size)
         blocks = paged_blocks_for(model, options.kv_block_size, context_tokens)

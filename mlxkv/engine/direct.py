@@ -10,8 +10,8 @@ import mlx.core as mx
 
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
-from mlxkv.engine.stops import StopStringMatcher
-from mlxkv.kv.store import CachePool
+from mlxkv.engine.output import TextStream
+from mlxkv.kv import CachePool
 
 
 @dataclass
@@ -83,7 +83,7 @@ class DirectEngine:
         seq = self.pool.open(prompt_length=len(prompt), prompt=list(prompt), salt=salt)
         # Paged: one pool array per layer holds every sequence's K/V, so step n must finish before step n+1's
         # write is scheduled (else MLX copies the whole pool); decode tokens are fed to the block manager.
-        paged = seq.paged is not None
+        paged = self.pool.is_paged
         try:
             caches = seq.caches
 
@@ -131,32 +131,13 @@ class DirectEngine:
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
         """
-        eos = set(self.tokenizer.eos_token_ids or ())
-        detokenizer = self.tokenizer.detokenizer
-        detokenizer.reset()
-        stops = StopStringMatcher(params.stop)
+        stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
         tokens = self.generate_tokens(prompt, params)
-        count = 0
         try:
             for token in tokens:
-                count += 1
-                if token in eos:
-                    detokenizer.finalize()
-                    yield GenerationChunk(stops.feed(detokenizer.last_segment) + stops.flush(), token, "stop")
+                text, finish = stream.feed(token)
+                yield GenerationChunk(text, token, finish)
+                if finish is not None:
                     return
-                detokenizer.add_token(token)
-                text = stops.feed(detokenizer.last_segment)
-                if stops.stopped:
-                    yield GenerationChunk(text, token, "stop")
-                    return
-                if count == params.max_tokens:
-                    detokenizer.finalize()
-                    text += stops.feed(detokenizer.last_segment)
-                    if stops.stopped:
-                        yield GenerationChunk(text, token, "stop")
-                        return
-                    yield GenerationChunk(text + stops.flush(), token, "length")
-                    return
-                yield GenerationChunk(text, token)
         finally:
             tokens.close()  # releases the sequence even when the consumer stops early

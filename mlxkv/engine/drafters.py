@@ -20,7 +20,7 @@ from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.verify import logprobs, sampling_logprobs
-from mlxkv.kv.store import CachePool
+from mlxkv.kv import CachePool
 
 
 @dataclass
@@ -132,7 +132,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: Any, *, pool: CachePool | None = None, prefill_step_size: int = 2048):
         self.model = model
         self.pool = pool if pool is not None else CachePool(model, max_sequences=1)
-        if self.pool.paged is not None:
+        if self.pool.is_paged:
             raise ValueError("the draft model's CachePool must be dense (backend='dense'); the target's may be paged")
         self.prefill_step_size = prefill_step_size
         self._seq = None

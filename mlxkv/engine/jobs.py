@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxkv.engine.request import GenerationRequest, RequestHandle, Usage
+from mlxkv.engine.output import TextStream
+from mlxkv.engine.request import GenerationRequest, RequestHandle, RetentionSpec, Usage
 from mlxkv.engine.row_sampler import RowSampler
-from mlxkv.engine.text_stream import TextStream
-from mlxkv.kv.store import Sequence
+from mlxkv.kv import RetentionConfig, Sequence
 
 
 class EngineObserver:
@@ -42,6 +42,15 @@ class Job:
     last_token_at: float | None = None
     finished: bool = False
 
+    def report(self, observer: EngineObserver, finish_reason: str) -> None:
+        """Tell ``observer`` the request ended, with its usage and time per output token."""
+        usage = Usage(len(self.request.prompt), self.completion_tokens, self.cached_tokens)
+        tpot = None
+        if self.first_token_at is not None and self.completion_tokens > len(self.choices) >= 1:
+            per_choice = self.completion_tokens / len(self.choices)
+            tpot = (self.last_token_at - self.first_token_at) / max(per_choice - 1, 1)
+        observer.on_request_finished(finish_reason, usage, tpot)
+
 
 @dataclass(eq=False)
 class Choice:
@@ -54,30 +63,45 @@ class Choice:
     text: TextStream
     next_input: int  # the last token emitted (or the prompt's last): what the next decode step feeds
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (a resume recomputes them)
-    fresh: bool = True  # next_input is the last token of what was opened: the manager knows it (no feed)
+    fresh: bool = True  # next_input is the last token of what was opened: the pool knows it (no feed)
     done: bool = False
     # Overlapped decode: the token the last step sampled for this choice, not read yet — ``(tokens, row)``; the
-    # next step feeds it lazily. ``placeholder_at``: the position the manager holds it at under PLACEHOLDER.
+    # next step feeds it lazily. ``placeholder_at``: its position in the pool, named once it is read.
     in_flight: tuple[mx.array, int] | None = None
     placeholder_at: int | None = None
 
 
 @dataclass(eq=False)
 class Prefill:
-    """A sequence being prefilled: ``tokens[:-1]`` go into its cache, ``tokens[-1]`` is the first decode input.
+    """A sequence being prefilled.
 
-    ``choice`` is None for a job's first sequence (its choices are made when it finishes); else the choice
-    this sequence serves (a parallel sample's own sequence, or a preempted choice resuming).
-    ``seats``: sequences it stands for in ``max_sequences`` (``n`` for a job's first sequence).
+    ``choice`` is None for a job's own sequence: it prefills every token and its choices (``n``) are made when it
+    finishes; else the preempted choice this sequence resumes: ``tokens[:-1]`` go into its cache and
+    ``tokens[-1]`` is its first decode input. ``sequences``: how many it stands for in ``max_sequences``.
     """
 
     job: Job
     tokens: list[int]
     choice: Choice | None = None
-    seats: int = 1
-    seq: Sequence | None = None  # None while waiting to be (re)opened
+    sequences: int = 1
+    seq: Sequence | None = None  # None until opened; a preempted sequence until it resumes
     done: int = 0  # tokens in the cache
 
+    @property
+    def first_from_prefill(self) -> bool:
+        """A request's own sequence samples its first token from the last prompt position's logits; a resumed
+        choice leaves its last token to its first decode step (it already has what that token predicts)."""
+        return self.choice is None
 
-#: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
-PLACEHOLDER = -1
+    @property
+    def target(self) -> int:
+        """Tokens written before decoding starts."""
+        return len(self.tokens) - (0 if self.first_from_prefill else 1)
+
+
+def retention_config(spec: RetentionSpec | None) -> RetentionConfig | None:
+    """The pool's retention rules for a request's ``retention`` (None: the default)."""
+    if spec is None:
+        return None
+    return RetentionConfig(ranges=tuple((r.start, r.end, r.priority, r.duration) for r in spec.ranges),
+                           decode_priority=spec.decode_priority, decode_duration_s=spec.decode_duration)

@@ -22,16 +22,12 @@ measured yet. ``MLXKV_FORCE_PADDED_PREFILL=1`` turns it on where supported;
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 
 from mlxkv import env
-from mlxkv.kv.layouts.chunked import ChunkedKVCache
-from mlxkv.kv.layouts.rotating import RotatingKVCache
-from mlxkv.kv.layouts.standard import KVCache
+from mlxkv.kv import cache_arrays, can_drop_tokens, each_layer_cache
 
 #: Pad the last chunk to a multiple of this many tokens.
 PAD_TILE = 32
@@ -40,26 +36,9 @@ PAD_TILE = 32
 PADDED_PREFILL_DEFAULT = False
 
 
-def _layers(caches: Iterable[Any]) -> Iterable[Any]:
-    """Every layer cache, CacheList members included."""
-    for c in caches:
-        if isinstance(c, mlx_cache.CacheList):
-            yield from _layers(c.caches)
-        else:
-            yield c
-
-
-def _can_drop_pad(cache: Any) -> bool:
-    if isinstance(cache, ChunkedKVCache):
-        return False
-    if isinstance(cache, RotatingKVCache):
-        return cache.max_rewind + 1 >= PAD_TILE - 1
-    return isinstance(cache, (KVCache, mlx_cache.KVCache))
-
-
 def supports_padded_prefill(model: Any, caches: list) -> bool:
     """True when every layer's cache can drop pad tokens exactly (no chunked or recurrent layers)."""
-    return all(_can_drop_pad(c) for c in _layers(caches))
+    return can_drop_tokens(caches, PAD_TILE - 1)
 
 
 def padded_prefill_enabled(model: Any, caches: list) -> bool:
@@ -68,14 +47,6 @@ def padded_prefill_enabled(model: Any, caches: list) -> bool:
     if override is False or not supports_padded_prefill(model, caches):
         return False
     return PADDED_PREFILL_DEFAULT if override is None else True
-
-
-def _eval_caches(caches: list) -> None:
-    arrays = []
-    for c in _layers(caches):
-        # Resident buffers only (dense and paged layouts); mlx-lm caches expose their state.
-        arrays.extend(c.arrays() if hasattr(c, "arrays") else [c.state])
-    mx.eval(arrays)
 
 
 def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -> mx.array:
@@ -111,10 +82,10 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -
         if pad:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], pad)])  # (L + pad,) any valid id will do
         model(chunk[None], cache=caches)
-        for c in _layers(caches) if pad else ():
+        for c in each_layer_cache(caches) if pad else ():
             removed = c.trim(pad)
             assert removed == pad, f"{type(c).__name__} dropped {removed} of {pad} pad tokens"
-        _eval_caches(caches)
+        mx.eval(cache_arrays(caches))
         pos += real
     logits = model(tokens[-1:][None], cache=caches)  # (1, 1, vocab)
     return logits[0, -1]  # (vocab,)

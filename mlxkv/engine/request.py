@@ -13,8 +13,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
-from mlxkv.engine.delivery import delivery_for
+from mlxkv.engine.output import Event, Usage, delivery_for
 from mlxkv.engine.sampling import SamplingParams
+
+__all__ = ["DEFAULT_RETENTION_PRIORITY", "EngineStoppedError", "Event", "GenerationRequest", "PromptTooLongError",
+           "QueueFullError", "RequestHandle", "RetentionRange", "RetentionSpec", "Usage"]
 
 #: Retention priorities run 0-100; TensorRT-LLM's default for blocks without a rule is 35.
 DEFAULT_RETENTION_PRIORITY = 35
@@ -109,48 +112,12 @@ class GenerationRequest:
             raise ValueError("cache_salt must be a non-empty string when given")
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Token counts of a finished request (``completion_tokens`` sums over the ``n`` choices)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache (paged storage)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One thing that happened to a request.
-
-    ``kind`` is ``"token"`` (choice ``index`` produced ``token``; ``text`` is the newly safe text, possibly
-    empty; ``finish_reason`` is set on the choice's last token), ``"done"`` (every choice finished; carries
-    ``usage``; always the last event of a successful request) or ``"error"`` (the request failed or was
-    cancelled; ``message`` says why; terminal).
-    """
-
-    kind: str
-    index: int = 0
-    text: str = ""
-    token: int | None = None
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    message: str = ""
-
-    @property
-    def terminal(self) -> bool:
-        return self.kind in ("done", "error")
-
-
 class RequestHandle:
     """The client's side of a submitted request: iterate its events; ``cancel()`` to stop it.
 
     Events are delivered through a thread queue (iterate with ``for``), or into an asyncio loop when the
     handle was created with one (iterate with ``async for``; the loop is woken once per burst of events, see
-    :mod:`mlxkv.engine.delivery`). Iteration ends after the terminal event.
+    :mod:`mlxkv.engine.output`). Iteration ends after the terminal event.
     """
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):

@@ -1,37 +1,31 @@
-"""The continuous-batching scheduler: admission, chunked prefill and one batched decode forward per step.
+"""The continuous-batching scheduler: who is admitted, who is preempted, which prompt chunks prefill, who decodes.
 
-Runs on the engine thread only (it owns the model and the CachePool). Each :meth:`Scheduler.step`:
+Runs on the engine thread only. It decides; :class:`~mlxkv.engine.runner.ModelRunner` executes (forwards,
+sampling); :mod:`mlxkv.engine.output` turns tokens into text and events; the KV cache is reached only through
+its facade (:mod:`mlxkv.kv`: the pool and each sequence's handle). Each :meth:`Scheduler.step`:
 
 1. drops cancelled requests (their sequences are released);
 2. admits preempted sequences first, then waiting requests, lowest ``priority`` first, while their ``n``
-   sequences fit in ``max_sequences`` (and, paged, their blocks fit in the free or evictable blocks);
-3. prefills up to ``prefill_chunk_size`` prompt tokens over the admitted sequences, in admission order;
-   a sequence is opened (paged: its prefix hit taken) only when its turn comes, i.e. once every sequence
-   ahead of it has prefilled: requests admitted together that share an uncached prefix compute it once (the
-   first commits its blocks, the next ones open after it and hit them: in-flight prefix sharing). With batched
-   prefill on (:mod:`mlxkv.engine.prefill_batch`), the step's chunks of at most ``MAX_BATCHED_CHUNK`` tokens
-   run in one forward after the others (sharing in flight then covers what was committed before the step). A
+   sequences fit in ``max_sequences`` and their blocks in the pool's free capacity;
+3. prefills up to ``prefill_chunk_size`` prompt tokens over the admitted sequences, in admission order; a
+   sequence is opened (its prefix hit taken) only when its turn comes, so requests admitted together that share
+   an uncached prefix compute it once (the first commits its blocks, the next ones hit them). With batched
+   prefill on, the step's chunks of at most ``MAX_BATCHED_CHUNK`` tokens run in one forward after the others. A
    request's own prompt is prefilled whole and its first token sampled from the last position's logits (one the
-   prefix cache holds but for its last token skips that forward: it joins this step's decode batch, and that
-   step is read at once); a
-   resumed or sample sequence's except its last token, as mlx-lm's ``generate_step`` does; from
-   ``seq.num_cached`` on (the paged prefix hit). Then ``n > 1`` makes the other samples' sequences (dense:
-   copied caches; paged: sequences opened on the same prompt, which take its cached blocks) and the choices
-   join the running set;
-4. runs one decode forward for every running sequence, whatever their lengths (batch views, see
-   :mod:`mlxkv.kv.batching.dense_views`), feeding each its pending token (the last prompt token first), samples,
-   streams text and releases finished sequences. Paged: each sequence's slot is reserved before the forward
-   and every sequence commits after it.
+   prefix cache holds but for its last token skips that forward and joins this step's decode batch); a resumed
+   sequence's except its last token, which its first decode step feeds. ``n > 1`` forks the prefilled sequence
+   (paged: the samples share the prompt's blocks);
+4. runs one decode forward for every running sequence, overlapped with reading the previous step's tokens.
 
-Paged preemption: when a sequence needs a block and none is free or evictable, the manager's lowest-ranked
-sequence (lowest priority, then newest) is released for recompute: its verified blocks stay cached, and it is
-re-queued with its prompt + generated tokens as the prompt, resuming with a prefix hit. A sequence that ranks
-lowest itself waits that way. Every request fits the pool alone (``BatchEngine.submit`` caps it), so every
-request completes.
+Preemption: when a sequence needs room and none is free, the lowest-ranked sequence (lowest priority, then
+newest) is preempted: its verified blocks stay cached and it resumes, under the same id, with its prompt and
+generated tokens as the prompt (a prefix hit). Every request fits the pool alone (``BatchEngine.submit`` caps
+it), so every request completes. Sequences already decoding wait for a step's prefills at most
+``PREFILL_FIRST_S``.
 
-Failures are contained: an exception while prefilling or streaming a request fails that request only; an
-exception in the shared decode forward fails the requests in it; the engine goes on either way. Every
-sequence a request opened is released when it ends, however it ends.
+Failures are contained: an exception while prefilling or streaming a request fails that request only; one in the
+shared decode forward fails the requests in it; the engine goes on either way. Every sequence a request opened
+is released when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -44,19 +38,14 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlxkv.kv.batching import BatchUnsupported, check_attended, make_batch_views
-from mlxkv.engine.delivery import flush_wakeups
-from mlxkv.engine.forking import fork_caches
-from mlxkv.engine.jobs import PLACEHOLDER, Choice, EngineObserver, Job, Prefill
-from mlxkv.kv.admission import apply_request_policy, blocks_needed
-from mlxkv.engine.prefill_batch import cache_arrays, prefill_together
-from mlxkv.engine.request import Event, Usage
-from mlxkv.engine.row_sampler import RowSampler, sample_rows
-from mlxkv.engine.text_stream import TextStream
-from mlxkv.kv.store import CachePool, Sequence
+from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, retention_config
+from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
+from mlxkv.engine.request import Event
+from mlxkv.engine.row_sampler import RowSampler
+from mlxkv.engine.runner import ModelRunner
+from mlxkv.kv import BatchUnsupported, CachePool, Sequence
 
-__all__ = ["MAX_BATCHED_CHUNK", "PLACEHOLDER", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
-
+__all__ = ["MAX_BATCHED_CHUNK", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
 
 #: How long past a step's start prefills may still start before that step's decode (seconds): new arrivals when the
 #: engine was idle, any prompt when sequences are decoding (they wait at most this long plus one prefill).
@@ -72,14 +61,14 @@ class Scheduler:
     Args:
         model: the mlx-lm model (attention hook installed for batched decode).
         tokenizer: mlx-lm's ``TokenizerWrapper`` (``None``: tokens only).
-        pool: owns every sequence's layer caches (dense or paged).
+        pool: the KV store of every sequence (dense or paged).
         max_sequences: most sequences prefilling or decoding at once (default: the pool's ``max_sequences``).
         prefill_chunk_size: most prompt tokens prefilled per step (over all admitted requests).
         observer: receives timings.
         on_dequeue: called once per request leaving the waiting queue (admitted or dropped).
         batched: ``False`` decodes sequences one by one; ``True`` uses batch views.
         batched_prefill: prefill chunks of up to ``MAX_BATCHED_CHUNK`` tokens of different sequences in one
-            forward (:mod:`mlxkv.engine.prefill_batch`); switched off by the first step that cannot.
+            forward; switched off by the first step that cannot.
         intake: called mid-step to :meth:`add` requests that arrived meanwhile, True if it added any: those
             are admitted and prefilled before the step's decode, up to ``PREFILL_FIRST_S`` after the step began.
     """
@@ -90,15 +79,11 @@ class Scheduler:
                  batched: bool = True, batched_prefill: bool = False, intake: Callable[[], bool] | None = None):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
-        self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
-        self.manager = pool.paged.manager if pool.paged is not None else None
         self.max_sequences = pool.max_sequences if max_sequences is None else min(max_sequences, pool.max_sequences)
         self.prefill_chunk_size = prefill_chunk_size
         self.observer = observer or EngineObserver()
-        self.batched = batched
-        self.batched_prefill = batched_prefill
         self.intake = intake
         self._on_dequeue = on_dequeue
         self._order = itertools.count()
@@ -106,11 +91,31 @@ class Scheduler:
         self.preempted: collections.deque[Prefill] = collections.deque()  # resumed before any new admission
         self.prefilling: list[Prefill] = []
         self.running: list[Choice] = []
+        self._owners: dict[Any, Prefill | Choice] = {}  # sequence id -> the task prefilling it or the choice
         self._in_flight: list[tuple[Choice, mx.array, int]] = []  # the last decode step's tokens, not read yet
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
                            batched_prefills=0, prefills_joined_decode=0)
+        self.runner = ModelRunner(model, batched=batched, batched_prefill=batched_prefill, totals=self.totals)
+
+    @property
+    def batched(self) -> bool:
+        """Whether decode steps run batched (batch views)."""
+        return self.runner.batched
+
+    @batched.setter
+    def batched(self, value: bool) -> None:
+        self.runner.batched = value
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether short prefill chunks of several sequences share one forward."""
+        return self.runner.batched_prefill
+
+    @batched_prefill.setter
+    def batched_prefill(self, value: bool) -> None:
+        self.runner.batched_prefill = value
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -154,17 +159,18 @@ class Scheduler:
             flush_wakeups()
         self._decode()
 
-    def _seats(self) -> int:
-        return len(self.running) + sum(t.seats for t in self.prefilling)
+    def _sequences_held(self) -> int:
+        """Sequences counted against ``max_sequences``: running, and those prefilling (``n`` for a request)."""
+        return len(self.running) + sum(t.sequences for t in self.prefilling)
 
     def _admit(self) -> None:
         """Preempted sequences first (in preemption order), then waiting jobs by priority; each while its
-        seats fit in ``max_sequences`` and (paged) its blocks fit in the free (or evictable) blocks."""
-        free = self.manager.pool.num_free_blocks if self.manager is not None else 0
+        sequences fit in ``max_sequences`` and its blocks in the pool's free capacity."""
+        free = self.pool.free_capacity()
         while self.preempted:
             task = self.preempted[0]
-            need = self._blocks_for(len(task.tokens) + 1)
-            if self._seats() + task.seats > self.max_sequences or need > free:
+            need = self.pool.admission_cost(len(task.tokens) + 1)
+            if self._sequences_held() + task.sequences > self.max_sequences or need > free:
                 return  # nothing new is admitted before the preempted sequences are back
             self.preempted.popleft()
             free -= need
@@ -174,33 +180,28 @@ class Scheduler:
             if job.request.n > self.max_sequences:
                 self._fail(job, ValueError(f"n={job.request.n} exceeds max_sequences={self.max_sequences}"))
                 continue
-            need = self._blocks_for(len(job.request.prompt) + 1)
-            if self._seats() + job.request.n > self.max_sequences or (need > free and self._seats() > 0):
+            need = self.pool.admission_cost(len(job.request.prompt) + 1)
+            if self._sequences_held() + job.request.n > self.max_sequences or (need > free and self._sequences_held()):
                 return
             heapq.heappop(self.waiting)
             self._on_dequeue()
             free -= need
             self.totals["prompt_tokens"] += len(job.request.prompt)
-            self.prefilling.append(Prefill(job, list(job.request.prompt), seats=job.request.n))
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        if self.manager is None:
-            return 0
-        return blocks_needed(self.manager.specs, self.manager.block_size, num_tokens)
+            self.prefilling.append(Prefill(job, list(job.request.prompt), sequences=job.request.n))
 
     def _open(self, task: Prefill) -> bool:
-        """Open ``task``'s sequence (paged: with its tokens, salt, retention and priority; prefix hit taken).
-
-        False if that failed (the request has failed)."""
+        """Open ``task``'s sequence, or resume it after a preemption (prefix hit taken). False if that failed
+        (the request has failed)."""
         job, request = task.job, task.job.request
         try:
-            if self.manager is None:
-                task.seq = self.pool.open(prompt_length=len(request.prompt))
+            if task.seq is not None:  # preempted: the same sequence again
+                self.pool.resume(task.seq.id, task.tokens)
             else:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
-                                          salt=request.cache_salt)
-                apply_request_policy(self.manager, task.seq.paged.seq_id, request)
-            job.opened.append(task.seq)
+                                          salt=request.cache_salt, retention=retention_config(request.retention),
+                                          priority=-request.priority)  # the pool preempts lower values first
+                job.opened.append(task.seq)
+            self._owners[task.seq.id] = task
             task.done = task.seq.num_cached
             if not job.queried:  # the request's own prefix lookup (not a sample's or a resume's)
                 job.queried, job.cached_tokens = True, task.done
@@ -211,49 +212,45 @@ class Scheduler:
             return False
         return True
 
-    # ---- paged growth and preemption -----------------------------------------------------------------------
+    # ---- room and preemption -------------------------------------------------------------------------------
     def _make_room(self, seq: Sequence, n: int) -> bool:
         """Whether ``n`` more tokens of ``seq`` fit, preempting lower-ranked sequences (lower priority, then
         newer) if needed; False when they do not fit and no sequence ranks below ``seq``."""
-        sid = seq.paged.seq_id
-        while not self.manager.can_allocate(sid, n):
-            victim = self.manager.choose_victim(requester=sid)
+        while not self.pool.can_extend(seq, n):
+            victim = self.pool.victim_for(seq)
             if victim is None:
                 return False
-            self._preempt_id(victim)
+            owner = self._owners[victim.id]
+            self._preempt_prefill(owner) if isinstance(owner, Prefill) else self._preempt_choice(owner)
         return True
 
-    def _preempt_id(self, manager_seq_id: int) -> None:
-        for task in self.prefilling:
-            if task.seq is not None and task.seq.paged.seq_id == manager_seq_id:
-                return self._preempt_prefill(task)
-        for choice in self.running:
-            if choice.seq.paged.seq_id == manager_seq_id:
-                return self._preempt_choice(choice)
-        raise AssertionError(f"the manager's sequence {manager_seq_id} belongs to no request")
-
     def _release(self, seq: Sequence) -> None:
+        self._owners.pop(seq.id, None)
         if seq.id in self.pool:
-            self.pool.release(seq.id)  # verified blocks stay cached: the resume takes them as a prefix hit
+            self.pool.release(seq.id)  # verified blocks stay cached
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._owners.pop(seq.id, None)
+        self.pool.preempt(seq.id)  # verified blocks stay cached: the resume takes them as a prefix hit
+        self.totals["preemptions"] += 1
 
     def _preempt_prefill(self, task: Prefill) -> None:
         self.prefilling.remove(task)
-        self._release(task.seq)
-        task.seq, task.done = None, 0
+        self._preempt(task.seq)
+        task.done = 0
         self.preempted.append(task)
-        self.totals["preemptions"] += 1
 
     def _preempt_choice(self, choice: Choice) -> None:
-        """Release a decoding choice's sequence; it resumes with its prompt + generated tokens as the prompt."""
+        """Preempt a decoding choice's sequence; it resumes with its prompt + generated tokens as the prompt."""
         if choice.in_flight is not None:
             self._land()  # its last sampled token belongs to what it resumes with
             if choice.done or choice.job.finished:
                 return
         self.running.remove(choice)
-        self._release(choice.seq)
+        self._preempt(choice.seq)
+        tokens = list(choice.job.request.prompt) + choice.generated
+        self.preempted.append(Prefill(choice.job, tokens, choice, seq=choice.seq))
         choice.seq = None
-        self.preempted.append(Prefill(choice.job, list(choice.job.request.prompt) + choice.generated, choice))
-        self.totals["preemptions"] += 1
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def _prefill(self, tasks: list[Prefill] | None = None, short_only: bool = False,
@@ -272,9 +269,9 @@ class Scheduler:
             if ran and deadline is not None and time.perf_counter() >= deadline:
                 break  # the running sequences have waited long enough: the rest prefill after their decode
             ran = True
-            if task.seq is None and not self._open(task):
+            if (task.seq is None or task.seq.preempted) and not self._open(task):
                 continue  # it failed
-            target = _prefill_target(task)
+            target = task.target
             if short_only and target - task.done > MAX_BATCHED_CHUNK:
                 continue
             try:
@@ -283,18 +280,12 @@ class Scheduler:
                     self.totals["prefills_joined_decode"] += 1
                     self._start_decoding(task)  # its first decode step, with the running batch, feeds that token
                 elif n > 0:
-                    if self.manager is not None and not self._make_room(task.seq, n):
-                        if len(self.pool) > 1:
-                            self._preempt_prefill(task)  # it ranks lowest: wait for blocks
-                            continue
-                        while n > 1 and not self.manager.can_allocate(task.seq.paged.seq_id, n):
-                            n //= 2  # alone: a smaller chunk (windowed groups release blocks as they go)
-                        if not self.manager.can_allocate(task.seq.paged.seq_id, n):
-                            raise RuntimeError("the prompt does not fit the KV cache budget")
+                    n = self._room_for_chunk(task, n)
+                    if n == 0:
+                        continue  # preempted: it waits for blocks
                     budget -= n
                     if self.batched_prefill and n <= MAX_BATCHED_CHUNK:
-                        if self.manager is not None:  # take the slots now: the next task's room check sees them
-                            task.seq.paged.slots(0, task.done, task.done + n)
+                        task.seq.reserve(task.done, task.done + n)  # the next task's room check sees them
                         together.append((task, n))
                     else:
                         self._prefilled([task], [n], self._forward_chunk(task, n))
@@ -306,37 +297,47 @@ class Scheduler:
                 break
         self._prefill_together([(t, n) for t, n in together if t in self.prefilling and t.seq is not None])
 
+    def _room_for_chunk(self, task: Prefill, n: int) -> int:
+        """How many of ``task``'s next ``n`` tokens to prefill now, making room by preemption; 0 when the task
+        itself was preempted to wait for room (it ranks lowest)."""
+        if self._make_room(task.seq, n):
+            return n
+        if len(self.pool) > 1:
+            self._preempt_prefill(task)
+            return 0
+        while n > 1 and not self.pool.can_extend(task.seq, n):
+            n //= 2  # alone: a smaller chunk (windowed groups release blocks as they go)
+        if not self.pool.can_extend(task.seq, n):
+            raise RuntimeError("the prompt does not fit the KV cache budget")
+        return n
+
     def _last_token_decodes(self, task: Prefill) -> bool:
         """Whether a request whose prompt the prefix cache holds but for its last token skips a one-token prefill
         forward: it joins this step's decode batch (paged, batched decode), whose forward feeds that token and
         samples its first token — as mixed prefill/decode batches do; a separate forward would cost about a
         whole decode step of its own."""
-        return self.manager is not None and self.batched and _first_from_prefill(task)
+        return self.pool.is_paged and self.batched and task.first_from_prefill
 
     def _forward_chunk(self, task: Prefill, n: int) -> mx.array | None:
-        """Task's next ``n`` prompt tokens through the model, evaluated; the last position's logits ``(1, vocab)``
-        when the chunk ends a request's own prompt (its first token is sampled from them), else None."""
-        chunk = mx.array(task.tokens[task.done : task.done + n], dtype=mx.uint32)
-        logits = self.model(chunk[None], cache=task.seq.caches)  # (1, n, vocab)
-        last = logits[:, -1, :] if _first_from_prefill(task) and task.done + n == _prefill_target(task) else None
-        mx.eval(cache_arrays(task.seq.caches), *([last] if last is not None else []))
-        return last
+        """Task's next ``n`` prompt tokens through the model; the last position's logits ``(1, vocab)`` when the
+        chunk ends a request's own prompt (its first token is sampled from them), else None."""
+        ends = task.first_from_prefill and task.done + n == task.target
+        return self.runner.prefill(task.seq, task.tokens[task.done : task.done + n], want_logits=ends)
 
     def _prefill_together(self, together: list[tuple[Prefill, int]]) -> None:
         """The chunks ``together`` in one batched forward (one by one when fewer than two, or when the model's
-        layers cannot be batched: then batched prefill is switched off for good)."""
+        layers cannot be batched)."""
         if len(together) > 1:
             tasks, lengths = [t for t, _ in together], [n for _, n in together]
             try:
-                last = prefill_together(self.model, [t.seq.caches for t in tasks],
-                                        [t.tokens[t.done : t.done + n] for t, n in together])  # (B, vocab)
+                last = self.runner.prefill_together([t.seq for t in tasks],
+                                                    [t.tokens[t.done : t.done + n] for t, n in together])
             except Exception as exc:  # noqa: BLE001 - rewind, then one by one: only a request that fails alone fails
-                if isinstance(exc, BatchUnsupported):
-                    self.batched_prefill = False
-                if not all(_rewind(t) for t in tasks):
-                    return self._fail_all(tasks, exc)
+                if not all(t.seq.rewind_to(t.done) for t in tasks):
+                    for job in {id(t.job): t.job for t in tasks}.values():
+                        self._fail(job, exc)
+                    return
             else:
-                self.totals["batched_prefills"] += 1
                 return self._prefilled(tasks, lengths, last)
         for task, n in together:
             try:
@@ -351,67 +352,50 @@ class Scheduler:
             try:
                 task.seq.commit()
                 task.done += n
-                if task.done == _prefill_target(task):
-                    first = last[b : b + 1] if last is not None and _first_from_prefill(task) else None
+                if task.done == task.target:
+                    first = last[b : b + 1] if last is not None and task.first_from_prefill else None
                     self._start_decoding(task, first)
                     if first is not None:
                         flush_wakeups()  # its first token goes out now, not after the step's other prefills
             except Exception as exc:  # noqa: BLE001
                 self._fail(task.job, exc)
 
-    def _fail_all(self, tasks: list[Prefill], exc: BaseException) -> None:
-        for job in {id(t.job): t.job for t in tasks}.values():
-            self._fail(job, exc)
-
     def _start_decoding(self, task: Prefill, last_logits: mx.array | None = None) -> None:
         """``task``'s prompt is in its caches: its choices start decoding. ``last_logits`` ``(1, vocab)`` (a
-        request's own prefill, whole prompt written): the choices holding the prompt sample their first token from
-        it now; otherwise (the last prompt token not written) their first decode step feeds that token."""
+        request's own prefill, whole prompt written): the choices sample their first token from it now; otherwise
+        (the last prompt token not written) their first decode step feeds that token."""
         self.prefilling.remove(task)
         job, request = task.job, task.job.request
-        if task.choice is not None:  # a parallel sample's own sequence, or a resumed choice
+        if task.choice is not None:  # a resumed choice
             task.choice.seq, task.choice.next_input, task.choice.fresh = task.seq, task.tokens[-1], True
+            self._owners[task.seq.id] = task.choice
             self.running.append(task.choice)
             return
-        seqs: list[Sequence | None] = [task.seq]
-        for _ in range(request.n - 1):
-            if self.manager is None:  # dense: copy the prefilled caches
-                seq = self.pool.open(prompt_length=len(request.prompt))
-                job.opened.append(seq)
-                seq.caches[:] = fork_caches(task.seq.caches)
-                seqs.append(seq)
-            else:  # paged: each sample opens its own sequence, sharing the prompt's cached blocks
-                seqs.append(None)
+        seqs = [task.seq]
+        if request.n > 1:  # parallel samples: forks of the prefilled sequence (paged: sharing its blocks)
+            seqs += self.pool.fork(task.seq.id, request.n - 1)
+            job.opened.extend(seqs[1:])
         seed = request.params.seed
         for i, seq in enumerate(seqs):
-            job.choices.append(Choice(
-                job=job, index=i, seq=seq,
-                sampler=RowSampler(request.params, seed=None if seed is None else seed + i),
-                text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
-                next_input=request.prompt[-1]))
+            choice = Choice(job=job, index=i, seq=seq,
+                            sampler=RowSampler(request.params, seed=None if seed is None else seed + i),
+                            text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
+                            next_input=request.prompt[-1])
+            job.choices.append(choice)
+            self._owners[seq.id] = choice
+            self.running.append(choice)
         job.open_choices = len(seqs)
-        for choice in job.choices:
-            if choice.seq is not None:
-                self.running.append(choice)
-            else:
-                self.prefilling.append(Prefill(job, list(request.prompt), choice))
         if last_logits is not None:
-            self._first_tokens([c for c in job.choices if c.seq is not None], last_logits)
-
-    def _first_tokens(self, choices: list[Choice], last_logits: mx.array) -> None:
-        """Each of ``choices`` (prompt written, running) samples its first token from ``last_logits`` with its
-        own sampler and emits it; the next decode step feeds that token."""
-        logits = mx.broadcast_to(last_logits, (len(choices), last_logits.shape[-1]))  # (n, vocab)
-        tokens = sample_rows(logits, [c.sampler for c in choices]).tolist()  # (n,)
-        now = time.perf_counter()
-        for choice, token in zip(choices, tokens):
-            choice.fresh = False  # the manager holds the whole prompt: the decode step feeds the new token
-            if not choice.job.finished:
-                self._emit(choice, token, now)
+            tokens = self.runner.sample_first(last_logits, [c.sampler for c in job.choices])
+            now = time.perf_counter()
+            for choice, token in zip(job.choices, tokens):
+                choice.fresh = False  # the whole prompt is written: the decode step feeds the new token
+                if not job.finished:
+                    self._emit(choice, token, now)
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _reserve(self) -> list[Choice]:
-        """Paged: slots for every running choice's next input, preempting as needed; returns who decodes."""
+        """Paged: room for every running choice's next input, preempting as needed; returns who decodes."""
         for choice in list(self.running):
             if choice not in self.running or _ends_in_flight(choice):  # preempted meanwhile / nothing to feed
                 continue
@@ -425,15 +409,12 @@ class Scheduler:
                 else:
                     self._preempt_choice(choice)
                 continue
-            seq = choice.seq
-            if choice.fresh:  # the manager holds this token as the opened tokens' last: allocate its slot
-                n = seq.paged.num_tokens
-                seq.paged.slots(0, n, n + 1)
+            if choice.fresh:  # the opened tokens' last: known to the pool, its slot only is taken
+                choice.seq.reserve_last()
             elif choice.in_flight is not None:  # its value is still being computed: named when it is read
-                seq.feed([PLACEHOLDER])
-                choice.placeholder_at = seq.paged.num_tokens - 1
+                choice.placeholder_at = choice.seq.feed_placeholder()
             else:
-                seq.feed([choice.next_input])
+                choice.seq.feed([choice.next_input])
             choice.fresh = False
         return [c for c in self.running if not _ends_in_flight(c)]
 
@@ -441,26 +422,23 @@ class Scheduler:
         """One decode step for every running choice, overlapped with reading the previous step's tokens.
 
         The step is built from the previous step's sampled tokens while they are still being computed (fed
-        lazily; paged slots taken under a placeholder id) and handed to MLX with ``async_eval``; only then are
-        the previous tokens read, named in the manager, and emitted — so building a step's graph overlaps the
-        evaluation of the one before (mlx-lm's generation loop does the same; on MLX's CPU backend only partly:
-        ``async_eval`` returns once all but the last few dozen operations have run). When blocks are short, the
-        previous tokens are read first: a preemption must see every emitted token. A step that computes some
-        request's first token (a prompt that joined the decode batch) is read at once: that token goes out now, and
-        the next step's graph is built after it.
+        lazily; paged slots taken under a placeholder) and handed to MLX with ``async_eval``; only then are the
+        previous tokens read, named in the pool, and emitted — so building a step's graph overlaps the evaluation
+        of the one before (on MLX's CPU backend only partly). When room is short, the previous tokens are read
+        first: a preemption must see every emitted token. A step that computes some request's first token (a
+        prompt that joined the decode batch) is read at once.
         """
-        if self._in_flight and self.manager is not None and not self._surely_fits():
+        if self._in_flight and not self.pool.has_decode_headroom(len(self.running)):
             self._land()
-        choices = self._reserve() if self.manager is not None else [c for c in self.running if not _ends_in_flight(c)]
+        choices = self._reserve() if self.pool.is_paged else [c for c in self.running if not _ends_in_flight(c)]
         if not choices:
             self._land()
             return
         self.totals["decode_steps"] += 1
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
         try:
-            logits = self._forward(choices)  # (B, vocab)
-            tokens = sample_rows(logits, [c.sampler for c in choices])  # (B,)
-            mx.async_eval(tokens)
+            tokens = self.runner.decode([c.seq for c in choices], _decode_inputs(choices),
+                                        [c.sampler for c in choices])  # (B,)
         except Exception as exc:  # noqa: BLE001 - the shared forward failed: fail the requests in it
             self._land()
             for job in {id(c.job): c.job for c in choices}.values():
@@ -478,12 +456,6 @@ class Scheduler:
         if any(c.job.first_token_at is None for c in choices):
             self._land()  # a request's first token (its last prompt token joined this step): out now, not a step late
 
-    def _surely_fits(self) -> bool:
-        """Whether every running choice's next slot fits without preempting (at most one new block per group and
-        one copy-on-write block each)."""
-        need = len(self.running) * 2 * len(self.manager.specs)
-        return self.manager.pool.num_free_blocks >= need
-
     def _land(self) -> None:
         """Read the last decode step's tokens; name the placeholders the step after it fed them under; emit."""
         if not self._in_flight:
@@ -498,45 +470,17 @@ class Scheduler:
                 continue
             try:
                 if choice.placeholder_at is not None:
-                    self.manager.set_token(choice.seq.paged.seq_id, choice.placeholder_at, token)
+                    choice.seq.name_token(choice.placeholder_at, token)
                     choice.placeholder_at = None
                 self._emit(choice, token, now)
             except Exception as exc:  # noqa: BLE001
                 self._fail(choice.job, exc)
 
-    def _forward(self, choices: list[Choice]) -> mx.array:
-        inputs = _decode_inputs(choices)  # (B, 1)
-        if self.batched and len(choices) > 1:
-            views: list = []
-            try:
-                views = make_batch_views([c.seq.caches for c in choices])
-                logits = self.model(inputs, cache=views)[:, -1, :]  # (B, vocab)
-            except BatchUnsupported:
-                if any(getattr(v, "_fetched", None) is not None for v in views):
-                    raise  # caches were written: this step cannot be redone
-                self.totals["unbatched_steps"] += 1
-            else:
-                check_attended(views)
-                self.totals["batched_steps"] += 1
-                return logits
-        rows = [self.model(inputs[b : b + 1], cache=c.seq.caches)[:, -1, :] for b, c in enumerate(choices)]
-        return mx.concatenate(rows, axis=0)  # (B, vocab)
-
     def _emit(self, choice: Choice, token: int, now: float) -> None:
-        job = choice.job
-        if job.first_token_at is None:
-            job.first_token_at = now
-            self.observer.on_first_token(now - job.submitted_at)
-        job.last_token_at = now
-        job.completion_tokens += 1
         self.totals["generation_tokens"] += 1
-        text, finish = choice.text.feed(token)
-        job.handle.put(Event("token", index=choice.index, text=text, token=token, finish_reason=finish))
-        choice.generated.append(token)
-        if finish is None:
-            choice.next_input = token
-            return
-        self._close_choice(choice, finish)
+        finish = emit_token(choice, token, now, self.observer)
+        if finish is not None:
+            self._close_choice(choice, finish)
 
     def _close_choice(self, choice: Choice, finish: str) -> None:
         job = choice.job
@@ -545,8 +489,7 @@ class Scheduler:
         self._release(choice.seq)
         job.open_choices -= 1
         if job.open_choices == 0:
-            usage = Usage(len(job.request.prompt), job.completion_tokens, job.cached_tokens)
-            self._end(job, Event("done", usage=usage), "finished", finish)
+            self._end(job, end_event(job), "finished", finish)
 
     # ---- endings -------------------------------------------------------------------------------------------
     def _fail(self, job: Job, exc: BaseException) -> None:
@@ -554,7 +497,7 @@ class Scheduler:
         self._end(job, Event("error", finish_reason="error", message=message), "failed")
 
     def _end(self, job: Job, event: Event, outcome: str, finish_reason: str | None = None) -> None:
-        """Remove ``job`` everywhere, release its open sequences, send its terminal event (once)."""
+        """Remove ``job`` everywhere, release its sequences, send its terminal event (once)."""
         if job.finished:
             return
         job.finished = True
@@ -566,45 +509,12 @@ class Scheduler:
         self.preempted = collections.deque(t for t in self.preempted if t.job is not job)
         self.running = [c for c in self.running if c.job is not job]
         for seq in job.opened:
-            if seq.id in self.pool:
-                self.pool.release(seq.id)
+            self._release(seq)
         self.totals[outcome] += 1
         try:
             job.handle.put(event)
         finally:
-            usage = Usage(len(job.request.prompt), job.completion_tokens, job.cached_tokens)
-            tpot = None
-            if job.first_token_at is not None and job.completion_tokens > len(job.choices) >= 1:
-                per_choice = job.completion_tokens / len(job.choices)
-                tpot = (job.last_token_at - job.first_token_at) / max(per_choice - 1, 1)
-            self.observer.on_request_finished(finish_reason or event.finish_reason or outcome, usage, tpot)
-
-
-def _first_from_prefill(task: Prefill) -> bool:
-    """A request's own sequence prefills its whole prompt and samples its first token from the last position's
-    logits; a resumed choice or a parallel sample's sequence leaves the last token to its first decode step (it
-    already has, or shares, what that token predicts)."""
-    return task.choice is None
-
-
-def _prefill_target(task: Prefill) -> int:
-    """Prompt tokens ``task`` writes before decoding (see :func:`_first_from_prefill`)."""
-    return len(task.tokens) - (0 if _first_from_prefill(task) else 1)
-
-
-def _rewind(task: Prefill) -> bool:
-    """Bring the task's layer caches back to ``task.done`` after a failed forward (paged: the write position
-    only, the slots stay for the retry; dense: an exact trim); False if some layer could not be brought back."""
-    try:
-        for cache in task.seq.caches:
-            if cache.offset > task.done:
-                if hasattr(cache, "rewind_to"):
-                    cache.rewind_to(task.done)
-                else:
-                    cache.trim(cache.offset - task.done)
-        return all(cache.offset == task.done for cache in task.seq.caches)
-    except Exception:  # noqa: BLE001 - a layer without exact trim: the sequence is spoiled
-        return False
+            job.report(self.observer, finish_reason or event.finish_reason or outcome)
 
 
 def _ends_in_flight(choice: Choice) -> bool:

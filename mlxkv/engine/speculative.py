@@ -38,7 +38,7 @@ from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.engine.verify import sampling_logprobs, verify_greedy, verify_sampled
-from mlxkv.kv.store import CachePool, Sequence
+from mlxkv.kv import CachePool, Sequence
 
 
 @dataclass
@@ -185,9 +185,8 @@ class SpeculativeEngine(DirectEngine):
         stats.decoded_tokens += n + 1
         verified = seq.prompt_length + stats.decoded_tokens  # prompt + committed tokens, minus the newest
         assert seq.offset in (0, verified), f"cache offset {seq.offset} != verified length {verified}"
-        if seq.paged is not None:
-            p = seq.paged
-            assert p.num_tokens == verified == p.manager.num_committed(p.seq_id), "paged: unverified tokens left"
+        if self.pool.is_paged:
+            assert seq.num_committed == verified, "paged: unverified tokens left"
         if self.on_round is not None:
             self.on_round(seq, SpeculativeRound(k, n, committed, verified))
         return committed

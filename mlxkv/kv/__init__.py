@@ -26,6 +26,16 @@ _EXPORTS = {
     "BatchUnsupported": "mlxkv.kv.batching",
     "check_attended": "mlxkv.kv.batching",
     "make_batch_views": "mlxkv.kv.batching",
+    "cache_arrays": "mlxkv.kv.batching.prefill_views",
+    "make_prefill_views": "mlxkv.kv.batching.prefill_views",
+    "KvCacheConfig": "mlxkv.config",
+    "RetentionConfig": "mlxkv.kv.blocks.retention",
+    "RewindError": "mlxkv.kv.layouts",
+    "make_caches": "mlxkv.kv.layouts",
+    "layer_kind": "mlxkv.kv.layouts",
+    "can_drop_tokens": "mlxkv.kv.layouts",
+    "each_layer_cache": "mlxkv.kv.layouts",
+    "paged_blocks_for": "mlxkv.kv.admission",
 }
 
 

@@ -1,8 +1,10 @@
-"""CachePool: the per-sequence owner of layer caches.
+"""CachePool: the store of one model's sequences, and :class:`Sequence`, the handle of one of them.
 
-Every running sequence gets a monotonic :class:`SequenceId` and one cache per model layer, in the layout that
-layer's attention needs. The pool records each sequence's prompt length and creation time, enforces
-``max_sequences`` and reports the bytes its K/V buffers hold.
+The engine talks to the KV cache through these two only. The pool opens a sequence (a paged one takes its prefix
+hit), tells whether more tokens fit, picks whom to preempt, preempts and resumes, forks (parallel samples share a
+paged prompt's blocks) and releases; the handle carries one id for the sequence's whole life, its layer caches for
+the model, and the per-step protocol: ``feed`` the tokens a step appends before it, ``commit`` after it. Dense
+and paged storage answer the same calls (dense: no blocks, so everything fits and nothing is shared).
 
 Not thread-safe, by design: the engine that owns the pool is its only caller (the server's engine thread,
 or the direct engine's loop). Callers on other threads talk to the engine, never to the pool.
@@ -10,13 +12,12 @@ or the direct engine's loop). Callers on other threads talk to the engine, never
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
-
-from mlxkv.config import KV_GROUP_SIZES
 
 CacheFactory = Callable[[Any], list]
 LAYOUTS = ("mlxkv", "mlx-lm")
@@ -39,28 +40,78 @@ class SequenceId:
 
 @dataclass
 class Sequence:
-    """A sequence's state in the pool: its layer caches and bookkeeping."""
+    """One sequence's handle: its id, its layer caches and the per-step protocol.
+
+    ``paged`` is the block-manager bridge of a paged sequence (:class:`mlxkv.kv.paged.PagedSequence`; None when
+    dense, or while preempted): internal to the KV package.
+    """
 
     id: SequenceId
     caches: list  # one per model layer; the layout follows the layer's attention
     prompt_length: int  # tokens in the prompt (set by the engine at prefill)
     created_at: float = field(default_factory=time.monotonic)
-    paged: Any = None  # paged backend: the mlxkv.kv.paged.PagedSequence (block manager bridge); None when dense
+    paged: Any = None
+    salt: str | bytes | None = None  # what it was opened with: a resume opens with the same
+    retention: Any = None
+    priority: int = 0
+    preempted: bool = False
 
     @property
     def num_cached(self) -> int:
         """Prompt tokens served by the prefix cache (paged backend); prefill starts there."""
         return self.paged.num_cached if self.paged is not None else 0
 
+    @property
+    def num_committed(self) -> int:
+        """Positions written and verified (paged; dense: the first cache's offset)."""
+        return self.paged.num_committed if self.paged is not None else self.offset
+
     def feed(self, token_ids: list[int]) -> None:
         """Announce the tokens the next model step appends (paged: allocates their slots; dense: no-op)."""
         if self.paged is not None:
             self.paged.feed(token_ids)
 
+    def feed_placeholder(self) -> int | None:
+        """Announce one token whose id an overlapped step is still computing; returns its position (paged),
+        to name with :meth:`name_token` before the step after it commits. Dense: nothing to announce (None)."""
+        return self.paged.feed_placeholder() if self.paged is not None else None
+
+    def name_token(self, position: int | None, token_id: int) -> None:
+        """The id of the token :meth:`feed_placeholder` announced at ``position``."""
+        if self.paged is not None and position is not None:
+            self.paged.name_token(position, token_id)
+
+    def reserve(self, start: int, end: int) -> None:
+        """Take the slots of prompt positions ``[start, end)`` before the step that writes them (paged: so that
+        another sequence's room check sees them taken; dense: no-op)."""
+        if self.paged is not None:
+            self.paged.reserve(start, end)
+
+    def reserve_last(self) -> None:
+        """Take the slot of the last opened token, which the next decode step writes (its id is known: no
+        feed). Paged only; dense: no-op."""
+        if self.paged is not None:
+            n = self.paged.num_tokens
+            self.paged.reserve(n, n + 1)
+
     def commit(self) -> None:
         """After a model step: its tokens are verified (paged: full blocks become cached; dense: no-op)."""
         if self.paged is not None:
             self.paged.commit()
+
+    def rewind_to(self, length: int) -> bool:
+        """Bring every layer back to ``length`` tokens after a failed forward (paged: the write position only,
+        the slots stay for the retry; dense: an exact trim). False if some layer cannot be brought back."""
+        try:
+            for cache in self.caches:
+                if getattr(cache, "offset", 0) > length:
+                    if hasattr(cache, "rewind_to"):
+                        cache.rewind_to(length)
+                    else:
+                        cache.trim(cache.offset - length)
+            return all(getattr(c, "offset", length) == length for c in self.caches)
+        except Exception:  # noqa: BLE001 - a layer without exact trim: the sequence is spoiled
+            return False
 
     @property
     def offset(self) -> int:
@@ -106,48 +157,8 @@ def mlxkv_caches(model: Any, *, max_kv_size: int | None = None, kv_bits: int | N
     return make_caches(model, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
 
 
-def kv_head_dims(model: Any) -> set[int]:
-    """The head sizes of the keys and values ``model``'s attention layers cache (from their projections).
-
-    Found on modules that name their kv-head count (``n_kv_heads`` or ``num_key_value_heads``) and have
-    ``k_proj`` / ``v_proj`` projections, as mlx-lm's attention classes do; a quantized projection's weight
-    keeps one row per output feature. Empty when no layer looks like that (MLA, fused projections).
-    """
-    dims = set()
-    for module in model.modules():
-        kv_heads = getattr(module, "n_kv_heads", None) or getattr(module, "num_key_value_heads", None)
-        if not isinstance(kv_heads, int) or kv_heads < 1:
-            continue
-        for name in ("k_proj", "v_proj"):
-            weight = getattr(getattr(module, name, None), "weight", None)
-            if weight is not None and weight.shape[0] % kv_heads == 0:
-                dims.add(weight.shape[0] // kv_heads)
-    return dims
-
-
-def check_kv_group_size(model: Any, kv_group_size: int) -> None:
-    """Refuse a quantized KV cache whose group size does not divide every cached head size of ``model``.
-
-    MLX quantizes each cached row in groups along head_dim; checked here so that the error comes when the pool
-    is built, before any prompt is processed.
-
-    Raises:
-        ValueError: one line naming the head_dim and the group sizes that fit, or saying that none does.
-    """
-    head_dims = kv_head_dims(model)
-    misfits = sorted(d for d in head_dims if d % kv_group_size)
-    if not misfits:
-        return
-    fits = [g for g in KV_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
-    hint = (f"use --kv-group-size {' or '.join(map(str, fits))}" if fits else
-            f"no valid group size ({', '.join(map(str, KV_GROUP_SIZES))}) divides it, so this model cannot use a "
-            "quantized KV cache: run it without --kv-bits")
-    raise ValueError(f"--kv-bits: the model's head_dim {misfits[0]} is not divisible by the KV quantization "
-                     f"group size {kv_group_size}; {hint}")
-
-
 class CachePool:
-    """Owns the layer caches of every open sequence of one model.
+    """The store of every sequence of one model: dense buffers per sequence, or pages of one block pool.
 
     Args:
         model: the mlx-lm model whose layers the caches serve.
@@ -194,6 +205,8 @@ class CachePool:
                                       model_path=model_path)
         if cache_factory is None:
             if kv_bits is not None:
+                from mlxkv.kv.layouts import check_kv_group_size
+
                 check_kv_group_size(model, kv_group_size)
             build = mlxkv_caches if layout == "mlxkv" else mlx_lm_caches
             cache_factory = functools.partial(build, max_kv_size=max_kv_size, kv_bits=kv_bits,
@@ -201,35 +214,48 @@ class CachePool:
         self._factory = cache_factory
         self._ids = itertools.count(1)
         self._sequences: dict[SequenceId, Sequence] = {}
+        self._by_manager_id: dict[int, Sequence] = {}  # paged: the manager's id of each open sequence
 
-    def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None,
-             salt: str | bytes | None = None) -> Sequence:
+    @property
+    def is_paged(self) -> bool:
+        """Whether sequences live in pages of one block pool (prefix caching, preemption, shared forks)."""
+        return self.paged is not None
+
+    # ---- opening and ending -------------------------------------------------------------------------------
+    def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None, salt: str | bytes | None = None,
+             retention: Any = None, priority: int = 0) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
 
         Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
         and takes its prefix hit (``seq.num_cached`` tokens need no compute); ``salt`` isolates caches
-        (sequences with different salts never share blocks).
+        (sequences with different salts never share blocks); ``retention`` (the manager's ``RetentionConfig``)
+        ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later).
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
             ValueError: paged backend without ``prompt``.
         """
-        if len(self._sequences) >= self.max_sequences:
+        if len(self) >= self.max_sequences:
             raise PoolFullError(
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
-        if self.paged is not None:
-            if not prompt:
-                raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
-            caches, paged = self.paged.open(prompt, salt=salt)
-            seq = Sequence(id=SequenceId(next(self._ids)), caches=caches,
-                           prompt_length=prompt_length or len(prompt), paged=paged)
-            self._sequences[seq.id] = seq
-            return seq
-        seq = Sequence(id=SequenceId(next(self._ids)), caches=self._factory(self.model),
-                       prompt_length=prompt_length)
+        seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length, salt=salt,
+                       retention=retention, priority=priority)
+        self._attach(seq, prompt)
         self._sequences[seq.id] = seq
         return seq
+
+    def _attach(self, seq: Sequence, tokens: list[int] | None) -> None:
+        """Give ``seq`` caches: paged, registered with the manager over ``tokens`` (prefix hit taken)."""
+        if self.paged is None:
+            seq.caches = self._factory(self.model)
+            return
+        if not tokens:
+            raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
+        seq.caches, seq.paged = self.paged.open(tokens, salt=seq.salt, retention=seq.retention,
+                                                priority=seq.priority)
+        seq.prompt_length = seq.prompt_length or len(tokens)
+        self._by_manager_id[seq.paged.seq_id] = seq
 
     def get(self, seq_id: SequenceId) -> Sequence:
         """The open sequence ``seq_id`` (KeyError if it is not open)."""
@@ -238,29 +264,56 @@ class CachePool:
         except KeyError:
             raise KeyError(f"{seq_id} is not open in this pool") from None
 
+    def _detach(self, seq: Sequence) -> None:
+        seq.caches = []  # drop our references so MLX can free the buffers
+        if seq.paged is not None:
+            self._by_manager_id.pop(seq.paged.seq_id, None)
+            self.paged.release(seq.paged)  # blocks back to the pool, tail first; verified ones stay cached
+            seq.paged = None
+
     def release(self, seq_id: SequenceId) -> None:
-        """Drop a sequence and its caches (KeyError if it is not open)."""
+        """Drop a sequence (open or preempted) and its caches (KeyError if it is not in the pool)."""
         seq = self.get(seq_id)
         del self._sequences[seq_id]
-        seq.caches.clear()  # drop our references so MLX can free the buffers
-        if seq.paged is not None:
-            self.paged.release(seq.paged)  # blocks back to the pool, tail first; verified ones stay cached
+        self._detach(seq)
+
+    def preempt(self, seq_id: SequenceId) -> None:
+        """Free a sequence's caches to make room; its verified blocks stay cached, so :meth:`resume` finds them
+        as a prefix hit. The handle stays (same id) and no longer counts against ``max_sequences``."""
+        seq = self.get(seq_id)
+        self._detach(seq)
+        seq.preempted = True
+
+    def resume(self, seq_id: SequenceId, tokens: list[int]) -> Sequence:
+        """Give a preempted sequence caches again, over ``tokens`` (what it holds so: prompt and generated
+        tokens); paged: the prefix still cached is a hit (``seq.num_cached``), the rest is to be recomputed.
+
+        Raises:
+            PoolFullError: ``max_sequences`` sequences are open; ValueError: it is not preempted.
+        """
+        seq = self.get(seq_id)
+        if not seq.preempted:
+            raise ValueError(f"{seq_id} is not preempted")
+        if len(self) >= self.max_sequences:
+            raise PoolFullError(f"the cache pool is full: {self.max_sequences} sequences open")
+        self._attach(seq, tokens)
+        seq.preempted = False
+        return seq
 
     def fork(self, seq_id: SequenceId, n: int) -> list[Sequence]:
         """``n`` new sequences continuing from ``seq_id``'s current state (best-of-n, parallel sampling).
 
         Paged backend: the children share every block of the parent (copy-on-write on a shared partial tail),
-        so n samples of one prompt hold the prompt's K/V once. Dense backend: the caches are copied.
+        so n samples of one prompt hold the prompt's K/V once; fork after the model step that wrote the parent's
+        slots. Dense backend: the caches are copied.
 
         Raises:
             PoolFullError: the children would exceed ``max_sequences``; KeyError: ``seq_id`` is not open.
         """
-        import copy
-
         parent = self.get(seq_id)
         if n < 1:
             raise ValueError(f"fork n must be >= 1, got {n}")
-        if len(self._sequences) + n > self.max_sequences:
+        if len(self) + n > self.max_sequences:
             raise PoolFullError(f"forking {n} would exceed max_sequences={self.max_sequences}")
         if parent.paged is not None:
             pairs = self.paged.fork(parent.paged, parent.caches, n)
@@ -269,23 +322,98 @@ class CachePool:
         children = []
         for caches, paged in pairs:
             child = Sequence(id=SequenceId(next(self._ids)), caches=caches, prompt_length=parent.prompt_length,
-                             paged=paged)
+                             paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority)
             self._sequences[child.id] = child
+            if paged is not None:
+                self._by_manager_id[paged.seq_id] = child
             children.append(child)
         return children
+
+    # ---- room ---------------------------------------------------------------------------------------------
+    def can_extend(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` more tokens of ``seq`` fit now without preempting anyone (dense: always)."""
+        return self.paged is None or self.paged.manager.can_allocate(seq.paged.seq_id, num_tokens)
+
+    def victim_for(self, seq: Sequence) -> Sequence | None:
+        """The open sequence to preempt so ``seq`` can grow: one ranking strictly below it (lower priority, then
+        newer); None when there is none (or the pool is dense)."""
+        if self.paged is None:
+            return None
+        victim = self.paged.manager.choose_victim(requester=seq.paged.seq_id)
+        return None if victim is None else self._by_manager_id[victim]
+
+    def admission_cost(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens holds at most (dense: 0), to weigh against
+        :meth:`free_capacity` when admitting."""
+        if self.paged is None:
+            return 0
+        from mlxkv.kv.admission import blocks_needed
+
+        return blocks_needed(self.paged.manager.specs, self.paged.block_size, num_tokens)
+
+    def free_capacity(self) -> int:
+        """Free blocks (dense: 0; admission then never waits for blocks)."""
+        return self.paged.manager.pool.num_free_blocks if self.paged is not None else 0
+
+    def has_decode_headroom(self, num_sequences: int) -> bool:
+        """Whether ``num_sequences`` sequences can each take one more token without preempting: at most one new
+        block per group and one copy-on-write block each (dense: always)."""
+        if self.paged is None:
+            return True
+        return self.free_capacity() >= num_sequences * 2 * len(self.paged.manager.specs)
+
+    def max_sequence_tokens(self) -> int | None:
+        """The longest sequence the whole block pool holds alone (dense: None, no limit here)."""
+        if self.paged is None:
+            return None
+        from mlxkv.kv.admission import max_paged_tokens
+
+        return max_paged_tokens(self.paged.manager)
+
+    # ---- what the pool holds --------------------------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether verified blocks are kept for later prefix hits (paged, and a model without recurrent layers)."""
+        return self.paged is not None and self.paged.manager.pool.enable_caching
+
+    def evict_cached(self) -> int:
+        """Drop every cached block no sequence holds (to the secondary tier when one takes it); returns how many
+        (dense: 0)."""
+        if self.paged is None:
+            return 0
+        pool = self.paged.manager.pool
+        return pool.evict_cached(pool.stats().evictable)
+
+    def block_stats(self) -> dict:
+        """The block pool's figures for stats and metrics (paged; dense: empty)."""
+        if self.paged is None:
+            return {}
+        manager = self.paged.manager
+        m = manager.stats()
+        p = m.pool
+        return {
+            "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
+                          "evictable": p.evictable, "block_size": manager.block_size,
+                          "capacity_tokens": self.max_sequence_tokens(),
+                          "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
+            "evictions": p.evictions,
+            "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
+        }
 
     def check_invariants(self) -> None:
         """Assert pool consistency (tests): paged: manager invariants, open sequences == manager sequences."""
         if self.paged is not None:
             self.paged.check_invariants()
-            assert sorted(s.paged.seq_id for s in self._sequences.values()) == sorted(self.paged.sequences)
+            open_ids = sorted(s.paged.seq_id for s in self._sequences.values() if s.paged is not None)
+            assert open_ids == sorted(self.paged.sequences) == sorted(self._by_manager_id)
 
     def memory_usage_bytes(self) -> int:
         """Bytes allocated by the K/V buffers (and recurrent state) of every open sequence."""
         return sum(seq.nbytes() for seq in self._sequences.values())
 
     def __len__(self) -> int:
-        return len(self._sequences)
+        """Open sequences (preempted ones do not count)."""
+        return sum(1 for s in self._sequences.values() if not s.preempted)
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._sequences

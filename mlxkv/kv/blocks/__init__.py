@@ -27,9 +27,10 @@ From ``KVCacheManager`` the storage layer receives three things:
 Engine protocol
 ---------------
 ``open(prompt, salt=, extra=, spans=, retention=, priority=)`` → ``OpenResult`` (seq id, cached tokens,
-copies); ``allocate_slots(seq, n | token_ids=, preempt=)`` → ``SlotAllocation`` or None when blocks run
+copies); ``allocate_slots(seq, n | token_ids=)`` → ``SlotAllocation`` or None when blocks run
 out; after the model step ``commit(seq, n)`` marks tokens verified (only verified full blocks are cached);
-``trim(seq, n)`` drops rejected drafts; ``fork(seq, n)``; ``preempt`` / ``resume``; ``free(seq)``.
+``trim(seq, n)`` drops rejected drafts; ``fork(seq, n)``; ``free(seq)`` (also to preempt: the freed blocks stay
+cached, so opening the sequence again over its tokens is a prefix hit).
 ``choose_victim`` / ``stats`` / ``events`` for the scheduler and metrics.
 
 Modules: block (KVCacheBlock, null block), free_queue, hashing (chained hashes, salt), retention
@@ -61,7 +62,6 @@ from mlxkv.kv.blocks.seq_state import (
     CopyOp,
     ManagerStats,
     OpenResult,
-    SeqStatus,
     SlotAllocation,
     slot_mapping,
 )
@@ -95,7 +95,6 @@ __all__ = [
     "PrefixHit",
     "PriorityLRUPolicy",
     "RetentionConfig",
-    "SeqStatus",
     "SlotAllocation",
     "TokenRangeRetention",
     "make_hash_fn",

@@ -7,7 +7,7 @@ Lifecycle of a sequence (positions are token indices):
     ...model step: apply res.copies / a.copies, then write K/V at a.slot_mapping...
     m.commit(res.seq_id)                              # verified: full blocks become cached
     m.trim(seq_id, k)                                 # drop the last k tokens (rejected drafts)
-    m.fork(seq_id, n) / m.preempt(seq_id) / m.resume(seq_id) / m.free(seq_id)
+    m.fork(seq_id, n) / m.free(seq_id)                # a preempted sequence is freed, then opened again
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from mlxkv.kv.blocks.seq_state import (
     GroupTable,
     ManagerStats,
     OpenResult,
-    SeqStatus,
     SequenceState,
     SlotAllocation,
 )
@@ -45,7 +44,8 @@ if TYPE_CHECKING:
 
 
 class KVCacheManager:
-    """Block tables, prefix caching and preemption for every sequence of one engine. Not thread-safe.
+    """Block tables and prefix caching for every sequence of one engine, and the preemption ranking. Not
+    thread-safe.
 
     Args:
         num_blocks: pool size including the null block.
@@ -90,8 +90,7 @@ class KVCacheManager:
         self._seqs: dict[int, SequenceState] = {}
         self._ids = itertools.count(1)
         self._arrivals = itertools.count()
-        self._preempted_log: list[int] = []
-        self._prompt_tokens = self._hit_tokens = self._preemptions = 0
+        self._prompt_tokens = self._hit_tokens = 0
 
     @classmethod
     def from_config(
@@ -155,7 +154,7 @@ class KVCacheManager:
     # ---- growing --------------------------------------------------------------------------------------
     def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:
         """Whether ``allocate_slots`` for that many tokens would succeed now without preempting."""
-        seq = self._running(seq_id)
+        seq = self._get(seq_id)
         self.tables.release_skipped(seq)
         return self.tables.blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks
 
@@ -164,17 +163,14 @@ class KVCacheManager:
         seq_id: int,
         num_new_tokens: int | None = None,
         token_ids: Sequence[int] | None = None,
-        *,
-        preempt: bool = False,
     ) -> SlotAllocation | None:
         """Slots for the next tokens of a sequence.
 
         Either ``num_new_tokens`` of its pending prompt tokens (default: all), or new ``token_ids`` (decode
-        input, draft tokens) once every prompt token has a slot. With ``preempt``, running sequences ranking
-        below this one (lower priority, then newer) are preempted until the blocks fit.
-        Returns None when the blocks do not fit; this sequence is then unchanged.
+        input, draft tokens) once every prompt token has a slot. Returns None when the blocks do not fit; this
+        sequence is then unchanged (the engine makes room: :meth:`choose_victim`).
         """
-        seq = self._running(seq_id)
+        seq = self._get(seq_id)
         pending = len(seq.tokens) - seq.num_allocated
         if token_ids is not None:
             if pending:
@@ -185,25 +181,19 @@ class KVCacheManager:
             if not 0 <= n <= pending:
                 raise ValueError(f"num_new_tokens={num_new_tokens}: expected 0..{pending} (pending prompt tokens)")
         self.tables.release_skipped(seq)
-        preempted: list[int] = []
-        while self.tables.blocks_needed(seq, n) > self.pool.num_free_blocks:
-            victim = self.choose_victim(requester=seq_id) if preempt else None
-            if victim is None:
-                return None
-            self.preempt(victim)
-            self._preempted_log.append(victim)
-            preempted.append(victim)
+        if self.tables.blocks_needed(seq, n) > self.pool.num_free_blocks:
+            return None
         start = seq.num_allocated
         copies, new_blocks = self.tables.grow(seq, n)
         if token_ids is not None:
             seq.tokens.extend(int(t) for t in token_ids)
         slots = self.slot_mapping(seq_id, start, start + n)
-        return SlotAllocation(seq_id, start, n, slots, new_blocks, copies, preempted)
+        return SlotAllocation(seq_id, start, n, slots, new_blocks, copies)
 
     def set_token(self, seq_id: int, position: int, token_id: int) -> None:
         """Name the token at an allocated, not yet committed ``position`` (allocated under a placeholder id while
         its value was still being computed: an overlapped decode step). Ids are hashed only at commit."""
-        seq = self._running(seq_id)
+        seq = self._get(seq_id)
         if not seq.num_committed <= position < seq.num_allocated:
             raise ValueError(f"position {position}: expected an allocated, uncommitted one "
                              f"({seq.num_committed}..{seq.num_allocated - 1})")
@@ -213,7 +203,7 @@ class KVCacheManager:
         """Mark the next ``num_tokens`` allocated tokens as written and verified (default: all); full
         blocks of verified tokens become cached. Call it after the model step; unverified (draft) tokens
         are never cached."""
-        seq = self._running(seq_id)
+        seq = self._get(seq_id)
         room = seq.num_allocated - seq.num_committed
         n = room if num_tokens is None else num_tokens
         if not 0 <= n <= room:
@@ -228,7 +218,7 @@ class KVCacheManager:
         from the cache; where one was evicted, the trim stops short. Returns the number of tokens removed."""
         if n < 0:
             raise ValueError(f"trim n={n}: expected >= 0")
-        seq = self._running(seq_id)
+        seq = self._get(seq_id)
         target = self.tables.trimmable_to(seq, max(0, seq.num_allocated - n))
         removed = seq.num_allocated - target
         self.tables.trim(seq, target)
@@ -240,7 +230,7 @@ class KVCacheManager:
         parent's allocated slots. Returns the new ids."""
         if n < 1:
             raise ValueError(f"fork n={n}: expected >= 1")
-        parent = self._running(seq_id)
+        parent = self._get(seq_id)
         out = []
         for _ in range(n):
             child = SequenceState(
@@ -254,51 +244,25 @@ class KVCacheManager:
             out.append(child.seq_id)
         return out
 
-    # ---- releasing and preemption ---------------------------------------------------------------------
+    # ---- releasing, and whom to preempt --------------------------------------------------------------
     def free(self, seq_id: int) -> None:
-        """Release a finished sequence's blocks, tail first; verified content stays cached."""
+        """Release a sequence's blocks, tail first; verified content stays cached (a preempted sequence opened
+        again over its tokens finds it as a prefix hit)."""
         seq = self._get(seq_id)
-        if seq.status is SeqStatus.RUNNING:
-            self.tables.release(seq)
+        self.tables.release(seq)
         del self._seqs[seq_id]
 
     def choose_victim(self, requester: int | None = None) -> int | None:
-        """The running sequence to preempt: lowest priority, then newest. With ``requester``, only one
-        ranking strictly below it (never the requester itself); None when there is none."""
+        """The sequence to preempt: lowest priority, then newest. With ``requester``, only one ranking strictly
+        below it (never the requester itself); None when there is none."""
         def rank(s: SequenceState):
             return (s.priority, -s.arrival)
 
-        cands = [s for s in self._seqs.values() if s.status is SeqStatus.RUNNING and s.seq_id != requester]
+        cands = [s for s in self._seqs.values() if s.seq_id != requester]
         if requester is not None:
             bar = rank(self._get(requester))
             cands = [s for s in cands if rank(s) < bar]
         return min(cands, key=rank).seq_id if cands else None
-
-    def preempt(self, seq_id: int) -> None:
-        """Release a running sequence's blocks for recompute later (``resume``); they stay cached.
-        Unverified tokens are dropped."""
-        seq = self._running(seq_id)
-        self.tables.release(seq)
-        del seq.tokens[max(seq.num_committed, seq.prompt_len) :]
-        del seq.block_hashes[len(seq.tokens) // self.block_size :]
-        seq.num_allocated = seq.num_committed = 0
-        seq.status = SeqStatus.PREEMPTED
-        self._preemptions += 1
-
-    def take_preempted(self) -> list[int]:
-        """Sequences preempted by ``allocate_slots(preempt=True)`` since the last call."""
-        out, self._preempted_log = self._preempted_log, []
-        return out
-
-    def resume(self, seq_id: int) -> OpenResult:
-        """Re-attach a preempted sequence to whatever of its tokens is still cached (not counted as hits);
-        the engine recomputes the rest through ``allocate_slots``."""
-        seq = self._get(seq_id)
-        if seq.status is not SeqStatus.PREEMPTED:
-            raise ValueError(f"sequence {seq_id} is {seq.status.value}, not preempted")
-        seq.status = SeqStatus.RUNNING
-        cached, copies = self.tables.attach(seq)
-        return OpenResult(seq_id, cached, copies, self.block_tables(seq_id))
 
     # ---- views --------------------------------------------------------------------------------------------
     def _get(self, seq_id: int) -> SequenceState:
@@ -306,15 +270,6 @@ class KVCacheManager:
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id}")
         return seq
-
-    def _running(self, seq_id: int) -> SequenceState:
-        seq = self._get(seq_id)
-        if seq.status is not SeqStatus.RUNNING:
-            raise ValueError(f"sequence {seq_id} is {seq.status.value}; resume() it first")
-        return seq
-
-    def status(self, seq_id: int) -> SeqStatus:
-        return self._get(seq_id).status
 
     def sequences(self) -> list[int]:
         return list(self._seqs)
@@ -344,11 +299,8 @@ class KVCacheManager:
         return [[t.blocks[p // B].block_id * B + p % B for p in range(start, end)] for t in seq.tables]
 
     def stats(self) -> ManagerStats:
-        running = sum(s.status is SeqStatus.RUNNING for s in self._seqs.values())
-        return ManagerStats(
-            prompt_tokens=self._prompt_tokens, hit_tokens=self._hit_tokens, preemptions=self._preemptions,
-            running=running, preempted=len(self._seqs) - running, pool=self.pool.stats(),
-        )
+        return ManagerStats(prompt_tokens=self._prompt_tokens, hit_tokens=self._hit_tokens, running=len(self._seqs),
+                            pool=self.pool.stats())
 
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests): each ref count equals the tables holding the block."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -10,11 +9,6 @@ from mlxkv.kv.blocks.block import BlockHash, BlockRef, KVCacheBlock
 from mlxkv.kv.blocks.block_pool import PoolStats
 from mlxkv.kv.blocks.hashing import HashContext
 from mlxkv.kv.blocks.retention import RetentionConfig
-
-
-class SeqStatus(enum.Enum):
-    RUNNING = "running"
-    PREEMPTED = "preempted"  # blocks released (still cached); resume() recomputes what was evicted
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +39,6 @@ class SlotAllocation:
     slot_mapping: per group, the flat slot (``block_id * block_size + offset``) of each new token.
     new_blocks: per group, the block ids appended to the block table.
     copies: copy-on-write instructions to apply before writing.
-    preempted: sequences preempted to make room (``preempt=True``).
     """
 
     seq_id: int
@@ -54,16 +47,13 @@ class SlotAllocation:
     slot_mapping: list[list[int]]
     new_blocks: list[list[int]]
     copies: list[CopyOp] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class ManagerStats:
-    prompt_tokens: int  # tokens of opened prompts (resumes after preemption excluded)
+    prompt_tokens: int  # tokens of opened prompts (a preempted sequence opened again counts again)
     hit_tokens: int  # of those, tokens served from the prefix cache
-    preemptions: int
-    running: int
-    preempted: int
+    running: int  # open sequences
     pool: PoolStats
 
     @property
@@ -97,7 +87,6 @@ class SequenceState:
     block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks of `tokens`
     num_allocated: int = 0  # positions with a slot
     num_committed: int = 0  # positions whose K/V is written and verified (cacheable)
-    status: SeqStatus = SeqStatus.RUNNING
     unconfirmed_copies: set[int] = field(default_factory=set)  # copy targets not yet followed by a commit
 
 

@@ -9,7 +9,51 @@ the tokens of the current chunk only. Blocks wholly before ``first_needed`` can 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+class FullAttention:
+    """Every past token is attended: nothing is released while the sequence runs."""
+
+    name = "full"
+    window: int | None = None
+    chunk_size: int | None = None
+
+    def first_needed(self, num_tokens: int) -> int:
+        """First position still needed to compute the token at position ``num_tokens`` (and every later one)."""
+        return 0
+
+    def span(self) -> int | None:
+        """Tokens a sequence's table of this kind holds real K/V for at most (None: unbounded)."""
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindow(FullAttention):
+    """A window of ``window`` tokens: the query itself and the ``window - 1`` before it."""
+
+    window: int
+    name = "sliding"
+
+    def first_needed(self, num_tokens: int) -> int:
+        return max(0, num_tokens - self.window + 1)
+
+    def span(self) -> int:
+        return self.window
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedAttention(FullAttention):
+    """Llama-4 local chunks of ``chunk_size`` tokens: the current chunk only."""
+
+    chunk_size: int
+    name = "chunked"
+
+    def first_needed(self, num_tokens: int) -> int:
+        return (num_tokens // self.chunk_size) * self.chunk_size
+
+    def span(self) -> int:
+        return self.chunk_size
+
 
 ATTENTION_KINDS = ("full", "sliding", "chunked")
 
@@ -26,6 +70,7 @@ class KVCacheGroupSpec:
     window: int | None = None
     chunk_size: int | None = None
     layer_ids: tuple[int, ...] = ()
+    attention: FullAttention = field(init=False, repr=False, compare=False)  # the kind's rules, from kind
 
     def __post_init__(self) -> None:
         if self.kind not in ATTENTION_KINDS:
@@ -37,6 +82,9 @@ class KVCacheGroupSpec:
         if self.kind == "full" and (self.window is not None or self.chunk_size is not None):
             raise ValueError("a full-attention group takes neither window nor chunk_size")
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        attention = {"full": FullAttention, "sliding": lambda: SlidingWindow(self.window),
+                     "chunked": lambda: ChunkedAttention(self.chunk_size)}[self.kind]()
+        object.__setattr__(self, "attention", attention)
 
     @property
     def is_full(self) -> bool:
@@ -45,11 +93,7 @@ class KVCacheGroupSpec:
     def first_needed(self, num_tokens: int) -> int:
         """First position whose K/V is still needed to compute the token at position ``num_tokens``
         (and every later one)."""
-        if self.kind == "sliding":
-            return max(0, num_tokens - self.window + 1)
-        if self.kind == "chunked":
-            return (num_tokens // self.chunk_size) * self.chunk_size
-        return 0
+        return self.attention.first_needed(num_tokens)
 
     def needed_blocks(self, num_tokens: int, block_size: int) -> range:
         """Block indices that must hold real K/V for a cached prefix of ``num_tokens`` tokens."""

@@ -57,7 +57,15 @@ from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache, RewindError
 from mlxkv.kv.layouts.mlx_lm_batch import BatchKVCache, BatchRotatingKVCache
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
 from mlxkv.kv.layouts.attention_hook import install_attention_hook
-from mlxkv.kv.layouts.model_layouts import describe_layout, layer_kind, make_caches
+from mlxkv.kv.layouts.model_layouts import (
+    can_drop_tokens,
+    check_kv_group_size,
+    describe_layout,
+    each_layer_cache,
+    kv_head_dims,
+    layer_kind,
+    make_caches,
+)
 from mlxkv.kv.layouts.persist import load_prompt_cache, save_prompt_cache
 from mlxkv.kv.layouts.quantized import (
     QuantizedChunkedKVCache,
@@ -81,8 +89,12 @@ __all__ = [
     "QuantizedRotatingKVCache",
     "RewindError",
     "RotatingKVCache",
+    "can_drop_tokens",
+    "check_kv_group_size",
     "describe_layout",
+    "each_layer_cache",
     "install_attention_hook",
+    "kv_head_dims",
     "layer_kind",
     "load_prompt_cache",
     "make_caches",

@@ -23,12 +23,14 @@ latents directly) refuse it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
 
 from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
+from mlxkv.kv.layouts.dense_storage import VALID_GROUP_SIZES
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
 
@@ -130,3 +132,66 @@ def describe_layout(model: Any, max_kv_size: int | None = None, kv_bits: int | N
     caches = make_caches(model, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
     counts = Counter(layer_kind(c) for c in caches)
     return ", ".join(f"{kind} x{n}" for kind, n in counts.items())
+
+
+def kv_head_dims(model: Any) -> set[int]:
+    """The head sizes of the keys and values ``model``'s attention layers cache (from their projections).
+
+    Found on modules that name their kv-head count (``n_kv_heads`` or ``num_key_value_heads``) and have
+    ``k_proj`` / ``v_proj`` projections, as mlx-lm's attention classes do; a quantized projection's weight
+    keeps one row per output feature. Empty when no layer looks like that (MLA, fused projections).
+    """
+    dims = set()
+    for module in model.modules():
+        kv_heads = getattr(module, "n_kv_heads", None) or getattr(module, "num_key_value_heads", None)
+        if not isinstance(kv_heads, int) or kv_heads < 1:
+            continue
+        for name in ("k_proj", "v_proj"):
+            weight = getattr(getattr(module, name, None), "weight", None)
+            if weight is not None and weight.shape[0] % kv_heads == 0:
+                dims.add(weight.shape[0] // kv_heads)
+    return dims
+
+
+def check_kv_group_size(model: Any, kv_group_size: int) -> None:
+    """Refuse a quantized KV cache whose group size does not divide every cached head size of ``model``.
+
+    MLX quantizes each cached row in groups along head_dim; checked here so that the error comes when the pool
+    is built, before any prompt is processed.
+
+    Raises:
+        ValueError: one line naming the head_dim and the group sizes that fit, or saying that none does.
+    """
+    head_dims = kv_head_dims(model)
+    misfits = sorted(d for d in head_dims if d % kv_group_size)
+    if not misfits:
+        return
+    fits = [g for g in VALID_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
+    hint = (f"use --kv-group-size {' or '.join(map(str, fits))}" if fits else
+            f"no valid group size ({', '.join(map(str, VALID_GROUP_SIZES))}) divides it, so this model cannot use a "
+            "quantized KV cache: run it without --kv-bits")
+    raise ValueError(f"--kv-bits: the model's head_dim {misfits[0]} is not divisible by the KV quantization "
+                     f"group size {kv_group_size}; {hint}")
+
+
+def each_layer_cache(caches: Iterable[Any]) -> Iterator[Any]:
+    """Every layer cache, the members of mlx-lm ``CacheList`` s included."""
+    for c in caches:
+        if isinstance(c, mlx_cache.CacheList):
+            yield from each_layer_cache(c.caches)
+        else:
+            yield c
+
+
+def _can_drop(cache: Any, n: int) -> bool:
+    if isinstance(cache, ChunkedKVCache):
+        return False  # kept out by design (its trim would drop them exactly)
+    if isinstance(cache, RotatingKVCache):
+        return cache.max_rewind + 1 >= n
+    return isinstance(cache, (KVCache, mlx_cache.KVCache))
+
+
+def can_drop_tokens(caches: list, n: int) -> bool:
+    """Whether every layer can ``trim`` the ``n`` tokens it was just given exactly (padded prefill): standard
+    layouts, rotating ones rewinding that far, mlx-lm's ``KVCache``; never chunked or recurrent layers."""
+    return all(_can_drop(c, n) for c in each_layer_cache(caches))

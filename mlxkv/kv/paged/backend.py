@@ -150,8 +150,14 @@ class PagedBackend:
     def num_blocks(self) -> int:
         return self.storage.num_blocks
 
-    def open(self, prompt: Sequence[int], salt: str | bytes | None = None) -> tuple[list, PagedSequence]:
+    def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
+             priority: int = 0) -> tuple[list, PagedSequence]:
         """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
+
+        Args:
+            prompt: its token ids; salt: cache salt (different salts never share blocks).
+            retention: the manager's ``RetentionConfig`` for its blocks (the prefix-hit blocks included).
+            priority: preemption rank (higher is preempted later).
 
         Returns:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
@@ -159,7 +165,7 @@ class PagedBackend:
         """
         if self.tier is not None:
             self.tier.restore(prompt, salt)  # tier blocks extending the primary hit come back as cached blocks
-        res = self.manager.open(prompt, salt=salt)
+        res = self.manager.open(prompt, salt=salt, retention=retention, priority=priority)
         seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
                             res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
         seq.apply_copies(res.copies)

@@ -67,11 +67,11 @@ class PagedLayerCache:
     # -- geometry ----------------------------------------------------------------------------------
     @property
     def window(self) -> int | None:
-        return self.spec.window if self.spec.kind == "sliding" else None
+        return self.spec.attention.window
 
     @property
     def chunk_size(self) -> int | None:
-        return self.spec.chunk_size if self.spec.kind == "chunked" else None
+        return self.spec.attention.chunk_size
 
     @property
     def start_position(self) -> int:
@@ -79,12 +79,9 @@ class PagedLayerCache:
         return self._first_returned(self.offset)
 
     def _first_returned(self, offset: int) -> int:
-        """First key position ``update_and_fetch`` returns for new tokens starting at ``offset``."""
-        if self.spec.kind == "sliding":
-            return max(0, offset - self.spec.window + 1)
-        if self.spec.kind == "chunked":
-            return offset // self.spec.chunk_size * self.spec.chunk_size
-        return 0
+        """First key position ``update_and_fetch`` returns for new tokens starting at ``offset``: the first one
+        the query at ``offset`` still attends."""
+        return self.spec.attention.first_needed(offset)
 
     def maybe_trim_front(self) -> None:
         """llama4 calls this before each forward; the manager releases blocks leaving the chunk."""
@@ -169,22 +166,22 @@ class PagedLayerCache:
         position every returned row (current chunk, up to the query) is visible, which is the kernel's rule."""
         if mask is None:
             return True
-        return (self.spec.kind == "chunked" and isinstance(mask, mx.array) and mask.dtype == mx.bool_
+        return (self.chunk_size is not None and isinstance(mask, mx.array) and mask.dtype == mx.bool_
                 and mask.shape[-1] == keys.shape[2] and mask.shape[-2] == 1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return (as the dense layouts)."""
-        o = self.offset
-        if self.spec.kind == "full":
+        o, window, chunk = self.offset, self.window, self.chunk_size
+        if window is None and chunk is None:
             return standard_mask(N, o, return_array, window_size)
         start = self._first_returned(o)
         q, k = mx.arange(o, o + N), mx.arange(start, o + N)
-        if self.spec.kind == "sliding":
-            w = self.spec.window if window_size is None else min(window_size, self.spec.window)
+        if window is not None:
+            w = window if window_size is None else min(window_size, window)
             if not return_array and (o + N - 1) - start < w:
                 return None if N == 1 else "causal"
             return visible(q, k, w)
-        C = self.spec.chunk_size
+        C = chunk
         if not return_array and window_size is None and (o + N - 1) // C * C == start:
             return None if N == 1 else "causal"
         return visible(q, k, window_size) & ((q[:, None] // C) == (k[None] // C))  # (N, K)

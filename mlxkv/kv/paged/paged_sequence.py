@@ -20,6 +20,10 @@ from mlxkv.kv.blocks import CopyOp, KVCacheManager
 from mlxkv.kv.paged.page_arrays import PagedStorage, page_runs
 
 
+#: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
+PLACEHOLDER = -1
+
+
 class PagedPoolExhausted(RuntimeError):
     """The block pool has no free block for the next tokens (raise the KV budget or run fewer sequences)."""
 
@@ -81,6 +85,26 @@ class PagedSequence:
     def feed(self, token_ids: Sequence[int]) -> None:
         """Announce the tokens the next model step appends (decode input, drafts): allocates their slots."""
         self._allocate(token_ids=[int(t) for t in token_ids])
+
+    def feed_placeholder(self) -> int:
+        """Allocate the slot of one token whose id is still being computed; returns its position, to name with
+        :meth:`name_token` before :meth:`commit` (ids are hashed only at commit)."""
+        self.feed([PLACEHOLDER])
+        return self.num_tokens - 1
+
+    def name_token(self, position: int, token_id: int) -> None:
+        """The id of the token fed at ``position`` by :meth:`feed_placeholder`."""
+        self.manager.set_token(self.seq_id, position, token_id)
+
+    def reserve(self, start: int, end: int) -> None:
+        """Allocate the slots of prompt positions ``[start, end)`` now (before the model step writes them), so a
+        room check made meanwhile for another sequence sees them taken."""
+        self.slots(0, start, end)
+
+    @property
+    def num_committed(self) -> int:
+        """Positions written and verified (cached once their block is full)."""
+        return self.manager.num_committed(self.seq_id)
 
     def commit(self, num_tokens: int | None = None) -> None:
         """After a model step: mark written tokens verified (default: all); full blocks become cached."""

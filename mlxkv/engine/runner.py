@@ -1,0 +1,92 @@
+"""ModelRunner: executes what the scheduler decided — prefill chunks (one sequence, or several in one forward),
+decode steps (one batched forward through batch views, else sequence by sequence) and sampling.
+
+It owns no sequence and makes no decision about who runs: the scheduler hands it sequences (KV handles) and
+token ids and gets logits or sampled tokens back. Where a batched path cannot run for a model, it switches that
+path off for good and says so (``batched`` / ``batched_prefill``), and the step runs unbatched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlxkv.engine.prefill_batch import prefill_together
+from mlxkv.engine.row_sampler import RowSampler, sample_rows
+from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
+
+
+class ModelRunner:
+    """Runs one model's forwards over KV handles.
+
+    Args:
+        model: the mlx-lm model (attention hook installed for batch views).
+        batched: decode several sequences in one forward through batch views.
+        batched_prefill: prefill several short chunks in one forward (:mod:`mlxkv.engine.prefill_batch`).
+        totals: the scheduler's counters; the runner adds ``batched_steps``, ``unbatched_steps`` and
+            ``batched_prefills``.
+    """
+
+    def __init__(self, model: Any, *, batched: bool, batched_prefill: bool, totals: dict[str, int]):
+        self.model = model
+        self.batched = batched
+        self.batched_prefill = batched_prefill
+        self.totals = totals
+
+    def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool) -> mx.array | None:
+        """``tokens`` through the model into ``seq``'s caches, evaluated; the last position's logits
+        ``(1, vocab)`` when ``want_logits`` (a request's first token is sampled from them), else None."""
+        chunk = mx.array(list(tokens), dtype=mx.uint32)
+        logits = self.model(chunk[None], cache=seq.caches)  # (1, n, vocab)
+        last = logits[:, -1, :] if want_logits else None
+        mx.eval(cache_arrays(seq.caches), *([last] if last is not None else []))
+        return last
+
+    def prefill_together(self, seqs: Sequence[Any], chunks: Sequence[Sequence[int]]) -> mx.array:
+        """Each chunk into its sequence's caches in one forward; the logits at each chunk's last token
+        ``(B, vocab)``, evaluated with the caches.
+
+        Raises:
+            BatchUnsupported: the model's layers cannot be batched (batched prefill is then off for good; the
+                caches may have been written: rewind them before running the chunks one by one).
+        """
+        try:
+            last = prefill_together(self.model, [s.caches for s in seqs], chunks)
+        except BatchUnsupported:
+            self.batched_prefill = False
+            raise
+        self.totals["batched_prefills"] += 1
+        return last
+
+    def decode(self, seqs: Sequence[Any], inputs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
+        """One decode step: token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``, and each row's next token
+        sampled by its own sampler; returns the tokens ``(B,)`` uint32, handed to MLX with ``async_eval`` (read
+        them later: building the next step may overlap their evaluation)."""
+        logits = self._forward(seqs, inputs)  # (B, vocab)
+        tokens = sample_rows(logits, list(samplers))  # (B,)
+        mx.async_eval(tokens)
+        return tokens
+
+    def _forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
+        if self.batched and len(seqs) > 1:
+            views: list = []
+            try:
+                views = make_batch_views([s.caches for s in seqs])
+                logits = self.model(inputs, cache=views)[:, -1, :]  # (B, vocab)
+            except BatchUnsupported:
+                if any(getattr(v, "_fetched", None) is not None for v in views):
+                    raise  # caches were written: this step cannot be redone
+                self.totals["unbatched_steps"] += 1
+            else:
+                check_attended(views)
+                self.totals["batched_steps"] += 1
+                return logits
+        rows = [self.model(inputs[b : b + 1], cache=s.caches)[:, -1, :] for b, s in enumerate(seqs)]
+        return mx.concatenate(rows, axis=0)  # (B, vocab)
+
+    @staticmethod
+    def sample_first(last_logits: mx.array, samplers: Sequence[RowSampler]) -> list[int]:
+        """The first token of each of ``samplers``' sequences from one prompt's last logits ``(1, vocab)``."""
+        logits = mx.broadcast_to(last_logits, (len(samplers), last_logits.shape[-1]))  # (n, vocab)
+        return sample_rows(logits, list(samplers)).tolist()  # (n,)
