@@ -7,7 +7,14 @@ from typing import Optional
 
 import typer
 
-from mlxkv.cli.options import check_block_size, check_kv_backend, check_kv_bits, check_min_p, check_top_p
+from mlxkv.cli.options import (
+    check_block_size,
+    check_kv_backend,
+    check_kv_bits,
+    check_min_p,
+    check_top_p,
+    kv_config,
+)
 
 app = typer.Typer(
     name="mlxkv",
@@ -81,7 +88,9 @@ def generate(
     if not text.strip():
         _fail("the prompt is empty", verbose)
     try:
-        from mlxkv.engine.build import EngineOptions, build_engine
+        from mlxkv import env
+        from mlxkv.config import RunConfig, SpeculativeConfig
+        from mlxkv.engine.build import build_engine
         from mlxkv.engine.sampling import SamplingParams
         from mlxkv.models import ModelLoadError, load
         from mlxkv.prompt import encode_prompt
@@ -89,15 +98,16 @@ def generate(
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
 
     try:
-        options = EngineOptions(kv_backend=kv_backend, kv_block_size=kv_block_size, max_kv_size=max_kv_size,
-                                kv_bits=kv_bits, kv_group_size=kv_group_size, draft_model=draft_model,
-                                prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
-                                ngram_size=ngram_size, dequantize=dequantize)
+        kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                       kv_group_size=kv_group_size)
+        speculative = SpeculativeConfig(draft_model=draft_model, prompt_lookup=prompt_lookup,
+                                        num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
+        run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags())
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=seed, stop=tuple(stop or ()))
-        loaded = load(model, dequantize=dequantize)
+        loaded = load(run.model, dequantize=run.dequantize)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
-        engine = build_engine(loaded, options, context_tokens=len(tokens) + max_tokens)
+        engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
         for chunk in engine.generate(tokens, params):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -130,7 +140,8 @@ def convert(
     """Write a GGUF model as a Hugging Face folder (config, safetensors, tokenizer) that mlx-lm loads too."""
     from pathlib import Path
 
-    from mlxkv.gguf import GGUFError, convert as convert_gguf, is_gguf
+    from mlxkv.gguf import GGUFError, is_gguf
+    from mlxkv.gguf import convert as convert_gguf
 
     source = Path(gguf_file).expanduser()
     if not source.is_file() or not is_gguf(source):

@@ -43,5 +43,23 @@ def check_min_p(value: float) -> float:
     return value
 
 
+def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
+              kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
+              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0) -> Any:
+    """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
+
+    Raises:
+        typer.BadParameter: options that need one another, named as the user typed them.
+    """
+    from mlxkv.config import KvCacheConfig
+
+    if disk_cache_bytes and not disk_cache_dir:
+        raise typer.BadParameter("needs --kv-disk-cache (the folder of the disk tier)", param_hint="--kv-disk-cache-size")
+    return KvCacheConfig(backend=backend, block_size=block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                         kv_group_size=kv_group_size, layout=layout, kv_cache_budget=budget or "auto",
+                         secondary_memory_bytes=host_cache_bytes, secondary_disk_dir=disk_cache_dir,
+                         secondary_disk_bytes=disk_cache_bytes)
+
+
 __all__ = ["one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_block_size",
-           "check_top_p", "check_min_p"]
+           "check_top_p", "check_min_p", "kv_config"]

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-
-from mlxkv.cli.options import check_cache_layout, check_kv_backend, check_kv_bits
+from mlxkv.cli.options import check_cache_layout, check_kv_backend, check_kv_bits, kv_config
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -65,26 +64,32 @@ def serve(
         raise typer.BadParameter(f"{kv_group_size} is not one of 32, 64, 128.", param_hint="--kv-group-size")
     from mlxkv import env
 
-    key = api_key or env.api_key()
+    try:
+        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    key = api_key or flags.api_key
     if host not in _LOOPBACK and key is None:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
     try:
         import uvicorn
 
-        from mlxkv.engine.batch import EngineConfig
+        from mlxkv.config import EngineConfig, RunConfig
         from mlxkv.models import ModelLoadError
         from mlxkv.server.runner import build, set_switch_interval
     except ImportError as exc:
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
         raise typer.Exit(code=1) from None
     try:
-        config = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
+        kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                       kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
+                       host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache,
+                       disk_cache_bytes=kv_disk_cache_size)
+        engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
-        parts = build(model, config=config, layout=layout, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                      kv_group_size=kv_group_size, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024),
-                      model_name=served_model_name, kv_backend=kv_backend, kv_block_size=kv_block_size,
-                      kv_cache_budget=kv_cache_budget, host_cache_bytes=host_cache_size,
-                      disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size, dequantize=dequantize)
+        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, flags=flags)
+        parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

@@ -1,14 +1,17 @@
-"""Configuration dataclasses (one per concern), validated on construction. No MLX import here: callers
-measure free memory themselves and pass it in."""
+"""Configuration: one dataclass per concern, validated on construction, and :class:`RunConfig`, which holds them
+all for one run of ``mlxkv generate`` or ``mlxkv serve`` (the CLI builds it the same way for both). No MLX import
+here: callers measure free memory themselves and pass it in."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mlxkv import env
 from mlxkv.kv.blocks.hashing import HASH_ALGOS, xxhash_available
 from mlxkv.kv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
 
 KV_BACKENDS = ("dense", "paged")
+KV_LAYOUTS = ("mlxkv", "mlx-lm")
 KV_BITS = (None, 4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SECONDARY_DISK_BYTES = 16 << 30  # disk tier cap when a folder is given without a size
@@ -32,6 +35,7 @@ class KvCacheConfig:
     secondary_offload_min_priority: evicted blocks go to the secondary tier only at or above this priority.
     kv_bits / kv_group_size: quantized KV storage (None, 4 or 8 bits; groups of 32, 64 or 128).
     max_kv_size: dense backend only: keep at most this many tokens (rotating); None for unbounded.
+    layout: dense backend only: "mlxkv" (our layouts) or "mlx-lm" (mlx-lm's own caches, for comparison).
     secondary_memory_bytes: paged only: bytes of host memory for the secondary KV tier (0 = none).
     secondary_disk_dir: paged only: folder for the on-disk secondary tier (None = none); survives restarts.
     secondary_disk_bytes: paged only: byte cap of the on-disk tier (needs secondary_disk_dir; 0 with a folder
@@ -54,8 +58,11 @@ class KvCacheConfig:
     secondary_memory_bytes: int = 0
     secondary_disk_dir: str | None = None
     secondary_disk_bytes: int = 0
+    layout: str = "mlxkv"
 
     def __post_init__(self) -> None:
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
         if self.backend not in KV_BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(KV_BACKENDS)}")
         b = self.block_size
@@ -135,3 +142,75 @@ def num_blocks_for_budget(config: KvCacheConfig, bytes_per_block: int, free_byte
             "(raise kv_cache_budget / free_memory_fraction / max_tokens, or lower block_size)"
         )
     return blocks
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding of ``mlxkv generate``.
+
+    draft_model: a second model (repo id, folder or GGUF) drafting tokens; prompt_lookup: draft by n-gram lookup
+    over the prompt and output instead (no second model); num_draft_tokens: tokens drafted per round;
+    ngram_size: n-gram length for prompt lookup.
+    """
+
+    draft_model: str | None = None
+    prompt_lookup: bool = False
+    num_draft_tokens: int = 3
+    ngram_size: int = 3
+
+    def __post_init__(self) -> None:
+        if self.draft_model and self.prompt_lookup:
+            raise ValueError("choose one drafting mode: --draft-model or --prompt-lookup, not both")
+        if self.num_draft_tokens < 1 or self.ngram_size < 1:
+            raise ValueError("--num-draft-tokens and --ngram-size must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a drafting mode is on."""
+        return bool(self.draft_model) or self.prompt_lookup
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Batch engine settings of ``mlxkv serve``.
+
+    max_sequences: most sequences decoding or prefilling at once (a request with ``n`` choices takes ``n``).
+    max_queue_depth: most requests waiting for admission; one more is refused (HTTP 429).
+    prefill_chunk_size: most prompt tokens prefilled per engine step.
+    batched_decode: ``None`` probes the model at start (batch views vs one-by-one, same tokens); ``False``
+        always decodes sequences one by one; ``True`` requires batch views.
+    batched_prefill: prefill the short chunks of sequences admitted together in one forward where batched
+        decode works and a start-up probe matches one-by-one prefill. Off by default: on the CPU backend it
+        measured no better time to first token, since each request's first token then waits for the whole batch.
+    """
+
+    max_sequences: int = 8
+    max_queue_depth: int = 64
+    prefill_chunk_size: int = 512
+    batched_decode: bool | None = None
+    batched_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.max_queue_depth < 1:  # every request passes through the queue, if only for one step
+            raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+
+
+@dataclass(slots=True)
+class RunConfig:
+    """Everything one run of ``mlxkv generate`` or ``mlxkv serve`` is configured with.
+
+    model: repo id, folder or GGUF file (None: the embedded demo model); dequantize: run quantized weights
+    unquantized; kv: the KV cache; speculative: drafting (generate); engine: the batch engine (serve); flags: the
+    ``MLXKV_*`` environment flags, parsed once (:func:`mlxkv.env.flags`).
+    """
+
+    model: str | None = None
+    dequantize: bool = False
+    kv: KvCacheConfig = field(default_factory=KvCacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    flags: env.Flags = field(default_factory=env.flags)

@@ -1,12 +1,15 @@
 """Every ``MLXKV_*`` environment flag, read here and nowhere else.
 
-Flags are read when asked (not cached at import) so that tests and long-running servers see the
-current environment; callers go through these functions, never ``os.environ`` directly.
+:func:`flags` is the snapshot the code reads: the environment is parsed once, at the first call (the CLI
+and the server call it at startup, so a bad value is a one-line error before the model loads), and the same
+:class:`Flags` object is returned from then on — no hot path parses the environment. :func:`reload` parses it
+again (tests that change a flag call it). The per-flag functions below parse the current environment.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 _TRUE = {"1", "true", "on", "yes"}
 _FALSE = {"0", "false", "off", "no"}
@@ -105,3 +108,49 @@ def api_key() -> str | None:
     """``MLXKV_API_KEY``: bearer token required by ``mlxkv serve`` on /v1 routes, if set."""
     value = os.environ.get("MLXKV_API_KEY", "").strip()
     return value or None
+
+
+@dataclass(frozen=True, slots=True)
+class Flags:
+    """Every flag's value, parsed once (see the module doc)."""
+
+    kv_inplace_write: bool
+    padded_prefill: bool | None
+    paged_kernel: str
+    paged_decode_splits: int | None
+    cascade_attention: bool
+    cascade_min_group_size: int
+    cascade_min_shared_pages: int
+    mla_absorbed: bool
+    mla_split_kv: bool
+    api_key: str | None
+
+
+def _read() -> Flags:
+    return Flags(kv_inplace_write=kv_inplace_write(), padded_prefill=padded_prefill_override(),
+                 paged_kernel=paged_kernel(), paged_decode_splits=paged_decode_splits(),
+                 cascade_attention=cascade_attention(), cascade_min_group_size=cascade_min_group_size(),
+                 cascade_min_shared_pages=cascade_min_shared_pages(), mla_absorbed=mla_absorbed(),
+                 mla_split_kv=mla_split_kv(), api_key=api_key())
+
+
+_flags: Flags | None = None
+
+
+def flags() -> Flags:
+    """The flags, parsed from the environment at the first call.
+
+    Raises:
+        ValueError: a flag with a value it does not take (one line naming the flag and the valid values).
+    """
+    global _flags
+    if _flags is None:
+        _flags = _read()
+    return _flags
+
+
+def reload() -> Flags:
+    """Parse the environment again (after a flag changed) and return the new snapshot."""
+    global _flags
+    _flags = None
+    return flags()

@@ -149,8 +149,8 @@ def _folder_model(folder: Path) -> Path:
 
 
 def _download(repo_id: str, *, progress: bool) -> Path:
-    from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
+    from huggingface_hub import snapshot_download
 
     kwargs: dict[str, Any] = {"allow_patterns": DOWNLOAD_PATTERNS}
     if progress:

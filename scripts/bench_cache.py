@@ -27,8 +27,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (add_model_args, bench_model, describe, ensure_openblas, kv_shape, load_peer_model,
-                          print_header)
+from bench_common import (
+    add_model_args,
+    bench_model,
+    describe,
+    ensure_openblas,
+    kv_shape,
+    load_peer_model,
+    print_header,
+)
 
 SIDES = ("mlxkv in-place", "mlxkv slice-update", "mlx-lm")
 

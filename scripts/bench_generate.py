@@ -17,8 +17,15 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench_common import (add_model_args, bench_model, describe, ensure_openblas, load_peer_model, print_header,
-                          timed_tokens)
+from bench_common import (
+    add_model_args,
+    bench_model,
+    describe,
+    ensure_openblas,
+    load_peer_model,
+    print_header,
+    timed_tokens,
+)
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:

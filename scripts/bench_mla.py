@@ -19,7 +19,13 @@ import os
 import statistics
 import time
 
-from bench_common import check_refused_model, describe_model, ensure_openblas, print_header, refuse_model_arg
+from bench_common import (
+    check_refused_model,
+    describe_model,
+    ensure_openblas,
+    print_header,
+    refuse_model_arg,
+)
 
 # V2-Lite attention shapes; a small hidden size and a dense MLP (no experts) keep the weights every step
 # reads small, so the step time shows the attention and its cache rather than the feed-forward.
@@ -121,8 +127,9 @@ def main() -> None:
         parser.error("contexts must be multiples of 256")
     blas = ensure_openblas()
 
-    from mlxkv.mla import apply_mla
     from testkit.deepseek import build_deepseek
+
+    from mlxkv.mla import apply_mla
 
     model, config = build_deepseek(args.arch, num_hidden_layers=args.layers, **SHAPE)
     R, dr = config["kv_lora_rank"], config["qk_rope_head_dim"]

@@ -27,7 +27,14 @@ import os
 import statistics
 import time
 
-from bench_common import add_model_args, bench_model, describe, ensure_openblas, kv_shape, print_header
+from bench_common import (
+    add_model_args,
+    bench_model,
+    describe,
+    ensure_openblas,
+    kv_shape,
+    print_header,
+)
 
 ROUND = 4  # steps per side per round of the interleaved timing
 MEMORY_SHARE = 0.8  # of the available memory the K/V of one (context, batch) may take
@@ -143,8 +150,8 @@ class Bench:
 
     def row(self, ctx: int, batch: int) -> tuple[float, float]:
         """``(dense tok/s, paged tok/s)`` at one context and batch."""
-        from mlxkv.kv.layouts import make_caches
         from mlxkv.config import KvCacheConfig
+        from mlxkv.kv.layouts import make_caches
         from mlxkv.kv.store import CachePool
 
         dense = [make_caches(self.model) for _ in range(batch)]

@@ -17,8 +17,13 @@ import statistics
 import time
 
 import mlx.core as mx
+from bench_common import (
+    check_refused_model,
+    ensure_openblas,
+    print_header,
+    refuse_model_arg,
+)
 
-from bench_common import check_refused_model, ensure_openblas, print_header, refuse_model_arg
 from mlxkv.kernels.paged_attention_ref import paged_attention_reference
 
 NO_MODEL = ("this benchmark times the attention function alone on random pages; set the shapes with --kv-heads, "

@@ -27,7 +27,14 @@ import copy
 import statistics
 import time
 
-from bench_common import add_model_args, bench_model, describe, ensure_openblas, load_peer_model, print_header
+from bench_common import (
+    add_model_args,
+    bench_model,
+    describe,
+    ensure_openblas,
+    load_peer_model,
+    print_header,
+)
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:

@@ -46,8 +46,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_common import (add_model_args, describe_model, ensure_openblas, gguf_types, model_spec,  # noqa: E402
-                          peer_folder, print_header, resolve_spec, stored_note, versions)
+from bench_common import (  # noqa: E402
+    add_model_args,
+    describe_model,
+    ensure_openblas,
+    gguf_types,
+    model_spec,
+    peer_folder,
+    print_header,
+    resolve_spec,
+    stored_note,
+    versions,
+)
 
 PREFIX = ("You are a patient teacher of the Python language. Answer with short, correct explanations and one "
           "example. The import statement binds names in a module namespace; generators yield values lazily; "
@@ -65,7 +75,6 @@ def write_model(out: Path, hidden: int, layers: int, seed: int = 0, context: int
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes, save_config
-
     from testkit.archs import TEST_VOCAB_SIZE, get_config
     from testkit.tokenizer import write_tokenizer
 

@@ -30,8 +30,17 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench_common import (add_model_args, bench_model, default_model, describe, ensure_openblas, load_bench_model,
-                          print_header, random_loaded, timed_tokens)
+from bench_common import (
+    add_model_args,
+    bench_model,
+    default_model,
+    describe,
+    ensure_openblas,
+    load_bench_model,
+    print_header,
+    random_loaded,
+    timed_tokens,
+)
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -79,7 +88,6 @@ def load_models(parser, args):
 def spread(*models) -> None:
     """Re-draw the models' weights as the test models are drawn (gain 2)."""
     import mlx.core as mx
-
     from testkit.archs import _init_weights
 
     for seed, m in enumerate(models):

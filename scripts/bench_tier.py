@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_model_args, bench_model, describe, ensure_openblas, print_header
+from bench_common import (
+    add_model_args,
+    bench_model,
+    describe,
+    ensure_openblas,
+    print_header,
+)
 
 PREFILL_CHUNK = 512  # tokens per forward, as the engine prefills
 

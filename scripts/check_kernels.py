@@ -23,8 +23,12 @@ import mlx.core as mx
 from mlxkv.kernels.cascade import cascade_attention, find_prefix_groups
 from mlxkv.kernels.geometry import TOLERANCES
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
-
-from mlxkv.kernels.selfcheck import check_kv_write_impl, close, max_abs_error, random_paged_case
+from mlxkv.kernels.selfcheck import (
+    check_kv_write_impl,
+    close,
+    max_abs_error,
+    random_paged_case,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the dense oracle
 from testkit.kernel_oracle import dense_paged_attention  # noqa: E402

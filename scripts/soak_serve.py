@@ -103,7 +103,7 @@ def main() -> int:
 
     import httpx
 
-    from mlxkv.engine.batch import EngineConfig
+    from mlxkv.config import EngineConfig, KvCacheConfig, RunConfig
     from mlxkv.server.runner import ServerThread, build
 
     tmp = None
@@ -113,9 +113,10 @@ def main() -> int:
 
         tmp = tempfile.TemporaryDirectory()
         model = str(write_test_model("llama", Path(tmp.name) / "llama"))
-    parts = build(model, config=EngineConfig(max_sequences=args.max_sequences, max_queue_depth=args.requests,
-                                             batched_prefill=args.batched_prefill),
-                  kv_backend=args.kv_backend, kv_cache_budget=args.kv_cache_budget)
+    engine = EngineConfig(max_sequences=args.max_sequences, max_queue_depth=args.requests,
+                          batched_prefill=args.batched_prefill)
+    kv = KvCacheConfig(backend=args.kv_backend, kv_cache_budget=args.kv_cache_budget or "auto")
+    parts = build(RunConfig(model=model, kv=kv, engine=engine))
     with ServerThread(parts.app, host="127.0.0.1") as srv:
         warm = httpx.post(srv.url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=60)
         warm.raise_for_status()

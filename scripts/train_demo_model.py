@@ -79,7 +79,6 @@ def model_config(args) -> dict:
 def token_streams(args):
     """(train ids, val ids): each topic is ``<s> text </s>``; every n-th topic (sorted keys) is val."""
     import numpy as np
-
     from testkit.tokenizer import corpus_documents, train_tokenizer
 
     tok = train_tokenizer(args.vocab)
@@ -228,7 +227,6 @@ def write_folder(args, config: dict, model, record: dict) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config
-
     from testkit.tokenizer import write_tokenizer
 
     out = args.out

@@ -9,10 +9,21 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-
 from testkit.archs import ARCH_NAMES
 
 __all__ = ["ARCH_NAMES"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_flags():
+    """Each test starts and ends with the MLXKV_* flags parsed from the environment as it then is: flags are
+    parsed once (mlxkv.env.flags), so a test that changes one calls ``mlxkv.env.reload`` itself, and the
+    change does not outlive it (this teardown runs after monkeypatch has restored the environment)."""
+    from mlxkv import env
+
+    env.reload()
+    yield
+    env.reload()
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +48,9 @@ def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
 def model():
     """The random-weight test llama with mlxkv's attention hook installed (built once per test module; a module
     may define its own ``model`` fixture instead)."""
-    from mlxkv.kv.layouts.attention_hook import install_attention_hook
     from testkit.archs import build_model
+
+    from mlxkv.kv.layouts.attention_hook import install_attention_hook
 
     m = build_model("llama")[0]
     install_attention_hook(m)

@@ -5,15 +5,15 @@ import time
 
 import mlx.core as mx
 import pytest
+from testkit.archs import build_model
 
-from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import GenerationRequest, PromptTooLongError, QueueFullError
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.models import load
+from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.kv.store import CachePool
-from testkit.archs import build_model
+from mlxkv.models import load
 
 # Lengths straddle gemma3's 8-token window and llama4's 16-token chunks; the first is a single token.
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]
@@ -54,7 +54,6 @@ def quantizable_llama():
     """The test llama with head_dim 32, so K/V can be quantized in groups of 32 (the test models have 16)."""
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes
-
     from testkit.archs import get_config
 
     config = get_config("llama")

@@ -12,8 +12,8 @@ import pytest
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
-from mlxkv.engine.output import LoopDelivery, batched_wakeups, delivery_for
 from mlxkv.engine.direct import DirectEngine
+from mlxkv.engine.output import LoopDelivery, batched_wakeups, delivery_for
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.scheduler import Job, Scheduler

@@ -8,10 +8,16 @@ import pytest
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.engine.request import GenerationRequest, PromptTooLongError, RetentionRange, RetentionSpec
+from mlxkv.engine.request import (
+    GenerationRequest,
+    PromptTooLongError,
+    RetentionRange,
+    RetentionSpec,
+)
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv.store import CachePool
 from mlxkv.server.runner import ServerThread, build
+from testkit.run_config import run_config
 
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]
 PARAMS = SamplingParams(max_tokens=16)
@@ -115,8 +121,8 @@ def test_retention_rules_reach_the_cached_blocks(model, expected):
 
 
 def test_server_prefix_metrics_reset_and_disconnect(test_model_dir):
-    parts = build(str(test_model_dir("llama")), config=EngineConfig(max_sequences=2), kv_block_size=4,
-                  kv_cache_budget=1 << 22, model_name="tiny")
+    parts = build(run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=2), kv_backend="paged",
+                             kv_block_size=4, kv_cache_budget=1 << 22), model_name="tiny")
     prefix = "You are a careful assistant. " * 8
     with ServerThread(parts.app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         for q in ("What is a tuple?", "What is a list?"):

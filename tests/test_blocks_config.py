@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxkv.config import KvCacheConfig, num_blocks_for_budget
 from mlxkv.kv.blocks.hashing import (
     HashContext,
     builtin_block_hash,
@@ -16,8 +17,11 @@ from mlxkv.kv.blocks.hashing import (
     sha256_block_hash,
     xxhash_available,
 )
-from mlxkv.kv.blocks.retention import RetentionConfig, TokenRangeRetention, merge_retention
-from mlxkv.config import KvCacheConfig, num_blocks_for_budget
+from mlxkv.kv.blocks.retention import (
+    RetentionConfig,
+    TokenRangeRetention,
+    merge_retention,
+)
 
 ROOT = str(Path(__file__).resolve().parents[1])
 

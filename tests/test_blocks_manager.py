@@ -428,7 +428,11 @@ def test_copy_target_is_not_cached_before_a_commit_proves_the_copy_ran():
 def test_partial_reuse_uses_the_shortest_match_over_groups():
     from mlxkv.kv.blocks.block_pool import BlockPool
     from mlxkv.kv.blocks.coordinator import KVCacheCoordinator
-    from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes, sha256_block_hash
+    from mlxkv.kv.blocks.hashing import (
+        HashContext,
+        extend_block_hashes,
+        sha256_block_hash,
+    )
 
     pool = BlockPool(10, 4)
     specs = [KVCacheGroupSpec("full"), KVCacheGroupSpec("sliding", window=3)]

@@ -6,10 +6,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models import cache as mlx_cache
+from testkit.archs import ARCH_NAMES, build_model
 
 from mlxkv.kv.layouts import LayerCache, install_attention_hook, make_caches
-from mlxkv.kv.layouts.attention_hook import dispatch_attention, model_modules, uninstall_attention_hook
-from testkit.archs import ARCH_NAMES, build_model
+from mlxkv.kv.layouts.attention_hook import (
+    dispatch_attention,
+    model_modules,
+    uninstall_attention_hook,
+)
 
 PROMPT = mx.array([[(i * 37 + 11) % 1000 + 3 for i in range(20)]])
 ATTENTION_LAYERS = {"llama": 2, "qwen3": 2, "gemma3_text": 2, "llama4": 4, "deepseek_v3": 2, "qwen3_next": 1}

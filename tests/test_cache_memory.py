@@ -6,9 +6,15 @@ import time
 
 import mlx.core as mx
 import pytest
-
-from mlxkv.kv.layouts import ChunkedKVCache, KVCache, QuantizedRotatingKVCache, RotatingKVCache, install_attention_hook
 from testkit.archs import build_model
+
+from mlxkv.kv.layouts import (
+    ChunkedKVCache,
+    KVCache,
+    QuantizedRotatingKVCache,
+    RotatingKVCache,
+    install_attention_hook,
+)
 
 N_KV, D = 2, 16
 ROW = 2 * N_KV * D * 4  # bytes per token: K and V, float32

@@ -3,14 +3,21 @@ prefill and 64 decode steps — past gemma3's 8-token window, across llama4's 16
 
 from functools import cache
 
-import testkit.cache_runs as cache_helpers
 import mlx.core as mx
 import pytest
-from testkit.cache_runs import max_diff
-from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.kv.layouts import describe_layout, install_attention_hook, layer_kind, make_caches
+from mlxkv.env import reload as reload_flags
+import testkit.cache_runs as cache_helpers
+from mlx_lm.models import cache as mlx_cache
 from testkit.archs import ARCH_NAMES, build_model
+from testkit.cache_runs import max_diff
+
+from mlxkv.kv.layouts import (
+    describe_layout,
+    install_attention_hook,
+    layer_kind,
+    make_caches,
+)
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]  # 40 tokens: 5 gemma3 windows, 2.5 llama4 chunks
 STEPS = 64
@@ -89,6 +96,7 @@ def test_slice_update_path_gives_the_same_logits(arch, monkeypatch):
     model = model_for(arch)
     ref, fed = run(model, make_caches(model), steps=24)
     monkeypatch.setenv("MLXKV_KV_INPLACE_WRITE", "0")
+    reload_flags()
     off, _ = run(model, make_caches(model), feed=fed, steps=24)
     assert max_diff(off, ref) <= 1e-4
 

@@ -4,9 +4,11 @@ from functools import cache
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.kv.layouts import install_attention_hook, make_caches
+from mlxkv.env import reload as reload_flags
+from mlx_lm.models import cache as mlx_cache
+from testkit.archs import ARCH_NAMES, build_model
+
 from mlxkv.engine.prefill import (
     PAD_TILE,
     PADDED_PREFILL_DEFAULT,
@@ -14,7 +16,7 @@ from mlxkv.engine.prefill import (
     prefill,
     supports_padded_prefill,
 )
-from testkit.archs import ARCH_NAMES, build_model
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 
 PROMPT = mx.array([(i * 37 + 11) % 1000 + 3 for i in range(45)])  # 45: padded to 64 (19 pad tokens)
 
@@ -38,6 +40,7 @@ def decode(model, caches, logits, n=6):
 def clear_flags(monkeypatch):
     monkeypatch.delenv("MLXKV_FORCE_PADDED_PREFILL", raising=False)
     monkeypatch.delenv("MLXKV_NO_PADDED_PREFILL", raising=False)
+    reload_flags()
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -55,12 +58,14 @@ def test_padded_equals_unpadded(arch, monkeypatch):
     model = model_for(arch)
     clear_flags(monkeypatch)
     monkeypatch.setenv("MLXKV_NO_PADDED_PREFILL", "1")
+    reload_flags()
     plain_caches = make_caches(model)
     plain_logits = prefill(model, plain_caches, PROMPT)
     plain_offsets = [getattr(c, "offset", None) for c in plain_caches]
     plain = decode(model, plain_caches, plain_logits)
     monkeypatch.setenv("MLXKV_NO_PADDED_PREFILL", "0")
     monkeypatch.setenv("MLXKV_FORCE_PADDED_PREFILL", "1")
+    reload_flags()
     caches = make_caches(model)
     pads = padded_prefill_enabled(model, caches)
     assert pads == supports_padded_prefill(model, caches)
@@ -83,6 +88,7 @@ def test_padding_really_happens(monkeypatch):
     model = model_for("gemma3_text")
     clear_flags(monkeypatch)
     monkeypatch.setenv("MLXKV_FORCE_PADDED_PREFILL", "yes")
+    reload_flags()
     lengths = []
     original = type(model).__call__
 
@@ -122,15 +128,18 @@ def test_flag_precedence(monkeypatch):
         clear_flags(monkeypatch)
         if force is not None:
             monkeypatch.setenv("MLXKV_FORCE_PADDED_PREFILL", force)
+            reload_flags()
         if no is not None:
             monkeypatch.setenv("MLXKV_NO_PADDED_PREFILL", no)
+            reload_flags()
         assert padded_prefill_enabled(model, caches) is expected, (force, no)
     clear_flags(monkeypatch)
     monkeypatch.setenv("MLXKV_FORCE_PADDED_PREFILL", "1")
+    reload_flags()
     assert not padded_prefill_enabled(model_for("llama4"), make_caches(model_for("llama4")))  # never unsupported
     monkeypatch.setenv("MLXKV_FORCE_PADDED_PREFILL", "maybe")
     with pytest.raises(ValueError, match="MLXKV_FORCE_PADDED_PREFILL"):
-        padded_prefill_enabled(model, caches)
+        reload_flags()
 
 
 def test_prefill_errors():

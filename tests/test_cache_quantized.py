@@ -4,12 +4,13 @@ tolerance of dense."""
 
 from functools import cache
 
-import testkit.cache_runs as cache_helpers
 import mlx.core as mx
 import pytest
-from testkit.cache_runs import max_diff
+import testkit.cache_runs as cache_helpers
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.utils import _get_classes
+from testkit.archs import _init_weights, get_config
+from testkit.cache_runs import max_diff
 
 from mlxkv.kv.layouts import (
     ChunkedKVCache,
@@ -20,7 +21,6 @@ from mlxkv.kv.layouts import (
     make_caches,
 )
 from mlxkv.kv.layouts.dense_attention import quantized_attend
-from testkit.archs import _init_weights, get_config
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 GROUP = 32

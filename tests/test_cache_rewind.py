@@ -5,6 +5,7 @@ from functools import cache
 
 import mlx.core as mx
 import pytest
+from testkit.archs import build_model
 
 from mlxkv.kv.layouts import (
     ChunkedKVCache,
@@ -16,7 +17,6 @@ from mlxkv.kv.layouts import (
     install_attention_hook,
     make_caches,
 )
-from testkit.archs import build_model
 
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 

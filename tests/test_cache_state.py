@@ -5,6 +5,7 @@ from functools import cache
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
+from testkit.archs import build_model
 
 from mlxkv.kv.layouts import (
     ChunkedKVCache,
@@ -19,7 +20,6 @@ from mlxkv.kv.layouts import (
     make_caches,
     save_prompt_cache,
 )
-from testkit.archs import build_model
 
 LAYOUTS = {
     "standard": lambda: KVCache(step=16),

@@ -5,9 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
-
 from mlxkv.cli.main import app
+from typer.testing import CliRunner
 
 runner = CliRunner()
 

@@ -4,12 +4,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from testkit.archs import ARCHITECTURES, build_model
 
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.models import load
 from mlxkv.kv.store import CachePool
-from testkit.archs import ARCHITECTURES, build_model
+from mlxkv.models import load
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # 45 tokens: past gemma3's window, across llama4 chunks
 NEW_TOKENS = 24

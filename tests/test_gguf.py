@@ -13,10 +13,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from typer.testing import CliRunner
-
 from mlxkv.cli.main import app
 from testkit.gguf_files import dequantized, write_gguf
+from typer.testing import CliRunner
 
 pytest.importorskip("gguf")
 runner = CliRunner()
@@ -183,10 +182,9 @@ def _fails_with(spec: str, *fragments: str) -> None:
 
 
 def test_a_k_quant_tensor_is_refused_naming_its_type(tmp_path):
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     # A Q4_K tensor written as raw blocks (MLX alone would silently dequantize it to float16).
     import gguf
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
     writer = gguf.GGUFWriter(str(tmp_path / "kq.gguf"), "llama")

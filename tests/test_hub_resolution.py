@@ -22,10 +22,10 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import validate_repo_id
+from mlxkv.cli.main import app
 from typer.testing import CliRunner
 
 from mlxkv import models
-from mlxkv.cli.main import app
 from mlxkv.models import DOWNLOAD_PATTERNS, ModelLoadError, resolve_model_path
 
 runner = CliRunner()

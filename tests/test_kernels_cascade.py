@@ -5,6 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlxkv.env import reload as reload_flags
+from testkit.kernel_oracle import dense_paged_attention
+
 from mlxkv.kernels import (
     TOLERANCES,
     KernelDispatch,
@@ -13,7 +16,6 @@ from mlxkv.kernels import (
     find_prefix_groups,
     paged_attention_reference,
 )
-from testkit.kernel_oracle import dense_paged_attention
 from mlxkv.kernels.paged_attention_ref import REFERENCE
 from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
 
@@ -57,10 +59,13 @@ def test_groups_follow_shared_whole_pages():
 def test_group_defaults_come_from_env(monkeypatch):
     tables, lens = [[5, 6, 7], [5, 6, 8]], [40, 40]
     monkeypatch.setenv("MLXKV_CASCADE_MIN_SHARED_PAGES", "3")
+    reload_flags()
     assert find_prefix_groups(tables, lens, 16) == []
     monkeypatch.setenv("MLXKV_CASCADE_MIN_SHARED_PAGES", "2")
+    reload_flags()
     assert find_prefix_groups(tables, lens, 16) == [PrefixGroup(rows=(0, 1), shared_pages=2)]
     monkeypatch.setenv("MLXKV_CASCADE_MIN_GROUP", "3")
+    reload_flags()
     assert find_prefix_groups(tables, lens, 16) == []
 
 
@@ -130,6 +135,7 @@ def test_dispatch_cascades_when_enabled(monkeypatch):
     dispatch = KernelDispatch(attention_factory=lambda *key: seen, metal_available=lambda: True,
                               mode=lambda: "auto")
     monkeypatch.setenv("MLXKV_CASCADE_ATTENTION", "1")
+    reload_flags()
     out = dispatch.paged_attention(*case.args(), sinks=case.sinks)
     assert mx.allclose(out, flat, atol=1e-6, rtol=1e-6).item()
     assert 4 * 3 * 2 in seen.shared_query_heads  # the grouped pass ran (3 rows x gqa 4 x 2 kv heads)

@@ -7,7 +7,14 @@ import warnings
 import mlx.core as mx
 import pytest
 
-from mlxkv.kernels import KernelDispatch, kv_write_reference, paged_attention, paged_attention_reference
+from mlxkv.env import reload as reload_flags
+
+from mlxkv.kernels import (
+    KernelDispatch,
+    kv_write_reference,
+    paged_attention,
+    paged_attention_reference,
+)
 from mlxkv.kernels.dispatch import DEFAULT_DISPATCH, AttentionClass
 from mlxkv.kernels.paged_attention_ref import REFERENCE
 from mlxkv.kernels.selfcheck import random_paged_case
@@ -54,6 +61,7 @@ def dispatch_with(kernel, mode="auto", metal=True):
 
 def test_cpu_default_picks_the_reference(monkeypatch):
     monkeypatch.delenv("MLXKV_PAGED_KERNEL", raising=False)
+    reload_flags()
     c = case()
     assert not mx.metal.is_available()  # this suite runs on the CPU backend
     impl = DEFAULT_DISPATCH.attention_impl(AttentionClass(mx.float32, 64, 16, 2, 4, None, None, True))
@@ -64,6 +72,7 @@ def test_cpu_default_picks_the_reference(monkeypatch):
 
 def test_metal_mode_without_metal_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("MLXKV_PAGED_KERNEL", "metal")
+    reload_flags()
     c = case()
     with pytest.raises(RuntimeError, match="MLXKV_PAGED_KERNEL=metal but Metal is not available"):
         KernelDispatch().paged_attention(*c.args())
@@ -75,7 +84,7 @@ def test_metal_mode_without_metal_is_a_clear_error(monkeypatch):
 def test_bad_mode_value_is_a_value_error(monkeypatch):
     monkeypatch.setenv("MLXKV_PAGED_KERNEL", "cuda")
     with pytest.raises(ValueError, match="auto, metal, reference"):
-        KernelDispatch().paged_attention(*case().args())
+        reload_flags()
 
 
 def test_a_correct_kernel_passes_the_self_check_and_is_used():

@@ -21,9 +21,20 @@ import pytest
 from mlxkv.kernels.cascade import cascade_attention, find_prefix_groups
 from mlxkv.kernels.geometry import TOLERANCES, plan_splits
 from mlxkv.kernels.metal import KernelCall, MetalKvWrite, MetalPagedAttention
-from mlxkv.kernels.metal_specs import MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, TYPE_NAMES, ArgInfo, render_kernel
+from mlxkv.kernels.metal_specs import (
+    MAX_CONSTANT_ARRAY_SIZE,
+    METAL_ATTRIBUTES,
+    TYPE_NAMES,
+    ArgInfo,
+    render_kernel,
+)
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
-from mlxkv.kernels.selfcheck import check_attention_impl, check_kv_write_impl, max_abs_error, random_paged_case
+from mlxkv.kernels.selfcheck import (
+    check_attention_impl,
+    check_kv_write_impl,
+    max_abs_error,
+    random_paged_case,
+)
 
 SHIM = Path(__file__).parent / "metal_shim"
 GXX = shutil.which("g++")

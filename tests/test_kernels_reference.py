@@ -7,8 +7,10 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlxkv.kernels import TOLERANCES, paged_attention_reference, plan_splits
+from mlxkv.env import reload as reload_flags
 from testkit.kernel_oracle import dense_paged_attention
+
+from mlxkv.kernels import TOLERANCES, paged_attention_reference, plan_splits
 from mlxkv.kernels.geometry import visible_page_bound
 from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
 
@@ -105,6 +107,7 @@ def test_context_lens_host_bound_is_equivalent():
 def test_split_plan_env_override(monkeypatch):
     assert plan_splits(16384, 16).num_splits == 8  # one split per 2K tokens by default
     monkeypatch.setenv("MLXKV_PAGED_DECODE_SPLITS", "3")
+    reload_flags()
     plan = plan_splits(16384, 16)
     assert (plan.num_splits, plan.pages_per_split) == (3, 342)
     assert plan_splits(20, 16).num_splits == 2  # never more splits than pages

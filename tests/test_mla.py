@@ -3,11 +3,19 @@
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+
+from mlxkv.env import reload as reload_flags
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlxkv.mla import MLAAttention, apply_mla, make_mla_caches, prefer_absorbed, set_mla_mode
 from testkit.deepseek import ARCHS, build_deepseek
+
+from mlxkv.mla import (
+    MLAAttention,
+    apply_mla,
+    make_mla_caches,
+    prefer_absorbed,
+    set_mla_mode,
+)
 
 TOL = 1e-4  # float32 max abs logit difference
 PROMPT = [5, 9, 100, 200, 300, 17, 18, 19, 20, 21, 400, 500, 600, 700, 800, 900, 33, 34, 35, 36, 77, 88]
@@ -17,6 +25,7 @@ PROMPT = [5, 9, 100, 200, 300, 17, 18, 19, 20, 21, 400, 500, 600, 700, 800, 900,
 def absorbed_env(monkeypatch):
     monkeypatch.setenv("MLXKV_MLA_ABSORBED", "1")
     monkeypatch.delenv("MLXKV_MLA_SPLIT_KV", raising=False)
+    reload_flags()
     return monkeypatch
 
 
@@ -24,6 +33,7 @@ def absorbed_model(arch, split_chunk=None, monkeypatch=None, seed=0):
     model, config = build_deepseek(arch, seed)
     if split_chunk is not None:
         monkeypatch.setenv("MLXKV_MLA_SPLIT_KV", "1")
+        reload_flags()
         assert apply_mla(model, split_chunk=split_chunk) == list(range(len(model.layers)))
     else:
         assert apply_mla(model) == list(range(len(model.layers)))
@@ -55,6 +65,7 @@ def greedy(model, caches, n=24):
 def test_flags_off_leave_the_model_as_mlx_lm_built_it(monkeypatch):
     monkeypatch.delenv("MLXKV_MLA_ABSORBED", raising=False)
     monkeypatch.delenv("MLXKV_MLA_SPLIT_KV", raising=False)
+    reload_flags()
     model, _ = build_deepseek("deepseek_v2")
     before = [type(layer.self_attn) for layer in model.layers]
     assert apply_mla(model) == []
@@ -66,9 +77,8 @@ def test_flags_off_leave_the_model_as_mlx_lm_built_it(monkeypatch):
 def test_split_flag_without_absorbed_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("MLXKV_MLA_ABSORBED", raising=False)
     monkeypatch.setenv("MLXKV_MLA_SPLIT_KV", "1")
-    model, _ = build_deepseek("deepseek_v3")
     with pytest.raises(ValueError, match="MLXKV_MLA_SPLIT_KV=1 requires MLXKV_MLA_ABSORBED=1"):
-        apply_mla(model)
+        reload_flags()
 
 
 def test_bad_mode_names_the_valid_ones(absorbed_env):

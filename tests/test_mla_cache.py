@@ -4,11 +4,19 @@ import math
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxkv.mla import LatentCache, apply_mla, latent_attention, make_mla_caches, set_mla_mode
+from mlxkv.env import reload as reload_flags
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from testkit.deepseek import ARCHS, build_deepseek
+
 from mlxkv.kv.store import CachePool
+from mlxkv.mla import (
+    LatentCache,
+    apply_mla,
+    latent_attention,
+    make_mla_caches,
+    set_mla_mode,
+)
 
 TOL = 1e-4
 
@@ -123,6 +131,7 @@ def test_latent_attention_rejects_a_bad_chunk_or_mask():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trim_after_a_verification_step_is_exact(monkeypatch, arch):
     monkeypatch.setenv("MLXKV_MLA_ABSORBED", "1")
+    reload_flags()
     model, _ = build_deepseek(arch)
     apply_mla(model)
     prompt, draft = [5, 9, 100, 200, 300, 17, 18, 19, 20, 21, 400, 500], [30, 31, 32, 33]
@@ -173,6 +182,7 @@ def test_bytes_per_token_latent_vs_materialised(monkeypatch, arch):
     assert mlx_pool.memory_usage_bytes() == layers * n * want
 
     monkeypatch.setenv("MLXKV_MLA_ABSORBED", "1")
+    reload_flags()
     apply_mla(model)
     pool = CachePool(model, cache_factory=make_mla_caches)
     seq = pool.open(n)

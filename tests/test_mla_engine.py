@@ -3,11 +3,13 @@ with latent caches that hold fewer bytes."""
 
 import pytest
 
+from mlxkv.env import reload as reload_flags
+from testkit.deepseek import build_deepseek
+
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.mla import LatentCache, apply_mla
 from mlxkv.kv.store import CachePool
-from testkit.deepseek import build_deepseek
+from mlxkv.mla import LatentCache, apply_mla
 
 PROMPT = [(13 * i + 7) % 900 + 10 for i in range(40)]
 
@@ -20,6 +22,7 @@ def test_absorbed_flag_runs_the_engine_on_latent_caches_with_equal_tokens(monkey
     plain = DirectEngine(model, None, pool=plain_pool)
     expected = list(plain.generate_tokens(PROMPT, params))
     monkeypatch.setenv("MLXKV_MLA_ABSORBED", "1")
+    reload_flags()
     assert apply_mla(model)  # the loader's call: layers swapped
     pool = CachePool(model)
     seq = pool.open()

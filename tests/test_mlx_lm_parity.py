@@ -19,6 +19,7 @@ import pytest
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_attention_mask
+from testkit.archs import build_from_config, get_config
 
 import mlxkv.kv.layouts as ours
 from mlxkv.kv.layouts import (
@@ -35,7 +36,6 @@ from mlxkv.kv.layouts import (
     make_caches,
 )
 from mlxkv.kv.layouts import load_prompt_cache as our_load
-from testkit.archs import build_from_config, get_config
 
 D = 32  # head_dim: a valid quantization group size
 SUBSTITUTED = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache", "BatchKVCache",

@@ -1,7 +1,8 @@
 """The hand-written package list in pyproject.toml must name every package we ship."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

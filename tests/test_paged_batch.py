@@ -3,14 +3,14 @@ to each sequence decoded alone over dense caches."""
 
 import mlx.core as mx
 import pytest
+from testkit.archs import build_model
 
 import mlxkv.kv.batching.paged_views as paged_batch_module
-from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.config import KvCacheConfig
 from mlxkv.kv.batching import check_attended, make_batch_views
 from mlxkv.kv.batching.paged_views import PagedBatchView
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.store import CachePool
-from testkit.archs import build_model
 
 PROMPTS = [[(7 * i + 3 * k) % 900 + 10 for i in range(n)] for k, n in enumerate((45, 21, 33))]
 STEPS = 12

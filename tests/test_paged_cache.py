@@ -3,13 +3,13 @@ architecture, with decode attention running through paged_attention on the page 
 
 import mlx.core as mx
 import pytest
+from testkit.archs import ARCHITECTURES, build_model
 
 import mlxkv.kv.paged.layer_cache as layer_cache_module
-from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.config import KvCacheConfig
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.paged import PagedLayerCache, PagedPoolExhausted
 from mlxkv.kv.store import CachePool
-from testkit.archs import ARCHITECTURES, build_model
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window 8, across llama4's 16-token chunks
 DECODE_STEPS = 40

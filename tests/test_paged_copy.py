@@ -1,11 +1,11 @@
 """A partial-block copy (prefix reuse, copy-on-write) must not copy the whole page pool."""
 
 import mlx.core as mx
+from testkit.archs import build_model
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.prefill import prefill
 from mlxkv.kv.store import CachePool
-from testkit.archs import build_model
 
 BASE = [(7 * i + 3) % 900 + 10 for i in range(407)]  # 25 full blocks + a 7-token partial block
 

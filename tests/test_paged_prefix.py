@@ -4,13 +4,13 @@ shared prefixes hit; trim then regenerate is exact; release returns every block;
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import trim_prompt_cache
+from testkit.archs import ARCHITECTURES, build_model
 
-from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
+from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.store import CachePool
-from testkit.archs import ARCHITECTURES, build_model
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]
 OTHER_TAIL = [(11 * i + 5) % 900 + 10 for i in range(13)]

@@ -69,11 +69,12 @@ def test_scattered_pages_decode_through_page_runs_then_the_kernel(monkeypatch):
     """Two sequences growing in turn take alternate blocks: while a table is one run of consecutive pages (a view)
     or at most MAX_VIEW_RUNS runs a decode step attends to each run in place (runs_attention); past that, through
     the kernel. Logits stay equal to a dense cache's."""
+    from testkit.archs import build_model
+
+    from mlxkv.config import KvCacheConfig
     from mlxkv.kv.layouts import make_caches
     from mlxkv.kv.layouts.attention_hook import install_attention_hook
-    from mlxkv.config import KvCacheConfig
     from mlxkv.kv.store import CachePool
-    from testkit.archs import build_model
 
     kernel, runs = [], []
     real_kernel, real_runs = layer_cache_module.paged_attention, layer_cache_module.runs_attention
@@ -110,11 +111,12 @@ def test_prefill_after_a_prefix_hit_attends_page_runs_in_place(monkeypatch):
     """A prompt whose first blocks are a prefix-cache hit prefills its suffix into new blocks away from the
     cached ones: the chunk attends to the runs in place (runs_attention, causal) and its logits and the next
     decode step equal a dense cache's over the whole prompt."""
+    from testkit.archs import build_model
+
+    from mlxkv.config import KvCacheConfig
     from mlxkv.kv.layouts import make_caches
     from mlxkv.kv.layouts.attention_hook import install_attention_hook
-    from mlxkv.config import KvCacheConfig
     from mlxkv.kv.store import CachePool
-    from testkit.archs import build_model
 
     runs = []
     real_runs = layer_cache_module.runs_attention

@@ -2,9 +2,9 @@
 
 import mlx.core as mx
 import pytest
+from testkit.archs import build_model
 
 from mlxkv.kv.store import CachePool, PoolFullError, SequenceId
-from testkit.archs import build_model
 
 
 @pytest.fixture(scope="module")

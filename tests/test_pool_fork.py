@@ -2,13 +2,13 @@
 
 import mlx.core as mx
 import pytest
+from testkit.archs import build_model
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv.store import CachePool, PoolFullError
-from testkit.archs import build_model
 
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(200)]
 BLOCK = 16

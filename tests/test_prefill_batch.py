@@ -2,18 +2,18 @@
 
 import mlx.core as mx
 import pytest
+from testkit.archs import build_model
 
-from mlxkv.kv.layouts import make_caches
-from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.config import KvCacheConfig
-from mlxkv.kv.batching.dense_views import BatchUnsupported
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.prefill_batch import last_rows, prefill_inputs, prefill_together
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.scheduler import Job, Scheduler
+from mlxkv.kv.batching.dense_views import BatchUnsupported
+from mlxkv.kv.layouts import make_caches
+from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.kv.store import CachePool
-from testkit.archs import build_model
 
 SHARED = [(7 * i) % 800 + 20 for i in range(21)]  # 5 whole blocks of 4, then one token
 SUFFIXES = [[101, 102, 103, 104, 105, 106], [201], [301, 302, 303]]

@@ -33,7 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_hub_resolution import free_port, populate_hf_cache, stop_server, wait_for_health
+from test_hub_resolution import (
+    free_port,
+    populate_hf_cache,
+    stop_server,
+    wait_for_health,
+)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_PORT = "8080"
@@ -313,9 +318,9 @@ def test_readme_serve_line_answers(line, sandbox, tmp_path):
 
 def test_kv_bits_on_a_head_dim_no_group_divides_fails_in_one_line_before_generating(monkeypatch):
     """The demo model's head_dim 48 has no valid quantization group: the pool refuses it before any token."""
+    from mlxkv.cli.main import app
     from typer.testing import CliRunner
 
-    from mlxkv.cli.main import app
     from mlxkv.engine.direct import DirectEngine
 
     def never(*args, **kwargs):
@@ -331,9 +336,10 @@ def test_kv_bits_on_a_head_dim_no_group_divides_fails_in_one_line_before_generat
 
 def test_kv_bits_group_sizes_are_checked_when_the_pool_is_built():
     """A head_dim some valid group divides: that group works, another is refused naming the ones that fit."""
+    from testkit.archs import build_from_config, get_config
+
     from mlxkv.kv.layouts import kv_head_dims
     from mlxkv.kv.store import CachePool
-    from testkit.archs import build_from_config, get_config
 
     wide = build_from_config({**get_config("llama"), "head_dim": 64})[0]
     assert kv_head_dims(wide) == {64}

@@ -102,10 +102,11 @@ def reference(theirs, prompts):
 
 def _ours(loaded, prompt: list[int], **options) -> list[int]:
     """Greedy tokens through the engine ``mlxkv generate`` builds."""
-    from mlxkv.engine.build import EngineOptions, build_engine
+    from mlxkv.engine.build import build_engine
+    from testkit.run_config import run_config
     from mlxkv.engine.sampling import SamplingParams
 
-    engine = build_engine(loaded, EngineOptions(**options), context_tokens=len(prompt) + TOKENS)
+    engine = build_engine(loaded, run_config(**options), context_tokens=len(prompt) + TOKENS)
     return list(engine.generate_tokens(prompt, SamplingParams(max_tokens=TOKENS)))
 
 
@@ -132,11 +133,12 @@ def test_bounded_and_quantized_caches_equal_mlx_lm_s(ours, reference, prompts, k
 @pytest.mark.parametrize("kind", ["plain", "paged", "rotating", "kv8"])
 def test_logits_stay_close_to_mlx_lm_s_over_a_forced_continuation(ours, theirs, reference, prompts, kind):
     """Teacher-forced over mlx-lm's own greedy continuation: every step's logits, not only the argmax."""
-    from mlxkv.engine.build import EngineOptions, build_engine
+    from mlxkv.engine.build import build_engine
+    from testkit.run_config import run_config
 
     prompt, cont = prompts[0], reference("plain", 0)[:32]
     options = {"paged": {"kv_backend": "paged"}, "rotating": {"max_kv_size": 64}, "kv8": {"kv_bits": 8}}
-    pool = build_engine(ours, EngineOptions(**options.get(kind, {})), len(prompt) + len(cont)).pool
+    pool = build_engine(ours, run_config(**options.get(kind, {})), len(prompt) + len(cont)).pool
     theirs_cache = _mlx_lm_cache(theirs[0], "plain" if kind == "paged" else kind)
     seq = pool.open(prompt_length=len(prompt), prompt=list(prompt))
     ids = [prompt, *([t] for t in cont)]
@@ -182,10 +184,11 @@ def test_the_quantized_gguf_generates_as_its_converted_folder_in_both_engines(tm
 
 
 def _ours_n(loaded, prompt: list[int], n: int) -> list[int]:
-    from mlxkv.engine.build import EngineOptions, build_engine
+    from mlxkv.engine.build import build_engine
+    from testkit.run_config import run_config
     from mlxkv.engine.sampling import SamplingParams
 
-    engine = build_engine(loaded, EngineOptions(), context_tokens=len(prompt) + n)
+    engine = build_engine(loaded, run_config(), context_tokens=len(prompt) + n)
     return list(engine.generate_tokens(prompt, SamplingParams(max_tokens=n)))
 
 

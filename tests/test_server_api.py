@@ -14,6 +14,7 @@ from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.runner import ServerThread, build
+from testkit.run_config import run_config
 
 QUESTIONS = ["What is a tuple?", "Explain the import statement.", "How do generators work?",
              "What does the with statement do?"]
@@ -26,7 +27,8 @@ def llama_dir(test_model_dir):
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    parts = build(llama_dir, config=EngineConfig(max_sequences=4, max_queue_depth=16), model_name="tiny-llama")
+    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=4, max_queue_depth=16), kv_backend="paged"),
+                  model_name="tiny-llama")
     with ServerThread(parts.app) as srv:
         srv.parts = parts
         yield srv
@@ -187,7 +189,7 @@ def test_metrics_openapi_models_health_and_cache_routes(server, client):
 
 
 def test_queue_full_answers_429(llama_dir):
-    parts = build(llama_dir, config=EngineConfig(max_sequences=1, max_queue_depth=1))
+    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=1, max_queue_depth=1), kv_backend="paged"))
     with ServerThread(parts.app) as srv:
         url = srv.url + "/v1/completions"
         with httpx.Client(timeout=60) as http:
@@ -206,7 +208,7 @@ def test_queue_full_answers_429(llama_dir):
 
 
 def test_api_key_required_on_v1_routes(llama_dir):
-    parts = build(llama_dir, config=EngineConfig(max_sequences=2), api_key="s3cret")
+    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=2), kv_backend="paged"), api_key="s3cret")
     with ServerThread(parts.app) as srv:
         body = {"prompt": "x", "max_tokens": 2}
         missing = httpx.post(srv.url + "/v1/completions", json=body)

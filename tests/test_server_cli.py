@@ -10,9 +10,8 @@ import time
 import httpx
 import pytest
 import typer
-from typer.testing import CliRunner
-
 from mlxkv.cli.serve import serve
+from typer.testing import CliRunner
 
 app = typer.Typer()
 app.command()(serve)

@@ -5,16 +5,16 @@ wrapped sliding windows (gemma3, window 8) and chunk boundaries (llama4, chunk 1
 
 import mlx.core as mx
 import pytest
+from testkit.archs import ARCHITECTURES, TEST_VOCAB_SIZE
 from testkit.speculative import ScriptedDrafter, build, perturbed
 
-from mlxkv.kv.layouts import install_attention_hook
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.drafters import Draft, DraftModelDrafter, PromptLookupDrafter
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculative import SpeculativeEngine, SpeculativeStats
-from mlxkv.models import load
+from mlxkv.kv.layouts import install_attention_hook
 from mlxkv.kv.store import CachePool
-from testkit.archs import ARCHITECTURES, TEST_VOCAB_SIZE
+from mlxkv.models import load
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window, across llama4 chunks
 NEW_TOKENS = 40  # generation crosses llama4's chunk starts at 48, 64 and 80
@@ -120,7 +120,6 @@ def test_draft_model_caches_follow_the_committed_tokens(arch):
 def wide(arch: str):
     """The ``arch`` test model with head_dim 32, so K/V can be quantized (group size >= 32)."""
     from mlx_lm.utils import _get_classes
-
     from testkit.archs import _init_weights, get_config
 
     config = get_config(arch)

@@ -122,11 +122,12 @@ def test_draft_model_pool_must_be_dense():
 def test_build_engine_paged_with_prompt_lookup():
     from types import SimpleNamespace
 
-    from mlxkv.engine.build import EngineOptions, build_engine
+    from mlxkv.engine.build import build_engine
+    from testkit.run_config import run_config
 
     model = build("llama")
     reference = list(DirectEngine(model, None).generate_tokens(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))
-    options = EngineOptions(kv_backend="paged", kv_block_size=B, prompt_lookup=True, num_draft_tokens=K)
+    options = run_config(kv_backend="paged", kv_block_size=B, prompt_lookup=True, num_draft_tokens=K)
     engine = build_engine(SimpleNamespace(model=model, tokenizer=None), options, len(PROMPT) + NEW_TOKENS)
     assert isinstance(engine, SpeculativeEngine) and engine.pool.paged is not None
     tokens = list(engine.generate_tokens(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))

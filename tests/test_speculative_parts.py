@@ -4,11 +4,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.kv.layouts import ChunkedKVCache, KVCache, RotatingKVCache
 from mlxkv.engine.drafters import Draft, PromptLookupDrafter
 from mlxkv.engine.rewind import CacheRewinder, RewindError, check_rewindable
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.verify import verify_greedy, verify_sampled
+from mlxkv.kv.layouts import ChunkedKVCache, KVCache, RotatingKVCache
 
 GREEDY = SamplingParams()
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-
 from testkit.archs import ARCH_NAMES, TEST_VOCAB_SIZE, build_model, get_config
 from testkit.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
 

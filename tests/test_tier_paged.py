@@ -6,8 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.config import KvCacheConfig
+from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.paged import PagedBackend
 from mlxkv.kv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
 from mlxkv.kv.tier.bridge import TierBridge

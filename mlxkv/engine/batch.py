@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -33,40 +32,10 @@ from mlxkv.engine.request import (
 )
 from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
 from mlxkv.kernels.fast_exp import fast_exp2_ready
+from mlxkv.config import EngineConfig
 from mlxkv.kv import CachePool
 
 log = logging.getLogger("mlxkv.engine")
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """Batch engine settings (``mlxkv serve`` options map onto these fields).
-
-    Attributes:
-        max_sequences: most sequences decoding or prefilling at once (a request with ``n`` choices takes ``n``).
-        max_queue_depth: most requests waiting for admission; one more raises :class:`QueueFullError`.
-        prefill_chunk_size: most prompt tokens prefilled per engine step.
-        batched_decode: ``None`` probes the model at start (batch views vs one-by-one, same tokens);
-            ``False`` always decodes sequences one by one; ``True`` requires batch views.
-        batched_prefill: prefill the short chunks of sequences admitted together in one forward
-            (:mod:`mlxkv.engine.prefill_batch`) where batched decode works and a start-up probe matches one-by-one
-            prefill. Off by default: on the CPU backend it measured no better TTFT (see the README), since each
-            request's first token then waits for the whole batch instead of its own prefill.
-    """
-
-    max_sequences: int = 8
-    max_queue_depth: int = 64
-    prefill_chunk_size: int = 512
-    batched_decode: bool | None = None
-    batched_prefill: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_sequences < 1:
-            raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
-        if self.max_queue_depth < 1:  # every request passes through the queue, if only for one step
-            raise ValueError(f"max_queue_depth must be >= 1, got {self.max_queue_depth}")
-        if self.prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
 
 
 def context_length_of(config: dict) -> int | None:

@@ -1,92 +1,69 @@
-"""Building a single-sequence engine from user options (what `mlxkv generate` asks for)."""
+"""Building engines and their KV store from a :class:`~mlxkv.config.RunConfig` — the same way for ``mlxkv
+generate`` (one sequence) and ``mlxkv serve`` (a batch engine)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
+from mlxkv.config import KvCacheConfig, RunConfig
 from mlxkv.engine.direct import DirectEngine
-from mlxkv.kv import CachePool, KvCacheConfig, paged_blocks_for
+from mlxkv.kv import CachePool, paged_blocks_for
+
+#: Share of free memory a served paged pool may take when no ``--kv-cache-budget`` is given.
+AUTO_FREE_FRACTION = 0.5
 
 
-@dataclass(slots=True)
-class EngineOptions:
-    """KV-cache and speculation options of one `generate` run.
+def build_pool(model: Any, kv: KvCacheConfig, *, max_sequences: int, context_tokens: int | None) -> CachePool:
+    """The KV store of ``model`` for ``max_sequences`` sequences of up to ``context_tokens`` tokens each.
 
-    Attributes:
-        kv_backend: "dense" (per-sequence buffers) or "paged" (blocks of one pool, prefix caching).
-        kv_block_size: tokens per block (paged).
-        max_kv_size: cap on cached tokens per layer (dense: rotating past it).
-        kv_bits / kv_group_size: quantized K/V (4 or 8 bits; groups of 32, 64, 128).
-        draft_model: a second model (repo id or folder) drafting tokens for speculative decoding.
-        prompt_lookup: draft by n-gram lookup over the prompt and output (no second model).
-        num_draft_tokens / ngram_size: tokens drafted per round; n-gram length for prompt lookup.
-        dequantize: load the draft model's quantized weights unquantized, as the target's were.
+    Paged without a byte budget: one sequence gets the blocks its context needs; several share a pool of
+    ``max_sequences`` full contexts, at most ``AUTO_FREE_FRACTION`` of free memory.
+
+    Raises:
+        ValueError: options that apply to the other backend.
     """
-
-    kv_backend: str = "dense"
-    kv_block_size: int = 16
-    max_kv_size: int | None = None
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    draft_model: str | None = None
-    prompt_lookup: bool = False
-    num_draft_tokens: int = 3
-    ngram_size: int = 3
-    dequantize: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kv_backend not in ("dense", "paged"):
-            raise ValueError(f"kv_backend must be one of dense, paged, got {self.kv_backend!r}")
-        if self.kv_backend == "paged" and (self.max_kv_size is not None or self.kv_bits is not None):
-            raise ValueError("--kv-backend paged does not support --max-kv-size or --kv-bits yet: use dense")
-        if self.draft_model and self.prompt_lookup:
-            raise ValueError("choose one drafting mode: --draft-model or --prompt-lookup, not both")
-        if self.num_draft_tokens < 1 or self.ngram_size < 1:
-            raise ValueError("--num-draft-tokens and --ngram-size must be >= 1")
-
-    @property
-    def speculative(self) -> bool:
-        return bool(self.draft_model) or self.prompt_lookup
+    if kv.backend == "dense":
+        return CachePool(model, max_sequences=max_sequences, layout=kv.layout, max_kv_size=kv.max_kv_size,
+                         kv_bits=kv.kv_bits, kv_group_size=kv.kv_group_size)
+    if kv.kv_bits is not None or kv.max_kv_size is not None or kv.layout != "mlxkv":
+        raise ValueError("--kv-bits, --max-kv-size and --cache-layout apply to the dense backend: add --kv-backend dense")
+    num_blocks = None
+    if kv.kv_cache_budget == "auto" and kv.max_tokens is None:
+        if max_sequences == 1 and context_tokens:  # one sequence: its context, not a share of free memory
+            num_blocks = paged_blocks_for(model, kv.block_size, context_tokens)
+        elif max_sequences > 1:
+            kv = dataclasses.replace(kv, max_tokens=max_sequences * context_tokens if context_tokens else None,
+                                     free_memory_fraction=min(kv.free_memory_fraction, AUTO_FREE_FRACTION))
+    return CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv, num_blocks=num_blocks)
 
 
-def _pool(model: Any, options: EngineOptions, context_tokens: int) -> CachePool:
-    if options.kv_backend == "paged":
-        # One sequence: size the pool for its context instead of a share of free memory.
-        config = KvCacheConfig(backend="paged", block_size=options.kv_block_size)
-        blocks = paged_blocks_for(model, options.kv_block_size, context_tokens)
-        return CachePool(model, max_sequences=1, backend="paged", kv_config=config, num_blocks=blocks)
-    return CachePool(model, max_sequences=1, max_kv_size=options.max_kv_size, kv_bits=options.kv_bits,
-                     kv_group_size=options.kv_group_size)
-
-
-def build_engine(loaded: Any, options: EngineOptions, context_tokens: int) -> DirectEngine:
-    """A DirectEngine (or SpeculativeEngine when a drafting mode is set) over a one-sequence pool.
-
-    ``context_tokens`` (prompt + new tokens) sizes a paged pool. Speculation works over either backend
-    (the draft model's own pool is dense).
+def build_engine(loaded: Any, run: RunConfig, context_tokens: int) -> DirectEngine:
+    """A DirectEngine (or SpeculativeEngine when a drafting mode is set) over a one-sequence store sized for
+    ``context_tokens`` (prompt + new tokens).
 
     Raises:
         ValueError: incompatible options, or a draft model whose vocabulary differs from the target's.
         mlxkv.models.ModelLoadError: the draft model cannot be loaded.
     """
+    spec = run.speculative
     # A verify forward holds up to num_draft_tokens unverified positions past the context at once.
-    spare = options.num_draft_tokens if options.speculative else 0
-    pool = _pool(loaded.model, options, context_tokens + spare)
-    if not options.speculative:
+    spare = spec.num_draft_tokens if spec.enabled else 0
+    pool = build_pool(loaded.model, run.kv, max_sequences=1, context_tokens=context_tokens + spare)
+    if not spec.enabled:
         return DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
     from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
     from mlxkv.engine.speculative import SpeculativeEngine
 
-    if options.prompt_lookup:
-        drafter = PromptLookupDrafter(ngram_size=options.ngram_size)
+    if spec.prompt_lookup:
+        drafter = PromptLookupDrafter(ngram_size=spec.ngram_size)
     else:
         from mlxkv.models import load
 
-        draft = load(options.draft_model, dequantize=options.dequantize)
+        draft = load(spec.draft_model, dequantize=run.dequantize)
         # The draft's caches stay dense (one sequence, rewound every round): no prefix caching to gain.
-        dense = dataclasses.replace(options, kv_backend="dense")
-        drafter = DraftModelDrafter(draft.model, pool=_pool(draft.model, dense, context_tokens))
-    return SpeculativeEngine(loaded.model, loaded.tokenizer, drafter, num_draft_tokens=options.num_draft_tokens,
+        dense = dataclasses.replace(run.kv, backend="dense")
+        drafter = DraftModelDrafter(draft.model, pool=build_pool(draft.model, dense, max_sequences=1,
+                                                                 context_tokens=context_tokens))
+    return SpeculativeEngine(loaded.model, loaded.tokenizer, drafter, num_draft_tokens=spec.num_draft_tokens,
                              pool=pool)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Iterator
+from typing import Sequence as Seq
 
 import mlx.core as mx
 
+from mlxkv.engine.output import TextStream
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
-from mlxkv.engine.output import TextStream
 from mlxkv.kv import CachePool
 
 

@@ -43,7 +43,7 @@ def supports_padded_prefill(model: Any, caches: list) -> bool:
 
 def padded_prefill_enabled(model: Any, caches: list) -> bool:
     """Whether :func:`prefill` pads for this model: supported, and the flags (or the default) say so."""
-    override = env.padded_prefill_override()
+    override = env.flags().padded_prefill
     if override is False or not supports_padded_prefill(model, caches):
         return False
     return PADDED_PREFILL_DEFAULT if override is None else True

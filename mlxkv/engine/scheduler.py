@@ -38,12 +38,13 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from mlxkv.engine.decode_loop import DecodeLoop
 from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, retention_config
 from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
 from mlxkv.engine.request import Event
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.engine.runner import ModelRunner
-from mlxkv.kv import BatchUnsupported, CachePool, Sequence
+from mlxkv.kv import CachePool, Sequence
 
 __all__ = ["MAX_BATCHED_CHUNK", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
 
@@ -92,12 +93,12 @@ class Scheduler:
         self.prefilling: list[Prefill] = []
         self.running: list[Choice] = []
         self._owners: dict[Any, Prefill | Choice] = {}  # sequence id -> the task prefilling it or the choice
-        self._in_flight: list[tuple[Choice, mx.array, int]] = []  # the last decode step's tokens, not read yet
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
                            batched_prefills=0, prefills_joined_decode=0)
         self.runner = ModelRunner(model, batched=batched, batched_prefill=batched_prefill, totals=self.totals)
+        self.decode_loop = DecodeLoop(self)
 
     @property
     def batched(self) -> bool:
@@ -124,7 +125,7 @@ class Scheduler:
         heapq.heappush(self.waiting, (job.request.priority, next(self._order), job))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.preempted or self.prefilling or self.running or self._in_flight)
+        return bool(self.waiting or self.preempted or self.prefilling or self.running or self.decode_loop.in_flight)
 
     def jobs(self) -> list[Job]:
         """Every job not finished yet (waiting, preempted, prefilling or running)."""
@@ -394,87 +395,13 @@ class Scheduler:
                     self._emit(choice, token, now)
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def _reserve(self) -> list[Choice]:
-        """Paged: room for every running choice's next input, preempting as needed; returns who decodes."""
-        for choice in list(self.running):
-            if choice not in self.running or _ends_in_flight(choice):  # preempted meanwhile / nothing to feed
-                continue
-            if not self._make_room(choice.seq, 1):
-                self._land()  # (normally done already: _decode reads in-flight tokens first when blocks are short)
-                if choice.done or choice.job.finished:
-                    continue
-                if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
-                    choice.job.handle.put(Event("token", index=choice.index, finish_reason="length"))
-                    self._close_choice(choice, "length")
-                else:
-                    self._preempt_choice(choice)
-                continue
-            if choice.fresh:  # the opened tokens' last: known to the pool, its slot only is taken
-                choice.seq.reserve_last()
-            elif choice.in_flight is not None:  # its value is still being computed: named when it is read
-                choice.placeholder_at = choice.seq.feed_placeholder()
-            else:
-                choice.seq.feed([choice.next_input])
-            choice.fresh = False
-        return [c for c in self.running if not _ends_in_flight(c)]
-
     def _decode(self) -> None:
-        """One decode step for every running choice, overlapped with reading the previous step's tokens.
-
-        The step is built from the previous step's sampled tokens while they are still being computed (fed
-        lazily; paged slots taken under a placeholder) and handed to MLX with ``async_eval``; only then are the
-        previous tokens read, named in the pool, and emitted — so building a step's graph overlaps the evaluation
-        of the one before (on MLX's CPU backend only partly). When room is short, the previous tokens are read
-        first: a preemption must see every emitted token. A step that computes some request's first token (a
-        prompt that joined the decode batch) is read at once.
-        """
-        if self._in_flight and not self.pool.has_decode_headroom(len(self.running)):
-            self._land()
-        choices = self._reserve() if self.pool.is_paged else [c for c in self.running if not _ends_in_flight(c)]
-        if not choices:
-            self._land()
-            return
-        self.totals["decode_steps"] += 1
-        self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
-        try:
-            tokens = self.runner.decode([c.seq for c in choices], _decode_inputs(choices),
-                                        [c.sampler for c in choices])  # (B,)
-        except Exception as exc:  # noqa: BLE001 - the shared forward failed: fail the requests in it
-            self._land()
-            for job in {id(c.job): c.job for c in choices}.values():
-                self._fail(job, exc)
-            return
-        if self._in_flight:
-            self.totals["overlapped_steps"] += 1
-        self._land()  # the previous step's tokens (named before this step's positions are committed)
-        for b, c in enumerate(choices):
-            if c.done or c.job.finished:
-                continue  # closed by its previous token: this step's token is dropped
-            c.seq.commit()
-            c.in_flight = (tokens, b)
-            self._in_flight.append((c, tokens, b))
-        if any(c.job.first_token_at is None for c in choices):
-            self._land()  # a request's first token (its last prompt token joined this step): out now, not a step late
+        """One decode step for every running choice (see :class:`~mlxkv.engine.decode_loop.DecodeLoop`)."""
+        self.decode_loop.step()
 
     def _land(self) -> None:
-        """Read the last decode step's tokens; name the placeholders the step after it fed them under; emit."""
-        if not self._in_flight:
-            return
-        flights, self._in_flight = self._in_flight, []
-        values = {id(t): t.tolist() for _, t, _ in flights}  # one read per step's token array
-        now = time.perf_counter()
-        for choice, tokens, row in flights:
-            token = values[id(tokens)][row]
-            choice.in_flight = None
-            if choice.done or choice.job.finished:
-                continue
-            try:
-                if choice.placeholder_at is not None:
-                    choice.seq.name_token(choice.placeholder_at, token)
-                    choice.placeholder_at = None
-                self._emit(choice, token, now)
-            except Exception as exc:  # noqa: BLE001
-                self._fail(choice.job, exc)
+        """Read and emit the last decode step's tokens (a preemption must see every emitted token)."""
+        self.decode_loop.land()
 
     def _emit(self, choice: Choice, token: int, now: float) -> None:
         self.totals["generation_tokens"] += 1
@@ -515,20 +442,3 @@ class Scheduler:
             job.handle.put(event)
         finally:
             job.report(self.observer, finish_reason or event.finish_reason or outcome)
-
-
-def _ends_in_flight(choice: Choice) -> bool:
-    """Whether the choice's in-flight token is its last by length (no step is spent on what would follow it)."""
-    return choice.in_flight is not None and len(choice.generated) + 1 >= choice.job.max_tokens
-
-
-def _decode_inputs(choices: list[Choice]) -> mx.array:
-    """The step's input tokens ``(B, 1)`` uint32: in-flight tokens lazily (without reading them), others as given."""
-    flights = [c.in_flight for c in choices]
-    first = flights[0]
-    if first is not None and first[0].shape[0] == len(choices) and all(
-            f is not None and f[0] is first[0] and f[1] == b for b, f in enumerate(flights)):
-        return first[0][:, None]  # the whole previous batch, in order
-    parts = [f[0][f[1]:f[1] + 1] if f is not None else mx.array([c.next_input], dtype=mx.uint32)
-             for c, f in zip(choices, flights)]
-    return mx.concatenate(parts)[:, None]

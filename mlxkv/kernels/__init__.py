@@ -43,8 +43,8 @@ from .dispatch import (
     paged_attention,
     reference_on_views,
 )
-from .kv_write_ref import kv_write_reference
 from .geometry import TOLERANCES, SplitPlan, plan_splits
+from .kv_write_ref import kv_write_reference
 from .paged_attention_ref import merge_partials, paged_attention_reference
 
 __all__ = [

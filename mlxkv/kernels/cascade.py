@@ -44,8 +44,8 @@ def find_prefix_groups(
     their first block id and a bucket's shared length is its longest common prefix.
     Defaults come from ``MLXKV_CASCADE_MIN_GROUP`` / ``MLXKV_CASCADE_MIN_SHARED_PAGES``.
     """
-    min_group = env.cascade_min_group_size() if min_group is None else min_group
-    min_shared_pages = env.cascade_min_shared_pages() if min_shared_pages is None else min_shared_pages
+    min_group = env.flags().cascade_min_group_size if min_group is None else min_group
+    min_shared_pages = env.flags().cascade_min_shared_pages if min_shared_pages is None else min_shared_pages
     buckets: dict[int, list[int]] = defaultdict(list)
     for row, (table, L) in enumerate(zip(block_tables, context_lens, strict=True)):
         if table and table[0] != 0 and (L - 1) // block_size >= min_shared_pages:

@@ -31,8 +31,8 @@ from mlxkv import env
 
 from . import metal
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
-from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .geometry import check_paged_inputs
+from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
 from .selfcheck import check_attention_impl, check_kv_write_impl
 
@@ -67,7 +67,7 @@ class KernelDispatch:
         attention_factory: Callable = metal.paged_attention_kernel,
         kv_write_factory: Callable = metal.kv_write_kernel,
         metal_available: Callable[[], bool] = mx.metal.is_available,
-        mode: Callable[[], str] = env.paged_kernel,
+        mode: Callable[[], str] = lambda: env.flags().paged_kernel,
     ):
         self.attention_factory = attention_factory
         self.kv_write_factory = kv_write_factory
@@ -181,7 +181,7 @@ class KernelDispatch:
                 AttentionClass(k_pages.dtype, D, bs, kv_heads, g, window, chunk_size, sinks is not None)
             )
 
-        if env.cascade_attention() and window is None and chunk_size is None:
+        if env.flags().cascade_attention and window is None and chunk_size is None:
             if prefix_groups is None:
                 prefix_groups = find_prefix_groups(block_tables.tolist(), context_lens.tolist(), bs)
             if prefix_groups:

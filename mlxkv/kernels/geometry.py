@@ -72,7 +72,7 @@ def visible_page_bound(
 
 def choose_num_splits(visible_tokens: int) -> int:
     """Split count: ``MLXKV_PAGED_DECODE_SPLITS`` if set, else one per ~2K visible tokens (<= 16)."""
-    override = env.paged_decode_splits()
+    override = env.flags().paged_decode_splits
     if override is not None:
         return override
     return max(1, min(MAX_SPLITS, -(-visible_tokens // TOKENS_PER_SPLIT)))

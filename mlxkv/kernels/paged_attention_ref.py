@@ -217,7 +217,7 @@ def run_paged_attention(
     """
     check_paged_inputs(queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks)
     D, bs = queries.shape[-1], k_pages.shape[2]
-    if num_splits is None and env.paged_decode_splits() is None:
+    if num_splits is None and env.flags().paged_decode_splits is None:
         num_splits = getattr(impl, "default_num_splits", None)  # None: split by context length
     plan = plan_splits(
         host_max_context_len(context_lens, max_context_len),

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .kv_write_ref import kv_write_reference
 from .geometry import TOLERANCES
+from .kv_write_ref import kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
 
 

@@ -134,29 +134,6 @@ def _cache_nbytes(cache: Any) -> int:
         return 0
 
 
-def mlx_lm_caches(model: Any, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                  kv_group_size: int = 64) -> list:
-    """mlx-lm's own caches for ``model`` (the reference the tests and benchmarks compare against).
-
-    mlx-lm quantizes only plain ``KVCache`` layers; others stay unquantized, as in mlx-lm.
-    """
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    caches = make_prompt_cache(model, max_kv_size=max_kv_size)
-    if kv_bits is not None:
-        caches = [c.to_quantized(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
-                  for c in caches]
-    return caches
-
-
-def mlxkv_caches(model: Any, *, max_kv_size: int | None = None, kv_bits: int | None = None,
-                 kv_group_size: int = 64) -> list:
-    """mlxkv's own layouts for ``model`` (see :func:`mlxkv.kv.layouts.make_caches`)."""
-    from mlxkv.kv.layouts import make_caches
-
-    return make_caches(model, max_kv_size=max_kv_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
-
-
 class CachePool:
     """The store of every sequence of one model: dense buffers per sequence, or pages of one block pool.
 
@@ -204,11 +181,12 @@ class CachePool:
             self.paged = PagedBackend(model, kv_config or KvCacheConfig(backend="paged"), num_blocks=num_blocks,
                                       model_path=model_path)
         if cache_factory is None:
-            if kv_bits is not None:
-                from mlxkv.kv.layouts import check_kv_group_size
+            from mlxkv.kv.layouts import check_kv_group_size, make_caches, mlx_lm_caches
 
+            if kv_bits is not None:
                 check_kv_group_size(model, kv_group_size)
-            build = mlxkv_caches if layout == "mlxkv" else mlx_lm_caches
+
+            build = make_caches if layout == "mlxkv" else mlx_lm_caches
             cache_factory = functools.partial(build, max_kv_size=max_kv_size, kv_bits=kv_bits,
                                               kv_group_size=kv_group_size)
         self._factory = cache_factory

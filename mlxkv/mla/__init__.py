@@ -15,9 +15,9 @@ into chunks merged by log-sum-exp.
     caches = make_mla_caches(model)      # or CachePool(model, cache_factory=make_mla_caches)
 """
 
+from mlxkv.kv.layouts.latent_cache import LatentCache
 from mlxkv.mla.apply import apply_mla, make_mla_caches, mla_layer_indices, set_mla_mode
 from mlxkv.mla.attention import MLAAttention, prefer_absorbed
-from mlxkv.kv.layouts.latent_cache import LatentCache
 from mlxkv.mla.latent import latent_attention
 
 __all__ = ["LatentCache", "MLAAttention", "apply_mla", "latent_attention", "make_mla_caches",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from mlxkv import env
-from mlxkv.mla.attention import MODES, SPLIT_CHUNK, MLAAttention
 from mlxkv.kv.layouts.latent_cache import LatentCache
+from mlxkv.mla.attention import MODES, SPLIT_CHUNK, MLAAttention
 
 
 def _mla_classes() -> tuple[type, ...]:
@@ -41,8 +41,8 @@ def apply_mla(model: Any, *, split_chunk: int = SPLIT_CHUNK) -> list[int]:
     Raises:
         ValueError: ``MLXKV_MLA_SPLIT_KV`` set without ``MLXKV_MLA_ABSORBED``, or a malformed flag value.
     """
-    split = env.mla_split_kv()  # raises first: the split flag alone is a user error even on other models
-    if not env.mla_absorbed():
+    split = env.flags().mla_split_kv  # the split flag alone is a user error even on other models
+    if not env.flags().mla_absorbed:
         return []
     classes = _mla_classes()
     swapped = []

@@ -19,8 +19,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.batch import BatchEngine
-from mlxkv.engine.request import (EngineStoppedError, Event, GenerationRequest, PromptTooLongError,
-                                  QueueFullError, RequestHandle, Usage)
+from mlxkv.engine.request import (
+    EngineStoppedError,
+    Event,
+    GenerationRequest,
+    PromptTooLongError,
+    QueueFullError,
+    RequestHandle,
+    Usage,
+)
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_body, install_error_handlers

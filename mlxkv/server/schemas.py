@@ -12,7 +12,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mlxkv.engine.request import DEFAULT_RETENTION_PRIORITY, RetentionRange, RetentionSpec
+from mlxkv.engine.request import (
+    DEFAULT_RETENTION_PRIORITY,
+    RetentionRange,
+    RetentionSpec,
+)
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 16

@@ -3,8 +3,8 @@
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxkv.kv.layouts import install_attention_hook
 from mlxkv.engine.drafters import Draft, Drafter
+from mlxkv.kv.layouts import install_attention_hook
 from testkit.archs import TEST_VOCAB_SIZE, build_model
 
 

@@ -48,7 +48,14 @@ def corpus_documents() -> list[str]:
 
 @functools.lru_cache(maxsize=4)
 def _trained_json(vocab_size: int) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from mlxkv.kv.batching.dense_views import BatchUnsupported, check_attended, make_dense_batch_views
+from mlxkv.kv.batching.dense_views import (
+    BatchUnsupported,
+    check_attended,
+    make_dense_batch_views,
+)
 from mlxkv.kv.batching.paged_views import is_paged, make_paged_batch_views
 
 

@@ -21,15 +21,15 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.kernels import paged_attention, reference_on_views
+from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
+from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kv.batching.dense_views import (
     BatchUnsupported,
     KVBatchView,
     StateBatchView,
     _is_state_cache,
 )
-from mlxkv.kernels import paged_attention, reference_on_views
-from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
-from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kv.paged.layer_cache import MAX_VIEW_RUNS, PagedLayerCache
 
 #: Rows x kv heads x head_dim the batched gather would copy per layer from which sequences whose pages lie in a

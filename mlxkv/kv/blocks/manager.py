@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mlxkv.kv.blocks.block_pool import BlockPool
+from mlxkv.kv.blocks.block_tables import BlockTables, ceil_div
 from mlxkv.kv.blocks.coordinator import PrefixHit
 from mlxkv.kv.blocks.events import KVEventBuffer
 from mlxkv.kv.blocks.eviction import EvictionPolicy
@@ -37,7 +38,6 @@ from mlxkv.kv.blocks.seq_state import (
     SlotAllocation,
 )
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
-from mlxkv.kv.blocks.block_tables import BlockTables, ceil_div
 
 if TYPE_CHECKING:
     from mlxkv.config import KvCacheConfig

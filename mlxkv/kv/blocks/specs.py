@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+
 class FullAttention:
     """Every past token is attended: nothing is released while the sequence runs."""
 

@@ -53,10 +53,11 @@ path does; chunked: fronts dropped as soon as possible). For the standard layout
 same slice write.
 """
 
-from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache, RewindError
-from mlxkv.kv.layouts.mlx_lm_batch import BatchKVCache, BatchRotatingKVCache
-from mlxkv.kv.layouts.chunked import ChunkedKVCache
 from mlxkv.kv.layouts.attention_hook import install_attention_hook
+from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache, RewindError
+from mlxkv.kv.layouts.chunked import ChunkedKVCache
+from mlxkv.kv.layouts.dense_storage import DenseStorage
+from mlxkv.kv.layouts.mlx_lm_batch import BatchKVCache, BatchRotatingKVCache
 from mlxkv.kv.layouts.model_layouts import (
     can_drop_tokens,
     check_kv_group_size,
@@ -65,6 +66,7 @@ from mlxkv.kv.layouts.model_layouts import (
     kv_head_dims,
     layer_kind,
     make_caches,
+    mlx_lm_caches,
 )
 from mlxkv.kv.layouts.persist import load_prompt_cache, save_prompt_cache
 from mlxkv.kv.layouts.quantized import (
@@ -74,7 +76,6 @@ from mlxkv.kv.layouts.quantized import (
 )
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
-from mlxkv.kv.layouts.dense_storage import DenseStorage
 
 __all__ = [
     "DEFAULT_MAX_REWIND",
@@ -98,5 +99,6 @@ __all__ = [
     "layer_kind",
     "load_prompt_cache",
     "make_caches",
+    "mlx_lm_caches",
     "save_prompt_cache",
 ]

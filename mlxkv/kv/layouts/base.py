@@ -42,7 +42,7 @@ class LayerCache:
     def __init__(self, step: int = 256):
         self.step = step
         self.offset = 0
-        self._inplace = env.kv_inplace_write()
+        self._inplace = env.flags().kv_inplace_write
         self._store = self._make_storage()
 
     # -- storage -----------------------------------------------------------------------------

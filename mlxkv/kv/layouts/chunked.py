@@ -11,8 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache
-from mlxkv.kv.layouts.masks import visible
 from mlxkv.kv.layouts.dense_storage import _round_up
+from mlxkv.kv.layouts.masks import visible
 
 
 class ChunkedKVCache(LayerCache):

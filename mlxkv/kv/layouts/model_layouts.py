@@ -195,3 +195,18 @@ def can_drop_tokens(caches: list, n: int) -> bool:
     """Whether every layer can ``trim`` the ``n`` tokens it was just given exactly (padded prefill): standard
     layouts, rotating ones rewinding that far, mlx-lm's ``KVCache``; never chunked or recurrent layers."""
     return all(_can_drop(c, n) for c in each_layer_cache(caches))
+
+
+def mlx_lm_caches(model: Any, *, max_kv_size: int | None = None, kv_bits: int | None = None,
+                  kv_group_size: int = 64) -> list:
+    """mlx-lm's own caches for ``model`` (the reference the tests and benchmarks compare against).
+
+    mlx-lm quantizes only plain ``KVCache`` layers; others stay unquantized, as in mlx-lm.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model, max_kv_size=max_kv_size)
+    if kv_bits is not None:
+        caches = [c.to_quantized(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
+                  for c in caches]
+    return caches

@@ -16,9 +16,13 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import save_prompt_cache  # noqa: F401  (re-exported: the format is mlx-lm's)
 
-from mlxkv.kv.layouts.mlx_lm_batch import BatchKVCache, BatchRotatingKVCache
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
-from mlxkv.kv.layouts.quantized import QuantizedChunkedKVCache, QuantizedKVCache, QuantizedRotatingKVCache
+from mlxkv.kv.layouts.mlx_lm_batch import BatchKVCache, BatchRotatingKVCache
+from mlxkv.kv.layouts.quantized import (
+    QuantizedChunkedKVCache,
+    QuantizedKVCache,
+    QuantizedRotatingKVCache,
+)
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
 

@@ -20,9 +20,9 @@ caches that have ``merge``).
 from __future__ import annotations
 
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
+from mlxkv.kv.layouts.dense_storage import VALID_BITS, VALID_GROUP_SIZES
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
-from mlxkv.kv.layouts.dense_storage import VALID_BITS, VALID_GROUP_SIZES
 
 
 class _Absent:

@@ -17,10 +17,10 @@ prompt chunks allocate their slots themselves, ``seq.feed([token])`` before each
 ``seq.commit()`` after every model step, ``CachePool.release`` frees the blocks (they stay cached).
 """
 
-from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.backend import PagedBackend, probe_block_bytes
-from mlxkv.kv.paged.paged_sequence import PagedPoolExhausted, PagedSequence
+from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
+from mlxkv.kv.paged.paged_sequence import PagedPoolExhausted, PagedSequence
 
 __all__ = ["PagedBackend", "PagedLayerCache", "PagedPoolExhausted", "PagedSequence",
            "PagedStorage", "probe_block_bytes"]

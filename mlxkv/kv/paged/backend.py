@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.config import KvCacheConfig, num_blocks_for_budget
 from mlxkv.kv.blocks import KVCacheGroupSpec, KVCacheManager
 from mlxkv.kv.layouts import (
     ChunkedKVCache,
@@ -26,10 +27,9 @@ from mlxkv.kv.layouts import (
     RotatingKVCache,
     make_caches,
 )
-from mlxkv.config import KvCacheConfig, num_blocks_for_budget
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
-from mlxkv.kv.paged.paged_sequence import PagedSequence
 from mlxkv.kv.paged.page_arrays import PagedStorage
+from mlxkv.kv.paged.paged_sequence import PagedSequence
 
 
 def _group_key(cache: Any) -> tuple | None:

@@ -27,14 +27,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.kv.blocks import KVCacheGroupSpec
-from mlxkv.kv.layouts.dense_attention import attend as dense_attend
-from mlxkv.kv.layouts.masks import standard_mask, visible
 from mlxkv.kernels import kv_write_is_reference, paged_attention, reference_on_views
 from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.kernels.page_views_ref import runs_attention
-from mlxkv.kv.paged.paged_sequence import PagedSequence
+from mlxkv.kv.blocks import KVCacheGroupSpec
+from mlxkv.kv.layouts.dense_attention import attend as dense_attend
+from mlxkv.kv.layouts.masks import standard_mask, visible
 from mlxkv.kv.paged.page_arrays import is_view
+from mlxkv.kv.paged.paged_sequence import PagedSequence
 
 #: A write whose slots form at most this many in-page runs uses static slice updates instead of a scatter
 #: (a decode row is one run; a prefill chunk needs one per page and a scatter is then fewer operations).

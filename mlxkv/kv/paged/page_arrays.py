@@ -19,8 +19,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.kernels import kv_write
-from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
 from mlxkv.kernels.geometry import page_runs
+from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
 
 #: A gather of pages lying in at most this many runs of consecutive pages concatenates those slices (a few
 #: contiguous copies) instead of indexing every page (measured ~1.8x faster for a 4K-row prefix + a few pages).

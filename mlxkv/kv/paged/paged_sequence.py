@@ -19,7 +19,6 @@ import mlx.core as mx
 from mlxkv.kv.blocks import CopyOp, KVCacheManager
 from mlxkv.kv.paged.page_arrays import PagedStorage, page_runs
 
-
 #: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
 PLACEHOLDER = -1
 
