@@ -100,7 +100,7 @@ def test_scattered_pages_decode_through_page_runs_then_the_kernel(monkeypatch):
             if seq is a:
                 expected = model(mx.array([[7 + t]], dtype=mx.uint32), cache=dense)[0, -1]
                 assert mx.abs(logits - expected).max().item() <= 1e-5 * max(1.0, mx.abs(expected).max().item())
-    assert not is_view(page_runs(a.paged.host_table(0)))
+    assert not is_view(page_runs(a.paged.step.host_table(0)))
     assert set(runs) == set(range(1, layer_cache_module.MAX_VIEW_RUNS + 1)) and kernel
     for seq in (a, b):
         pool.release(seq.id)
@@ -135,7 +135,7 @@ def test_prefill_after_a_prefix_hit_attends_page_runs_in_place(monkeypatch):
     assert seq.num_cached == 12  # the 3 whole shared blocks
     got = model(mx.array([prompt[12:]], dtype=mx.uint32), cache=seq.caches)[0]  # (7, vocab)
     seq.commit()
-    assert not is_view(page_runs(seq.paged.host_table(0)))  # its own blocks come after `first`'s
+    assert not is_view(page_runs(seq.paged.step.host_table(0)))  # its own blocks come after `first`'s
     assert runs and all(n_q == 7 and n_runs >= 2 for n_q, n_runs in runs)
     dense = make_caches(model)
     expected = model(mx.array([prompt], dtype=mx.uint32), cache=dense)[0, 12:]  # (7, vocab)

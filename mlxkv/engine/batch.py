@@ -179,8 +179,8 @@ class BatchEngine:
         sched = self._scheduler
         try:
             fast_exp2_ready()  # the attention's compiled exponential: checked (built, on a new machine) before requests
-            sched.batched, self._batched_reason = self._decide_batching()
-            sched.batched_prefill, self._batched_prefill_reason = self._decide_prefill_batching(sched.batched)
+            sched.runner.batched, self._batched_reason = self._decide_batching()
+            sched.runner.batched_prefill, self._batched_prefill_reason = self._decide_prefill_batching(sched.batched)
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._start_error = exc
             self._running = False

@@ -35,7 +35,7 @@ class DecodeLoop:
             if choice not in self.s.running or _ends_in_flight(choice):  # preempted meanwhile / nothing to feed
                 continue
             if not self.s._make_room(choice.seq, 1):
-                self.land()  # (normally done already: _decode reads in-flight tokens first when blocks are short)
+                self.read_in_flight()  # (normally done already: _decode reads in-flight tokens first when blocks are short)
                 if choice.done or choice.job.finished:
                     continue
                 if len(self.s.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
@@ -44,13 +44,13 @@ class DecodeLoop:
                 else:
                     self.s._preempt_choice(choice)
                 continue
-            if choice.fresh:  # the opened tokens' last: known to the pool, its slot only is taken
+            if choice.input_known_to_pool:  # the opened tokens' last: known to the pool, its slot only is taken
                 choice.seq.reserve_last()
             elif choice.in_flight is not None:  # its value is still being computed: named when it is read
                 choice.placeholder_at = choice.seq.feed_placeholder()
             else:
                 choice.seq.feed([choice.next_input])
-            choice.fresh = False
+            choice.input_known_to_pool = False
         return [c for c in self.s.running if not _ends_in_flight(c)]
 
     def step(self) -> None:
@@ -59,10 +59,10 @@ class DecodeLoop:
         A step that computes some request's first token (a prompt that joined the decode batch) is read at once.
         """
         if self.in_flight and not self.s.pool.has_decode_headroom(len(self.s.running)):
-            self.land()
+            self.read_in_flight()
         choices = self._reserve() if self.s.pool.is_paged else [c for c in self.s.running if not _ends_in_flight(c)]
         if not choices:
-            self.land()
+            self.read_in_flight()
             return
         self.s.totals["decode_steps"] += 1
         self.s.totals["max_batch"] = max(self.s.totals["max_batch"], len(choices))
@@ -70,13 +70,13 @@ class DecodeLoop:
             tokens = self.s.runner.decode([c.seq for c in choices], _decode_inputs(choices),
                                         [c.sampler for c in choices])  # (B,)
         except Exception as exc:  # noqa: BLE001 - the shared forward failed: fail the requests in it
-            self.land()
+            self.read_in_flight()
             for job in {id(c.job): c.job for c in choices}.values():
                 self.s._fail(job, exc)
             return
         if self.in_flight:
             self.s.totals["overlapped_steps"] += 1
-        self.land()  # the previous step's tokens (named before this step's positions are committed)
+        self.read_in_flight()  # the previous step's tokens (named before this step's positions are committed)
         for b, c in enumerate(choices):
             if c.done or c.job.finished:
                 continue  # closed by its previous token: this step's token is dropped
@@ -84,9 +84,9 @@ class DecodeLoop:
             c.in_flight = (tokens, b)
             self.in_flight.append((c, tokens, b))
         if any(c.job.first_token_at is None for c in choices):
-            self.land()  # a request's first token (its last prompt token joined this step): out now, not a step late
+            self.read_in_flight()  # a request's first token (its last prompt token joined this step): out now, not a step late
 
-    def land(self) -> None:
+    def read_in_flight(self) -> None:
         """Read the last decode step's tokens; name the placeholders the step after it fed them under; emit."""
         if not self.in_flight:
             return

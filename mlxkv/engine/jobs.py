@@ -63,7 +63,7 @@ class Choice:
     text: TextStream
     next_input: int  # the last token emitted (or the prompt's last): what the next decode step feeds
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (a resume recomputes them)
-    fresh: bool = True  # next_input is the last token of what was opened: the pool knows it (no feed)
+    input_known_to_pool: bool = True  # next_input is the last token the sequence was opened with (no feed)
     done: bool = False
     # Overlapped decode: the token the last step sampled for this choice, not read yet — ``(tokens, row)``; the
     # next step feeds it lazily. ``placeholder_at``: its position in the pool, named once it is read.

@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from mlxkv.kv import RewindError
+
 # mlx-lm layouts that report themselves trimmable but cannot rewind exactly: a RotatingKVCache that has
 # wrapped trims 0 (or moves its cursor over overwritten rows), and a ChunkedKVCache trimmed back into a chunk
 # whose front it dropped attends to the wrong keys. mlxkv's own layouts rewind these exactly.
 _INEXACT_MLX_LM = {"RotatingKVCache", "ChunkedKVCache"}
-
-
-class RewindError(RuntimeError):
-    """A layer cache could not remove exactly the tokens asked for."""
 
 
 def flatten_caches(caches: Iterable[Any]) -> list:

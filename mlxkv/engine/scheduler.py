@@ -1,31 +1,17 @@
 """The continuous-batching scheduler: who is admitted, who is preempted, which prompt chunks prefill, who decodes.
 
-Runs on the engine thread only. It decides; :class:`~mlxkv.engine.runner.ModelRunner` executes (forwards,
-sampling); :mod:`mlxkv.engine.output` turns tokens into text and events; the KV cache is reached only through
-its facade (:mod:`mlxkv.kv`: the pool and each sequence's handle). Each :meth:`Scheduler.step`:
-
-1. drops cancelled requests (their sequences are released);
-2. admits preempted sequences first, then waiting requests, lowest ``priority`` first, while their ``n``
-   sequences fit in ``max_sequences`` and their blocks in the pool's free capacity;
-3. prefills up to ``prefill_chunk_size`` prompt tokens over the admitted sequences, in admission order; a
-   sequence is opened (its prefix hit taken) only when its turn comes, so requests admitted together that share
-   an uncached prefix compute it once (the first commits its blocks, the next ones hit them). With batched
-   prefill on, the step's chunks of at most ``MAX_BATCHED_CHUNK`` tokens run in one forward after the others. A
-   request's own prompt is prefilled whole and its first token sampled from the last position's logits (one the
-   prefix cache holds but for its last token skips that forward and joins this step's decode batch); a resumed
-   sequence's except its last token, which its first decode step feeds. ``n > 1`` forks the prefilled sequence
-   (paged: the samples share the prompt's blocks);
-4. runs one decode forward for every running sequence, overlapped with reading the previous step's tokens.
-
-Preemption: when a sequence needs room and none is free, the lowest-ranked sequence (lowest priority, then
-newest) is preempted: its verified blocks stay cached and it resumes, under the same id, with its prompt and
-generated tokens as the prompt (a prefix hit). Every request fits the pool alone (``BatchEngine.submit`` caps
-it), so every request completes. Sequences already decoding wait for a step's prefills at most
-``PREFILL_FIRST_S``.
-
-Failures are contained: an exception while prefilling or streaming a request fails that request only; one in the
-shared decode forward fails the requests in it; the engine goes on either way. Every sequence a request opened
-is released when it ends, however it ends.
+Runs on the engine thread only. It decides; :class:`~mlxkv.engine.runner.ModelRunner` executes forwards and
+sampling, :class:`~mlxkv.engine.decode_loop.DecodeLoop` overlaps decode steps, :mod:`mlxkv.engine.output` turns
+tokens into text and events, and the KV cache is reached only through its facade (:mod:`mlxkv.kv`). A step drops
+cancelled requests; admits preempted sequences, then waiting requests by priority, while their sequences fit
+``max_sequences`` and their blocks the pool; prefills up to ``prefill_chunk_size`` prompt tokens in admission order
+(a sequence opens, taking its prefix hit, only when its turn comes, so requests admitted together share what the
+first computes; short chunks may share one forward); and decodes every running sequence once. A request's own
+prompt is prefilled whole and its first token sampled from the last logits (one cached but for its last token
+joins the decode batch instead); ``n > 1`` forks the prefilled sequence. When a sequence needs room, the
+lowest-ranked one (lowest priority, then newest) is preempted and resumes, under the same id, with its prompt and
+generated tokens as a prefix hit. Failures are contained to the requests they touch; every sequence a request
+opened is released when it ends, however it ends (docs/architecture.md has the whole picture).
 """
 
 from __future__ import annotations
@@ -102,21 +88,13 @@ class Scheduler:
 
     @property
     def batched(self) -> bool:
-        """Whether decode steps run batched (batch views)."""
+        """Whether decode steps run batched (batch views); the runner's switch."""
         return self.runner.batched
-
-    @batched.setter
-    def batched(self, value: bool) -> None:
-        self.runner.batched = value
 
     @property
     def batched_prefill(self) -> bool:
-        """Whether short prefill chunks of several sequences share one forward."""
+        """Whether short prefill chunks of several sequences share one forward; the runner's switch."""
         return self.runner.batched_prefill
-
-    @batched_prefill.setter
-    def batched_prefill(self, value: bool) -> None:
-        self.runner.batched_prefill = value
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -244,7 +222,7 @@ class Scheduler:
     def _preempt_choice(self, choice: Choice) -> None:
         """Preempt a decoding choice's sequence; it resumes with its prompt + generated tokens as the prompt."""
         if choice.in_flight is not None:
-            self._land()  # its last sampled token belongs to what it resumes with
+            self._read_in_flight()  # its last sampled token belongs to what it resumes with
             if choice.done or choice.job.finished:
                 return
         self.running.remove(choice)
@@ -256,11 +234,10 @@ class Scheduler:
     # ---- prefill -------------------------------------------------------------------------------------------
     def _prefill(self, tasks: list[Prefill] | None = None, short_only: bool = False,
                  deadline: float | None = None) -> None:
-        """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in order. With batched
-        prefill on, chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together in one forward after the loop (their
-        slots reserved in turn, so the pool's accounting is the sequential one's); other chunks run one by one.
-        ``short_only``: a task with more than ``MAX_BATCHED_CHUNK`` tokens left waits for the next step (opened).
-        ``deadline`` (``perf_counter`` time): no task starts past it, but the first always does."""
+        """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in order; with batched
+        prefill on, chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together after the loop (their slots taken in
+        turn). ``short_only``: longer tasks wait for the next step. ``deadline`` (``perf_counter`` time): no task
+        starts past it, but the first always does."""
         budget = self.prefill_chunk_size
         together: list[tuple[Prefill, int]] = []
         ran = False
@@ -313,10 +290,8 @@ class Scheduler:
         return n
 
     def _last_token_decodes(self, task: Prefill) -> bool:
-        """Whether a request whose prompt the prefix cache holds but for its last token skips a one-token prefill
-        forward: it joins this step's decode batch (paged, batched decode), whose forward feeds that token and
-        samples its first token — as mixed prefill/decode batches do; a separate forward would cost about a
-        whole decode step of its own."""
+        """Whether a request cached but for its last token joins this step's decode batch (paged, batched) instead
+        of a one-token prefill forward, which would cost about a whole decode step of its own."""
         return self.pool.is_paged and self.batched and task.first_from_prefill
 
     def _forward_chunk(self, task: Prefill, n: int) -> mx.array | None:
@@ -368,7 +343,7 @@ class Scheduler:
         self.prefilling.remove(task)
         job, request = task.job, task.job.request
         if task.choice is not None:  # a resumed choice
-            task.choice.seq, task.choice.next_input, task.choice.fresh = task.seq, task.tokens[-1], True
+            task.choice.seq, task.choice.next_input, task.choice.input_known_to_pool = task.seq, task.tokens[-1], True
             self._owners[task.seq.id] = task.choice
             self.running.append(task.choice)
             return
@@ -390,7 +365,7 @@ class Scheduler:
             tokens = self.runner.sample_first(last_logits, [c.sampler for c in job.choices])
             now = time.perf_counter()
             for choice, token in zip(job.choices, tokens):
-                choice.fresh = False  # the whole prompt is written: the decode step feeds the new token
+                choice.input_known_to_pool = False  # the whole prompt is written: the decode step feeds the new token
                 if not job.finished:
                     self._emit(choice, token, now)
 
@@ -399,9 +374,9 @@ class Scheduler:
         """One decode step for every running choice (see :class:`~mlxkv.engine.decode_loop.DecodeLoop`)."""
         self.decode_loop.step()
 
-    def _land(self) -> None:
+    def _read_in_flight(self) -> None:
         """Read and emit the last decode step's tokens (a preemption must see every emitted token)."""
-        self.decode_loop.land()
+        self.decode_loop.read_in_flight()
 
     def _emit(self, choice: Choice, token: int, now: float) -> None:
         self.totals["generation_tokens"] += 1

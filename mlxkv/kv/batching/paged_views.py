@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.kernels import paged_attention, reference_on_views
-from mlxkv.kernels.cascade import PrefixGroup, find_prefix_groups
 from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kv.batching.dense_views import (
     BatchUnsupported,
@@ -31,53 +30,11 @@ from mlxkv.kv.batching.dense_views import (
     _is_state_cache,
 )
 from mlxkv.kv.paged.layer_cache import MAX_VIEW_RUNS, PagedLayerCache
+from mlxkv.kv.paged.step_context import BatchStep
 
 #: Rows x kv heads x head_dim the batched gather would copy per layer from which sequences whose pages lie in a
 #: few runs attend in place one by one instead (CPU, 8 sequences of 16K context: 0.50x -> see the README).
 PER_SEQUENCE_VIEW_ELEMENTS = 1 << 22
-
-
-class _GroupTables:
-    """The B block tables of one manager group for one step, padded with the null block (built once, shared by
-    the group's layers)."""
-
-    def __init__(self, caches: Sequence[PagedLayerCache]):
-        self.caches = list(caches)
-        self._tables: mx.array | None = None
-        self._groups: list[PrefixGroup] | None = None
-        self._row_pages: tuple[mx.array, mx.array | None, int] | None = None
-
-    def prefix_groups(self, tables: list[list[int]], lens: list[int], block_size: int) -> list[PrefixGroup]:
-        """Groups of sequences sharing whole prefix pages this step (found once for the group's layers)."""
-        if self._groups is None:
-            self._groups = find_prefix_groups(tables, lens, block_size, min_group=2, min_shared_pages=1)
-        return self._groups
-
-    def row_pages(self, spans: list[tuple[int, int]], block_size: int) -> tuple[mx.array, mx.array | None, int]:
-        """For positions ``spans[b]`` of sequence b: the pages holding them, int32 ``(B, P)`` (null-padded), the
-        row of each position within those pages' rows, int32 ``(B, Lmax)`` (None when every span starts a page),
-        and ``Lmax`` (built once for the group's layers)."""
-        if self._row_pages is None:
-            firsts = [start // block_size for start, _ in spans]
-            n = max(-(-end // block_size) - f for (_, end), f in zip(spans, firsts))
-            ids = []
-            for c, f in zip(self.caches, firsts):
-                row = c.seq.host_table(c.group)[f:f + n]
-                ids.append(row + [0] * (n - len(row)))
-            shifts = [start - f * block_size for (start, _), f in zip(spans, firsts)]
-            width = max(end - start for start, end in spans)
-            rows = None
-            if any(shifts):
-                rows = mx.minimum(mx.arange(width)[None] + mx.array(shifts)[:, None], n * block_size - 1)  # (B, Lmax)
-            self._row_pages = (mx.array(ids, dtype=mx.int32), rows, width)
-        return self._row_pages
-
-    def get(self) -> mx.array:
-        if self._tables is None:
-            rows = [c.seq.table(c.group) for c in self.caches]  # B x (n_b,)
-            width = max(r.shape[0] for r in rows)
-            self._tables = mx.stack([mx.pad(r, (0, width - r.shape[0])) for r in rows])  # (B, width) int32
-        return self._tables
 
 
 class PagedBatchView(KVBatchView):
@@ -85,16 +42,16 @@ class PagedBatchView(KVBatchView):
 
     Args:
         caches: the B sequences' :class:`PagedLayerCache` of this layer (same layer, same group).
-        tables: the group's shared padded block tables for this step.
+        step: the group's metadata for this step (block tables, slots), shared by the group's layers.
     """
 
-    def __init__(self, caches: Sequence[PagedLayerCache], tables: _GroupTables):
+    def __init__(self, caches: Sequence[PagedLayerCache], step: BatchStep):
         super().__init__(caches)
         first = self.caches[0]
         if any(c.layer != first.layer or c.group != first.group for c in self.caches):
             raise BatchUnsupported("paged caches of different layers or groups in one batch view")
         self.storage = first.seq.storage
-        self.tables = tables
+        self.step = step
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any):
         """None: the kernel applies each sequence's window / chunk itself. With ``return_array`` (models that
@@ -111,8 +68,7 @@ class PagedBatchView(KVBatchView):
         """Write row b of ``keys``/``values`` (B, n_kv, 1, D) at sequence b's slot (one write for all B);
         return the sequences' rows right-padded, (B, n_kv, Lmax, D) — lazy, unused by the kernel path."""
         caches = self.caches
-        host = [s for c in caches for s in c.seq.host_slots(c.group, c.offset, c.offset + 1)]
-        slots = mx.array(host, dtype=mx.int32)  # (B,)
+        slots = self.step.decode_slots()  # (B,)
         for c in caches:
             c._returned = None
         self.storage.write(caches[0].layer, slots, keys[:, :, 0], values[:, :, 0])  # (B, n_kv, D) rows
@@ -128,7 +84,7 @@ class PagedBatchView(KVBatchView):
         """Sequence b's positions ``spans[b]`` as row b of ``(B, n_kv, Lmax, D)`` keys and values (past its length:
         rows of other pages, finite, never attended). One gather per array whatever B, built lazily: the paged
         attention paths never compute it (building B per-sequence gathers cost ~2-3 ms a step on the CPU)."""
-        pages, rows, width = self.tables.row_pages(spans, self.storage.block_size)  # (B, P), (B, Lmax) or None
+        pages, rows, width = self.step.row_pages(spans, self.storage.block_size)  # (B, P), (B, Lmax) or None
         out = []
         for p in self.storage.pages(self.caches[0].layer):  # (n_kv, NB, bs, D)
             H, D = p.shape[0], p.shape[-1]
@@ -154,7 +110,7 @@ class PagedBatchView(KVBatchView):
             if on_views is not None:
                 return on_views
             return paged_attention(
-                queries, kp, vp, self.tables.get(), mx.array(offsets, dtype=mx.int32), scale=scale,
+                queries, kp, vp, self.step.tables(), mx.array(offsets, dtype=mx.int32), scale=scale,
                 window=first.window, chunk_size=first.chunk_size, sinks=sinks, max_context_len=max(offsets),
             )  # (B, n_q, 1, D)
         outs = []
@@ -173,11 +129,11 @@ class PagedBatchView(KVBatchView):
         first = self.caches[0]
         if sinks is not None or first.window is not None or first.chunk_size is not None or not reference_on_views():
             return None
-        tables = [c.seq.host_table(c.group) for c in self.caches]
-        groups = self.tables.prefix_groups(tables, offsets, self.storage.block_size)
+        groups = self.step.prefix_groups(offsets, self.storage.block_size)
         if not groups:
             return None
-        return shared_prefix_attention(queries, kp, vp, self.tables.get(), tables, offsets, groups, scale=scale)
+        return shared_prefix_attention(queries, kp, vp, self.step.tables(), self.step.host_tables(), offsets, groups,
+                                       scale=scale)
 
     def _per_sequence_runs(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array | None:
         """Where the kernel would be the pure-MLX reference and its gather would copy many rows (at least
@@ -191,7 +147,7 @@ class PagedBatchView(KVBatchView):
         spans = self._fetched  # the rows each sequence attends to (update_and_fetch)
         if sum(end - start for start, end in spans) * k_rows.shape[1] * k_rows.shape[3] < PER_SEQUENCE_VIEW_ELEMENTS:
             return None  # small: one batched gather costs less than B sets of per-run operations
-        runs = [c.seq.row_runs(c.group, start, end, MAX_VIEW_RUNS) for c, (start, end) in zip(self.caches, spans)]
+        runs = [c.seq.step.row_runs(c.group, start, end, MAX_VIEW_RUNS) for c, (start, end) in zip(self.caches, spans)]
         if any(r is None for r in runs):
             return None
         outs = [runs_attention(queries[b:b + 1], k_rows, v_rows, r, scale=scale) for b, r in enumerate(runs)]
@@ -205,21 +161,21 @@ def is_paged(seq_caches: Sequence[Sequence[Any]]) -> bool:
 
 def make_paged_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
     """Per-layer views over B paged sequences (``seq_caches[b][layer]``): :class:`PagedBatchView` for paged
-    layers (block tables built once per group per step), the dense views for recurrent-state layers.
+    layers (block tables and slots built once per group per step: :class:`~mlxkv.kv.paged.step_context.BatchStep`), the dense views for recurrent-state layers.
 
     Raises:
         BatchUnsupported: sequences with different layer structures, or from different pools.
     """
     if len({len(c) for c in seq_caches}) != 1:
         raise BatchUnsupported("sequences have different numbers of layer caches")
-    groups: dict[int, _GroupTables] = {}
+    groups: dict[int, BatchStep] = {}
     views = []
     for layer in zip(*seq_caches):
         if all(isinstance(c, PagedLayerCache) for c in layer):
             if len({id(c.seq.storage) for c in layer}) != 1:
                 raise BatchUnsupported("paged sequences from different pools")
             g = layer[0].group
-            groups.setdefault(g, _GroupTables(layer))
+            groups.setdefault(g, BatchStep(layer))
             views.append(PagedBatchView(layer, groups[g]))
         elif all(_is_state_cache(c) for c in layer):
             views.append(StateBatchView(layer))

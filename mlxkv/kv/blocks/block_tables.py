@@ -30,7 +30,7 @@ class BlockTables:
         enable_partial_reuse: bool, copy_on_partial_reuse: bool,
     ) -> None:
         self.pool, self.specs, self.hash_fn = pool, list(specs), hash_fn
-        self.B = pool.block_size
+        self.block_size = pool.block_size
         self.enable_block_reuse = enable_block_reuse
         self.enable_partial_reuse = enable_partial_reuse and enable_block_reuse
         self.copy_on_partial_reuse = copy_on_partial_reuse
@@ -43,25 +43,25 @@ class BlockTables:
     def find(self, tokens: Sequence[int], hashes, ctx: HashContext) -> PrefixHit:
         """Longest usable hit; the last token is always left to compute (its logits are needed)."""
         if not self.enable_block_reuse:
-            return PrefixHit(self.B, 0, [[] for _ in self.specs])
+            return PrefixHit(self.block_size, 0, [[] for _ in self.specs])
         return self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=len(tokens) - 1)
 
     def attach(self, seq: SequenceState) -> tuple[int, list[CopyOp]]:
         """Take the prefix hit of a sequence with empty tables; returns (cached tokens, copies)."""
-        B, pool = self.B, self.pool
-        hashes = extend_block_hashes(self.hash_fn, seq.tokens, len(seq.tokens), B, seq.ctx, seq.block_hashes)
+        bs, pool = self.block_size, self.pool
+        hashes = extend_block_hashes(self.hash_fn, seq.tokens, len(seq.tokens), bs, seq.ctx, seq.block_hashes)
         hit = self.find(seq.tokens, hashes, seq.ctx)
         now = pool.clock()
         for g, table in enumerate(seq.tables):
             blocks = hit.blocks[g]
             pool.touch(blocks, hit=True)
             for i, block in enumerate(blocks):
-                pool.set_retention(block, *seq.retention.block_retention(i * B, (i + 1) * B, seq.prompt_len, now))
+                pool.set_retention(block, *seq.retention.block_retention(i * bs, (i + 1) * bs, seq.prompt_len, now))
             table.blocks = list(blocks)
             table.refs = [None if b.is_null else b.ref for b in blocks]
             table.num_cached = hit.num_full_blocks
         copies = self._take_partial(seq, hit) if hit.partial else []
-        n = hit.num_full_blocks * B + (hit.num_partial_tokens if copies is not None else 0)
+        n = hit.num_full_blocks * bs + (hit.num_partial_tokens if copies is not None else 0)
         seq.num_allocated = seq.num_committed = n
         return n, copies or []
 
@@ -104,7 +104,7 @@ class BlockTables:
         for spec, table in zip(self.specs, seq.tables):
             if spec.is_full:
                 continue
-            stop = min(spec.first_needed(seq.num_committed) // self.B, len(table.blocks))
+            stop = min(spec.first_needed(seq.num_committed) // self.block_size, len(table.blocks))
             if stop <= table.num_released:
                 continue
             gone = [table.blocks[i] for i in range(table.num_released, stop) if not table.blocks[i].is_null]
@@ -115,24 +115,24 @@ class BlockTables:
 
     def blocks_needed(self, seq: SequenceState, n: int) -> int:
         """New blocks ``grow(seq, n)`` takes from the pool."""
-        B, start, total = self.B, seq.num_allocated, 0
+        bs, start, total = self.block_size, seq.num_allocated, 0
         for table in seq.tables:
-            total += ceil_div(start + n, B) - len(table.blocks)
-            if n > 0 and start % B and table.blocks[start // B].ref_cnt > 1:
+            total += ceil_div(start + n, bs) - len(table.blocks)
+            if n > 0 and start % bs and table.blocks[start // bs].ref_cnt > 1:
                 total += 1  # copy-on-write of a shared tail
         return total
 
     def grow(self, seq: SequenceState, n: int) -> tuple[list[CopyOp], list[list[int]]]:
         """Slots for positions ``[num_allocated, num_allocated + n)`` (the caller checked they fit)."""
-        B, start = self.B, seq.num_allocated
+        bs, start = self.block_size, seq.num_allocated
         copies: list[CopyOp] = []
         new_blocks: list[list[int]] = []
         for g, table in enumerate(seq.tables):
-            if n > 0 and start % B:
-                self._make_writable(g, table, start // B, start % B, copies)
+            if n > 0 and start % bs:
+                self._make_writable(g, table, start // bs, start % bs, copies)
             last = table.blocks[-1] if table.blocks else None
             after = None if last is None or last.is_null else last.block_id  # keep the table's pages consecutive
-            new = self.pool.get_new_blocks(ceil_div(start + n, B) - len(table.blocks), after=after)
+            new = self.pool.get_new_blocks(ceil_div(start + n, bs) - len(table.blocks), after=after)
             table.blocks.extend(new)
             table.refs.extend([None] * len(new))
             new_blocks.append([b.block_id for b in new])
@@ -159,9 +159,9 @@ class BlockTables:
         refs anchor the windowed groups' blocks)."""
         if not self.enable_block_reuse:
             return
-        B, pool = self.B, self.pool
-        full = seq.num_committed // B
-        hashes = extend_block_hashes(self.hash_fn, seq.tokens, full * B, B, seq.ctx, seq.block_hashes)
+        bs, pool = self.block_size, self.pool
+        full = seq.num_committed // bs
+        hashes = extend_block_hashes(self.hash_fn, seq.tokens, full * bs, bs, seq.ctx, seq.block_hashes)
         now = pool.clock()
         anchors = seq.tables[self.anchor_group] if self.anchor_group is not None else None
         for g in self.commit_order:
@@ -170,7 +170,7 @@ class BlockTables:
                 block = table.blocks[i]
                 if block.is_null:
                     continue
-                tokens = tuple(seq.tokens[i * B : (i + 1) * B])
+                tokens = tuple(seq.tokens[i * bs : (i + 1) * bs])
                 if block.cached and block.block_hash is None:
                     # registered as a partial block when a sharer finished; it has filled up since
                     assert block.token_ids == tokens[: len(block.token_ids)]
@@ -178,12 +178,12 @@ class BlockTables:
                 if block.cached:
                     assert block.token_ids == tokens, "a shared cached block must hold this sequence's tokens"
                 else:
-                    rule = seq.retention.block_retention(i * B, (i + 1) * B, seq.prompt_len, now)
+                    rule = seq.retention.block_retention(i * bs, (i + 1) * bs, seq.prompt_len, now)
                     pool.set_retention(block, *rule, merge=False)
                     pool.cache_full_block(
                         block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
                         parent_ref=None if i == 0 else (table.refs[i - 1] or UNKNOWN_PARENT),
-                        token_ids=tokens, extra_keys=seq.ctx.block_extra_keys(i, B),
+                        token_ids=tokens, extra_keys=seq.ctx.block_extra_keys(i, bs),
                         anchor=None if self.specs[g].is_full or anchors is None else anchors.refs[i],
                     )
                 table.refs[i] = block.ref
@@ -199,7 +199,7 @@ class BlockTables:
     def _restorable(self, seq: SequenceState, length: int) -> bool:
         for spec, table in zip(self.specs, seq.tables):
             if not spec.is_full:
-                for i in spec.needed_blocks(length, self.B):
+                for i in spec.needed_blocks(length, self.block_size):
                     if table.blocks[i].is_null and self.pool.resolve(table.refs[i]) is None:
                         return False
         return True
@@ -207,15 +207,15 @@ class BlockTables:
     def trim(self, seq: SequenceState, target: int) -> None:
         """Shrink to ``target`` positions (from ``trimmable_to``): release emptied blocks tail first and take
         back released blocks the shorter sequence needs again."""
-        B, pool = self.B, self.pool
+        bs, pool = self.block_size, self.pool
         for spec, table in zip(self.specs, seq.tables):
-            keep = ceil_div(target, B)
+            keep = ceil_div(target, bs)
             dropped = table.blocks[keep:]
             del table.blocks[keep:], table.refs[keep:]
             pool.free_blocks(dropped[::-1])
-            table.num_cached = min(table.num_cached, target // B)
+            table.num_cached = min(table.num_cached, target // bs)
             if not spec.is_full:
-                needed = spec.needed_blocks(target, B)
+                needed = spec.needed_blocks(target, bs)
                 table.num_released = min(table.num_released, needed.start)
                 for i in needed:
                     if table.blocks[i].is_null:
@@ -223,7 +223,7 @@ class BlockTables:
                         pool.touch([block], hit=False)
                         table.blocks[i] = block
         del seq.tokens[target:]
-        del seq.block_hashes[target // B :]
+        del seq.block_hashes[target // bs :]
         seq.num_allocated = target
         seq.num_committed = min(seq.num_committed, target)
 
@@ -236,19 +236,19 @@ class BlockTables:
 
     def release(self, seq: SequenceState) -> None:
         """Release every block tail first; a verified partial tail stays findable for partial reuse."""
-        B, pool = self.B, self.pool
-        idx, used = divmod(seq.num_committed, B)
+        bs, pool = self.block_size, self.pool
+        idx, used = divmod(seq.num_committed, bs)
         now = pool.clock()
         for g, table in enumerate(seq.tables):
             if self.enable_partial_reuse and used and idx < len(table.blocks):
                 block = table.blocks[idx]
                 # skip a copy target whose copy may never have run (no commit since)
                 if not block.is_null and not block.cached and block.block_id not in seq.unconfirmed_copies:
-                    rule = seq.retention.block_retention(idx * B, seq.num_committed, seq.prompt_len, now)
+                    rule = seq.retention.block_retention(idx * bs, seq.num_committed, seq.prompt_len, now)
                     pool.set_retention(block, *rule, merge=False)
                     pool.cache_partial_block(
                         block, group_id=g, parent_ref=None if idx == 0 else (table.refs[idx - 1] or UNKNOWN_PARENT),
-                        token_ids=seq.tokens[idx * B : seq.num_committed], extra_keys=seq.ctx.block_extra_keys(idx, B),
+                        token_ids=seq.tokens[idx * bs : seq.num_committed], extra_keys=seq.ctx.block_extra_keys(idx, bs),
                     )
             pool.free_blocks(table.blocks[::-1])
         for table in seq.tables:

@@ -1,6 +1,6 @@
 """Prefix-hit search over one or more KV-cache groups (vLLM's hybrid coordinator, plus partial reuse).
 
-A hit of ``L`` full blocks means: for every group, each block the group needs for a prefix of ``L*B``
+A hit of ``L`` full blocks means: for every group, each block the group needs for a prefix of ``L*bs``
 tokens (``spec.needed_blocks``) is cached with exactly our content. Content is checked, not trusted to the
 hash: a candidate must carry our tokens and extra keys, and its parent ref must be the block matched just
 before it (a chain of identities back to a first block), so a hash collision can never serve wrong K/V.
@@ -65,7 +65,7 @@ class _Search:
 
     def __init__(self, pool: BlockPool, tokens: Sequence[int], hashes: Sequence[BlockHash], ctx: HashContext):
         self.pool, self.tokens, self.hashes, self.ctx = pool, tokens, hashes, ctx
-        self.B = pool.block_size
+        self.block_size = pool.block_size
         self._memo: dict[tuple[int, int], list[KVCacheBlock]] = {}
 
     def candidates(self, g: int, i: int) -> list[KVCacheBlock]:
@@ -73,8 +73,8 @@ class _Search:
         key = (g, i)
         found = self._memo.get(key)
         if found is None:
-            toks = tuple(self.tokens[i * self.B : (i + 1) * self.B])
-            extra = self.ctx.block_extra_keys(i, self.B)
+            toks = tuple(self.tokens[i * self.block_size : (i + 1) * self.block_size])
+            extra = self.ctx.block_extra_keys(i, self.block_size)
             found = [b for b in self.pool.lookup(g, self.hashes[i]) if b.token_ids == toks and b.extra_keys == extra]
             self._memo[key] = found
         return found
@@ -98,7 +98,7 @@ class _Search:
         ``anchors[i]``: refs of the verified full-attention blocks at index i (None: no full group)."""
         end = max_blocks
         while end > 0:
-            needed = spec.needed_blocks(end * self.B, self.B)
+            needed = spec.needed_blocks(end * self.block_size, self.block_size)
             if len(needed) == 0:
                 return end, {}
             sets: dict[int, list[KVCacheBlock]] = {}
@@ -146,10 +146,10 @@ class KVCacheCoordinator:
     ) -> PrefixHit:
         """Longest cached prefix of ``tokens`` of at most ``max_tokens`` tokens (callers pass len - 1 so the
         last prompt token is always recomputed). ``hashes``: chained hashes of the full blocks of tokens."""
-        B = self.pool.block_size
+        bs = self.pool.block_size
         null = self.pool.null_block
         search = _Search(self.pool, tokens, hashes, ctx)
-        length = min(len(hashes), max(0, max_tokens) // B)
+        length = min(len(hashes), max(0, max_tokens) // bs)
         full_sets: dict[int, list[list[KVCacheBlock]]] = {}
         for g, spec in enumerate(self.specs):
             if spec.is_full:
@@ -173,8 +173,8 @@ class KVCacheCoordinator:
             else:
                 chain = windowed[g]
                 blocks.append([chain.get(i, null) for i in range(length)])
-        hit = PrefixHit(block_size=B, num_full_blocks=length, blocks=blocks)
-        if self.enable_partial_reuse and length * B < min(max_tokens, len(tokens)):
+        hit = PrefixHit(block_size=bs, num_full_blocks=length, blocks=blocks)
+        if self.enable_partial_reuse and length * bs < min(max_tokens, len(tokens)):
             hit.partial = self._partial(tokens, ctx, hit, min(max_tokens, len(tokens)))
         return hit
 
@@ -192,10 +192,10 @@ class KVCacheCoordinator:
         return chain
 
     def _partial(self, tokens, ctx: HashContext, hit: PrefixHit, limit: int) -> list[PartialMatch] | None:
-        B = self.pool.block_size
+        bs = self.pool.block_size
         j = hit.num_full_blocks
-        want = tuple(tokens[j * B : min(limit, (j + 1) * B)])
-        extra = ctx.block_extra_keys(j, B)
+        want = tuple(tokens[j * bs : min(limit, (j + 1) * bs)])
+        extra = ctx.block_extra_keys(j, bs)
         matches: list[PartialMatch] = []
         for g in range(len(self.specs)):
             if j == 0:

@@ -295,8 +295,8 @@ class KVCacheManager:
         seq = self._get(seq_id)
         if not 0 <= start <= end <= seq.num_allocated:
             raise ValueError(f"positions [{start}, {end}): expected within [0, {seq.num_allocated}]")
-        B = self.block_size  # O(end - start), not O(table length): this runs every decode step
-        return [[t.blocks[p // B].block_id * B + p % B for p in range(start, end)] for t in seq.tables]
+        bs = self.block_size  # O(end - start), not O(table length): this runs every decode step
+        return [[t.blocks[p // bs].block_id * bs + p % bs for p in range(start, end)] for t in seq.tables]
 
     def stats(self) -> ManagerStats:
         return ManagerStats(prompt_tokens=self._prompt_tokens, hit_tokens=self._hit_tokens, running=len(self._seqs),

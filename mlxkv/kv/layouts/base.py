@@ -23,7 +23,8 @@ DEFAULT_MAX_REWIND = 64
 
 
 class RewindError(ValueError):
-    """``trim(n)`` asked for more than the cache can restore exactly."""
+    """A layer cache cannot remove exactly the tokens asked for: ``trim(n)`` past what it can restore, or (mlx-lm's
+    caches, whose ``trim`` clamps) a trim that removed fewer."""
 
 
 class LayerCache:

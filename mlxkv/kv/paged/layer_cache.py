@@ -92,7 +92,7 @@ class PagedLayerCache:
         page (memoised per step by the sequence)."""
         bs = self.seq.storage.block_size
         first_block = start // bs
-        ids, runs = self.seq.page_range(self.group, first_block, -(-end // bs))
+        ids, runs = self.seq.step.page_range(self.group, first_block, -(-end // bs))
         return ids, runs, start - first_block * bs
 
     def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
@@ -146,7 +146,7 @@ class PagedLayerCache:
         causal = self._kernel_mask_ok(mask, keys) if decode else isinstance(mask, str) and mask == "causal"
         if (on_views and (decode or not self._returned_view) and sinks is None and causal
                 and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
-            runs = self.seq.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
+            runs = self.seq.step.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
             if runs is not None:  # a few runs of consecutive pages (a view: one): attend to each in place
                 return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
         if on_views and self._returned_view:  # a prefill chunk, or a decode step with sinks or a mask
@@ -154,7 +154,7 @@ class PagedLayerCache:
         if (own and decode and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1
                 and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             return paged_attention(
-                queries, *storage.pages(self.layer), self.seq.table(self.group)[None],
+                queries, *storage.pages(self.layer), self.seq.step.table(self.group)[None],
                 mx.array([self.offset], dtype=mx.int32), scale=scale, window=self.window,
                 chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset,
             )  # (1, n_q, 1, D)

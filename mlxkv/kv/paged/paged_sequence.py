@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlxkv.kv.blocks import CopyOp, KVCacheManager
-from mlxkv.kv.paged.page_arrays import PagedStorage, page_runs
+from mlxkv.kv.paged.page_arrays import PagedStorage
+from mlxkv.kv.paged.step_context import SequenceStep
 
 #: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
 PLACEHOLDER = -1
@@ -47,11 +48,7 @@ class PagedSequence:
         self.num_cached = num_cached
         self.layer_block_bytes = layer_block_bytes
         self.released = False
-        # (start, end, per group the slots as ints, per group the same as int32 (T,) arrays once asked for)
-        self._slots: tuple[int, int, list[list[int]], list[mx.array | None]] | None = None
-        self._tables: list[mx.array] | None = None  # per group, int32 (n_blocks,)
-        self._host_tables: list[list[int]] | None = None  # per group, the same ids as Python ints
-        self._runs: dict[tuple, tuple] = {}  # page_range memo (cleared when the sequence changes)
+        self._step: SequenceStep | None = None  # this step's metadata (a new one once the slots change)
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -60,10 +57,7 @@ class PagedSequence:
         return self.manager.num_tokens(self.seq_id)
 
     def _changed(self) -> None:
-        self._slots = None
-        self._tables = None
-        self._host_tables = None
-        self._runs = {}
+        self._step = None
 
     def apply_copies(self, copies: Sequence[CopyOp]) -> None:
         """Copy-on-write / partial-reuse instructions from the manager, applied to every layer of the group."""
@@ -120,69 +114,32 @@ class PagedSequence:
         return self.num_tokens
 
     # -- what the layer caches ask -----------------------------------------------------------------
+    @property
+    def step(self) -> SequenceStep:
+        """This step's metadata (block tables, slots, page runs), shared by every layer of the sequence."""
+        if self._step is None:
+            self._step = SequenceStep(self.manager, self.seq_id, self.storage.block_size)
+        return self._step
+
     def slots(self, group: int, start: int, end: int) -> mx.array:
         """Flat slots (int32 ``(end - start,)``) of positions ``[start, end)`` in ``group``; allocates
         pending prompt positions the first time a layer writes them."""
-        if self._slots is None or self._slots[:2] != (start, end):
-            have = self.num_tokens
-            if end > have:
-                if start != have:
-                    raise RuntimeError(f"paged cache: write at {start} but the sequence has {have} positions")
-                pending = len(self.manager.token_ids(self.seq_id)) - have
-                if end - start > pending:
-                    raise RuntimeError(
-                        "paged cache: no slots for the new tokens; call feed(token_ids) (CachePool: "
-                        "Sequence.feed) before the model step")
-                self._allocate(end - start)
-            mapping = self.manager.slot_mapping(self.seq_id, start, end)
-            self._slots = (start, end, mapping, [None] * len(mapping))
-        arrays = self._slots[3]
-        if arrays[group] is None:
-            arrays[group] = mx.array(self._slots[2][group], dtype=mx.int32)
-        return arrays[group]
+        have = self.num_tokens
+        if end > have:
+            if start != have:
+                raise RuntimeError(f"paged cache: write at {start} but the sequence has {have} positions")
+            pending = len(self.manager.token_ids(self.seq_id)) - have
+            if end - start > pending:
+                raise RuntimeError(
+                    "paged cache: no slots for the new tokens; call feed(token_ids) (CachePool: "
+                    "Sequence.feed) before the model step")
+            self._allocate(end - start)
+        return self.step.slots(group, start, end)
 
     def host_slots(self, group: int, start: int, end: int) -> list[int]:
         """The slots of :meth:`slots` as Python ints (allocating as it does; do not modify)."""
         self.slots(group, start, end)
-        return self._slots[2][group]
-
-    def host_table(self, group: int) -> list[int]:
-        """The block table of ``group`` as a list of ids (cached until the sequence changes; do not modify)."""
-        if self._host_tables is None:
-            self._host_tables = self.manager.block_tables(self.seq_id)
-        return self._host_tables[group]
-
-    def page_range(self, group: int, first: int, end: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Table entries ``[first, end)`` of ``group`` and their runs of consecutive ids
-        (:func:`mlxkv.kv.paged.page_arrays.page_runs`); computed once per step for all the group's layers."""
-        key = (group, first, end)
-        if key not in self._runs:
-            ids = self.host_table(group)[first:end]
-            self._runs[key] = (ids, page_runs(ids))
-        return self._runs[key]
-
-    def row_runs(self, group: int, start: int, end: int, limit: int) -> list[tuple[int, int]] | None:
-        """Positions ``[start, end)`` of ``group`` as ranges ``(first row, rows)`` of the stored page rows
-        (:mod:`mlxkv.kv.paged.page_arrays`), consecutive pages merged; None past ``limit`` ranges or over a released
-        (null) page."""
-        bs = self.storage.block_size
-        first_block = start // bs
-        _, runs = self.page_range(group, first_block, -(-end // bs))
-        if len(runs) > limit or any(b == 0 for b, _ in runs):
-            return None
-        out, base = [], first_block * bs  # base: position of the run's first page's first row
-        for b, n in runs:
-            lo, hi = max(start, base), min(end, base + n * bs)
-            out.append((b * bs + lo - base, hi - lo))
-            base += n * bs
-        return out
-
-    def table(self, group: int) -> mx.array:
-        """The block table of ``group`` as int32 ``(n_blocks,)`` (null block 0 where a window released one)."""
-        if self._tables is None:
-            self.host_table(group)
-            self._tables = [mx.array(t, dtype=mx.int32) for t in self._host_tables]
-        return self._tables[group]
+        return self.step.host_slots(group, start, end)
 
     def blocks_held(self, group: int) -> int:
         """Real (non-null) blocks in this sequence's table of ``group``."""

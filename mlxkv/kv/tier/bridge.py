@@ -36,7 +36,7 @@ class TierBridge:
         self.manager = backend.manager
         self.pool = backend.manager.pool
         self.storage = backend.storage
-        self.B = backend.block_size
+        self.block_size = backend.block_size
         self.active = self.pool.enable_caching and all(s.is_full for s in backend.specs)
         self.primary_hit_blocks = 0
         self.secondary_hit_blocks = 0
@@ -63,8 +63,8 @@ class TierBridge:
         parent = self.pool.resolve(block.parent)
         arrays, dtypes = [], []
         for layer in layers:
-            for pages in self.storage.pages(layer):  # (kv_heads, NB, B, D) each
-                a, d = to_host(mx.contiguous(pages[:, block.block_id].transpose(1, 0, 2)))  # (B, kv_heads, D), token-major
+            for pages in self.storage.pages(layer):  # (kv_heads, NB, bs, D) each
+                a, d = to_host(mx.contiguous(pages[:, block.block_id].transpose(1, 0, 2)))  # (bs, kv_heads, D), token-major
                 arrays.append(a)
                 dtypes.append(d)
         self.tier.offload(TierBlock(
@@ -80,8 +80,8 @@ class TierBridge:
         for j, layer in enumerate(tb.layers):
             for a, d, rows in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.k_rows),
                                (tb.arrays[2 * j + 1], tb.dtypes[2 * j + 1], self.storage.v_rows)):
-                p = rows[layer]  # (1, kv_heads, NB * B, D) or None
-                if a.shape[0] != self.B or (p is not None and ((p.shape[1], p.shape[3]) != a.shape[1:]
+                p = rows[layer]  # (1, kv_heads, NB * bs, D) or None
+                if a.shape[0] != self.block_size or (p is not None and ((p.shape[1], p.shape[3]) != a.shape[1:]
                                                               or str(p.dtype).split(".")[-1] != d)):
                     return False
         return True
@@ -91,7 +91,7 @@ class TierBridge:
         """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit.
         Call before ``open`` with the same arguments. Returns the number of blocks restored."""
         tokens = [int(t) for t in tokens]
-        usable = max(0, len(tokens) - 1) // self.B  # the last prompt token is always recomputed
+        usable = max(0, len(tokens) - 1) // self.block_size  # the last prompt token is always recomputed
         self.prompt_blocks += usable
         hit = self.manager.find_prefix_hit(tokens, salt, extra, spans)
         first = hit.num_full_blocks
@@ -99,7 +99,7 @@ class TierBridge:
         if not self.active or first >= usable:
             return 0
         ctx = HashContext(salt, tuple(extra), tuple(spans))
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * self.B, self.B, ctx, [])
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * self.block_size, self.block_size, ctx, [])
         groups = range(len(self.backend.specs))
         held = [b for chain in hit.blocks for b in chain if not b.is_null]
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
@@ -112,8 +112,8 @@ class TierBridge:
                     break
                 if self.pool.num_free_blocks < len(groups):
                     break
-                btoks = tuple(tokens[i * self.B:(i + 1) * self.B])
-                bextra = ctx.block_extra_keys(i, self.B)
+                btoks = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+                bextra = ctx.block_extra_keys(i, self.block_size)
                 taken = [self.tier.take((g, hashes[i])) for g in groups]
                 if not all(tb is not None and self._valid(tb, g, btoks, bextra) for g, tb in zip(groups, taken)):
                     for tb in taken:
@@ -147,12 +147,12 @@ class TierBridge:
             for j, layer in enumerate(tb.layers):
                 ids, ks, vs, _ = by_layer.setdefault(layer, ([], [], [], (tb.dtypes[2 * j], tb.dtypes[2 * j + 1])))
                 ids.append(block_id)
-                ks.append(tb.arrays[2 * j])  # (B, kv_heads, D_k), host; dtypes checked equal by _valid
+                ks.append(tb.arrays[2 * j])  # (bs, kv_heads, D_k), host; dtypes checked equal by _valid
                 vs.append(tb.arrays[2 * j + 1])
         for layer, (ids, ks, vs, (dk, dv)) in by_layer.items():
-            slots = (mx.array(ids, dtype=mx.int32)[:, None] * self.B + mx.arange(self.B, dtype=mx.int32)).reshape(-1)
-            k = to_mx(np.concatenate(ks), dk)  # (n*B, kv_heads, D_k)
-            v = to_mx(np.concatenate(vs), dv)  # (n*B, kv_heads, D_v)
+            slots = (mx.array(ids, dtype=mx.int32)[:, None] * self.block_size + mx.arange(self.block_size, dtype=mx.int32)).reshape(-1)
+            k = to_mx(np.concatenate(ks), dk)  # (n*bs, kv_heads, D_k)
+            v = to_mx(np.concatenate(vs), dv)  # (n*bs, kv_heads, D_v)
             self.storage.write(layer, slots, k, v)
         if by_layer:
             mx.eval(self.storage.arrays())
