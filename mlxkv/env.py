@@ -104,6 +104,11 @@ def mla_split_kv() -> bool:
     return split
 
 
+def cpu_ops() -> bool:
+    """``MLXKV_CPU_OPS`` (default on): on the CPU backend, table RoPE and compiled RMSNorm (``mlxkv.cpu_ops``)."""
+    return _flag("MLXKV_CPU_OPS", True)
+
+
 def api_key() -> str | None:
     """``MLXKV_API_KEY``: bearer token required by ``mlxkv serve`` on /v1 routes, if set."""
     value = os.environ.get("MLXKV_API_KEY", "").strip()
@@ -123,6 +128,7 @@ class Flags:
     cascade_min_shared_pages: int
     mla_absorbed: bool
     mla_split_kv: bool
+    cpu_ops: bool
     api_key: str | None
 
 
@@ -131,7 +137,7 @@ def _read() -> Flags:
                  paged_kernel=paged_kernel(), paged_decode_splits=paged_decode_splits(),
                  cascade_attention=cascade_attention(), cascade_min_group_size=cascade_min_group_size(),
                  cascade_min_shared_pages=cascade_min_shared_pages(), mla_absorbed=mla_absorbed(),
-                 mla_split_kv=mla_split_kv(), api_key=api_key())
+                 mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), api_key=api_key())
 
 
 _flags: Flags | None = None

@@ -243,6 +243,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     Raises:
         ModelLoadError: with a one-line message for any failure a user can cause.
     """
+    from mlxkv.cpu_ops import install_cpu_ops
     from mlxkv.precision import dequantize_in_place, upcast_on_cpu
 
     path = resolve_model_path(spec, progress=progress)
@@ -250,6 +251,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     if dequantize:
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)
+    install_cpu_ops(model, config.get("max_position_embeddings"))  # CPU: table RoPE, compiled RMSNorm (bit-equal)
     from mlxkv.kv.layouts.attention_hook import install_attention_hook
     from mlxkv.mla import apply_mla
 
