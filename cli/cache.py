@@ -131,7 +131,8 @@ def _rate(x) -> str:
 
 
 @cache_app.command("stats")
-def stats(url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Base URL of a running mlxkv server."),
+def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
+                                  help="Base URL of a running mlxkv server (serve's default port)."),
           api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token.")) -> None:
     """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""
     import httpx

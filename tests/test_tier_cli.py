@@ -111,3 +111,14 @@ def test_fingerprint_digest_changes_with_weights():
     a = make_fingerprint("llama", "sample", "1" * 64)
     assert a["digest"] != make_fingerprint("llama", "sample", "2" * 64)["digest"]
     assert a["digest"] != make_fingerprint("qwen3", "sample", "1" * 64)["digest"]
+
+
+def test_stats_defaults_to_the_port_serve_listens_on():
+    import inspect
+
+    from mlxkv.cli.cache import stats
+    from mlxkv.cli.serve import serve
+
+    url = inspect.signature(stats).parameters["url"].default.default
+    port = inspect.signature(serve).parameters["port"].default.default
+    assert url == f"http://127.0.0.1:{port}"
