@@ -200,6 +200,7 @@ def test_invalid_and_unsupported_requests_are_anthropic_errors(server, client):
         (dict(messages=user, extra_body={"temperature": 1.5}), "temperature"),
         (dict(messages=user, stop_sequences=["  "]), "non-whitespace"),
         (dict(messages=[{"role": "user", "content": ""}]), "non-empty content"),
+        (dict(messages=[{"role": "assistant", "content": ""}]), "conversation is empty"),
         (dict(messages=[{"role": "system", "content": "x"}]), "messages.0.role"),
         (dict(messages=user, max_tokens=0), "max_tokens"),
     ]

@@ -79,6 +79,9 @@ def to_conversation(body: CountTokensRequest) -> Conversation:
                 conv.prefill = _check_prefill(conv.messages)
         else:
             conv.messages.extend(_user(messages))
+    if all(m["role"] == "system" for m in conv.messages):
+        raise APIError(400, "messages: the conversation is empty (its only message is an empty assistant turn)",
+                       "invalid_value", "messages")
     if body.tools is not None:
         conv.tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                         "parameters": t.input_schema}} for t in body.tools]
