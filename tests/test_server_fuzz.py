@@ -66,7 +66,8 @@ def test_no_generated_request_gets_a_server_error(fuzz_server):
     api = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models",
-                                              "/v1/cache/stats", "/v1/cache/reset", "/health", "/metrics"}
+                                              "/v1/cache/stats", "/v1/cache/reset", "/health", "/metrics",
+                                              "/v1/messages", "/v1/messages/count_tokens"}
     statuses: list[int] = []
     for operation in operations:
         for mode in GenerationMode:

@@ -7,7 +7,6 @@ drops at its next step, releasing the sequences.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
@@ -19,18 +18,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.batch import BatchEngine
-from mlxkv.engine.request import (
-    EngineStoppedError,
-    Event,
-    GenerationRequest,
-    PromptTooLongError,
-    QueueFullError,
-    RequestHandle,
-    Usage,
-)
+from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
+from mlxkv.server.anthropic import anthropic_router
 from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
+from mlxkv.server.generation import bursts, collect, submit
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import CHEAP_CHARS, PromptEncoder
@@ -41,7 +34,6 @@ from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 DEFAULT_COMPLETION_TOKENS = 16
 #: Chat default when the model's context length is unknown.
 DEFAULT_CHAT_TOKENS = 4096
-_DISCONNECT_POLL_S = 0.25
 
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
@@ -155,80 +147,52 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         if max_tokens is None:
             room = (engine.context_length or DEFAULT_CHAT_TOKENS + len(prompt)) - len(prompt)
             max_tokens = max(1, room) if chat else DEFAULT_COMPLETION_TOKENS
-        try:
+
+        def build() -> GenerationRequest:
             params = SamplingParams(max_tokens=max_tokens, temp=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     min_p=body.min_p, seed=body.seed, stop=body.stop_strings())
-            gen = GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
-                                    retention=body.retention.to_spec() if body.retention else None,
-                                    priority=body.priority)
-            handle = engine.submit(gen, loop=asyncio.get_running_loop())
-        except PromptTooLongError as exc:
-            raise APIError(400, str(exc), "context_length_exceeded", "messages" if chat else "prompt") from None
-        except QueueFullError as exc:
-            raise APIError(429, f"{exc}: retry later", "queue_full") from None
-        except EngineStoppedError as exc:
-            raise APIError(503, str(exc), "engine_stopped") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_value") from None
+            return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
+                                     retention=body.retention.to_spec() if body.retention else None,
+                                     priority=body.priority)
+
+        handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
         builder = ResponseBuilder(chat=chat, model=model_name)
         if body.stream:
             return StreamingResponse(_stream(handle, builder, body.n, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, handle, builder, body.n)
 
+    v1.include_router(anthropic_router(engine, prompts, _tokenize, model_name=model_name))
     app.include_router(v1)
     return app
 
 
 async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, n: int) -> Any:
     """Wait for the whole response; cancel the request if the client goes away meanwhile."""
+    events = await collect(request, handle)
+    if events is None:
+        return Response(status_code=499)  # nobody reads it
+    if events[-1].kind != "done":
+        raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
     texts: list[list[str]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
-    done = False
-    next_check = time.monotonic() + _DISCONNECT_POLL_S
-    try:
-        while True:
-            try:
-                event = await handle.aget(timeout=_DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                event = None
-            if time.monotonic() >= next_check:  # tokens may arrive faster than the poll: check by the clock
-                next_check = time.monotonic() + _DISCONNECT_POLL_S
-                if await request.is_disconnected():
-                    return Response(status_code=499)  # nobody reads it; the finally cancels the request
-            if event is None:
-                continue
-            if event.kind == "token":
-                texts[event.index].append(event.text)
-                if event.finish_reason:
-                    finish[event.index] = event.finish_reason
-            elif event.kind == "done":
-                done = True
-                return builder.complete(["".join(t) for t in texts], finish, event.usage)
-            else:
-                done = True
-                raise APIError(500, f"generation failed: {event.message}", "generation_failed")
-    finally:
-        if not done:
-            handle.cancel()
+    for event in events[:-1]:
+        texts[event.index].append(event.text)
+        if event.finish_reason:
+            finish[event.index] = event.finish_reason
+    return builder.complete(["".join(t) for t in texts], finish, events[-1].usage)
 
 
 async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; the request is cancelled if the client disconnects (the generator is closed).
-
-    Each write carries every event that has arrived by then (a token as soon as it is sampled, and under load
-    the whole burst of a step at once), so the loop does not pay one send per event.
-    """
+    """Server-sent events, one write per burst of events; the request is cancelled if the client disconnects
+    (the generator is closed)."""
     try:
         if builder.chat:
             yield "".join(sse(builder.role_chunk(i)) for i in range(n))
-        ended = False
-        while not ended:
+        async for burst in bursts(handle):
             parts: list[str] = []
-            event: Event | None = await handle.aget()
-            while event is not None:
-                ended = _render(event, builder, include_usage, parts)
-                event = None if ended else handle.get_nowait()
+            for event in burst:
+                _render(event, builder, include_usage, parts)
             if parts:  # a token whose text the detokenizer holds back yet writes nothing
                 yield "".join(parts)
     finally:

@@ -18,7 +18,7 @@ DRAIN_FACTOR = 4
 
 
 class BodySizeLimit:
-    """Answer 413 (OpenAI error shape) when a request body exceeds ``max_bytes``.
+    """Answer 413 (in the error shape of the path's API) when a request body exceeds ``max_bytes``.
 
     A declared ``Content-Length`` over the limit is refused without keeping the body (read and dropped up to
     ``DRAIN_FACTOR`` times the limit so the client sees the 413, else not read at all); otherwise (chunked
@@ -40,7 +40,7 @@ class BodySizeLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             if int(declared) <= DRAIN_FACTOR * self.max_bytes:
                 await self._drain(receive)  # a client still uploading may miss a 413 sent mid-body
-            await self._refuse(send)
+            await self._refuse(send, scope)
             return
         chunks, size = [], 0
         while True:
@@ -50,7 +50,7 @@ class BodySizeLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(send, scope)
                 return
             if not message.get("more_body", False):
                 break
@@ -73,9 +73,9 @@ class BodySizeLimit:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 return
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, send: Send, scope: Scope) -> None:
         body = json.dumps(error_body(413, f"the request body is larger than {self.max_bytes} bytes",
-                                     "request_too_large")).encode()
+                                     "request_too_large", path=scope.get("path", ""))).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -1,0 +1,94 @@
+"""The Anthropic Messages routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A request's conversation is rendered through the model's chat template as ``/v1/chat/completions`` renders the
+same conversation (the same :class:`~mlxkv.server.prompts.PromptEncoder`, so a long shared system prompt is
+tokenized once and its KV comes from the prefix cache alike) and submitted through the same engine path
+(:mod:`mlxkv.server.generation`). Errors on these paths take Anthropic's shape (:mod:`mlxkv.server.errors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from mlxkv.engine.batch import BatchEngine
+from mlxkv.engine.request import GenerationRequest
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.server.anthropic.message import Reply
+from mlxkv.server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from mlxkv.server.anthropic.stream import message_events
+from mlxkv.server.anthropic.translate import Conversation, refuse_tools, to_conversation
+from mlxkv.server.errors import APIError
+from mlxkv.server.generation import collect, submit
+from mlxkv.server.prompts import PromptEncoder
+
+#: The app's tokenizing helper: ``tokenize(cheap, full)`` runs ``cheap`` on the event loop when the tokenizer is
+#: free (``None``: too costly there), else ``full`` on the tokenizer's worker thread.
+Tokenize = Callable[[Callable[[], "list[int] | None"], Callable[[], "list[int]"]], Awaitable["list[int]"]]
+
+
+def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Tokenize, *, model_name: str) -> APIRouter:
+    """The Messages routes over ``engine`` (mount under ``/v1``, behind the API-key check).
+
+    Args:
+        engine: the batch engine.
+        prompts: the app's prompt encoder (shared with the OpenAI chat route).
+        tokenize: the app's tokenizing helper (see :data:`Tokenize`).
+        model_name: the model id reported in responses.
+    """
+    tokenizer = engine.tokenizer
+    router = APIRouter(tags=["anthropic"])
+
+    def continue_final(messages: list[dict[str, Any]]) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                  continue_final_message=True))
+
+    async def render(body: CountTokensRequest) -> list[int]:
+        conv: Conversation = to_conversation(body)
+        refuse_tools(conv)
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template", "no_chat_template")
+        messages = conv.messages
+        try:
+            if conv.prefill:  # rendered whole: the memo's head/tail split assumes a generation prompt
+                return await tokenize(lambda: None, lambda: continue_final(messages))
+            return await tokenize(lambda: prompts.chat_if_cheap(messages), lambda: prompts.chat(messages))
+        except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
+
+    @router.post("/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Any:
+        """Anthropic's Messages API: one text answer, whole or streamed."""
+        prompt = await render(body)
+        stops = tuple(body.stop_sequences or ())
+
+        def build() -> GenerationRequest:
+            params = SamplingParams(max_tokens=body.max_tokens,
+                                    temp=1.0 if body.temperature is None else body.temperature,
+                                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                                    stop=stops)
+            return GenerationRequest(prompt, params)
+
+        handle = submit(engine, build, prompt_param="messages")
+        reply = Reply(tokenizer, model=model_name, max_tokens=body.max_tokens, stop_sequences=stops,
+                      prompt_tokens=len(prompt))
+        if body.stream:
+            return StreamingResponse(message_events(handle, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        events = await collect(request, handle)
+        if events is None:
+            return Response(status_code=499)  # the client is gone; nobody reads it
+        if events[-1].kind != "done":
+            raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
+        for event in events[:-1]:
+            reply.add(event)
+        return reply.message(events[-1].usage)
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        """The rendered prompt's length in tokens."""
+        return {"input_tokens": len(await render(body))}
+
+    return router

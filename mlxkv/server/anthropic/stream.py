@@ -1,0 +1,55 @@
+"""Streaming a Messages response as Anthropic's server-sent events.
+
+The sequence Anthropic sends, each as an ``event: <type>`` line and a ``data: <json>`` line:
+``message_start``, ``content_block_start`` (one text block), ``ping``, ``content_block_delta`` (``text_delta``)
+per piece of text, ``content_block_stop``, ``message_delta`` (stop reason and the final, cumulative usage) and
+``message_stop``; a failure mid-stream ends it with an ``error`` event. The opening events are sent at once, before
+the first token, so a client sees the stream start during a long prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from mlxkv.engine.request import RequestHandle, Usage
+from mlxkv.server.anthropic.message import Reply, usage_body
+from mlxkv.server.errors import anthropic_error_body
+from mlxkv.server.generation import bursts
+
+
+def event(kind: str, payload: dict[str, Any]) -> str:
+    """One server-sent event of ``kind`` (``payload`` gets its ``type``)."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
+
+
+async def message_events(handle: RequestHandle, reply: Reply) -> AsyncIterator[str]:
+    """The events of ``handle``'s answer, one write per burst of engine events; the request is cancelled if the
+    client disconnects (the generator is closed)."""
+    try:
+        yield (event("message_start", {"message": reply.started()})
+               + event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+               + event("ping", {}))
+        async for burst in bursts(handle):
+            parts: list[str] = []
+            for e in burst:
+                if e.kind == "token":
+                    if reply.add(e):
+                        parts.append(event("content_block_delta",
+                                           {"index": 0, "delta": {"type": "text_delta", "text": e.text}}))
+                elif e.kind == "done":
+                    parts.append(_closing(reply, e.usage or Usage(reply.prompt_tokens, 0)))
+                else:
+                    parts.append(event("error", anthropic_error_body(500, f"generation failed: {e.message}")))
+            if parts:
+                yield "".join(parts)
+    finally:
+        handle.cancel()  # a no-op once the request has finished
+
+
+def _closing(reply: Reply, usage: Usage) -> str:
+    reason, sequence = reply.stop()
+    return (event("content_block_stop", {"index": 0})
+            + event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                      "usage": usage_body(usage)})
+            + event("message_stop", {}))

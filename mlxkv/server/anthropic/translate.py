@@ -1,0 +1,192 @@
+"""An Anthropic Messages request as the OpenAI chat conversation the chat template renders.
+
+The same conversation sent to ``/v1/messages`` and to ``/v1/chat/completions`` becomes the same prompt: the
+``system`` field is a leading system message, a message's text blocks are joined as the OpenAI route joins text
+parts, and consecutive turns of one role are one turn (as Anthropic combines them), their texts separated by a
+blank line. A final assistant turn is a prefill: the answer continues it.
+
+Tool blocks map onto OpenAI's chat form: an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as
+a JSON string), a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's text), ``tools``
+become function tools and ``tool_choice`` auto / any / tool / none becomes auto / required / a named function /
+none. Until tool calling is wired into generation, :func:`refuse_tools` answers 400 for any of them: the one place
+to replace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from mlxkv.server.anthropic.schemas import (
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    UnsupportedBlock,
+)
+from mlxkv.server.errors import APIError
+
+#: Separates the texts of consecutive messages of one role, combined into one turn.
+TURN_JOIN = "\n\n"
+
+
+@dataclass(slots=True)
+class Conversation:
+    """What the chat template renders for one request.
+
+    Attributes:
+        messages: OpenAI chat messages (``role``, ``content``; assistant ``tool_calls``; tool ``tool_call_id``).
+        prefill: the last message is an assistant turn that the answer continues (rendered without its end).
+        tools: OpenAI function tools (``None``: none sent).
+        tool_choice: OpenAI's ``tool_choice`` (``None``: not sent).
+        parallel_tool_calls: ``False`` when the request disabled parallel tool use.
+    """
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prefill: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) or self.tool_choice is not None or any(
+            m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
+
+
+def to_conversation(body: CountTokensRequest) -> Conversation:
+    """``body``'s conversation in chat form.
+
+    Raises:
+        APIError: 400 for what mlxkv cannot honour (images and other non-text blocks, extended thinking, output
+            configuration, containers, diagnostics, citations) or Anthropic refuses (an empty message, a prefill
+            that ends with whitespace).
+    """
+    _refuse_unsupported(body)
+    conv = Conversation()
+    system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or ())
+    if system:
+        conv.messages.append({"role": "system", "content": system})
+    turns = _turns(body.messages)
+    for t, (role, messages) in enumerate(turns):
+        last = t == len(turns) - 1
+        if role == "assistant":
+            conv.messages.append(_assistant(messages))
+            if last:
+                conv.prefill = _check_prefill(conv.messages)
+        else:
+            conv.messages.extend(_user(messages))
+    if all(m["role"] == "system" for m in conv.messages):
+        raise APIError(400, "messages: the conversation is empty (its only message is an empty assistant turn)",
+                       "invalid_value", "messages")
+    if body.tools is not None:
+        conv.tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                        "parameters": t.input_schema}} for t in body.tools]
+    if body.tool_choice is not None:
+        choice = body.tool_choice
+        conv.tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
+            {"type": "function", "function": {"name": choice.name}}
+        if choice.disable_parallel_tool_use:
+            conv.parallel_tool_calls = False
+    return conv
+
+
+def refuse_tools(conv: Conversation) -> None:
+    """Tools are not wired into generation yet: a clear 400 instead of a prompt that drops them."""
+    if conv.uses_tools:
+        raise APIError(400, "tools, tool_choice and tool_use / tool_result blocks are not supported by this "
+                            "server's Messages API yet", "tools_unsupported", "tools")
+
+
+def _refuse_unsupported(body: CountTokensRequest) -> None:
+    if body.thinking is not None and body.thinking.type != "disabled":
+        raise APIError(400, "extended thinking is not supported: omit thinking or send {\"type\": \"disabled\"}",
+                       "unsupported_parameter", "thinking")
+    if body.output_config is not None:
+        raise APIError(400, "output_config is not supported", "unsupported_parameter", "output_config")
+    if isinstance(body, MessagesRequest):
+        for name in ("container", "diagnostics"):
+            if getattr(body, name) is not None:
+                raise APIError(400, f"{name} is not supported", "unsupported_parameter", name)
+    for m, message in enumerate(body.messages):
+        blocks = message.content if isinstance(message.content, list) else []
+        for b, block in enumerate(blocks):
+            nested = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
+            for where, item in [(f"messages.{m}.content.{b}", block)] + \
+                    [(f"messages.{m}.content.{b}.content.{i}", x) for i, x in enumerate(nested)]:
+                _refuse_block(item, where)
+    for b, block in enumerate(body.system if isinstance(body.system, list) else ()):
+        _refuse_block(block, f"system.{b}")
+
+
+def _refuse_block(block: Any, where: str) -> None:
+    if isinstance(block, UnsupportedBlock):
+        what = "image input is not supported (the model reads text)" if block.type == "image" else \
+            f"content blocks of type '{block.type}' are not supported"
+        raise APIError(400, f"{where}: {what}", "unsupported_content", where)
+    if isinstance(block, TextBlock) and block.citations:
+        raise APIError(400, f"{where}: citations are not supported", "unsupported_content", where)
+
+
+def _turns(messages: list[Message]) -> list[tuple[str, list[Message]]]:
+    """Consecutive messages of one role grouped into turns; every message must have content."""
+    turns: list[tuple[str, list[Message]]] = []
+    for m, message in enumerate(messages):
+        if not message.content and not (message.role == "assistant" and m == len(messages) - 1):
+            raise APIError(400, f"messages.{m}: all messages must have non-empty content except for the optional "
+                                "final assistant message", "invalid_value", f"messages.{m}.content")
+        if turns and turns[-1][0] == message.role:
+            turns[-1][1].append(message)
+        else:
+            turns.append((message.role, [message]))
+    return turns
+
+
+def _texts(message: Message) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(b.text for b in message.content if isinstance(b, TextBlock))
+
+
+def _assistant(messages: list[Message]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant",
+                           "content": TURN_JOIN.join(t for t in map(_texts, messages) if t)}
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+             for m in messages if isinstance(m.content, list) for b in m.content if isinstance(b, ToolUseBlock)]
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _user(messages: list[Message]) -> list[dict[str, Any]]:
+    """A user turn: its tool results (as ``tool`` messages, answering the previous assistant's calls), then its
+    text (if any)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        for b in m.content if isinstance(m.content, list) else ():
+            if isinstance(b, ToolResultBlock):
+                text = b.content if isinstance(b.content, str) else \
+                    "".join(x.text for x in b.content if isinstance(x, TextBlock))
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": text})
+    text = TURN_JOIN.join(t for t in map(_texts, messages) if t)
+    if text:
+        out.append({"role": "user", "content": text})
+    return out
+
+
+def _check_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether the final assistant message is a prefill (it has text); Anthropic refuses one ending in
+    whitespace (the model's next token would have to start mid-word)."""
+    last = messages[-1]
+    if last.get("tool_calls"):
+        return False
+    if not last["content"]:
+        messages.pop()  # an empty final assistant turn asks for a plain answer
+        return False
+    if last["content"] != last["content"].rstrip():
+        raise APIError(400, "final assistant content cannot end with trailing whitespace", "invalid_value",
+                       "messages")
+    return True
