@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 #: OpenAI's limits: function names, tools per request.
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class FunctionDefinition(BaseModel):
@@ -81,8 +82,16 @@ class ToolRequestFields(BaseModel):
     """The tool-calling fields of a chat completion request."""
 
     tools: Optional[list[ToolDefinition]] = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    tool_choice: Optional[Union[str, NamedToolChoice]] = Field(
+        None, description='"none", "auto" (the default), "required" or {"type": "function", "function": {"name"}}')
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call per choice")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_choice(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in TOOL_CHOICES:
+            raise ValueError(f"{v!r} is not one of {', '.join(TOOL_CHOICES)} (or a named function)")
+        return v
 
     @model_validator(mode="before")
     @classmethod

@@ -163,8 +163,8 @@ class ToolCallParser:
     ``arguments`` a JSON string. A call whose text the parser cannot read (cut off by ``max_tokens``, or malformed)
     comes back as content, markers included, so no generated text is lost; :attr:`calls` counts the good ones.
 
-    Whitespace-only content is held until more content follows (and dropped at the end when calls were made),
-    so the blank lines models write around calls do not become content.
+    Trailing whitespace is held until more content follows (dropped when a call follows it, and at the end when
+    calls were made), so the blank lines models write around calls do not become content.
 
     Args:
         tokenizer: mlx-lm's ``TokenizerWrapper`` with a tool parser (``has_tool_calling``).
@@ -186,7 +186,7 @@ class ToolCallParser:
         self._sm = TextStateMachine(edges)
         self._state = self._sm.make_state("normal")
         self._call_text = ""  # the current call's text so far
-        self._held = ""  # whitespace-only content not yet given out
+        self._held = ""  # trailing whitespace of the content, not given out yet
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -194,46 +194,46 @@ class ToolCallParser:
         from mlx_lm.generate import TextStateMachine
 
         self._state, segments = TextStateMachine.split(self._state, text)
-        content, calls = [], []
+        content: list[str] = []
+        calls: list[dict] = []
         previous = None
         for state, piece in segments:
             if previous == "tool" and state == "normal":  # a call just ended
-                self._close(content, calls)
+                content.append(self._close(calls))
             if state == "tool":
                 self._call_text += piece
             else:
-                content.append(piece)
+                content.append(self._release(piece))
             previous = state
-        return self._release("".join(content)), calls
+        return "".join(content), calls
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left when generation ends: held-back text, and a call still open (read if it parses)."""
         from mlx_lm.generate import TextStateMachine
 
         self._state, rest, state = TextStateMachine.flush(self._state)
-        content: list[str] = []
         calls: list[dict] = []
         if state == "tool":
             self._call_text += rest
-            self._close(content, calls, ended=False)
+            out = self._close(calls, ended=False)
         else:
-            content.append(rest)
-        out = self._release("".join(content))
+            out = self._release(rest)
         if self._held and not self.calls:
             out += self._held
         self._held = ""
         return out, calls
 
-    def _close(self, content: list[str], calls: list[dict], ended: bool = True) -> None:
-        """The current call's text is complete (``ended``: its end marker seen) or cut off: its calls, or its raw
-        text as content."""
+    def _close(self, calls: list[dict], ended: bool = True) -> str:
+        """The current call's text is complete (``ended``: its end marker seen) or cut off: its calls are added to
+        ``calls``; one that does not read is content (returned, markers included)."""
         text, self._call_text = self._call_text, ""
         parsed = self._read(text)  # a cut-off call whose text reads whole is a call (mlx_lm.server does the same)
         if parsed is None:
-            content.append(self._start + text + (self._end if ended else ""))
-            return
+            return self._release(self._start + text + (self._end if ended else ""))
         calls.extend(parsed)
         self.calls += len(parsed)
+        self._held = ""  # the blank lines before a call separate it: not content
+        return ""
 
     def _read(self, text: str) -> list[dict] | None:
         try:
@@ -255,11 +255,10 @@ class ToolCallParser:
         return calls
 
     def _release(self, content: str) -> str:
-        """``content`` to give out now: whitespace-only text is held until real content follows it."""
+        """``content`` to give out now: trailing whitespace is held until more content follows it."""
         if not content:
             return ""
-        if not content.strip():
-            self._held += content
-            return ""
-        out, self._held = self._held + content, ""
+        text = self._held + content
+        out = text.rstrip()
+        self._held = text[len(out):]
         return out
