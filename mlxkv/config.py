@@ -213,12 +213,12 @@ class RunConfig:
 
     model: str | None = None
     dequantize: bool = False
-    chat_template: str | None = None
-    tool_parser: str | None = None
     kv: KvCacheConfig = field(default_factory=KvCacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     flags: env.Flags = field(default_factory=env.flags)
+    chat_template: str | None = None
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():

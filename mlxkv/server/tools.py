@@ -20,6 +20,8 @@ import logging
 import uuid
 from typing import Any, Iterable
 
+from mlx_lm.generate import TextStateMachine  # mlx_lm.server's splitter of text at reasoning / tool markers
+
 log = logging.getLogger(__name__)
 
 #: What a tool-less request renders as, and the tool the template is asked to show, to see if it shows tools.
@@ -175,8 +177,6 @@ class ToolCallParser:
     """
 
     def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
-        from mlx_lm.generate import TextStateMachine
-
         if not getattr(tokenizer, "has_tool_calling", False):
             raise ValueError("the tokenizer has no tool parser")
         self._parse = tokenizer.tool_parser
@@ -191,8 +191,6 @@ class ToolCallParser:
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """Content and completed calls of the next piece of generated text."""
-        from mlx_lm.generate import TextStateMachine
-
         self._state, segments = TextStateMachine.split(self._state, text)
         content: list[str] = []
         calls: list[dict] = []
@@ -209,8 +207,6 @@ class ToolCallParser:
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left when generation ends: held-back text, and a call still open (read if it parses)."""
-        from mlx_lm.generate import TextStateMachine
-
         self._state, rest, state = TextStateMachine.flush(self._state)
         calls: list[dict] = []
         if state == "tool":
