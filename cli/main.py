@@ -64,6 +64,8 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--raw",
                                         help="Apply the chat template (default: when the tokenizer has one)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="A Jinja chat template file used instead of the model's."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1,
                                               help="Cap on cached tokens per layer (rotating past it)."),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits,
@@ -102,10 +104,11 @@ def generate(
                        kv_group_size=kv_group_size)
         speculative = SpeculativeConfig(draft_model=draft_model, prompt_lookup=prompt_lookup,
                                         num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
-        run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags())
+        run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags(),
+                        chat_template=chat_template)
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=seed, stop=tuple(stop or ()))
-        loaded = load(run.model, dequantize=run.dequantize)
+        loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
         engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
         for chunk in engine.generate(tokens, params):

@@ -51,6 +51,18 @@ def serve(
                                                 help="Folder for an on-disk KV block tier (paged; survives restarts)."),
     kv_disk_cache_size: int = typer.Option(0, "--kv-disk-cache-size", min=0,
                                            help="Byte cap of the on-disk KV tier (needs --kv-disk-cache)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="A Jinja chat template file used instead of the model's "
+                                                     "(e.g. one that renders tools)."),
+    tool_parser: Optional[str] = typer.Option(None, "--tool-parser",
+                                              help="mlx-lm tool parser for the model's tool calls (default: the one "
+                                                   "mlx-lm infers from the chat template), e.g. json_tools."),
+    allowed_origins: Optional[list[str]] = typer.Option(None, "--allowed-origins",
+                                                        help="CORS: origins browsers may call from (repeatable or "
+                                                             "comma-separated; * for any; default: no CORS)."),
+    sse_keepalive_s: float = typer.Option(10.0, "--sse-keepalive-s", min=0.01,
+                                          help="Seconds a stream may stay silent (a long prefill) before a "
+                                               "keep-alive comment is sent."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id reported by /v1/models (default: --model)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, help="Largest request body (MB); else 413."),
@@ -63,9 +75,11 @@ def serve(
     if kv_group_size not in (32, 64, 128):
         raise typer.BadParameter(f"{kv_group_size} is not one of 32, 64, 128.", param_hint="--kv-group-size")
     from mlxkv import env
+    from mlxkv.server.compat import parse_origins
 
     try:
         flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
+        origins = parse_origins(allowed_origins)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
@@ -88,8 +102,10 @@ def serve(
                        disk_cache_bytes=kv_disk_cache_size)
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
-        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, flags=flags)
-        parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name)
+        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, flags=flags,
+                        chat_template=chat_template, tool_parser=tool_parser)
+        parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
+                      allowed_origins=origins, keepalive_s=sse_keepalive_s)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

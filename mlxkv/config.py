@@ -5,6 +5,7 @@ here: callers measure free memory themselves and pass it in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlxkv import env
 from mlxkv.kv.blocks.hashing import HASH_ALGOS, xxhash_available
@@ -205,7 +206,9 @@ class RunConfig:
 
     model: repo id, folder or GGUF file (None: the embedded demo model); dequantize: run quantized weights
     unquantized; kv: the KV cache; speculative: drafting (generate); engine: the batch engine (serve); flags: the
-    ``MLXKV_*`` environment flags, parsed once (:func:`mlxkv.env.flags`).
+    ``MLXKV_*`` environment flags, parsed once (:func:`mlxkv.env.flags`); chat_template: a Jinja chat template
+    file used instead of the model's; tool_parser: the mlx-lm tool parser reading the model's tool calls (None:
+    the one mlx-lm infers from the template; names are checked when the model loads).
     """
 
     model: str | None = None
@@ -214,3 +217,11 @@ class RunConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     flags: env.Flags = field(default_factory=env.flags)
+    chat_template: str | None = None
+    tool_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise ValueError(f"chat_template={self.chat_template!r}: no such file")
+        if self.tool_parser is not None and (not isinstance(self.tool_parser, str) or not self.tool_parser):
+            raise ValueError(f"tool_parser={self.tool_parser!r}: expected None or a parser name")

@@ -225,7 +225,8 @@ def _load_gguf(path: Path) -> tuple[Any, dict, Any]:
         raise ModelLoadError(str(exc)) from None
 
 
-def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = False) -> LoadedModel:
+def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = False, chat_template: str | None = None,
+         tool_parser: str | None = None) -> LoadedModel:
     """Load a model and its tokenizer through mlx-lm.
 
     Args:
@@ -234,6 +235,9 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
         dequantize: run quantized weights unquantized (float32 on the CPU backend, where MLX's quantized
             matmuls are far slower than BLAS: SmolLM2-135M Q4_1 prefills at ~9 tok/s quantized and ~130-160
             tok/s dequantized under OpenBLAS).
+        chat_template: a Jinja chat template file used instead of the model's.
+        tool_parser: the mlx-lm tool parser for the template's tool calls (default: the one mlx-lm infers from the
+            template; see :func:`mlxkv.chat_template.with_chat_template`).
 
     Returns:
         The loaded model with mlxkv's attention hook installed (the cache decides how attention runs).
@@ -243,11 +247,18 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     Raises:
         ModelLoadError: with a one-line message for any failure a user can cause.
     """
+    from mlxkv.chat_template import check_tool_parser, read_chat_template, with_chat_template
     from mlxkv.cpu_ops import install_cpu_ops
     from mlxkv.precision import dequantize_in_place, upcast_on_cpu
 
+    try:  # a bad template file or parser name fails before the weights load
+        template = read_chat_template(chat_template) if chat_template is not None else None
+        check_tool_parser(tool_parser)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path) if path.is_file() else _load_folder(path)
+    tokenizer = with_chat_template(tokenizer, template, tool_parser)
     if dequantize:
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable, Sequence, Union
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -22,6 +22,7 @@ from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.anthropic import anthropic_router
 from mlxkv.server.auth import bearer_auth
+from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, submit
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -29,6 +30,14 @@ from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import CHEAP_CHARS, PromptEncoder
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.tool_stream import ToolOutput
+from mlxkv.server.tools import (
+    ToolRequestError,
+    check_template_renders_tools,
+    render_tools,
+    to_template_messages,
+    tools_in_use,
+)
 
 #: OpenAI's default ``max_tokens`` for /v1/completions (chat defaults to the rest of the context).
 DEFAULT_COMPLETION_TOKENS = 16
@@ -38,7 +47,8 @@ DEFAULT_CHAT_TOKENS = 4096
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
-               manage_engine: bool = False) -> FastAPI:
+               manage_engine: bool = False, allowed_origins: Sequence[str] = (),
+               keepalive_s: float = DEFAULT_KEEPALIVE_S) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -48,11 +58,16 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         max_body_bytes: larger request bodies get 413.
         metrics: the Prometheus registry fed by the engine (the engine's observer); a fresh one if ``None``.
         manage_engine: start the engine when the app starts and stop it when the app stops.
+        allowed_origins: CORS origins (``*``: any); none: no CORS headers.
+        keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
     """
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     tokenizer = engine.tokenizer
     prompts = PromptEncoder(tokenizer)  # a long shared system prompt is tokenized once
+    fingerprint = system_fingerprint(model_name, tokenizer)
+    no_tools = check_template_renders_tools(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxkv"}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +83,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    install_cors(app, allowed_origins)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
 
     @app.get("/health")
@@ -82,8 +98,14 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "mlxkv"}]}
+        return {"object": "list", "data": [card]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise APIError(404, f"no model {model_id!r} here: this server serves {model_name!r}", "model_not_found",
+                           "model")
+        return card
 
     @v1.get("/cache/stats")
     async def cache_stats() -> dict:
@@ -116,15 +138,25 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
+        tools = body.tool_dicts()
         try:
-            prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages), lambda: prompts.chat(messages))
+            use_tools = tools_in_use(tools, body.tool_choice_value())
+            messages = to_template_messages(m.model_dump(exclude_none=True) for m in body.messages)
+        except ToolRequestError as exc:
+            raise APIError(400, exc.message, exc.code, exc.param) from None
+        if use_tools and no_tools:
+            raise APIError(400, no_tools, "tools_unsupported", "tools")
+        kwargs = {"tools": render_tools(tools)} if use_tools else {}
+        try:
+            prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages, **kwargs),
+                                     lambda: prompts.chat(messages, **kwargs))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
-        return await _generate(request, body, prompt, chat=True)
+        output = ToolOutput(tokenizer, tools, body.n, parallel=body.parallel_tool_calls is not False,
+                            streaming=body.stream) if use_tools else None
+        return await _generate(request, body, prompt, chat=True, tools=output)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -140,7 +172,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         return await _generate(request, body, prompt, chat=False)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
-                        chat: bool) -> Any:
+                        chat: bool, tools: ToolOutput | None = None) -> Any:
         if not prompt:
             raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
         max_tokens = body.max_new_tokens()
@@ -156,18 +188,19 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                                      priority=body.priority)
 
         handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
-        builder = ResponseBuilder(chat=chat, model=model_name)
+        builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)
         if body.stream:
-            return StreamingResponse(_stream(handle, builder, body.n, body.include_usage),
+            return StreamingResponse(_stream(handle, builder, body.n, body.include_usage, tools, keepalive_s),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, handle, builder, body.n)
+        return await _collect(request, handle, builder, body.n, tools)
 
-    v1.include_router(anthropic_router(engine, prompts, _tokenize, model_name=model_name))
+    v1.include_router(anthropic_router(engine, prompts, _tokenize, model_name=model_name, keepalive_s=keepalive_s))
     app.include_router(v1)
     return app
 
 
-async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, n: int) -> Any:
+async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, n: int,
+                   tools: ToolOutput | None = None) -> Any:
     """Wait for the whole response; cancel the request if the client goes away meanwhile."""
     events = await collect(request, handle)
     if events is None:
@@ -175,37 +208,55 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
     if events[-1].kind != "done":
         raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
     texts: list[list[str]] = [[] for _ in range(n)]
+    calls: list[list[dict]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     for event in events[:-1]:
-        texts[event.index].append(event.text)
-        if event.finish_reason:
-            finish[event.index] = event.finish_reason
-    return builder.complete(["".join(t) for t in texts], finish, events[-1].usage)
+        text, made, reason = _split_calls(event, tools)
+        texts[event.index].append(text)
+        calls[event.index] += made
+        if reason:
+            finish[event.index] = reason
+    return builder.complete(["".join(t) for t in texts], finish, events[-1].usage,
+                            tool_calls=calls if tools else None)
 
 
-async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool,
+                  tools: ToolOutput | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> AsyncIterator[str]:
     """Server-sent events, one write per burst of events; the request is cancelled if the client disconnects
-    (the generator is closed)."""
+    (the generator is closed). After ``keepalive_s`` seconds without an event (a long prefill, a wait for
+    admission) a keep-alive comment goes out: proxies and clients drop silent connections."""
     try:
         if builder.chat:
             yield "".join(sse(builder.role_chunk(i)) for i in range(n))
-        async for burst in bursts(handle):
+        async for burst in bursts(handle, idle_s=keepalive_s):
             parts: list[str] = []
+            if not burst:
+                yield KEEPALIVE_EVENT
+                continue
             for event in burst:
-                _render(event, builder, include_usage, parts)
+                _render(event, builder, include_usage, parts, tools)
             if parts:  # a token whose text the detokenizer holds back yet writes nothing
                 yield "".join(parts)
     finally:
         handle.cancel()  # a no-op once the request has finished
 
 
-def _render(event: Event, builder: ResponseBuilder, include_usage: bool, out: list[str]) -> bool:
+def _split_calls(event: Event, tools: ToolOutput | None) -> tuple[str, list[dict], str | None]:
+    """A token event's ``(content, tool calls, finish reason)``: its text as it is without tools."""
+    if tools is None:
+        return event.text, [], event.finish_reason
+    return tools.feed(event.index, event.text, event.finish_reason)
+
+
+def _render(event: Event, builder: ResponseBuilder, include_usage: bool, out: list[str],
+            tools: ToolOutput | None = None) -> bool:
     """Append ``event``'s server-sent events to ``out``; True once the stream is complete."""
     if event.kind == "token":
-        if event.text:
-            out.append(sse(builder.delta_chunk(event.index, event.text)))
-        if event.finish_reason:
-            out.append(sse(builder.delta_chunk(event.index, "", event.finish_reason)))
+        text, calls, reason = _split_calls(event, tools)
+        if text or calls:
+            out.append(sse(builder.delta_chunk(event.index, text, tool_calls=calls)))
+        if reason:
+            out.append(sse(builder.delta_chunk(event.index, "", reason)))
         return False
     if event.kind == "done":
         if include_usage:

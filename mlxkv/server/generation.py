@@ -76,14 +76,19 @@ async def collect(request: Request, handle: RequestHandle) -> list[Event] | None
             handle.cancel()
 
 
-async def bursts(handle: RequestHandle) -> AsyncIterator[list[Event]]:
+async def bursts(handle: RequestHandle, idle_s: float | None = None) -> AsyncIterator[list[Event]]:
     """The request's events in bursts: each list holds every event that had arrived by then (a token as soon as
-    it is sampled; under load a whole step's worth), so a stream pays one write per burst, not per event. Ends
-    after the terminal event. The caller cancels the request when it stops early (a client disconnect closes
-    its generator)."""
+    it is sampled; under load a whole step's worth), so a stream pays one write per burst, not per event. With
+    ``idle_s``, an empty list comes after each ``idle_s`` seconds without an event (the caller's cue for a
+    keep-alive). Ends after the terminal event. The caller cancels the request when it stops early (a client
+    disconnect closes its generator)."""
     ended = False
     while not ended:
-        burst = [await handle.aget()]
+        try:
+            burst = [await handle.aget(timeout=idle_s)]
+        except asyncio.TimeoutError:
+            yield []
+            continue
         while not burst[-1].terminal:
             event = handle.get_nowait()
             if event is None:

@@ -22,6 +22,7 @@ ms median, the hop waiting on the engine thread's hold of the GIL).
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 from typing import Any
@@ -64,23 +65,26 @@ class PromptEncoder:
                      if getattr(t, "special", False)}  # and the template's role markers
         self._specials = sorted({s for s in specials if s}, key=len, reverse=True)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` returns.
+    def chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The ids ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)``
+        returns (``template_kwargs``: e.g. ``tools``; they are rendered into the head's text, which is the memo's
+        key, so prompts with other tools never share a head).
 
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
         if not self.memo_on or not self._specials or len(messages) < 2:
-            return self._whole(messages)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        split = self._split(text, messages)
+            return self._whole(messages, template_kwargs)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **template_kwargs)
+        split = self._split(text, messages, template_kwargs)
         if split is None:
-            return self._whole(messages)
+            return self._whole(messages, template_kwargs)
         head, special, tail = text[:split[0]], split[1], text[split[0]:]
         seen, ids = self._look_up(head)
         if ids is not None:
             return self._with_head(ids, special, tail)
-        whole = self._whole(messages)
+        whole = self._whole(messages, template_kwargs)
         if not seen:  # a head met once costs nothing extra; the second time it is checked and remembered
             return whole
         ids = self._encode(head)
@@ -93,7 +97,7 @@ class PromptEncoder:
                 self._heads[head] = ids
         return whole
 
-    def chat_if_cheap(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def chat_if_cheap(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int] | None:
         """:meth:`chat`'s ids when they cost well under a millisecond — messages of at most ``CHEAP_CHARS``
         characters in all, or a memoized head and a tail of at most ``CHEAP_CHARS`` (messages of at most
         ``CHEAP_RENDER_CHARS``) — else ``None`` (nothing encoded, the memo untouched).
@@ -101,13 +105,14 @@ class PromptEncoder:
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
-        total = sum(len(m["content"]) for m in messages)
+        total = _chars(messages, template_kwargs)
         if total <= CHEAP_CHARS:
-            return self.chat(messages)
+            return self.chat(messages, **template_kwargs)
         if not self.memo_on or not self._specials or len(messages) < 2 or total > CHEAP_RENDER_CHARS:
             return None
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        split = self._split(text, messages)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **template_kwargs)
+        split = self._split(text, messages, template_kwargs)
         if split is None or len(text) - split[0] > CHEAP_CHARS:
             return None
         head = text[:split[0]]
@@ -134,17 +139,19 @@ class PromptEncoder:
                 self._heads.popitem(last=False)
         return seen, ids
 
-    def _whole(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def _whole(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _split(self, text: str, messages: list[dict[str, str]]) -> tuple[int, str] | None:
+    def _split(self, text: str, messages: list[dict[str, Any]],
+               template_kwargs: dict[str, Any]) -> tuple[int, str] | None:
         """``(end, token)``: the last special token within the rendering of the messages before the last one (when
         the whole text starts with that rendering), if the head up to it is long enough to memoize; else None."""
         try:
-            earlier = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False)
+            earlier = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False,
+                                                         **template_kwargs)
         except Exception:  # noqa: BLE001 - a template may refuse a conversation that ends early
             return None
         if len(earlier) < self.min_head_chars or not text.startswith(earlier):
@@ -157,3 +164,10 @@ class PromptEncoder:
         if best is None or best[0] < self.min_head_chars:
             return None
         return best
+
+
+def _chars(messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> int:
+    """About how many characters the template renders: the messages' text, their tool calls, the kwargs."""
+    total = sum(len(m["content"]) for m in messages)
+    total += sum(len(json.dumps(m["tool_calls"], default=str)) for m in messages if m.get("tool_calls"))
+    return total + (len(json.dumps(template_kwargs, default=str)) if template_kwargs else 0)

@@ -7,10 +7,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from mlxkv.config import RunConfig
 from mlxkv.engine.batch import BatchEngine, context_length_of
+from mlxkv.server.compat import DEFAULT_KEEPALIVE_S
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.metrics import ServerMetrics
 
@@ -26,10 +27,11 @@ class ServerParts:
 
 
 def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          model_name: str | None = None, manage_engine: bool = True) -> ServerParts:
+          model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
+          keepalive_s: float = DEFAULT_KEEPALIVE_S) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
-    app together.
+    app together (``allowed_origins``, ``keepalive_s``: see :func:`mlxkv.server.app.create_app`).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -39,14 +41,16 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     from mlxkv.models import load
     from mlxkv.server.app import create_app
 
-    loaded = load(run.model, progress=True, dequantize=run.dequantize)
+    loaded = load(run.model, progress=True, dequantize=run.dequantize, chat_template=run.chat_template,
+                  tool_parser=run.tool_parser)
     context = context_length_of(loaded.config)
     pool = build_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
     metrics = ServerMetrics()
     engine = BatchEngine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
                          observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     metrics=metrics, manage_engine=manage_engine)
+                     metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
+                     keepalive_s=keepalive_s)
     return ServerParts(loaded, engine, app, metrics)
 
 

@@ -17,6 +17,7 @@ from mlxkv.engine.request import (
     RetentionRange,
     RetentionSpec,
 )
+from mlxkv.server.tool_schemas import ToolMessageFields, ToolRequestFields
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 16
@@ -104,9 +105,9 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(ToolMessageFields):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
 
     def text(self) -> str:
@@ -115,7 +116,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ToolRequestFields, _Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)

@@ -29,7 +29,8 @@ from mlxkv.server.prompts import PromptEncoder
 Tokenize = Callable[[Callable[[], "list[int] | None"], Callable[[], "list[int]"]], Awaitable["list[int]"]]
 
 
-def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Tokenize, *, model_name: str) -> APIRouter:
+def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Tokenize, *, model_name: str,
+                     keepalive_s: float | None = None) -> APIRouter:
     """The Messages routes over ``engine`` (mount under ``/v1``, behind the API-key check).
 
     Args:
@@ -37,6 +38,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
         prompts: the app's prompt encoder (shared with the OpenAI chat route).
         tokenize: the app's tokenizing helper (see :data:`Tokenize`).
         model_name: the model id reported in responses.
+        keepalive_s: a stream silent this long gets a ``ping`` event (``None``: none).
     """
     tokenizer = engine.tokenizer
     router = APIRouter(tags=["anthropic"])
@@ -75,7 +77,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
         reply = Reply(tokenizer, model=model_name, max_tokens=body.max_tokens, stop_sequences=stops,
                       prompt_tokens=len(prompt))
         if body.stream:
-            return StreamingResponse(message_events(handle, reply), media_type="text/event-stream",
+            return StreamingResponse(message_events(handle, reply, keepalive_s), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         events = await collect(request, handle)
         if events is None:

@@ -23,14 +23,18 @@ def event(kind: str, payload: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n"
 
 
-async def message_events(handle: RequestHandle, reply: Reply) -> AsyncIterator[str]:
-    """The events of ``handle``'s answer, one write per burst of engine events; the request is cancelled if the
+async def message_events(handle: RequestHandle, reply: Reply, keepalive_s: float | None = None) -> AsyncIterator[str]:
+    """The events of ``handle``'s answer, one write per burst of engine events, and a ``ping`` after each
+    ``keepalive_s`` seconds without one (a long prefill, a wait for admission); the request is cancelled if the
     client disconnects (the generator is closed)."""
     try:
         yield (event("message_start", {"message": reply.started()})
                + event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
                + event("ping", {}))
-        async for burst in bursts(handle):
+        async for burst in bursts(handle, idle_s=keepalive_s):
+            if not burst:
+                yield event("ping", {})
+                continue
             parts: list[str] = []
             for e in burst:
                 if e.kind == "token":

@@ -1,0 +1,260 @@
+"""Tool calling, API-neutral: requests' tools and history into what chat templates expect, and the model's output
+back into tool calls (OpenAI's shape), with mlx-lm's tool parsers.
+
+The tokenizer (mlx-lm's ``TokenizerWrapper``, see :func:`mlxkv.chat_template.with_chat_template`) knows the
+markers around a call (``tool_call_start`` / ``tool_call_end``) and the parser of the text between them
+(``tool_parser``). :class:`ToolCallParser` splits streamed text at those markers with mlx-lm's
+``TextStateMachine`` (the one ``mlx_lm.server`` uses), so markup is held back until it is known not to start a
+call, and never reaches the content.
+
+Errors are :class:`ToolRequestError` (a ``ValueError`` with the offending field), for each API to answer in its
+own error shape. Everything here is plain Python over dicts, so the OpenAI and Anthropic routes share it:
+``to_template_messages`` (history), ``render_tools`` (definitions), ``tools_in_use`` (``tool_choice``),
+``check_template_renders_tools`` and ``ToolCallParser`` (output).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, Iterable
+
+from mlx_lm.generate import TextStateMachine  # mlx_lm.server's splitter of text at reasoning / tool markers
+
+log = logging.getLogger(__name__)
+
+#: What a tool-less request renders as, and the tool the template is asked to show, to see if it shows tools.
+_PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "mlxkv_probe_tool", "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+
+
+class ToolRequestError(ValueError):
+    """A tool-calling request this server cannot honour; ``param`` names the field, ``code`` the reason."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def new_call_id() -> str:
+    """A fresh tool call id in OpenAI's form (``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tools_in_use(tools: list[dict] | None, tool_choice: str | dict | None) -> bool:
+    """Whether the request's ``tools`` are rendered and its output parsed for calls.
+
+    ``tool_choice`` ``"none"`` means the model must not call: the tools are not shown to it and its output is
+    not parsed (text only). ``"auto"`` (the default) lets the model choose. The one place that refuses what
+    needs constrained decoding (``"required"``, a named function, ``strict`` function schemas).
+
+    Raises:
+        ToolRequestError: ``tool_choice`` or a tool asks for constrained decoding, or names no tool at all.
+    """
+    if tool_choice == "none":
+        return False
+    if tool_choice in ("required", "any") or isinstance(tool_choice, dict):
+        if not tools:
+            raise ToolRequestError("tool_choice needs tools", "tool_choice")
+        raise ToolRequestError(f"tool_choice {json.dumps(tool_choice)} forces a call, which needs constrained "
+                               "decoding this server does not have yet: use \"auto\" or \"none\"", "tool_choice",
+                               "unsupported_value")
+    for i, tool in enumerate(tools or ()):
+        if (tool.get("function") or {}).get("strict"):
+            raise ToolRequestError("strict function schemas need constrained decoding this server does not have "
+                                   "yet: leave strict unset or false", f"tools.{i}.function.strict",
+                                   "unsupported_value")
+    return bool(tools)
+
+
+def render_tools(tools: Iterable[dict]) -> list[dict]:
+    """Tool definitions as chat templates read them: OpenAI's ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` (what Hugging Face templates are written for), unset fields left out."""
+    out = []
+    for tool in tools:
+        function = {k: v for k, v in (tool.get("function") or {}).items() if v is not None and k != "strict"}
+        out.append({"type": tool.get("type", "function"), "function": function})
+    return out
+
+
+def _text(content: Any) -> str:
+    """A message's content as the template reads it: text parts joined, ``None`` as empty."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return str(content)
+
+
+def _arguments(raw: Any, param: str) -> dict:
+    """A call's ``arguments`` (OpenAI sends a JSON string) as the dict templates expect."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ToolRequestError(f"tool call arguments are not valid JSON: {exc}", param) from None
+    if not isinstance(value, dict):
+        raise ToolRequestError("tool call arguments must be a JSON object", param)
+    return value
+
+
+def to_template_messages(messages: Iterable[dict]) -> list[dict]:
+    """OpenAI chat messages (dicts) as chat templates read them.
+
+    ``developer`` becomes ``system``; content is text; an assistant's ``tool_calls`` keep ``id`` / ``type`` /
+    ``function.name`` with ``function.arguments`` parsed to a dict; a ``tool`` message keeps ``tool_call_id`` and
+    gets the called function's ``name`` (from the matching earlier call) when it has none.
+
+    Raises:
+        ToolRequestError: arguments that are not a JSON object.
+    """
+    out: list[dict] = []
+    names: dict[str, str] = {}  # call id -> function name
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": _text(message.get("content"))}
+        if message.get("name"):
+            entry["name"] = message["name"]
+        calls = message.get("tool_calls") or []
+        if calls:
+            entry["tool_calls"] = []
+            for j, call in enumerate(calls):
+                function = call.get("function") or {}
+                names[call.get("id", "")] = function.get("name", "")
+                entry["tool_calls"].append({"id": call.get("id"), "type": call.get("type", "function"),
+                                            "function": {"name": function.get("name"), "arguments": _arguments(
+                                                function.get("arguments"),
+                                                f"messages.{i}.tool_calls.{j}.function.arguments")}})
+        if role == "tool":
+            entry["tool_call_id"] = message.get("tool_call_id")
+            if "name" not in entry and names.get(entry["tool_call_id"] or ""):
+                entry["name"] = names[entry["tool_call_id"]]
+        out.append(entry)
+    return out
+
+
+def check_template_renders_tools(tokenizer: Any) -> str | None:
+    """Why this tokenizer cannot take tools (no tool parser, or a template that ignores ``tools``), or None.
+
+    Renders a one-message chat with and without a probe tool: a template that shows tools renders them.
+    """
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return ("this model's chat template has no tool-call format mlx-lm knows: serve it with --chat-template "
+                "FILE (a template that renders tools) and, if needed, --tool-parser NAME")
+    try:
+        plain = tokenizer.apply_chat_template(_PROBE_MESSAGES, add_generation_prompt=True, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS, add_generation_prompt=True,
+                                                   tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - templates raise anything
+        return f"this model's chat template fails to render tools: {exc}"
+    if plain == with_tools or "mlxkv_probe_tool" not in with_tools:
+        return "this model's chat template ignores tools: serve it with --chat-template FILE (one that renders them)"
+    return None
+
+
+class ToolCallParser:
+    """Splits one choice's streamed text into content and tool calls.
+
+    ``feed(text)`` returns ``(content, calls)``: the content now known to be outside any call (text that may be
+    the start of a call marker is held back) and the calls completed by this text. ``finish()`` returns what is
+    left at the end. Calls are OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}`` with
+    ``arguments`` a JSON string. A call whose text the parser cannot read (cut off by ``max_tokens``, or malformed)
+    comes back as content, markers included, so no generated text is lost; :attr:`calls` counts the good ones.
+
+    Trailing whitespace is held until more content follows (dropped when a call follows it, and at the end when
+    calls were made), so the blank lines models write around calls do not become content.
+
+    Args:
+        tokenizer: mlx-lm's ``TokenizerWrapper`` with a tool parser (``has_tool_calling``).
+        tools: the request's tool definitions, passed to parsers that read argument types from them.
+
+    Raises:
+        ValueError: the tokenizer has no tool parser.
+    """
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+        if not getattr(tokenizer, "has_tool_calling", False):
+            raise ValueError("the tokenizer has no tool parser")
+        self._parse = tokenizer.tool_parser
+        self._start, self._end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
+        self._tools = tools
+        edges = {"normal": [(self._start, "tool")], "tool": [(self._end, "normal")] if self._end else []}
+        self._sm = TextStateMachine(edges)
+        self._state = self._sm.make_state("normal")
+        self._call_text = ""  # the current call's text so far
+        self._held = ""  # trailing whitespace of the content, not given out yet
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """Content and completed calls of the next piece of generated text."""
+        self._state, segments = TextStateMachine.split(self._state, text)
+        content: list[str] = []
+        calls: list[dict] = []
+        previous = None
+        for state, piece in segments:
+            if previous == "tool" and state == "normal":  # a call just ended
+                content.append(self._close(calls))
+            if state == "tool":
+                self._call_text += piece
+            else:
+                content.append(self._release(piece))
+            previous = state
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is left when generation ends: held-back text, and a call still open (read if it parses)."""
+        self._state, rest, state = TextStateMachine.flush(self._state)
+        calls: list[dict] = []
+        if state == "tool":
+            self._call_text += rest
+            out = self._close(calls, ended=False)
+        else:
+            out = self._release(rest)
+        if self._held and not self.calls:
+            out += self._held
+        self._held = ""
+        return out, calls
+
+    def _close(self, calls: list[dict], ended: bool = True) -> str:
+        """The current call's text is complete (``ended``: its end marker seen) or cut off: its calls are added to
+        ``calls``; one that does not read is content (returned, markers included)."""
+        text, self._call_text = self._call_text, ""
+        parsed = self._read(text)  # a cut-off call whose text reads whole is a call (mlx_lm.server does the same)
+        if parsed is None:
+            return self._release(self._start + text + (self._end if ended else ""))
+        calls.extend(parsed)
+        self.calls += len(parsed)
+        self._held = ""  # the blank lines before a call separate it: not content
+        return ""
+
+    def _read(self, text: str) -> list[dict] | None:
+        try:
+            parsed = self._parse(text, self._tools)
+        except Exception as exc:  # noqa: BLE001 - mlx-lm's parsers raise ValueError, JSON and regex errors
+            log.warning("a tool call did not parse (%s: %s); returned as content", type(exc).__name__, exc)
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+                log.warning("a tool call has no function name; returned as content")
+                return None
+            args = item.get("arguments", {})
+            calls.append({"id": item.get("id") or new_call_id(), "type": "function",
+                          "function": {"name": item["name"],
+                                       "arguments": args if isinstance(args, str) else json.dumps(
+                                           args, ensure_ascii=False)}})
+        return calls
+
+    def _release(self, content: str) -> str:
+        """``content`` to give out now: trailing whitespace is held until more content follows it."""
+        if not content:
+            return ""
+        text = self._held + content
+        out = text.rstrip()
+        self._held = text[len(out):]
+        return out
