@@ -28,25 +28,25 @@ from mlxkv.engine.request import (
     RequestHandle,
     Usage,
 )
-from mlxkv.engine.sampling import SamplingParams
+from mlxkv.config import SamplingDefaults
 from mlxkv.server.auth import bearer_auth
+from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import CHEAP_CHARS, PromptEncoder
+from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
+from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.token_text import TokenText
 
-#: OpenAI's default ``max_tokens`` for /v1/completions (chat defaults to the rest of the context).
-DEFAULT_COMPLETION_TOKENS = 16
-#: Chat default when the model's context length is unknown.
-DEFAULT_CHAT_TOKENS = 4096
 _DISCONNECT_POLL_S = 0.25
 
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
-               manage_engine: bool = False) -> FastAPI:
+               manage_engine: bool = False, defaults: SamplingDefaults | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -56,11 +56,16 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         max_body_bytes: larger request bodies get 413.
         metrics: the Prometheus registry fed by the engine (the engine's observer); a fresh one if ``None``.
         manage_engine: start the engine when the app starts and stop it when the app stops.
+        defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
     """
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
+    defaults = defaults or SamplingDefaults()
     tokenizer = engine.tokenizer
     prompts = PromptEncoder(tokenizer)  # a long shared system prompt is tokenized once
+    token_text = TokenText(tokenizer)
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    vocab = min((v for v in (_vocab_size(tokenizer), engine.vocab_size) if v is not None), default=None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -128,8 +133,10 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                     for m in body.messages]
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
+        kwargs = template_kwargs(body, defaults)
         try:
-            prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages), lambda: prompts.chat(messages))
+            prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages, kwargs),
+                                     lambda: prompts.chat(messages, kwargs))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
         return await _generate(request, body, prompt, chat=True)
@@ -138,7 +145,6 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
             prompt = list(body.prompt)
-            vocab = _vocab_size(tokenizer)
             if vocab is not None and any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
         else:
@@ -151,16 +157,16 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                         chat: bool) -> Any:
         if not prompt:
             raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
-        max_tokens = body.max_new_tokens()
-        if max_tokens is None:
-            room = (engine.context_length or DEFAULT_CHAT_TOKENS + len(prompt)) - len(prompt)
-            max_tokens = max(1, room) if chat else DEFAULT_COMPLETION_TOKENS
+        params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
+                                                                chat), vocab)
+        logprobs = body.logprobs_count()
+        logprob_format = LogprobFormat(token_text, eos, chat) if logprobs is not None else None
+        outputs = [ChoiceOutput(splitter_for(tokenizer, prompt) if chat else None, logprob_format)
+                   for _ in range(body.n)]
         try:
-            params = SamplingParams(max_tokens=max_tokens, temp=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    min_p=body.min_p, seed=body.seed, stop=body.stop_strings())
             gen = GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
                                     retention=body.retention.to_spec() if body.retention else None,
-                                    priority=body.priority)
+                                    priority=body.priority, logprobs=logprobs)
             handle = engine.submit(gen, loop=asyncio.get_running_loop())
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), "context_length_exceeded", "messages" if chat else "prompt") from None
@@ -172,18 +178,17 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(400, str(exc), "invalid_value") from None
         builder = ResponseBuilder(chat=chat, model=model_name)
         if body.stream:
-            return StreamingResponse(_stream(handle, builder, body.n, body.include_usage),
+            return StreamingResponse(_stream(handle, builder, outputs, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, handle, builder, body.n)
+        return await _collect(request, handle, builder, outputs)
 
     app.include_router(v1)
     return app
 
 
-async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, n: int) -> Any:
+async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder,
+                   outputs: list[ChoiceOutput]) -> Any:
     """Wait for the whole response; cancel the request if the client goes away meanwhile."""
-    texts: list[list[str]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
     done = False
     next_check = time.monotonic() + _DISCONNECT_POLL_S
     try:
@@ -199,12 +204,10 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
             if event is None:
                 continue
             if event.kind == "token":
-                texts[event.index].append(event.text)
-                if event.finish_reason:
-                    finish[event.index] = event.finish_reason
+                outputs[event.index].feed(event.text, event.logprob, event.finish_reason)
             elif event.kind == "done":
                 done = True
-                return builder.complete(["".join(t) for t in texts], finish, event.usage)
+                return builder.complete(outputs, event.usage)
             else:
                 done = True
                 raise APIError(500, f"generation failed: {event.message}", "generation_failed")
@@ -213,7 +216,8 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
             handle.cancel()
 
 
-async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(handle: RequestHandle, builder: ResponseBuilder, outputs: list[ChoiceOutput],
+                  include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events; the request is cancelled if the client disconnects (the generator is closed).
 
     Each write carries every event that has arrived by then (a token as soon as it is sampled, and under load
@@ -221,13 +225,13 @@ async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, inclu
     """
     try:
         if builder.chat:
-            yield "".join(sse(builder.role_chunk(i)) for i in range(n))
+            yield "".join(sse(builder.role_chunk(i)) for i in range(len(outputs)))
         ended = False
         while not ended:
             parts: list[str] = []
             event: Event | None = await handle.aget()
             while event is not None:
-                ended = _render(event, builder, include_usage, parts)
+                ended = _render(event, builder, outputs, include_usage, parts)
                 event = None if ended else handle.get_nowait()
             if parts:  # a token whose text the detokenizer holds back yet writes nothing
                 yield "".join(parts)
@@ -235,13 +239,15 @@ async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, inclu
         handle.cancel()  # a no-op once the request has finished
 
 
-def _render(event: Event, builder: ResponseBuilder, include_usage: bool, out: list[str]) -> bool:
+def _render(event: Event, builder: ResponseBuilder, outputs: list[ChoiceOutput], include_usage: bool,
+            out: list[str]) -> bool:
     """Append ``event``'s server-sent events to ``out``; True once the stream is complete."""
     if event.kind == "token":
-        if event.text:
-            out.append(sse(builder.delta_chunk(event.index, event.text)))
+        delta = outputs[event.index].feed(event.text, event.logprob, event.finish_reason)
+        if delta:
+            out.append(sse(builder.delta_chunk(event.index, delta)))
         if event.finish_reason:
-            out.append(sse(builder.delta_chunk(event.index, "", event.finish_reason)))
+            out.append(sse(builder.delta_chunk(event.index, Delta(), event.finish_reason)))
         return False
     if event.kind == "done":
         if include_usage:

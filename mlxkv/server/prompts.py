@@ -13,6 +13,10 @@ all messages but the last (a system prompt, earlier turns). A head met once cost
 identity is checked against the tokenizer's own ``apply_chat_template`` and its ids remembered; later prompts
 with that head encode only their tail. One mismatch turns the memo off for good (with a warning).
 
+Extra template variables (a request's ``chat_template_kwargs``) go to every rendering of a prompt, the head's
+included; since the memo is keyed by the rendered head's text, not by the messages, variables that change the
+rendering (``enable_thinking``, say) can never serve one rendering's ids for another.
+
 :meth:`PromptEncoder.chat_if_cheap` answers only when the answer costs well under a millisecond (a short prompt,
 or a memoized head and a short tail), so the server can tokenize those on its event loop instead of hopping to a
 worker thread and back (measured at 8 concurrent clients on a 4K-token system prompt: arrival -> engine 15 -> 8-9
@@ -64,23 +68,24 @@ class PromptEncoder:
                      if getattr(t, "special", False)}  # and the template's role markers
         self._specials = sorted({s for s in specials if s}, key=len, reverse=True)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` returns.
+    def chat(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> list[int]:
+        """The ids ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)`` returns.
 
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
+        kwargs = kwargs or {}
         if not self.memo_on or not self._specials or len(messages) < 2:
-            return self._whole(messages)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        split = self._split(text, messages)
+            return self._whole(messages, kwargs)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        split = self._split(text, messages, kwargs)
         if split is None:
-            return self._whole(messages)
+            return self._whole(messages, kwargs)
         head, special, tail = text[:split[0]], split[1], text[split[0]:]
         seen, ids = self._look_up(head)
         if ids is not None:
             return self._with_head(ids, special, tail)
-        whole = self._whole(messages)
+        whole = self._whole(messages, kwargs)
         if not seen:  # a head met once costs nothing extra; the second time it is checked and remembered
             return whole
         ids = self._encode(head)
@@ -93,7 +98,7 @@ class PromptEncoder:
                 self._heads[head] = ids
         return whole
 
-    def chat_if_cheap(self, messages: list[dict[str, str]]) -> list[int] | None:
+    def chat_if_cheap(self, messages: list[dict[str, str]], kwargs: dict | None = None) -> list[int] | None:
         """:meth:`chat`'s ids when they cost well under a millisecond — messages of at most ``CHEAP_CHARS``
         characters in all, or a memoized head and a tail of at most ``CHEAP_CHARS`` (messages of at most
         ``CHEAP_RENDER_CHARS``) — else ``None`` (nothing encoded, the memo untouched).
@@ -101,13 +106,14 @@ class PromptEncoder:
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
+        kwargs = kwargs or {}
         total = sum(len(m["content"]) for m in messages)
         if total <= CHEAP_CHARS:
-            return self.chat(messages)
+            return self.chat(messages, kwargs)
         if not self.memo_on or not self._specials or len(messages) < 2 or total > CHEAP_RENDER_CHARS:
             return None
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        split = self._split(text, messages)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        split = self._split(text, messages, kwargs)
         if split is None or len(text) - split[0] > CHEAP_CHARS:
             return None
         head = text[:split[0]]
@@ -134,17 +140,18 @@ class PromptEncoder:
                 self._heads.popitem(last=False)
         return seen, ids
 
-    def _whole(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def _whole(self, messages: list[dict[str, str]], kwargs: dict) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _split(self, text: str, messages: list[dict[str, str]]) -> tuple[int, str] | None:
+    def _split(self, text: str, messages: list[dict[str, str]], kwargs: dict) -> tuple[int, str] | None:
         """``(end, token)``: the last special token within the rendering of the messages before the last one (when
         the whole text starts with that rendering), if the head up to it is long enough to memoize; else None."""
         try:
-            earlier = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False)
+            earlier = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False,
+                                                         **kwargs)
         except Exception:  # noqa: BLE001 - a template may refuse a conversation that ends early
             return None
         if len(earlier) < self.min_head_chars or not text.startswith(earlier):

@@ -46,7 +46,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     engine = BatchEngine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
                          observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     metrics=metrics, manage_engine=manage_engine)
+                     metrics=metrics, manage_engine=manage_engine, defaults=run.sampling)
     return ServerParts(loaded, engine, app, metrics)
 
 
