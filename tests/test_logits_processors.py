@@ -197,3 +197,12 @@ def test_new_sampling_fields_are_validated_with_their_ranges():
         SamplingParams(frequency_penalty=0.5).make_sampler()  # the direct engine has no history to penalize
     with pytest.raises(ValueError, match="logprobs"):
         GenerationRequest([1, 2], logprobs=21)
+
+
+def test_more_alternatives_than_the_vocabulary_reports_the_whole_vocabulary():
+    logits = mx.array([[0.5, 2.0, -1.0]])
+    sampler = RowSampler(SamplingParams(), logprobs=20)
+    token = sample_rows(logits, [sampler]).item()
+    record = sampler.pop_logprob(token)
+    assert token == 1 and [t for t, _ in record.top] == [1, 0, 2]
+    assert [v for _, v in record.top] == pytest.approx((logits - mx.logsumexp(logits))[0, mx.array([1, 0, 2])].tolist())

@@ -39,7 +39,8 @@ class LogprobRecorder:
         if self.top == 0:
             self._records.append((chosen,))
             return
-        ids = mx.argpartition(-logprobs, kth=self.top - 1, axis=-1)[:, : self.top]  # (1, top), unordered
+        top = min(self.top, logprobs.shape[-1])  # a vocabulary smaller than the ask: all of it
+        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]  # (1, top), unordered
         self._records.append((chosen, ids, mx.take_along_axis(logprobs, ids, axis=-1)))  # + (1, top)
 
     def last_arrays(self) -> tuple[mx.array, ...]:
