@@ -61,5 +61,31 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
                          secondary_disk_bytes=disk_cache_bytes)
 
 
+def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float | None,
+                      max_tokens: int | None, chat_template_kwargs: str | None) -> Any:
+    """The server's sampling defaults from ``mlxkv serve``'s options (``chat_template_kwargs``: a JSON object).
+
+    Raises:
+        typer.BadParameter: a value out of range or JSON that is not an object of template variables.
+    """
+    import json
+
+    from mlxkv.config import SamplingDefaults
+
+    kwargs = {}
+    if chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="--chat-template-kwargs") from None
+    try:
+        return SamplingDefaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, max_tokens=max_tokens,
+                                chat_template_kwargs=kwargs)
+    except ValueError as exc:
+        hint = "--chat-template-kwargs" if "chat_template_kwargs" in str(exc) else "--repetition-penalty"
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+
+
 __all__ = ["one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_block_size",
-           "check_top_p", "check_min_p", "kv_config"]
+           "check_top_p", "check_min_p", "kv_config", "sampling_defaults"]

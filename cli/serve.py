@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from mlxkv.cli.options import check_cache_layout, check_kv_backend, check_kv_bits, kv_config
+from mlxkv.cli.options import (
+    check_cache_layout,
+    check_kv_backend,
+    check_kv_bits,
+    check_min_p,
+    check_top_p,
+    kv_config,
+    sampling_defaults,
+)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -70,6 +78,20 @@ def serve(
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01,
                                              help="GIL switch interval of the server process (ms): how long the "
                                                   "HTTP event loop may wait for the engine thread."),
+    temp: float = typer.Option(1.0, "--temp", min=0.0, max=2.0,
+                               help="Default sampling temperature (0 is greedy); a request's own value wins."),
+    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, help="Default nucleus sampling mass (0<x<=1)."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Default top-k (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, help="Default min-p (0<=x<1; 0 = off)."),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, "--repetition-penalty", help="Default repetition penalty (> 0; mlx-lm's, over the last 20 tokens)."),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", min=1,
+        help="Default most tokens per completion (default: the rest of the context for chat, 16 for completions)."),
+    chat_template_kwargs: Optional[str] = typer.Option(
+        None, "--chat-template-kwargs",
+        help='JSON object of extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
+             "(a request's chat_template_kwargs keys win)."),
 ) -> None:
     """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine."""
     if kv_group_size not in (32, 64, 128):
@@ -102,7 +124,10 @@ def serve(
                        disk_cache_bytes=kv_disk_cache_size)
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
-        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, flags=flags,
+        sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     repetition_penalty=repetition_penalty, max_tokens=max_tokens,
+                                     chat_template_kwargs=chat_template_kwargs)
+        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s)

@@ -200,15 +200,67 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
 
 
+#: ``apply_chat_template`` arguments the server sets itself: a request's ``chat_template_kwargs`` may not.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: object) -> dict:
+    """``kwargs`` if it is a dict of extra chat-template variables (string keys, none reserved); raises ValueError."""
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be an object with non-empty string keys, got {kwargs!r}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them)")
+    return kwargs
+
+
+@dataclass(slots=True)
+class SamplingDefaults:
+    """Server-wide sampling defaults of ``mlxkv serve``; a request's own value (not ``null``) wins.
+
+    temp: temperature (OpenAI's default 1.0; 0 is greedy); top_p, top_k, min_p: the filters (off by default);
+    repetition_penalty: None for none (mlx-lm's multiplicative penalty, > 0); max_tokens: None for the route's own
+    default (chat: the rest of the context; completions: 16); chat_template_kwargs: extra variables for every chat
+    template rendering (a request's own keys win).
+    """
+
+    temp: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temp <= 2:
+            raise ValueError(f"temp={self.temp!r}: expected a number in [0, 2]")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 = off)")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p={self.min_p!r}: expected a number in [0, 1)")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: expected None or a number > 0")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens={self.max_tokens!r}: expected None or an integer >= 1")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
 @dataclass(slots=True)
 class RunConfig:
     """Everything one run of ``mlxkv generate`` or ``mlxkv serve`` is configured with.
 
     model: repo id, folder or GGUF file (None: the embedded demo model); dequantize: run quantized weights
-    unquantized; kv: the KV cache; speculative: drafting (generate); engine: the batch engine (serve); flags: the
-    ``MLXKV_*`` environment flags, parsed once (:func:`mlxkv.env.flags`); chat_template: a Jinja chat template
-    file used instead of the model's; tool_parser: the mlx-lm tool parser reading the model's tool calls (None:
-    the one mlx-lm infers from the template; names are checked when the model loads).
+    unquantized; kv: the KV cache; speculative: drafting (generate); engine: the batch engine (serve); sampling:
+    the server's sampling defaults (serve); flags: the ``MLXKV_*`` environment flags, parsed once
+    (:func:`mlxkv.env.flags`); chat_template: a Jinja chat template file used instead of the model's;
+    tool_parser: the mlx-lm tool parser reading the model's tool calls (None: the one mlx-lm infers from the
+    template; names are checked when the model loads).
     """
 
     model: str | None = None
@@ -216,6 +268,7 @@ class RunConfig:
     kv: KvCacheConfig = field(default_factory=KvCacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     flags: env.Flags = field(default_factory=env.flags)
     chat_template: str | None = None
     tool_parser: str | None = None

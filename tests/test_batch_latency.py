@@ -20,6 +20,7 @@ from mlxkv.engine.scheduler import Job, Scheduler
 from mlxkv.kv.paged.paged_sequence import PLACEHOLDER
 from mlxkv.kv.store import CachePool
 from mlxkv.server.app import _stream
+from mlxkv.server.choice_output import ChoiceOutput
 from mlxkv.server.responses import ResponseBuilder
 from mlxkv.server.runner import set_switch_interval
 
@@ -81,7 +82,7 @@ def test_stream_writes_every_event_that_has_arrived_in_one_chunk():
             handle.put(Event("token", text="b"))
             handle.put(Event("token", text="c", finish_reason="length"))
             handle.put(Event("done", usage=Usage(2, 3)))
-        return [chunk async for chunk in _stream(handle, ResponseBuilder(chat=True, model="m"), 1, True)]
+        return [chunk async for chunk in _stream(handle, ResponseBuilder(chat=True, model="m"), [ChoiceOutput()], True)]
 
     chunks = asyncio.run(run())
     assert len(chunks) == 2  # the role chunk, then the three tokens, the finish, the usage and [DONE] together

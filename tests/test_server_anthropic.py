@@ -122,7 +122,8 @@ def test_stream_sends_anthropic_s_events_and_the_same_text(server, client):
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
         whole.usage.input_tokens + whole.usage.cache_read_input_tokens
 
-    body = {"model": "m", "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": QUESTION}]}
+    body = {"model": "m", "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": QUESTION}],
+            **GREEDY}  # greedy: 12 tokens without an end of turn, as above
     with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]

@@ -135,7 +135,7 @@ def test_bad_requests_get_openai_shaped_4xx(server):
         ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400),
         ("/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
         ("/completions", {"prompt": "x", "n": 0}, 400),
-        ("/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400),
+        ("/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400),
         ("/completions", {"prompt": "x", "cache_salt": ""}, 400),
         ("/completions", {"prompt": "x", "retention": {"token_ranges": [{"start": 0, "end": 8, "priority": 80},
                                                                          {"start": 4, "priority": 10}]}}, 400),

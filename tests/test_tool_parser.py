@@ -160,17 +160,18 @@ def test_any_chunking_of_the_text_gives_the_same_content_and_calls(cuts):
 def test_the_openai_client_rebuilds_streamed_calls_from_our_chunks(tokenizer):
     """Our SSE chunks for a scripted answer, fed to the official client's stream accumulator."""
     from mlxkv.server.app import _render
+    from mlxkv.server.choice_output import ChoiceOutput
 
     script = "On it." + call_text("get_weather", {"city": "Paris"}) + call_text("get_weather", {"city": "Lima"})
     ids = list(tokenizer.encode(script, add_special_tokens=False)) + [next(iter(tokenizer.eos_token_ids))]
     stream = TextStream(tokenizer, (), 10_000)
-    tools = ToolOutput(tokenizer, [WEATHER], 1, streaming=True)
+    outputs = [ChoiceOutput(tools=ToolOutput(tokenizer, [WEATHER], 1, streaming=True))]
     builder = ResponseBuilder(chat=True, model="m", system_fingerprint="fp_0123456789")
     events = [builder.role_chunk(0)]
     for token in ids:
         text, finish = stream.feed(token)
         out: list[str] = []
-        _render(Event("token", 0, text, token, finish), builder, False, out, tools)
+        _render(Event("token", 0, text, token, finish), builder, outputs, False, out)
         events += [json.loads(e.removeprefix("data: ")) for e in out]
     state = ChatCompletionStreamState()
     for e in events:

@@ -47,6 +47,16 @@ def context_length_of(config: dict) -> int | None:
     return None
 
 
+def vocab_size_of(model: Any) -> int | None:
+    """The width of a model's logits: ``vocab_size`` from its mlx-lm arguments (``text_config`` first), if any."""
+    args = getattr(model, "args", None)
+    for source in (getattr(args, "text_config", None), args):
+        value = source.get("vocab_size") if isinstance(source, dict) else getattr(source, "vocab_size", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 class BatchEngine:
     """Continuous-batching generation for many concurrent requests over one model.
 
@@ -70,6 +80,7 @@ class BatchEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.vocab_size = vocab_size_of(model)
         self._scheduler = Scheduler(model, tokenizer, self.pool, max_sequences=self.config.max_sequences,
                                     prefill_chunk_size=self.config.prefill_chunk_size, observer=observer,
                                     on_dequeue=self._dequeued, intake=self._take_submissions)
@@ -121,7 +132,7 @@ class BatchEngine:
 
         Raises:
             PromptTooLongError: the prompt leaves no room in the model's context.
-            ValueError: ``n`` exceeds ``max_sequences``.
+            ValueError: ``n`` exceeds ``max_sequences``, or a ``logit_bias`` token is outside the vocabulary.
             QueueFullError: ``max_queue_depth`` requests are already waiting.
             EngineStoppedError: the engine is not running.
         """
@@ -136,6 +147,9 @@ class BatchEngine:
                 f"(prompt + at least one generated token must fit; raise --kv-cache-budget)")
         if request.n > self.config.max_sequences:
             raise ValueError(f"n={request.n} exceeds the server's max_sequences={self.config.max_sequences}")
+        bias = request.params.logit_bias
+        if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias token {max(bias)} is outside the model's vocabulary of {self.vocab_size}")
         if not self.alive:
             raise EngineStoppedError("the engine is not running")
         with self._lock:

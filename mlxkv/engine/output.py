@@ -118,11 +118,25 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives at its position (see
+    :mod:`mlxkv.engine.logprobs` for the convention).
+
+    ``top``: ``(token id, log-probability)`` pairs, most likely first; empty when none were asked for.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     """One thing that happened to a request.
 
     ``kind`` is ``"token"`` (choice ``index`` produced ``token``; ``text`` is the newly safe text, possibly
-    empty; ``finish_reason`` is set on the choice's last token), ``"done"`` (every choice finished; carries
+    empty; ``finish_reason`` is set on the choice's last token; ``logprob`` when the request asked for
+    log-probabilities), ``"done"`` (every choice finished; carries
     ``usage``; always the last event of a successful request) or ``"error"`` (the request failed or was
     cancelled; ``message`` says why; terminal).
     """
@@ -134,6 +148,7 @@ class Event:
     finish_reason: str | None = None
     usage: Usage | None = None
     message: str = ""
+    logprob: TokenLogprob | None = None
 
     @property
     def terminal(self) -> bool:
@@ -142,7 +157,8 @@ class Event:
 
 def emit_token(choice: Any, token: int, now: float, observer: Any) -> str | None:
     """Stream one generated token of a batch-engine choice to its request: its text through the choice's
-    :class:`TextStream`, a token event, the request's timings (first token: ``observer``). Returns the finish
+    :class:`TextStream`, a token event (with the token's log-probability when its sampler records them), the
+    request's timings (first token: ``observer``). Returns the finish
     reason when the choice is done, else None."""
     job = choice.job
     if job.first_token_at is None:
@@ -151,7 +167,8 @@ def emit_token(choice: Any, token: int, now: float, observer: Any) -> str | None
     job.last_token_at = now
     job.completion_tokens += 1
     text, finish = choice.text.feed(token)
-    job.handle.put(Event("token", index=choice.index, text=text, token=token, finish_reason=finish))
+    logprob = choice.sampler.pop_logprob(token)
+    job.handle.put(Event("token", index=choice.index, text=text, token=token, finish_reason=finish, logprob=logprob))
     choice.generated.append(token)
     if finish is None:
         choice.next_input = token

@@ -16,9 +16,11 @@ from typing import AsyncIterator, Iterator
 from mlxkv.engine.output import Event, Usage, delivery_for
 from mlxkv.engine.sampling import SamplingParams
 
-__all__ = ["DEFAULT_RETENTION_PRIORITY", "EngineStoppedError", "Event", "GenerationRequest", "PromptTooLongError",
-           "QueueFullError", "RequestHandle", "RetentionRange", "RetentionSpec", "Usage"]
+__all__ = ["DEFAULT_RETENTION_PRIORITY", "MAX_TOP_LOGPROBS", "EngineStoppedError", "Event", "GenerationRequest",
+           "PromptTooLongError", "QueueFullError", "RequestHandle", "RetentionRange", "RetentionSpec", "Usage"]
 
+#: Most alternatives per token a request may ask for (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
 #: Retention priorities run 0-100; TensorRT-LLM's default for blocks without a rule is 35.
 DEFAULT_RETENTION_PRIORITY = 35
 _request_ids = itertools.count(1)
@@ -92,6 +94,8 @@ class GenerationRequest:
         retention: KV retention rules (paged storage).
         priority: admission order: lower values are admitted first, ties in arrival order; paged storage
             preempts sequences of higher values (then newer ones) first when blocks run out.
+        logprobs: report each generated token's log-probability and this many most likely alternatives (0-20;
+            ``None``: none), on its token event (:mod:`mlxkv.engine.logprobs` says which distribution).
         request_id: identifies the request in logs and events.
     """
 
@@ -101,6 +105,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     retention: RetentionSpec | None = None
     priority: int = 0
+    logprobs: int | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:
@@ -110,6 +115,8 @@ class GenerationRequest:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt must be a non-empty string when given")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 class RequestHandle:

@@ -1,36 +1,99 @@
-"""Per-sequence token samplers for a batch: each row keeps its own random stream.
+"""Per-sequence token samplers for a batch: each row keeps its own random stream, logits processors and token
+history, and records log-probabilities when its request asked for them.
 
 ``DirectEngine`` seeds MLX's global generator; a batch holds many requests with different seeds, so each
 seeded sequence carries its own PRNG key instead. ``key, sub = split(key)`` per draw is exactly what the
 global generator does after ``mx.random.seed(seed)``, so a seeded request samples the same tokens here as
 through ``DirectEngine`` (tested). Unseeded sequences draw from the global generator.
+
+**Logits processors** (the hook): each row applies its list of processors ``(tokens_so_far, logits (1, vocab))
+-> logits`` — mlx-lm's ``LogitsProcessor`` signature, and its ``make_logits_processors`` builds the penalties and
+the logit bias — to its raw logits, then normalizes and runs the filter chain. ``tokens_so_far`` is the prompt
+followed by every token this row has sampled, the newest included, as mlx-lm's ``generate_step`` passes it. The
+decode loop builds step n+1 while step n's tokens are still being computed, so the history's last entry is
+usually a lazy array: a processor that only does array arithmetic with it (penalties, bias) keeps the overlap.
+A processor that needs the concrete previous token in Python (a grammar matcher advancing its state, say) must
+read it (``int(tokens[-1].item())``), which waits for the previous step to finish: a sync per step for the rows
+that have one, the others unaffected. Add such a processor with :meth:`RowSampler.add_processor` before the
+row's first draw (its history then starts with the prompt). Rows that are greedy, have no processor and record
+no log-probabilities take the batch's one ``argmax`` (no work of their own).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxkv.engine.sampling import SamplingParams, mlx_seed
+from mlxkv.engine.logprobs import LogprobRecorder
+from mlxkv.engine.output import TokenLogprob
+from mlxkv.engine.sampling import LogitsProcessor, SamplingParams, mlx_seed
 
 
 class RowSampler:
-    """Samples one sequence's next token from its ``(1, vocab)`` log-probabilities.
+    """Samples one sequence's next token from its ``(1, vocab)`` logits.
 
     Args:
-        params: the request's sampling settings.
+        params: the request's sampling settings (its penalties and logit bias become processors).
         seed: PRNG seed for this sequence (``None``: MLX's global generator).
+        prompt: the sequence's prompt tokens, the start of the history processors see.
+        logprobs: record each draw's log-probability and this many alternatives (``None``: record nothing).
     """
 
-    def __init__(self, params: SamplingParams, seed: int | None = None):
+    def __init__(self, params: SamplingParams, seed: int | None = None, *, prompt: Sequence[int] = (),
+                 logprobs: int | None = None):
         self.greedy = params.temp == 0
         self._temp = params.temp
         self._filters = params.filters()
         self._key = mx.random.key(mlx_seed(seed)) if seed is not None and not self.greedy else None
+        self._prompt = list(prompt)
+        self._processors: list[LogitsProcessor] = []
+        self._history: Any = None  # mlx-lm's TokenBuffer: prompt + sampled tokens, made with the first processor
+        self._recorder = LogprobRecorder(logprobs) if logprobs is not None else None
+        for processor in params.processors():
+            self.add_processor(processor)
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        """The sampled token, shape ``(1,)`` (lazy)."""
+    @classmethod
+    def for_choice(cls, request: Any, index: int) -> "RowSampler":
+        """The sampler of choice ``index`` of a :class:`~mlxkv.engine.request.GenerationRequest` (seed
+        ``seed + index``, so parallel samples differ and each is reproducible)."""
+        seed = request.params.seed
+        return cls(request.params, seed=None if seed is None else seed + index, prompt=request.prompt,
+                   logprobs=request.logprobs)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with no processor and no log-probabilities: the batch's shared ``argmax`` serves it."""
+        return self.greedy and not self._processors and self._recorder is None
+
+    def add_processor(self, processor: LogitsProcessor) -> None:
+        """Apply ``processor`` to this row's logits from the next draw on, after those added before it."""
+        if self._history is None:
+            from mlx_lm.models.cache import TokenBuffer
+
+            self._history = TokenBuffer(self._prompt)
+        self._processors.append(processor)
+
+    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
+        """The sampled token ``(1,)`` (lazy) from this row's ``logits`` ``(1, vocab)``; ``logprobs`` is their
+        ``log_softmax`` when the caller has it already."""
+        if logprobs is None:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, vocab)
+        scores = logprobs
+        if self._processors:
+            history = self._history.tokens  # (T,) int32, possibly lazy
+            for process in self._processors:
+                logits = process(history, logits)
+            scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, vocab)
+        token = self._draw(scores)  # (1,)
+        if self._processors:
+            self._history.update_and_fetch(token)
+        if self._recorder is not None:
+            self._recorder.record(logprobs, token)
+        return token
+
+    def _draw(self, logprobs: mx.array) -> mx.array:
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)  # (1,)
         for apply in self._filters:
@@ -40,6 +103,15 @@ class RowSampler:
         self._key, sub = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1 / self._temp), key=sub)  # (1,)
 
+    def lazy_outputs(self) -> tuple[mx.array, ...]:
+        """Arrays of the last draw besides the token that should be evaluated with it (its log-probabilities)."""
+        return self._recorder.last_arrays() if self._recorder is not None else ()
+
+    def pop_logprob(self, token: int) -> TokenLogprob | None:
+        """The log-probability record of the oldest draw not emitted yet (``token`` is its value); ``None`` when
+        this row records none."""
+        return self._recorder.pop(token) if self._recorder is not None else None
+
 
 def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     """Next token of every row of ``logits`` (B, vocab) with its own sampler; returns (B,) uint32 (lazy).
@@ -48,11 +120,17 @@ def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
     compiled with the generator's state as input and output, and an exception while one is traced leaves that state
     a placeholder, so every later random draw in the process would fail ("eval an array without a primitive")."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, vocab)
-    if all(s.greedy for s in samplers):
+    if all(s.plain for s in samplers):
         return mx.argmax(logprobs, axis=-1).astype(mx.uint32)  # (B,)
     try:
-        rows = [s(logprobs[i : i + 1]).astype(mx.uint32) for i, s in enumerate(samplers)]  # B x (1,)
+        rows = [s(logits[i : i + 1], logprobs[i : i + 1]).astype(mx.uint32)
+                for i, s in enumerate(samplers)]  # B x (1,)
     except Exception:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         raise
     return mx.concatenate(rows)  # (B,)
+
+
+def lazy_outputs(samplers: Sequence[RowSampler]) -> list[mx.array]:
+    """Every array besides the tokens that the samplers' last draws made (evaluate them together)."""
+    return [a for s in samplers for a in s.lazy_outputs()]

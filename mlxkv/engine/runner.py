@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlxkv.engine.prefill_batch import prefill_together
-from mlxkv.engine.row_sampler import RowSampler, sample_rows
+from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
 from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
 
 
@@ -61,11 +61,11 @@ class ModelRunner:
 
     def decode(self, seqs: Sequence[Any], inputs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
         """One decode step: token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``, and each row's next token
-        sampled by its own sampler; returns the tokens ``(B,)`` uint32, handed to MLX with ``async_eval`` (read
-        them later: building the next step may overlap their evaluation)."""
+        sampled by its own sampler; returns the tokens ``(B,)`` uint32, handed to MLX with ``async_eval`` together
+        with what the samplers recorded (read them later: building the next step may overlap their evaluation)."""
         logits = self._forward(seqs, inputs)  # (B, vocab)
         tokens = sample_rows(logits, list(samplers))  # (B,)
-        mx.async_eval(tokens)
+        mx.async_eval(tokens, *lazy_outputs(samplers))
         return tokens
 
     def _forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
@@ -89,4 +89,6 @@ class ModelRunner:
     def sample_first(last_logits: mx.array, samplers: Sequence[RowSampler]) -> list[int]:
         """The first token of each of ``samplers``' sequences from one prompt's last logits ``(1, vocab)``."""
         logits = mx.broadcast_to(last_logits, (len(samplers), last_logits.shape[-1]))  # (n, vocab)
-        return sample_rows(logits, list(samplers)).tolist()  # (n,)
+        tokens = sample_rows(logits, list(samplers))  # (n,)
+        mx.eval(tokens, *lazy_outputs(samplers))
+        return tokens.tolist()

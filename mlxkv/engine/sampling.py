@@ -1,11 +1,24 @@
-"""Sampling parameters for one request, validated, and the one chain of filters every sampler applies."""
+"""Sampling parameters for one request, validated; the one chain of filters every sampler applies, and the logits
+processors (penalties, logit bias) the batch engine's row samplers apply before it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
+import math
+
 import mlx.core as mx
+
+#: ``(tokens_so_far (T,), logits (1, vocab)) -> logits (1, vocab)``: mlx-lm's ``LogitsProcessor`` signature.
+#: ``tokens_so_far`` is the prompt then every token sampled so far, possibly still lazy (see
+#: :mod:`mlxkv.engine.row_sampler`).
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+#: OpenAI's ranges: presence and frequency penalties in [-2, 2], logit bias values in [-100, 100].
+PENALTY_RANGE = 2.0
+LOGIT_BIAS_RANGE = 100.0
+#: Tokens of history mlx-lm's penalties look at by default (mlx_lm.server's ``*_context_size`` default).
+DEFAULT_PENALTY_CONTEXT = 20
 
 
 @dataclass(slots=True)
@@ -21,6 +34,14 @@ class SamplingParams:
         seed: seeds MLX's random generator for reproducible sampling (``None``: not seeded); any integer
             (taken modulo 2**64, see :func:`mlx_seed`).
         stop: strings that end generation; the stop string itself is not emitted.
+        presence_penalty: subtracted from the logit of every token present in the last
+            ``presence_context_size`` tokens (prompt included, as mlx-lm counts), in [-2, 2]; 0 disables it.
+        frequency_penalty: subtracted once per occurrence in the last ``frequency_context_size`` tokens, in
+            [-2, 2]; 0 disables it.
+        repetition_penalty: sign-aware multiplicative penalty (> 0; CTRL's) over the last
+            ``repetition_context_size`` tokens; ``None`` or 1 disables it.
+        presence_context_size, frequency_context_size, repetition_context_size: the penalties' windows (>= 1).
+        logit_bias: token id -> value in [-100, 100] added to its logit before sampling.
     """
 
     max_tokens: int = 256
@@ -30,6 +51,13 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    presence_context_size: int = DEFAULT_PENALTY_CONTEXT
+    frequency_context_size: int = DEFAULT_PENALTY_CONTEXT
+    repetition_context_size: int = DEFAULT_PENALTY_CONTEXT
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,6 +71,40 @@ class SamplingParams:
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         self.stop = tuple(s for s in self.stop if s)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_context_size", "frequency_context_size", "repetition_context_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for token, value in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether :meth:`processors` is not empty (a penalty or a logit bias is on)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty not in (None, 1.0))
+
+    def processors(self) -> list[LogitsProcessor]:
+        """The logits processors these settings turn on, built by mlx-lm's ``make_logits_processors`` (logit bias,
+        then repetition, presence and frequency penalties: mlx_lm.server's order and windows). Empty when none is
+        on; a repetition penalty of 1 changes nothing and is left out."""
+        if not self.has_processors:
+            return []
+        from mlx_lm.sample_utils import make_logits_processors
+
+        repetition = None if self.repetition_penalty == 1.0 else self.repetition_penalty
+        return make_logits_processors(
+            logit_bias=self.logit_bias or None,
+            repetition_penalty=repetition, repetition_context_size=self.repetition_context_size,
+            presence_penalty=self.presence_penalty or None, presence_context_size=self.presence_context_size,
+            frequency_penalty=self.frequency_penalty or None, frequency_context_size=self.frequency_context_size)
 
     def filters(self) -> list[Callable[[mx.array], mx.array]]:
         """The log-probability filters these settings turn on, in the order mlx-lm's ``make_sampler`` applies
@@ -62,7 +124,14 @@ class SamplingParams:
     def make_sampler(self) -> Callable[[mx.array], mx.array]:
         """A sampler ``(.., vocab) log-probabilities -> (..,) tokens`` drawing from MLX's global generator:
         argmax when ``temp == 0``, else :meth:`filters` then a categorical draw at temperature ``temp`` (what
-        mlx-lm's ``make_sampler`` builds)."""
+        mlx-lm's ``make_sampler`` builds).
+
+        Raises:
+            ValueError: a penalty or logit bias is set: those need the token history that only the batch engine's
+                :class:`~mlxkv.engine.row_sampler.RowSampler` keeps.
+        """
+        if self.has_processors:
+            raise ValueError("penalties and logit_bias are applied by the batch engine (mlxkv serve) only")
         if self.temp == 0:
             return lambda lp: mx.argmax(lp, axis=-1)
         chain, inverse_temp = self.filters(), 1 / self.temp

@@ -351,10 +351,8 @@ class Scheduler:
         if request.n > 1:  # parallel samples: forks of the prefilled sequence (paged: sharing its blocks)
             seqs += self.pool.fork(task.seq.id, request.n - 1)
             job.opened.extend(seqs[1:])
-        seed = request.params.seed
         for i, seq in enumerate(seqs):
-            choice = Choice(job=job, index=i, seq=seq,
-                            sampler=RowSampler(request.params, seed=None if seed is None else seed + i),
+            choice = Choice(job=job, index=i, seq=seq, sampler=RowSampler.for_choice(request, i),
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
                             next_input=request.prompt[-1])
             job.choices.append(choice)

@@ -19,17 +19,21 @@ from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
-from mlxkv.engine.sampling import SamplingParams
+from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
 from mlxkv.server.auth import bearer_auth
+from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, submit
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import CHEAP_CHARS, PromptEncoder
+from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
+from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.token_text import TokenText
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.tools import (
     ToolRequestError,
@@ -39,16 +43,11 @@ from mlxkv.server.tools import (
     tools_in_use,
 )
 
-#: OpenAI's default ``max_tokens`` for /v1/completions (chat defaults to the rest of the context).
-DEFAULT_COMPLETION_TOKENS = 16
-#: Chat default when the model's context length is unknown.
-DEFAULT_CHAT_TOKENS = 4096
-
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
-               keepalive_s: float = DEFAULT_KEEPALIVE_S) -> FastAPI:
+               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -60,11 +59,16 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         manage_engine: start the engine when the app starts and stop it when the app stops.
         allowed_origins: CORS origins (``*``: any); none: no CORS headers.
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
+        defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
     """
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
+    defaults = defaults or SamplingDefaults()
     tokenizer = engine.tokenizer
     prompts = PromptEncoder(tokenizer)  # a long shared system prompt is tokenized once
+    token_text = TokenText(tokenizer)
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    vocab = min((v for v in (_vocab_size(tokenizer), engine.vocab_size) if v is not None), default=None)
     fingerprint = system_fingerprint(model_name, tokenizer)
     no_tools = check_template_renders_tools(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxkv"}
@@ -148,7 +152,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(400, exc.message, exc.code, exc.param) from None
         if use_tools and no_tools:
             raise APIError(400, no_tools, "tools_unsupported", "tools")
-        kwargs = {"tools": render_tools(tools)} if use_tools else {}
+        kwargs = template_kwargs(body, defaults)
+        if use_tools:
+            kwargs["tools"] = render_tools(tools)
         try:
             prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages, **kwargs),
                                      lambda: prompts.chat(messages, **kwargs))
@@ -162,7 +168,6 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     async def completions(body: CompletionRequest, request: Request) -> Any:
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
             prompt = list(body.prompt)
-            vocab = _vocab_size(tokenizer)
             if vocab is not None and any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
         else:
@@ -175,96 +180,81 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                         chat: bool, tools: ToolOutput | None = None) -> Any:
         if not prompt:
             raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
-        max_tokens = body.max_new_tokens()
-        if max_tokens is None:
-            room = (engine.context_length or DEFAULT_CHAT_TOKENS + len(prompt)) - len(prompt)
-            max_tokens = max(1, room) if chat else DEFAULT_COMPLETION_TOKENS
+        params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
+                                                                chat), vocab)
+        logprobs = body.logprobs_count()
+        logprob_format = LogprobFormat(token_text, eos, chat) if logprobs is not None else None
+        outputs = [ChoiceOutput(splitter_for(tokenizer, prompt) if chat else None, logprob_format, tools, i)
+                   for i in range(body.n)]
 
         def build() -> GenerationRequest:
-            params = SamplingParams(max_tokens=max_tokens, temp=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    min_p=body.min_p, seed=body.seed, stop=body.stop_strings())
             return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
                                      retention=body.retention.to_spec() if body.retention else None,
-                                     priority=body.priority)
+                                     priority=body.priority, logprobs=logprobs)
 
         handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
         builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)
         if body.stream:
-            return StreamingResponse(_stream(handle, builder, body.n, body.include_usage, tools, keepalive_s),
+            return StreamingResponse(_stream(handle, builder, outputs, body.include_usage, keepalive_s),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, handle, builder, body.n, tools)
+        return await _collect(request, handle, builder, outputs)
 
-    v1.include_router(anthropic_router(engine, prompts, _tokenize, model_name=model_name, keepalive_s=keepalive_s))
+    v1.include_router(anthropic_router(engine, prompts, _tokenize, model_name=model_name, keepalive_s=keepalive_s,
+                                       defaults=defaults))
     app.include_router(v1)
     return app
 
 
-async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder, n: int,
-                   tools: ToolOutput | None = None) -> Any:
+async def _collect(request: Request, handle: RequestHandle, builder: ResponseBuilder,
+                   outputs: list[ChoiceOutput]) -> Any:
     """Wait for the whole response; cancel the request if the client goes away meanwhile."""
     events = await collect(request, handle)
     if events is None:
         return Response(status_code=499)  # nobody reads it
     if events[-1].kind != "done":
         raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
-    texts: list[list[str]] = [[] for _ in range(n)]
-    calls: list[list[dict]] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
     for event in events[:-1]:
-        text, made, reason = _split_calls(event, tools)
-        texts[event.index].append(text)
-        calls[event.index] += made
-        if reason:
-            finish[event.index] = reason
-    return builder.complete(["".join(t) for t in texts], finish, events[-1].usage,
-                            tool_calls=calls if tools else None)
+        outputs[event.index].feed(event.text, event.logprob, event.finish_reason)
+    return builder.complete(outputs, events[-1].usage)
 
 
-async def _stream(handle: RequestHandle, builder: ResponseBuilder, n: int, include_usage: bool,
-                  tools: ToolOutput | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> AsyncIterator[str]:
+async def _stream(handle: RequestHandle, builder: ResponseBuilder, outputs: list[ChoiceOutput], include_usage: bool,
+                  keepalive_s: float = DEFAULT_KEEPALIVE_S) -> AsyncIterator[str]:
     """Server-sent events, one write per burst of events; the request is cancelled if the client disconnects
     (the generator is closed). After ``keepalive_s`` seconds without an event (a long prefill, a wait for
     admission) a keep-alive comment goes out: proxies and clients drop silent connections."""
     try:
         if builder.chat:
-            yield "".join(sse(builder.role_chunk(i)) for i in range(n))
+            yield "".join(sse(builder.role_chunk(i)) for i in range(len(outputs)))
         async for burst in bursts(handle, idle_s=keepalive_s):
-            parts: list[str] = []
             if not burst:
                 yield KEEPALIVE_EVENT
                 continue
+            parts: list[str] = []
             for event in burst:
-                _render(event, builder, include_usage, parts, tools)
+                _render(event, builder, outputs, include_usage, parts)
             if parts:  # a token whose text the detokenizer holds back yet writes nothing
                 yield "".join(parts)
     finally:
         handle.cancel()  # a no-op once the request has finished
 
 
-def _split_calls(event: Event, tools: ToolOutput | None) -> tuple[str, list[dict], str | None]:
-    """A token event's ``(content, tool calls, finish reason)``: its text as it is without tools."""
-    if tools is None:
-        return event.text, [], event.finish_reason
-    return tools.feed(event.index, event.text, event.finish_reason)
-
-
-def _render(event: Event, builder: ResponseBuilder, include_usage: bool, out: list[str],
-            tools: ToolOutput | None = None) -> bool:
-    """Append ``event``'s server-sent events to ``out``; True once the stream is complete."""
+def _render(event: Event, builder: ResponseBuilder, outputs: list[ChoiceOutput], include_usage: bool,
+            out: list[str]) -> None:
+    """Append ``event``'s server-sent events to ``out``."""
     if event.kind == "token":
-        text, calls, reason = _split_calls(event, tools)
-        if text or calls:
-            out.append(sse(builder.delta_chunk(event.index, text, tool_calls=calls)))
-        if reason:
-            out.append(sse(builder.delta_chunk(event.index, "", reason)))
-        return False
-    if event.kind == "done":
+        output = outputs[event.index]
+        delta = output.feed(event.text, event.logprob, event.finish_reason)
+        if delta:
+            out.append(sse(builder.delta_chunk(event.index, delta)))
+        if event.finish_reason:  # the choice's own reason: "tool_calls" after a call
+            out.append(sse(builder.delta_chunk(event.index, Delta(), output.finish_reason)))
+    elif event.kind == "done":
         if include_usage:
             out.append(sse(builder.usage_chunk(event.usage or Usage(0, 0))))
         out.append(sse("[DONE]"))
     else:
         out.append(sse(error_body(500, f"generation failed: {event.message}", "generation_failed")))
-    return True
 
 
 def _vocab_size(tokenizer: Any) -> int | None:

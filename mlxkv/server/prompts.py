@@ -13,6 +13,10 @@ all messages but the last (a system prompt, earlier turns). A head met once cost
 identity is checked against the tokenizer's own ``apply_chat_template`` and its ids remembered; later prompts
 with that head encode only their tail. One mismatch turns the memo off for good (with a warning).
 
+Extra template variables (a request's ``chat_template_kwargs``) go to every rendering of a prompt, the head's
+included; since the memo is keyed by the rendered head's text, not by the messages, variables that change the
+rendering (``enable_thinking``, say) can never serve one rendering's ids for another.
+
 :meth:`PromptEncoder.chat_if_cheap` answers only when the answer costs well under a millisecond (a short prompt,
 or a memoized head and a short tail), so the server can tokenize those on its event loop instead of hopping to a
 worker thread and back (measured at 8 concurrent clients on a 4K-token system prompt: arrival -> engine 15 -> 8-9

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from mlxkv.engine.request import Usage
+from mlxkv.server.choice_output import ChoiceOutput, Delta
 
 
 def usage_dict(usage: Usage) -> dict:
@@ -50,15 +51,20 @@ class ResponseBuilder:
         return out
 
     # ---- whole responses -----------------------------------------------------------------------------------
-    def complete(self, texts: list[str], finish_reasons: list[str | None], usage: Usage,
-                 tool_calls: list[list[dict]] | None = None) -> dict:
-        """The whole response; ``tool_calls[i]``: choice ``i``'s calls (its content is then null when empty)."""
+    def complete(self, outputs: list[ChoiceOutput], usage: Usage) -> dict:
+        """The whole response; a choice's message carries its tool calls (its content is then null when empty)
+        and ``reasoning_content`` when the model thinks."""
         if self.chat:
-            choices = [{"index": i, "message": _message(t, tool_calls[i] if tool_calls else None), "logprobs": None,
-                        "finish_reason": f} for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+            choices = []
+            for i, out in enumerate(outputs):
+                message = _message(out.text(), out.calls)
+                if out.splitter is not None:
+                    message["reasoning_content"] = out.reasoning_text()
+                choices.append({"index": i, "message": message, "logprobs": out.logprobs(),
+                                "finish_reason": out.finish_reason})
             return self._envelope("chat.completion", choices, usage)
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                   for i, (t, f) in enumerate(zip(texts, finish_reasons))]
+        choices = [{"index": i, "text": out.text(), "logprobs": out.logprobs(), "finish_reason": out.finish_reason}
+                   for i, out in enumerate(outputs)]
         return self._envelope("text_completion", choices, usage)
 
     # ---- streamed chunks -----------------------------------------------------------------------------------
@@ -68,15 +74,19 @@ class ResponseBuilder:
                   "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def delta_chunk(self, index: int, text: str, finish_reason: str | None = None,
-                    tool_calls: list[dict] | None = None) -> dict:
+    def delta_chunk(self, index: int, delta: Delta, finish_reason: str | None = None) -> dict:
+        """A chunk with what ``delta`` adds to choice ``index`` (and its finish reason on its last chunk)."""
         if self.chat:
-            delta: dict = {"content": text} if text or (finish_reason is None and not tool_calls) else {}
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            fields: dict = {}
+            if delta.reasoning:
+                fields["reasoning_content"] = delta.reasoning
+            if delta.content or (finish_reason is None and not delta.reasoning and not delta.tool_calls):
+                fields["content"] = delta.content
+            if delta.tool_calls:
+                fields["tool_calls"] = delta.tool_calls
+            choice = {"index": index, "delta": fields, "logprobs": delta.logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta.content, "logprobs": delta.logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: Usage) -> dict:

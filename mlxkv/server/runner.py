@@ -50,7 +50,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                          observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
-                     keepalive_s=keepalive_s)
+                     keepalive_s=keepalive_s, defaults=run.sampling)
     return ServerParts(loaded, engine, app, metrics)
 
 

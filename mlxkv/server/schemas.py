@@ -1,33 +1,57 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic (the OpenAPI spec comes from them).
 
 Fields follow OpenAI's chat and completions APIs; unknown fields are accepted and ignored, as OpenAI does.
-mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (prefix-cache isolation, block retention and
-scheduling; they act on the paged KV backend, the default, and are carried but unused with ``--kv-backend
-dense``), and ``top_k`` / ``min_p``.
+``null`` means the field's default for every optional field (the server's default where ``mlxkv serve`` sets
+one). mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (prefix-cache isolation, block retention
+and scheduling; they act on the paged KV backend, the default, and are carried but unused with ``--kv-backend
+dense``), ``top_k`` / ``min_p``, and mlx_lm.server's ``repetition_penalty`` and ``*_context_size`` windows.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from mlxkv.config import check_template_kwargs
 from mlxkv.engine.request import (
     DEFAULT_RETENTION_PRIORITY,
+    MAX_TOP_LOGPROBS,
     RetentionRange,
     RetentionSpec,
 )
+from mlxkv.engine.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE
 from mlxkv.server.tool_schemas import ToolMessageFields, ToolRequestFields
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_STRINGS = 16
 MAX_N = 16
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A body in which ``null`` for a field means its default (OpenAI's clients send ``null`` for "not set")."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
-class RetentionRangeBody(BaseModel):
+class RetentionRangeBody(_NullIsDefault):
     """Prompt tokens ``[start, end)`` kept at ``priority`` (0-100) for ``duration`` seconds (``null``: no expiry)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -43,7 +67,7 @@ class RetentionRangeBody(BaseModel):
         return self
 
 
-class RetentionBody(BaseModel):
+class RetentionBody(_NullIsDefault):
     """KV retention rules for the request's blocks (TensorRT-LLM style)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -62,22 +86,30 @@ class RetentionBody(BaseModel):
         return self
 
 
-class _Common(BaseModel):
-    """Sampling, stopping and mlxkv extension fields shared by both endpoints."""
+class _Common(_NullIsDefault):
+    """Sampling, stopping and mlxkv extension fields shared by both endpoints (``None``: not set; the server's
+    default applies, see :mod:`mlxkv.server.sampling_args`)."""
 
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0.0, lt=1.0)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    presence_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    frequency_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, description="mlx-lm's multiplicative penalty; 1 is off")
+    presence_context_size: Optional[int] = Field(None, ge=1, description="tokens the presence penalty looks back")
+    frequency_context_size: Optional[int] = Field(None, ge=1, description="tokens the frequency penalty looks back")
+    repetition_context_size: Optional[int] = Field(None, ge=1, description="tokens the repetition penalty looks back")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="prefix-cache isolation: only requests with the same salt share KV")
     retention: Optional[RetentionBody] = None
@@ -91,9 +123,23 @@ class _Common(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids written as strings of digits, got {key!r}")
+            if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+        return v
+
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return tuple(s for s in stops if s)
+
+    def bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (``None`` when empty)."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def include_usage(self) -> bool:
@@ -121,9 +167,30 @@ class ChatCompletionRequest(ToolRequestFields, _Common):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: StrictBool = Field(False, description="report each output token's log-probability")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                        description="and this many most likely alternatives (needs logprobs)")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        return None if v is None else check_template_kwargs(v)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_count(self) -> Optional[int]:
+        """Alternatives to report per token (``None``: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
@@ -131,6 +198,9 @@ class CompletionRequest(_Common):
 
     prompt: Union[str, list[str], list[int]]
     echo: Literal[False] = Field(False, description="echoing the prompt is not supported")
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                          description="report each output token's log-probability and this many "
+                                                      "most likely alternatives")
 
     @field_validator("prompt")
     @classmethod
@@ -146,3 +216,7 @@ class CompletionRequest(_Common):
 
     def max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
+
+    def logprobs_count(self) -> Optional[int]:
+        """Alternatives to report per token (``None``: no log-probabilities)."""
+        return self.logprobs

@@ -123,3 +123,30 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int = 1024, model_max_lengt
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+#: The chat template of :func:`write_thinking_tokenizer`: :data:`CHAT_TEMPLATE`'s turns, and a generation prompt that
+#: opens a think block (DeepSeek-R1 style) unless ``enable_thinking`` is false, when it writes an empty one (Qwen3's
+#: way of turning thinking off).
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}")
+
+
+def write_thinking_tokenizer(out_dir: str | Path, vocab_size: int = 1024, model_max_length: int = 4096) -> Path:
+    """Like :func:`write_tokenizer` (same size, so it fits the same test models), but its last two ids are the think
+    markers ``<think>`` and ``</think>`` (so mlx-lm's ``TokenizerWrapper.has_thinking`` is true) and its chat template
+    is :data:`THINKING_TEMPLATE`."""
+    from tokenizers import AddedToken, Tokenizer
+
+    out = write_tokenizer(out_dir, vocab_size=vocab_size - 2, model_max_length=model_max_length)
+    tok = Tokenizer.from_str(_trained_json(vocab_size - 2))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_START, THINK_END)])
+    assert tok.token_to_id(THINK_END) == vocab_size - 1, tok.token_to_id(THINK_END)
+    (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    config = {**tokenizer_config(model_max_length), "chat_template": THINKING_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out

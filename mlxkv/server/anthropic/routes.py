@@ -15,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import GenerationRequest
+from mlxkv.config import SamplingDefaults
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.anthropic.message import Reply
 from mlxkv.server.anthropic.schemas import CountTokensRequest, MessagesRequest
@@ -30,7 +31,7 @@ Tokenize = Callable[[Callable[[], "list[int] | None"], Callable[[], "list[int]"]
 
 
 def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Tokenize, *, model_name: str,
-                     keepalive_s: float | None = None) -> APIRouter:
+                     keepalive_s: float | None = None, defaults: SamplingDefaults | None = None) -> APIRouter:
     """The Messages routes over ``engine`` (mount under ``/v1``, behind the API-key check).
 
     Args:
@@ -39,13 +40,17 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
         tokenize: the app's tokenizing helper (see :data:`Tokenize`).
         model_name: the model id reported in responses.
         keepalive_s: a stream silent this long gets a ``ping`` event (``None``: none).
+        defaults: the server's sampling defaults and chat-template variables (``mlxkv serve --temp`` ...), for
+            what a request leaves unset, as on the OpenAI routes.
     """
+    defaults = defaults or SamplingDefaults()
+    kwargs = dict(defaults.chat_template_kwargs)
     tokenizer = engine.tokenizer
     router = APIRouter(tags=["anthropic"])
 
     def continue_final(messages: list[dict[str, Any]]) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False,
-                                                  continue_final_message=True))
+                                                  continue_final_message=True, **kwargs))
 
     async def render(body: CountTokensRequest) -> list[int]:
         conv: Conversation = to_conversation(body)
@@ -56,7 +61,8 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
         try:
             if conv.prefill:  # rendered whole: the memo's head/tail split assumes a generation prompt
                 return await tokenize(lambda: None, lambda: continue_final(messages))
-            return await tokenize(lambda: prompts.chat_if_cheap(messages), lambda: prompts.chat(messages))
+            return await tokenize(lambda: prompts.chat_if_cheap(messages, **kwargs),
+                                  lambda: prompts.chat(messages, **kwargs))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
 
@@ -68,8 +74,10 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
 
         def build() -> GenerationRequest:
             params = SamplingParams(max_tokens=body.max_tokens,
-                                    temp=1.0 if body.temperature is None else body.temperature,
-                                    top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                                    temp=defaults.temp if body.temperature is None else body.temperature,
+                                    top_p=defaults.top_p if body.top_p is None else body.top_p,
+                                    top_k=defaults.top_k if body.top_k is None else body.top_k,
+                                    min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
                                     stop=stops)
             return GenerationRequest(prompt, params)
 
