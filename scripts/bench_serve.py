@@ -112,15 +112,16 @@ def free_port() -> int:
 
 def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
                  kv_budget: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
-    """Start server ``name`` ("mlxkv" or "mlx-lm") on ``model`` and wait until it answers /v1/models."""
+    """Start server ``name`` ("mlxkv" or "mlx-lm") on ``model`` with ``extra`` options of its own and wait until
+    it answers /v1/models."""
     if name == "mlxkv":
         cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
                "--kv-backend", kv_backend] + (["--kv-cache-budget", str(kv_budget)] if kv_budget else [])
-        cmd += extra or []
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
+    cmd += extra or []
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop_server; not a pipe (nobody reads it)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)

@@ -169,7 +169,7 @@ def test_the_quantized_gguf_generates_as_its_converted_folder_in_both_engines(tm
 
     out = tmp_path / "q4"
     subprocess.run([sys.executable, "-m", "mlxkv", "convert", str(GGUF), str(out)], check=True, capture_output=True)
-    args = ["generate", "-n", "48", PROMPTS[2]]
+    args = ["generate", "-n", "32", PROMPTS[2]]
     runs = [subprocess.run([sys.executable, "-m", "mlxkv", *args, "-m", spec], capture_output=True, text=True)
             for spec in (str(GGUF), str(out))]
     assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
@@ -179,8 +179,8 @@ def test_the_quantized_gguf_generates_as_its_converted_folder_in_both_engines(tm
     model, tokenizer = mlx_lm_load(str(out))
     upcast_on_cpu(model)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[2]}], add_generation_prompt=True)
-    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=48)]
-    assert _ours_n(native, prompt, 48) == expected
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=32)]
+    assert _ours_n(native, prompt, 32) == expected
 
 
 def _ours_n(loaded, prompt: list[int], n: int) -> list[int]:
