@@ -41,8 +41,8 @@ class ResponseFormat:
 
     Attributes:
         kind: ``"text"``, ``"json_object"`` or ``"json_schema"``.
-        schema_text: the JSON schema as canonical JSON text (sorted keys), the cache key of its grammar;
-            ``None`` for ``text``.
+        schema_text: the JSON schema as compact JSON text (keys in their order: properties are generated in
+            the order the schema lists them), the cache key of its grammar; ``None`` for ``text``.
         name: ``json_schema.name`` (``None`` otherwise).
     """
 
@@ -171,7 +171,8 @@ def schema_problem(message: str) -> str:
 
 def _canonical(schema: Mapping) -> str:
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        # Key order is kept: llguidance emits properties in the order the schema lists them.
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the JSON schema is not plain JSON: {exc}") from None
 
