@@ -81,14 +81,31 @@ def generate(
                                        help="Speculative decoding by n-gram lookup in the prompt (no draft model)."),
     num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, help="Tokens drafted per round."),
     ngram_size: int = typer.Option(3, "--ngram-size", min=1, help="N-gram length for --prompt-lookup."),
+    json_object: bool = typer.Option(False, "--json", help="Constrain the output to a JSON object."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE",
+                                              help="Constrain the output to JSON valid against this JSON schema."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory figures; tracebacks on errors."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     if kv_group_size not in (32, 64, 128):
         raise typer.BadParameter(f"{kv_group_size} is not one of 32, 64, 128.", param_hint="--kv-group-size")
+    if json_object and json_schema is not None:
+        raise typer.BadParameter("--json and --json-schema exclude each other.", param_hint="--json")
+    structured = json_object or json_schema is not None
+    if structured and (draft_model or prompt_lookup):
+        _fail("structured output (--json, --json-schema) does not work with speculative decoding "
+              "(--draft-model, --prompt-lookup)", verbose)
     text = _read_prompt(prompt)
     if not text.strip():
         _fail("the prompt is empty", verbose)
+    fmt = None
+    if structured:
+        from mlxkv.structured import json_object_format, schema_file_format
+
+        try:
+            fmt = json_object_format() if json_object else schema_file_format(json_schema)
+        except ValueError as exc:
+            _fail(str(exc), verbose)
     try:
         from mlxkv import env
         from mlxkv.config import RunConfig, SpeculativeConfig
@@ -111,12 +128,26 @@ def generate(
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
         engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
-        for chunk in engine.generate(tokens, params):
+        processors = ()
+        if fmt is not None:
+            from mlxkv.structured.constraint import make_constraint
+
+            processors = (make_constraint(fmt, loaded.tokenizer),)
+        output = []
+        for chunk in engine.generate(tokens, params, logits_processors=processors):
+            output.append(chunk.text)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        if fmt is not None:
+            from mlxkv.structured.constraint import is_complete_document
+
+            complete = is_complete_document(fmt, loaded.tokenizer, "".join(output))
     except (ModelLoadError, ValueError, RuntimeError) as exc:
         _fail(str(exc), verbose)
+    if fmt is not None and not complete:
+        _fail("the JSON output is incomplete: generation stopped at --max-tokens or a --stop string before the "
+              "document was closed", verbose)
     if verbose:
         s = engine.last_stats
         typer.echo(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -13,6 +13,10 @@ from mlxkv.engine.output import TextStream
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.kv import CachePool
+
+
+#: mlx-lm's logits-processor protocol: ``(tokens so far, logits (1, vocab)) -> logits (1, vocab)``.
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 @dataclass
@@ -65,19 +69,25 @@ class DirectEngine:
         self.prefill_step_size = prefill_step_size
         self.last_stats = GenerationStats()
 
-    def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *,
-                        salt: str | bytes | None = None) -> Iterator[int]:
+    def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
+                        logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The sequence is opened in the pool on the first ``next`` and released when the generator finishes
         or is closed, whatever happens in between. With a paged pool, a cached prefix of the prompt is not
         recomputed (``salt`` isolates caches: different salts never share blocks).
+
+        ``logits_processors`` (mlx-lm's protocol, e.g. a structured-output constraint) map ``(tokens, logits)``
+        to logits before sampling, ``tokens`` being the prompt and the tokens generated so far. With any, each
+        step reads its token back before the next step's logits are processed (the forward still runs while
+        they are), so the processors see every token.
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         if params.seed is not None:
             mx.random.seed(mlx_seed(params.seed))
         sampler = params.make_sampler()
+        processors = _Processors(prompt, logits_processors) if logits_processors else None
         stats = GenerationStats(prompt_tokens=len(prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
@@ -88,22 +98,36 @@ class DirectEngine:
         try:
             caches = seq.caches
 
+            def pick(logits: mx.array) -> mx.array:  # (1, vocab) -> (1,)
+                return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
             def step(token: mx.array) -> mx.array:
-                logits = self.model(token.reshape(1, 1), cache=caches)[:, -1, :]  # (1, vocab)
-                return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))  # (1,)
+                return pick(self.model(token.reshape(1, 1), cache=caches)[:, -1, :])  # (1,)
 
             start = time.perf_counter()
             cached = stats.cached_prompt_tokens = seq.num_cached  # < len(prompt): the last token is recomputed
             logits = prefill(self.model, caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size)  # (vocab,)
-            y = sampler((logits - mx.logsumexp(logits, keepdims=True))[None])  # (1,)
+                             step_size=self.prefill_step_size)[None]  # (1, vocab)
+            if processors:
+                logits = processors.process(logits)
+            y = pick(logits)  # (1,)
             mx.eval(y)
             seq.commit()
             stats.prompt_seconds = time.perf_counter() - start
             start = time.perf_counter()
             for n in range(params.max_tokens):
                 more = n + 1 < params.max_tokens
-                if paged:
+                if processors:
+                    token, next_y = y.item(), None
+                    if more:
+                        if paged:
+                            seq.feed([token])
+                        logits = self.model(y.reshape(1, 1), cache=caches)[:, -1, :]  # (1, vocab)
+                        mx.async_eval(logits)  # the forward runs while the processors work on the CPU
+                        if paged:
+                            seq.commit()
+                        next_y = pick(processors.process(logits, token))
+                elif paged:
                     token, next_y = y.item(), None
                     if more:
                         seq.feed([token])  # slots for the token the next step appends
@@ -127,13 +151,15 @@ class DirectEngine:
             stats.peak_memory_bytes = mx.get_peak_memory()
             self.pool.release(seq.id)
 
-    def generate(self, prompt: Seq[int], params: SamplingParams) -> Iterator[GenerationChunk]:
+    def generate(self, prompt: Seq[int], params: SamplingParams, *,
+                 logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[GenerationChunk]:
         """Stream text for ``prompt``; stops on EOS, on a stop string, or after ``max_tokens``.
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
+        ``logits_processors``: as in :meth:`generate_tokens`.
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
-        tokens = self.generate_tokens(prompt, params)
+        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors)
         try:
             for token in tokens:
                 text, finish = stream.feed(token)
@@ -142,3 +168,20 @@ class DirectEngine:
                     return
         finally:
             tokens.close()  # releases the sequence even when the consumer stops early
+
+
+class _Processors:
+    """Logits processors of one generation and the token history they are shown (prompt, then each token)."""
+
+    def __init__(self, prompt: Seq[int], processors: Seq[LogitsProcessor]):
+        self.history = list(prompt)
+        self.processors = tuple(processors)
+
+    def process(self, logits: mx.array, token: int | None = None) -> mx.array:
+        """``logits`` (1, vocab) after every processor; ``token`` is the one sampled since the last call."""
+        if token is not None:
+            self.history.append(token)
+        tokens = mx.array(self.history, dtype=mx.uint32)  # (L,)
+        for processor in self.processors:
+            logits = processor(tokens, logits)
+        return logits

@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.engine.direct import DirectEngine, GenerationStats
+from mlxkv.engine.direct import DirectEngine, GenerationStats, LogitsProcessor
 from mlxkv.engine.drafters import Draft, Drafter
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
@@ -103,13 +103,19 @@ class SpeculativeEngine(DirectEngine):
         self.on_round = on_round
         self.last_stats = SpeculativeStats()
 
-    def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *,
-                        salt: str | bytes | None = None) -> Iterator[int]:
+    def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
+                        logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The target's sequence and the drafter's state are released when the generator finishes or is closed.
         With a paged pool a cached prefix of the prompt is not recomputed (``salt`` isolates caches).
+
+        Raises:
+            ValueError: ``logits_processors`` given (a constraint would have to mask every drafted position).
         """
+        if logits_processors:
+            raise ValueError("speculative decoding does not apply logits processors such as structured output: "
+                             "generate without a draft model or prompt lookup")
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         prompt = list(prompt)
