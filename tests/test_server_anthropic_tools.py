@@ -27,7 +27,7 @@ from mlxkv.engine.output import Event, TextStream, Usage
 from mlxkv.server.anthropic.message import Reply
 from mlxkv.server.anthropic.schemas import CountTokensRequest
 from mlxkv.server.anthropic.stream import message_events
-from mlxkv.server.anthropic.tool_use import TOOL_USE_ID_PREFIX
+from mlxkv.server.anthropic.tool_use import TOOL_USE_ID_PREFIX, plan_tools
 from mlxkv.server.anthropic.translate import to_conversation
 from mlxkv.server.runner import ServerThread, build
 from mlxkv.server.tool_stream import ToolOutput
@@ -410,6 +410,25 @@ def test_is_error_and_block_results_translate_to_tool_messages():
     conv = to_conversation(body)
     assert conv.messages[-1] == {"role": "tool", "tool_call_id": "t1", "content": "Error: timed out"}
     assert conv.tools == [function(TIME)]  # no description: none rendered, as the chat route leaves it out
+
+
+def test_tool_choice_decides_what_is_parsed(tokenizer):
+    """The route's plan for each tool_choice, run on the scripted two-call answer: auto parses every call,
+    disable_parallel_tool_use the first, none leaves the markup as text (the tools were not shown either)."""
+    def content(choice):
+        body = CountTokensRequest.model_validate({"model": "m", "messages": ASK, "tools": [WEATHER],
+                                                  **({"tool_choice": choice} if choice else {})})
+        plan = plan_tools(to_conversation(body), None)
+        reply = Reply(tokenizer, model="m", max_tokens=10_000, stop_sequences=(), prompt_tokens=1,
+                      tools=plan.output(tokenizer))
+        events = scripted_events(tokenizer, SCRIPT)
+        for e in events[:-1]:
+            reply.add(e)
+        return bool(plan.template_kwargs), [b["type"] for b in reply.message(events[-1].usage)["content"]]
+
+    assert content(None) == content({"type": "auto"}) == (True, ["text", "tool_use", "tool_use"])
+    assert content({"type": "auto", "disable_parallel_tool_use": True}) == (True, ["text", "tool_use"])
+    assert content({"type": "none"}) == (False, ["text"])
 
 
 GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()

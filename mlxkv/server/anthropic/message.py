@@ -22,6 +22,7 @@ from typing import Any
 from mlxkv.engine.request import Event, Usage
 from mlxkv.server.anthropic.blocks import Blocks, StreamEvent
 from mlxkv.server.tool_stream import ToolOutput
+from mlxkv.server.tools import Part
 
 
 def usage_body(usage: Usage) -> dict[str, int]:
@@ -78,7 +79,7 @@ class Reply:
         if event.finish_reason:
             self.finish_reason = event.finish_reason
         if self._tools is None:
-            parts: list = [event.text]
+            parts: list[Part] = [event.text]
         else:
             parts, reason = self._tools.feed_parts(0, event.text, event.finish_reason)
             self._called = self._called or reason == "tool_calls"
