@@ -325,7 +325,7 @@ def test_the_stop_reason_of_an_end_of_turn_and_of_a_stop_string_at_it(server):
 
 
 def test_tool_blocks_translate_to_openai_chat_messages():
-    """The translation tool calling will render (today the route refuses it, see the errors test)."""
+    """The chat form the tool blocks take (rendered and answered in test_server_anthropic_tools.py)."""
     body = CountTokensRequest.model_validate({"model": "m", "system": "Use tools.", "messages": [
         {"role": "user", "content": "List files."},
         {"role": "assistant", "content": [{"type": "text", "text": "Listing."},
@@ -343,7 +343,7 @@ def test_tool_blocks_translate_to_openai_chat_messages():
     assert conv.tools == [{"type": "function", "function": {"name": "ls", "description": "list files",
                                                             "parameters": {"type": "object"}}}]
     assert conv.tool_choice == {"type": "function", "function": {"name": "ls"}} and conv.parallel_tool_calls is False
-    assert conv.uses_tools and not conv.prefill
+    assert conv.tool_history and not conv.prefill
 
 
 GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()

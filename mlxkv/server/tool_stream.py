@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxkv.server.tools import ToolCallParser
+from mlxkv.server.tools import Part, ToolCallParser, split_parts
 
 
 class ToolOutput:
@@ -23,10 +23,12 @@ class ToolOutput:
         n: choices.
         parallel: ``parallel_tool_calls``; False keeps only each choice's first call.
         streaming: add each call's ``index`` within its choice (streamed deltas carry it, whole messages do not).
+        id_prefix: the prefix of the ids given to calls (OpenAI's ``call_``; the Messages API's ``toolu_``).
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict], n: int, *, parallel: bool = True, streaming: bool = False):
-        self._parsers = [ToolCallParser(tokenizer, tools) for _ in range(n)]
+    def __init__(self, tokenizer: Any, tools: list[dict], n: int, *, parallel: bool = True, streaming: bool = False,
+                 id_prefix: str = "call_"):
+        self._parsers = [ToolCallParser(tokenizer, tools, id_prefix=id_prefix) for _ in range(n)]
         self._sent = [0] * n  # calls given out per choice
         self._parallel = parallel
         self._streaming = streaming
@@ -34,19 +36,27 @@ class ToolOutput:
     def feed(self, index: int, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
         """Choice ``index``'s next text: ``(content, calls, finish_reason)``; on its last token (a finish reason
         given) whatever the parser still holds comes out, and ``"stop"`` becomes ``"tool_calls"`` after a call."""
+        parts, finish_reason = self.feed_parts(index, text, finish_reason)
+        return (*split_parts(parts), finish_reason)
+
+    def feed_parts(self, index: int, text: str, finish_reason: str | None) -> tuple[list[Part], str | None]:
+        """:meth:`feed` with the content and calls in generated order: ``(parts, finish_reason)``."""
         parser = self._parsers[index]
-        content, calls = parser.feed(text)
+        parts = parser.feed_parts(text)
         if finish_reason is not None:
-            rest, more = parser.finish()
-            content, calls = content + rest, calls + more
+            parts += parser.finish_parts()
             if finish_reason == "stop" and parser.calls:
                 finish_reason = "tool_calls"
-        return content, self._number(index, calls), finish_reason
+        return self._number(index, parts), finish_reason
 
-    def _number(self, index: int, calls: list[dict]) -> list[dict]:
-        if not self._parallel:
-            calls = calls[:max(0, 1 - self._sent[index])]
-        if self._streaming:
-            calls = [{"index": self._sent[index] + k, **call} for k, call in enumerate(calls)]
-        self._sent[index] += len(calls)
-        return calls
+    def _number(self, index: int, parts: list[Part]) -> list[Part]:
+        out: list[Part] = []
+        for part in parts:
+            if isinstance(part, dict):
+                if not self._parallel and self._sent[index]:
+                    continue
+                if self._streaming:
+                    part = {"index": self._sent[index], **part}
+                self._sent[index] += 1
+            out.append(part)
+        return out

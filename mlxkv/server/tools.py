@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 from mlx_lm.generate import TextStateMachine  # mlx_lm.server's splitter of text at reasoning / tool markers
 
@@ -38,9 +38,19 @@ class ToolRequestError(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
-def new_call_id() -> str:
-    """A fresh tool call id in OpenAI's form (``call_`` and 24 hex digits)."""
-    return f"call_{uuid.uuid4().hex[:24]}"
+#: A piece of one choice's output in the order it was generated: content text, or a call (OpenAI's dict).
+Part = Union[str, dict]
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    """A fresh tool call id: ``prefix`` (OpenAI's ``call_``, Anthropic's ``toolu_``) and 24 hex digits."""
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def split_parts(parts: Iterable[Part]) -> tuple[str, list[dict]]:
+    """``(content, calls)`` of ordered parts: the texts joined, the calls in order."""
+    parts = list(parts)
+    return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, dict)]
 
 
 def tools_in_use(tools: list[dict] | None, tool_choice: str | dict | None) -> bool:
@@ -161,9 +171,11 @@ class ToolCallParser:
 
     ``feed(text)`` returns ``(content, calls)``: the content now known to be outside any call (text that may be
     the start of a call marker is held back) and the calls completed by this text. ``finish()`` returns what is
-    left at the end. Calls are OpenAI's ``{"id", "type": "function", "function": {"name", "arguments"}}`` with
-    ``arguments`` a JSON string. A call whose text the parser cannot read (cut off by ``max_tokens``, or malformed)
-    comes back as content, markers included, so no generated text is lost; :attr:`calls` counts the good ones.
+    left at the end. :meth:`feed_parts` / :meth:`finish_parts` give the same content and calls in the order they
+    were generated (an API whose answer is a sequence of blocks needs it). Calls are OpenAI's ``{"id", "type":
+    "function", "function": {"name", "arguments"}}`` with ``arguments`` a JSON object, serialized. A call whose text
+    the parser cannot read (cut off by ``max_tokens``, malformed, or arguments that are not a JSON object) comes back
+    as content, markers included, so no generated text is lost; :attr:`calls` counts the good ones.
 
     Trailing whitespace is held until more content follows (dropped when a call follows it, and at the end when
     calls were made), so the blank lines models write around calls do not become content.
@@ -171,17 +183,19 @@ class ToolCallParser:
     Args:
         tokenizer: mlx-lm's ``TokenizerWrapper`` with a tool parser (``has_tool_calling``).
         tools: the request's tool definitions, passed to parsers that read argument types from them.
+        id_prefix: the prefix of the ids given to calls the model wrote without one.
 
     Raises:
         ValueError: the tokenizer has no tool parser.
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict] | None = None):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, *, id_prefix: str = "call_"):
         if not getattr(tokenizer, "has_tool_calling", False):
             raise ValueError("the tokenizer has no tool parser")
         self._parse = tokenizer.tool_parser
         self._start, self._end = tokenizer.tool_call_start, tokenizer.tool_call_end or ""
         self._tools = tools
+        self._id_prefix = id_prefix
         edges = {"normal": [(self._start, "tool")], "tool": [(self._end, "normal")] if self._end else []}
         self._sm = TextStateMachine(edges)
         self._state = self._sm.make_state("normal")
@@ -191,45 +205,52 @@ class ToolCallParser:
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """Content and completed calls of the next piece of generated text."""
-        self._state, segments = TextStateMachine.split(self._state, text)
-        content: list[str] = []
-        calls: list[dict] = []
-        previous = None
-        for state, piece in segments:
-            if previous == "tool" and state == "normal":  # a call just ended
-                content.append(self._close(calls))
-            if state == "tool":
-                self._call_text += piece
-            else:
-                content.append(self._release(piece))
-            previous = state
-        return "".join(content), calls
+        return split_parts(self.feed_parts(text))
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is left when generation ends: held-back text, and a call still open (read if it parses)."""
+        return split_parts(self.finish_parts())
+
+    def feed_parts(self, text: str) -> list[Part]:
+        """:meth:`feed`'s content and calls in generated order (no empty texts)."""
+        self._state, segments = TextStateMachine.split(self._state, text)
+        parts: list[Part] = []
+        previous = None
+        for state, piece in segments:
+            if previous == "tool" and state == "normal":  # a call just ended
+                self._close(parts)
+            if state == "tool":
+                self._call_text += piece
+            else:
+                _append(parts, self._release(piece))
+            previous = state
+        return parts
+
+    def finish_parts(self) -> list[Part]:
+        """:meth:`finish`'s content and calls in generated order."""
         self._state, rest, state = TextStateMachine.flush(self._state)
-        calls: list[dict] = []
+        parts: list[Part] = []
         if state == "tool":
             self._call_text += rest
-            out = self._close(calls, ended=False)
+            self._close(parts, ended=False)
         else:
-            out = self._release(rest)
+            _append(parts, self._release(rest))
         if self._held and not self.calls:
-            out += self._held
+            _append(parts, self._held)
         self._held = ""
-        return out, calls
+        return parts
 
-    def _close(self, calls: list[dict], ended: bool = True) -> str:
-        """The current call's text is complete (``ended``: its end marker seen) or cut off: its calls are added to
-        ``calls``; one that does not read is content (returned, markers included)."""
+    def _close(self, parts: list[Part], ended: bool = True) -> None:
+        """The current call's text is complete (``ended``: its end marker seen) or cut off: its calls are appended
+        to ``parts``; one that does not read is content (appended, markers included)."""
         text, self._call_text = self._call_text, ""
         parsed = self._read(text)  # a cut-off call whose text reads whole is a call (mlx_lm.server does the same)
         if parsed is None:
-            return self._release(self._start + text + (self._end if ended else ""))
-        calls.extend(parsed)
+            _append(parts, self._release(self._start + text + (self._end if ended else "")))
+            return
+        parts.extend(parsed)
         self.calls += len(parsed)
         self._held = ""  # the blank lines before a call separate it: not content
-        return ""
 
     def _read(self, text: str) -> list[dict] | None:
         try:
@@ -243,11 +264,12 @@ class ToolCallParser:
             if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
                 log.warning("a tool call has no function name; returned as content")
                 return None
-            args = item.get("arguments", {})
-            calls.append({"id": item.get("id") or new_call_id(), "type": "function",
-                          "function": {"name": item["name"],
-                                       "arguments": args if isinstance(args, str) else json.dumps(
-                                           args, ensure_ascii=False)}})
+            arguments = _object_json(item.get("arguments"))
+            if arguments is None:  # clients (and this server, in history) take only a JSON object
+                log.warning("a tool call's arguments are not a JSON object; returned as content")
+                return None
+            calls.append({"id": item.get("id") or new_call_id(self._id_prefix), "type": "function",
+                          "function": {"name": item["name"], "arguments": arguments}})
         return calls
 
     def _release(self, content: str) -> str:
@@ -258,3 +280,31 @@ class ToolCallParser:
         out = text.rstrip()
         self._held = text[len(out):]
         return out
+
+
+def _append(parts: list[Part], text: str) -> None:
+    """Add ``text`` to ordered parts (nothing if empty; joined to a text just before it)."""
+    if not text:
+        return
+    if parts and isinstance(parts[-1], str):
+        parts[-1] += text
+    else:
+        parts.append(text)
+
+
+def _object_json(arguments: Any) -> str | None:
+    """A call's arguments as parsers return them (a dict, a JSON string, nothing) as a serialized JSON object, or
+    ``None`` when they are not one."""
+    if arguments is None:
+        return "{}"
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        return None
+    if not arguments.strip():
+        return "{}"
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    return arguments if isinstance(value, dict) else None

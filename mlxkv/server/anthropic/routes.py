@@ -3,7 +3,9 @@
 A request's conversation is rendered through the model's chat template as ``/v1/chat/completions`` renders the
 same conversation (the same :class:`~mlxkv.server.prompts.PromptEncoder`, so a long shared system prompt is
 tokenized once and its KV comes from the prefix cache alike) and submitted through the same engine path
-(:mod:`mlxkv.server.generation`). Errors on these paths take Anthropic's shape (:mod:`mlxkv.server.errors`).
+(:mod:`mlxkv.server.generation`). Tools go through the chat route's tool calling (:mod:`mlxkv.server.anthropic.
+tool_use`), so ``count_tokens`` counts them as rendered. Errors on these paths take Anthropic's shape
+(:mod:`mlxkv.server.errors`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.anthropic.message import Reply
 from mlxkv.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mlxkv.server.anthropic.stream import message_events
-from mlxkv.server.anthropic.translate import Conversation, refuse_tools, to_conversation
+from mlxkv.server.anthropic.tool_use import ToolPlan, plan_tools
+from mlxkv.server.anthropic.translate import Conversation, to_conversation
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, submit
 from mlxkv.server.prompts import PromptEncoder
+from mlxkv.server.tools import check_template_renders_tools
 
 #: The app's tokenizing helper: ``tokenize(cheap, full)`` runs ``cheap`` on the event loop when the tokenizer is
 #: free (``None``: too costly there), else ``full`` on the tokenizer's worker thread.
@@ -46,30 +50,34 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
     defaults = defaults or SamplingDefaults()
     kwargs = dict(defaults.chat_template_kwargs)
     tokenizer = engine.tokenizer
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    no_tools = check_template_renders_tools(tokenizer) if has_template else None
     router = APIRouter(tags=["anthropic"])
 
-    def continue_final(messages: list[dict[str, Any]]) -> list[int]:
+    def continue_final(messages: list[dict[str, Any]], template: dict[str, Any]) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False,
-                                                  continue_final_message=True, **kwargs))
+                                                  continue_final_message=True, **template))
 
-    async def render(body: CountTokensRequest) -> list[int]:
+    async def render(body: CountTokensRequest) -> tuple[list[int], ToolPlan]:
         conv: Conversation = to_conversation(body)
-        refuse_tools(conv)
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_template:
             raise APIError(400, "this model's tokenizer has no chat template", "no_chat_template")
-        messages = conv.messages
+        plan = plan_tools(conv, no_tools)
+        messages, template = plan.messages, {**kwargs, **plan.template_kwargs}
         try:
             if conv.prefill:  # rendered whole: the memo's head/tail split assumes a generation prompt
-                return await tokenize(lambda: None, lambda: continue_final(messages))
-            return await tokenize(lambda: prompts.chat_if_cheap(messages, **kwargs),
-                                  lambda: prompts.chat(messages, **kwargs))
+                ids = await tokenize(lambda: None, lambda: continue_final(messages, template))
+            else:
+                ids = await tokenize(lambda: prompts.chat_if_cheap(messages, **template),
+                                     lambda: prompts.chat(messages, **template))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
+        return ids, plan
 
     @router.post("/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Any:
-        """Anthropic's Messages API: one text answer, whole or streamed."""
-        prompt = await render(body)
+        """Anthropic's Messages API: one answer (text and tool_use blocks), whole or streamed."""
+        prompt, plan = await render(body)
         stops = tuple(body.stop_sequences or ())
 
         def build() -> GenerationRequest:
@@ -83,7 +91,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
 
         handle = submit(engine, build, prompt_param="messages")
         reply = Reply(tokenizer, model=model_name, max_tokens=body.max_tokens, stop_sequences=stops,
-                      prompt_tokens=len(prompt))
+                      prompt_tokens=len(prompt), tools=plan.output(tokenizer))
         if body.stream:
             return StreamingResponse(message_events(handle, reply, keepalive_s), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -98,7 +106,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
 
     @router.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
-        """The rendered prompt's length in tokens."""
-        return {"input_tokens": len(await render(body))}
+        """The rendered prompt's length in tokens (tools included)."""
+        return {"input_tokens": len((await render(body))[0])}
 
     return router

@@ -1,10 +1,11 @@
 """Request bodies of the Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
 
 As Anthropic's API does, a field it does not define is refused (400, "Extra inputs are not permitted"). Fields it
-defines that mlxkv cannot honour (images, extended thinking, structured output, containers, and tools for now) are
-declared here so they parse, and refused by :mod:`mlxkv.server.anthropic.translate` with a message naming them.
-Accepted without effect on the output: ``cache_control`` (mlxkv caches every prompt's prefix by itself),
-``metadata.user_id``, ``service_tier``, ``inference_geo`` and ``speed`` (one local machine, one speed).
+defines that mlxkv cannot honour (images, extended thinking, structured output, containers, server tools) are
+declared here so they parse, and refused here or by :mod:`mlxkv.server.anthropic.translate` with a message naming
+them. Accepted without effect on the output: ``cache_control`` (mlxkv caches every prompt's prefix by itself),
+``metadata.user_id``, ``service_tier``, ``inference_geo`` and ``speed`` (one local machine, one speed), and a tool's
+``eager_input_streaming`` (each call's input is streamed whole, in one delta, as soon as the call is generated).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 #: Stop sequences per request, and characters per stop sequence.
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024
+#: Anthropic's tool names.
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
 
 
 class _Strict(BaseModel):
@@ -36,6 +39,12 @@ class TextBlock(_Strict):
     citations: Optional[list[dict[str, Any]]] = Field(None, description="refused unless empty")
 
 
+class DirectCaller(_Strict):
+    """Who called a tool: the model itself (the only caller without server tools)."""
+
+    type: Literal["direct"]
+
+
 class ToolUseBlock(_Strict):
     """An assistant's call of a tool (maps onto an OpenAI assistant message's ``tool_calls``)."""
 
@@ -44,6 +53,7 @@ class ToolUseBlock(_Strict):
     name: str = Field(..., min_length=1)
     input: dict[str, Any]
     cache_control: Optional[CacheControl] = None
+    caller: Optional[DirectCaller] = None
 
 
 class UnsupportedBlock(BaseModel):
@@ -74,13 +84,48 @@ class Message(_Strict):
     content: Union[str, list[ContentBlock]]
 
 
-class Tool(BaseModel):
-    """A client tool's definition (fields beyond these belong to the tool-calling implementation)."""
+class Tool(_Strict):
+    """A client ("custom") tool's definition. Anthropic's server tools (``type`` ``web_search_...``,
+    ``bash_...``, ...) are refused by name; so are the fields that need what mlxkv has not (tool search, programmatic
+    callers, rendered input examples). ``strict: true`` is refused with the OpenAI route's ``strict`` (it needs
+    constrained decoding): see :func:`mlxkv.server.tools.tools_in_use`."""
 
-    model_config = ConfigDict(extra="allow")
-    name: str = Field(..., min_length=1, max_length=128)
+    type: Optional[Literal["custom"]] = None
+    name: str = Field(..., pattern=TOOL_NAME)
     description: Optional[str] = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] = Field(..., description='a JSON Schema with "type": "object"')
+    cache_control: Optional[CacheControl] = None
+    strict: Optional[bool] = None
+    eager_input_streaming: Optional[bool] = None
+    defer_loading: Optional[bool] = Field(None, description="true (tool search) is not supported")
+    allowed_callers: Optional[list[str]] = Field(None, description='only ["direct"]')
+    input_examples: Optional[list[dict[str, Any]]] = Field(None, description="not supported (unless empty)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(f"tools of type {kind!r} (Anthropic's server tools) are not supported: only custom tools "
+                             "(name, description, input_schema)")
+        return data
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("type") != "object":
+            raise ValueError('input_schema must be a JSON Schema with "type": "object"')
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self) -> "Tool":
+        if self.defer_loading:
+            raise ValueError("defer_loading needs tool search, which this server does not have")
+        if self.allowed_callers not in (None, ["direct"]):
+            raise ValueError('allowed_callers: only "direct" is supported (no code execution tool)')
+        if self.input_examples:
+            raise ValueError("input_examples are not supported")
+        return self
 
 
 class ToolChoice(_Strict):
@@ -117,6 +162,14 @@ class CountTokensRequest(_Strict):
     cache_control: Optional[CacheControl] = None
     output_config: Optional[dict[str, Any]] = Field(None, description="structured output: not supported yet")
     speed: Optional[Literal["standard", "fast"]] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: Optional[list[Tool]]) -> Optional[list[Tool]]:
+        names = [t.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        return v
 
 
 class MessagesRequest(CountTokensRequest):

@@ -1,10 +1,12 @@
 """Streaming a Messages response as Anthropic's server-sent events.
 
-The sequence Anthropic sends, each as an ``event: <type>`` line and a ``data: <json>`` line:
-``message_start``, ``content_block_start`` (one text block), ``ping``, ``content_block_delta`` (``text_delta``)
-per piece of text, ``content_block_stop``, ``message_delta`` (stop reason and the final, cumulative usage) and
-``message_stop``; a failure mid-stream ends it with an ``error`` event. The opening events are sent at once, before
-the first token, so a client sees the stream start during a long prefill.
+The sequence Anthropic sends, each as an ``event: <type>`` line and a ``data: <json>`` line: ``message_start``,
+``ping``, then each content block's ``content_block_start``, ``content_block_delta`` events (``text_delta``, or a
+tool call's ``input_json_delta``) and ``content_block_stop`` (see :mod:`mlxkv.server.anthropic.blocks`), then
+``message_delta`` (stop reason and the final, cumulative usage) and ``message_stop``; a failure mid-stream ends it
+with an ``error`` event. The opening events are sent at once, before the first token, so a client sees the stream
+start during a long prefill; without tools they include the text block's ``content_block_start`` (before ``ping``, as
+Anthropic sends it).
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ async def message_events(handle: RequestHandle, reply: Reply, keepalive_s: float
     client disconnects (the generator is closed)."""
     try:
         yield (event("message_start", {"message": reply.started()})
-               + event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-               + event("ping", {}))
+               + "".join(event(kind, payload) for kind, payload in reply.opening()) + event("ping", {}))
         async for burst in bursts(handle, idle_s=keepalive_s):
             if not burst:
                 yield event("ping", {})
@@ -38,9 +39,7 @@ async def message_events(handle: RequestHandle, reply: Reply, keepalive_s: float
             parts: list[str] = []
             for e in burst:
                 if e.kind == "token":
-                    if reply.add(e):
-                        parts.append(event("content_block_delta",
-                                           {"index": 0, "delta": {"type": "text_delta", "text": e.text}}))
+                    parts += [event(kind, payload) for kind, payload in reply.add(e)]
                 elif e.kind == "done":
                     parts.append(_closing(reply, e.usage or Usage(reply.prompt_tokens, 0)))
                 else:
@@ -52,8 +51,8 @@ async def message_events(handle: RequestHandle, reply: Reply, keepalive_s: float
 
 
 def _closing(reply: Reply, usage: Usage) -> str:
+    closing = "".join(event(kind, payload) for kind, payload in reply.finish())
     reason, sequence = reply.stop()
-    return (event("content_block_stop", {"index": 0})
-            + event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": usage_body(usage)})
+    return (closing + event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                              "usage": usage_body(usage)})
             + event("message_stop", {}))

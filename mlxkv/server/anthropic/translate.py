@@ -6,10 +6,14 @@ parts, and consecutive turns of one role are one turn (as Anthropic combines the
 blank line. A final assistant turn is a prefill: the answer continues it.
 
 Tool blocks map onto OpenAI's chat form: an assistant's ``tool_use`` blocks become its ``tool_calls`` (arguments as
-a JSON string), a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's text), ``tools``
-become function tools and ``tool_choice`` auto / any / tool / none becomes auto / required / a named function /
-none. Until tool calling is wired into generation, :func:`refuse_tools` answers 400 for any of them: the one place
-to replace.
+a JSON string), a user turn's ``tool_result`` blocks become ``tool`` messages (before the turn's text; a result's
+text blocks joined; one with ``is_error: true`` reads ``"Error: "`` + its text, since templates know no error flag),
+``tools`` become function tools and ``tool_choice`` auto / any / tool / none becomes auto / required / a named
+function / none (``disable_parallel_tool_use``: ``parallel_tool_calls: false``). What the chat route then does with
+them (rendering, refusals) is :mod:`mlxkv.server.anthropic.tool_use`'s.
+
+As Anthropic does, a ``tool_result`` must answer a ``tool_use`` of the assistant turn just before it, and a
+conversation cannot end with an assistant turn's calls (their results are missing).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from mlxkv.server.anthropic.schemas import (
     Message,
     MessagesRequest,
     TextBlock,
+    Tool,
     ToolResultBlock,
     ToolUseBlock,
     UnsupportedBlock,
@@ -31,6 +36,8 @@ from mlxkv.server.errors import APIError
 
 #: Separates the texts of consecutive messages of one role, combined into one turn.
 TURN_JOIN = "\n\n"
+#: Starts the text of a tool result sent with ``is_error: true``.
+TOOL_ERROR_PREFIX = "Error: "
 
 
 @dataclass(slots=True)
@@ -43,6 +50,7 @@ class Conversation:
         tools: OpenAI function tools (``None``: none sent).
         tool_choice: OpenAI's ``tool_choice`` (``None``: not sent).
         parallel_tool_calls: ``False`` when the request disabled parallel tool use.
+        anthropic_tool_choice: ``tool_choice`` as the request sent it (for error messages).
     """
 
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -50,11 +58,12 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
+    anthropic_tool_choice: dict[str, Any] | None = None
 
     @property
-    def uses_tools(self) -> bool:
-        return bool(self.tools) or self.tool_choice is not None or any(
-            m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
+    def tool_history(self) -> bool:
+        """Whether earlier turns hold tool calls or results (the template must render them)."""
+        return any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
 
 
 def to_conversation(body: CountTokensRequest) -> Conversation:
@@ -63,7 +72,7 @@ def to_conversation(body: CountTokensRequest) -> Conversation:
     Raises:
         APIError: 400 for what mlxkv cannot honour (images and other non-text blocks, extended thinking, output
             configuration, containers, diagnostics, citations) or Anthropic refuses (an empty message, a prefill
-            that ends with whitespace).
+            that ends with whitespace, a tool_result without its tool_use, a conversation ending in tool calls).
     """
     _refuse_unsupported(body)
     conv = Conversation()
@@ -71,22 +80,25 @@ def to_conversation(body: CountTokensRequest) -> Conversation:
     if system:
         conv.messages.append({"role": "system", "content": system})
     turns = _turns(body.messages)
+    called: set[str] = set()  # the ids of the previous assistant turn's calls
     for t, (role, messages) in enumerate(turns):
         last = t == len(turns) - 1
         if role == "assistant":
             conv.messages.append(_assistant(messages))
+            called = {c["id"] for c in conv.messages[-1].get("tool_calls", ())}
             if last:
                 conv.prefill = _check_prefill(conv.messages)
         else:
-            conv.messages.extend(_user(messages))
+            conv.messages.extend(_user(messages, called))
+            called = set()
     if all(m["role"] == "system" for m in conv.messages):
         raise APIError(400, "messages: the conversation is empty (its only message is an empty assistant turn)",
                        "invalid_value", "messages")
     if body.tools is not None:
-        conv.tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                        "parameters": t.input_schema}} for t in body.tools]
+        conv.tools = [{"type": "function", "function": _function(t)} for t in body.tools]
     if body.tool_choice is not None:
         choice = body.tool_choice
+        conv.anthropic_tool_choice = choice.model_dump(exclude_none=True)
         conv.tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
             {"type": "function", "function": {"name": choice.name}}
         if choice.disable_parallel_tool_use:
@@ -94,11 +106,15 @@ def to_conversation(body: CountTokensRequest) -> Conversation:
     return conv
 
 
-def refuse_tools(conv: Conversation) -> None:
-    """Tools are not wired into generation yet: a clear 400 instead of a prompt that drops them."""
-    if conv.uses_tools:
-        raise APIError(400, "tools, tool_choice and tool_use / tool_result blocks are not supported by this "
-                            "server's Messages API yet", "tools_unsupported", "tools")
+def _function(tool: Tool) -> dict[str, Any]:
+    """An Anthropic tool as an OpenAI function (``strict`` kept: the chat route's checks refuse it)."""
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    function["parameters"] = tool.input_schema
+    if tool.strict is not None:
+        function["strict"] = tool.strict
+    return function
 
 
 def _refuse_unsupported(body: CountTokensRequest) -> None:
@@ -161,15 +177,21 @@ def _assistant(messages: list[Message]) -> dict[str, Any]:
     return out
 
 
-def _user(messages: list[Message]) -> list[dict[str, Any]]:
-    """A user turn: its tool results (as ``tool`` messages, answering the previous assistant's calls), then its
-    text (if any)."""
+def _user(messages: list[Message], called: set[str]) -> list[dict[str, Any]]:
+    """A user turn: its tool results (as ``tool`` messages, answering the previous assistant's calls, whose ids are
+    ``called``), then its text (if any)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         for b in m.content if isinstance(m.content, list) else ():
             if isinstance(b, ToolResultBlock):
+                if b.tool_use_id not in called:
+                    raise APIError(400, f"messages: tool_result block for tool_use_id {b.tool_use_id!r} has no "
+                                        "tool_use block with that id in the assistant turn before it",
+                                   "invalid_value", "messages")
                 text = b.content if isinstance(b.content, str) else \
                     "".join(x.text for x in b.content if isinstance(x, TextBlock))
+                if b.is_error:
+                    text = TOOL_ERROR_PREFIX + text
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": text})
     text = TURN_JOIN.join(t for t in map(_texts, messages) if t)
     if text:
@@ -182,7 +204,8 @@ def _check_prefill(messages: list[dict[str, Any]]) -> bool:
     whitespace (the model's next token would have to start mid-word)."""
     last = messages[-1]
     if last.get("tool_calls"):
-        return False
+        raise APIError(400, "messages: the final assistant turn calls tools: send their results as tool_result blocks "
+                            "in a user turn after it", "invalid_value", "messages")
     if not last["content"]:
         messages.pop()  # an empty final assistant turn asks for a plain answer
         return False
