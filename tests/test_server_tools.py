@@ -156,13 +156,16 @@ def test_a_template_without_tools_refuses_them_but_takes_tool_choice_none(llama_
         assert r.status_code == 400 and r.json()["error"]["code"] == "tools_unsupported"
         assert "--chat-template" in r.json()["error"]["message"]
         assert post(srv, {"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}).status_code == 200
-        r = post(srv, {"messages": HISTORY})  # its template knows no tool role: the template's own refusal
-        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_messages"
+        r = post(srv, {"messages": HISTORY})  # calls in the history would be dropped by the template: refused
+        assert r.status_code == 400 and r.json()["error"]["code"] == "tools_unsupported"
+        assert "tool_calls" in r.json()["error"]["message"]
     finally:
         srv.stop()
     srv = start(llama_dir, tool_parser="json_tools")  # a parser, but the template ignores tools
     try:
         r = post(srv, {"messages": ASK, "tools": [WEATHER]})
         assert r.status_code == 400 and "ignores tools" in r.json()["error"]["message"]
+        r = post(srv, {"messages": HISTORY})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     finally:
         srv.stop()

@@ -152,6 +152,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(400, exc.message, exc.code, exc.param) from None
         if use_tools and no_tools:
             raise APIError(400, no_tools, "tools_unsupported", "tools")
+        if no_tools and any(m.get("tool_calls") for m in messages):  # the template would drop them silently
+            raise APIError(400, f"assistant tool_calls in the history: {no_tools}", "tools_unsupported", "messages")
         kwargs = template_kwargs(body, defaults)
         if use_tools:
             kwargs["tools"] = render_tools(tools)
