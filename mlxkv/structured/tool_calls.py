@@ -14,7 +14,7 @@ embedded as ``%json`` schemas:
 - :func:`document_or_calls`: a ``response_format`` document, or calls (``tool_choice`` auto with a
   ``response_format``: the model may still call a tool instead of answering).
 
-Calls are separated by a newline, as the templates render them.
+Calls are separated by a newline, as the templates render them, and one newline may follow the last.
 """
 
 from __future__ import annotations
@@ -99,12 +99,13 @@ def call_schema(tools: Sequence[dict], names: Iterable[str] | None = None) -> di
 
 def forced_calls(tools: Sequence[dict], markup: CallMarkup, *, names: Iterable[str] | None = None,
                  parallel: bool = True) -> ResponseFormat:
-    """Only calls: one, or with ``parallel`` one or more separated by newlines; then EOS.
+    """Only calls: one, or with ``parallel`` one or more separated by newlines; then EOS (after at most one
+    newline: a model that writes one after a call must not be held to write another call).
 
     Raises:
         ToolGrammarError: see :func:`call_schema`.
     """
-    calls = 'call ("\\n" call)*' if parallel else "call"
+    calls = 'call ("\\n" call)* "\\n"?' if parallel else 'call "\\n"?'
     return _format("\n".join([f"start: {calls}", _call_rule(tools, markup, names)]))
 
 
@@ -135,7 +136,7 @@ def document_or_calls(document: ResponseFormat, tools: Sequence[dict], markup: C
     assert document.schema_text is not None, "a JSON response format is needed"
     schema = json.loads(document.schema_text)
     schema["x-guidance"] = {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}
-    calls = 'call ("\\n" call)*' if parallel else "call"
+    calls = 'call ("\\n" call)* "\\n"?' if parallel else 'call "\\n"?'
     return _format("\n".join([f"start: %json {json.dumps(schema, ensure_ascii=False)} | {calls}",
                               _call_rule(tools, markup, None)]))
 
