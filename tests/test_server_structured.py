@@ -22,6 +22,7 @@ from testkit.json_schemas import random_schema
 
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.server.runner import ServerThread, build
+from mlxkv.server.structured_output import _special_id
 from mlxkv.server.tools import ToolCallParser
 from mlxkv.structured.tool_calls import CallMarkup, calls_in_text, document_or_calls, forced_calls
 from mlxkv.structured import json_schema_format
@@ -110,7 +111,8 @@ def test_json_object_and_the_completions_route(client):
         else:
             assert finish == "length" and text.startswith("{") and answer.usage.completion_tokens == 60
     completion = client.completions.create(model="tiny-llama", prompt="A person as JSON:", max_tokens=200,
-                                           temperature=1.0, seed=3, extra_body={"response_format": schema_format(PERSON)})
+                                           temperature=1.0, seed=3,
+                                           extra_body={"response_format": schema_format(PERSON)})
     assert completion.choices[0].finish_reason == "stop"
     valid(completion.choices[0].text, PERSON)
 
@@ -134,22 +136,28 @@ def test_parallel_samples_and_streams_are_constrained_each(client):
     assert sum(len(p) > 0 for p in parts[0]) > 2  # streamed piece by piece, not in one chunk
 
 
-def test_free_requests_beside_constrained_ones_give_their_greedy_text(client, server):
+def test_free_requests_beside_constrained_ones_give_their_greedy_text(llama_dir):
     questions = ["What is a tuple?", "Explain the import statement.", "How do generators work?"]
+    srv = start(llama_dir)  # its own engine: max_batch below counts this test's steps only
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def free(question):
         return chat(client, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
                     ).choices[0].message.content
 
-    alone = [free(q) for q in questions]
-    with ThreadPoolExecutor(8) as pool:
-        constrained = [pool.submit(chat, client, response_format=schema_format(PERSON), seed=i) for i in range(4)]
-        mixed = list(pool.map(free, questions))
-        answers = [f.result() for f in constrained]
+    try:
+        alone = [free(q) for q in questions]
+        with ThreadPoolExecutor(8) as pool:
+            constrained = [pool.submit(chat, client, response_format=schema_format(PERSON), seed=i) for i in range(4)]
+            mixed = list(pool.map(free, questions))
+            answers = [f.result() for f in constrained]
+        max_batch = srv.parts.engine.stats()["max_batch"]
+    finally:
+        srv.stop()
     assert mixed == alone
     for answer in answers:
         valid(answer.choices[0].message.content, PERSON)
-    assert server.parts.engine.stats()["max_batch"] >= 5
+    assert max_batch >= 5  # constrained and free rows decoded in the same steps
 
 
 # ---- forced tool calls ----------------------------------------------------------------------------------------
@@ -296,5 +304,12 @@ def test_the_call_grammars_write_what_the_tool_parser_reads(server):
     either = document_or_calls(json_schema_format(PERSON), [TIME], markup)
     assert accepts(either, tokenizer, '{"name": "Ada", "age": 36}') and accepts(either, tokenizer, call)
     assert not accepts(either, tokenizer, "Ada, 36")
-    special = CallMarkup("<|user|>", "</s>", start_id=4, end_id=2)  # markers that are one special token each
-    assert forced_calls([TIME], special).lark.startswith("start: call") and "<[4]>" in forced_calls([TIME], special).lark
+    vocabulary = vocabulary_for(tokenizer)
+    assert _special_id(tokenizer, vocabulary, "<|user|>") == 4
+    assert _special_id(tokenizer, vocabulary, "<tool_call>") is None
+    special = forced_calls([TIME], CallMarkup("<|user|>", "<|assistant|>", start_id=4, end_id=5))
+    body = vocabulary.ll_tokenizer.tokenize_str('\n{"name": "get_time", "arguments": {"zone": "cet"}}\n')
+    matcher = vocabulary.matcher(special.grammar)  # a special-token marker is that token, not its spelling
+    assert matcher.consume_tokens([4] + body + [5]) and matcher.is_accepting()
+    spelled = vocabulary.matcher(special.grammar)
+    assert not spelled.consume_tokens(vocabulary.ll_tokenizer.greedy_tokenize("<|user|>"))  # its bytes spelled out

@@ -122,13 +122,13 @@ def call_markup(tokenizer: Any, vocabulary: Any, tools: list[dict], tool_choice:
     """
     parser = tool_parser_name(tokenizer)
     if parser not in PARSERS_WITH_GRAMMAR:
-        strict = strict_tools(tools)
-        asked = (f"tool_choice {tool_choice!r}" if forces_call(tool_choice) else "strict tools")
+        forced = forces_call(tool_choice)
+        asked, param = ((f"tool_choice {tool_choice!r}", "tool_choice") if forced else
+                        ("strict tools", f"tools.{strict_tools(tools)[0]}.function.strict"))
         raise ToolRequestError(
             f"{asked} needs constrained decoding in the model's tool-call format, which this server can write for "
             f"the {', '.join(PARSERS_WITH_GRAMMAR)} parser only (this model's is {parser}): use tool_choice "
-            "\"auto\" without strict", "tool_choice" if forces_call(tool_choice) else f"tools.{strict[0]}.function.strict",
-            "unsupported_value")
+            "\"auto\" without strict", param, "unsupported_value")
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     return CallMarkup(start, end, _special_id(tokenizer, vocabulary, start), _special_id(tokenizer, vocabulary, end))
 
