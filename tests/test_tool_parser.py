@@ -204,16 +204,18 @@ def test_history_arguments_become_dicts_and_tool_results_get_the_function_name()
         assert exc.value.param == "messages.0.tool_calls.0.function.arguments"
 
 
-def test_tool_choice_none_auto_and_the_forced_kinds_refused_in_one_place():
+def test_tool_choice_none_auto_and_the_forced_kinds():
     assert tools_in_use([WEATHER], None) and tools_in_use([WEATHER], "auto")
     assert not tools_in_use([WEATHER], "none") and not tools_in_use([], "auto") and not tools_in_use(None, None)
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(ToolRequestError) as exc:
-            tools_in_use([WEATHER], choice)
-        assert exc.value.code == "unsupported_value" and exc.value.param == "tool_choice"
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    with pytest.raises(ToolRequestError, match="strict"):
-        tools_in_use([WEATHER, strict], "auto")
+    for choice in ("required", "any", {"type": "function", "function": {"name": "get_weather"}}):
+        assert tools_in_use([WEATHER, strict], choice)  # forced by constrained decoding (structured_output.py)
+        with pytest.raises(ToolRequestError, match="needs tools") as exc:
+            tools_in_use([], choice)
+        assert exc.value.param == "tool_choice"
+    with pytest.raises(ToolRequestError, match="'get_time', which is not among the tools") as exc:
+        tools_in_use([WEATHER], {"type": "function", "function": {"name": "get_time"}})
+    assert exc.value.param == "tool_choice"
     assert render_tools([{"type": "function", "function": {"name": "f", "description": None, "strict": False}}]) \
         == [{"type": "function", "function": {"name": "f"}}]
 

@@ -132,7 +132,8 @@ class BatchEngine:
 
         Raises:
             PromptTooLongError: the prompt leaves no room in the model's context.
-            ValueError: ``n`` exceeds ``max_sequences``, or a ``logit_bias`` token is outside the vocabulary.
+            ValueError: ``n`` exceeds ``max_sequences``, a ``logit_bias`` token is outside the vocabulary, or a
+                constrained ``response_format`` comes to an engine without a tokenizer.
             QueueFullError: ``max_queue_depth`` requests are already waiting.
             EngineStoppedError: the engine is not running.
         """
@@ -147,6 +148,8 @@ class BatchEngine:
                 f"(prompt + at least one generated token must fit; raise --kv-cache-budget)")
         if request.n > self.config.max_sequences:
             raise ValueError(f"n={request.n} exceeds the server's max_sequences={self.config.max_sequences}")
+        if request.response_format is not None and request.response_format.constrained and self.tokenizer is None:
+            raise ValueError("a constrained response_format needs the engine's tokenizer (none was given)")
         bias = request.params.logit_bias
         if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
             raise ValueError(f"logit_bias token {max(bias)} is outside the model's vocabulary of {self.vocab_size}")

@@ -3,7 +3,9 @@
 The step is built from the previous step's sampled tokens while they are still being computed (fed lazily; paged
 slots taken under a placeholder) and handed to MLX with ``async_eval``; only then are the previous tokens read,
 named in the pool, and emitted — so building a step's graph overlaps the evaluation of the one before (on MLX's
-CPU backend only partly: ``async_eval`` returns once all but the last few dozen operations have run).
+CPU backend only partly: ``async_eval`` returns once all but the last few dozen operations have run). A step with
+grammar-constrained rows reads the previous tokens between its forward and its sampling instead
+(:mod:`mlxkv.engine.constraints`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.engine.constraints import step_masks
 from mlxkv.engine.jobs import Choice
 from mlxkv.engine.output import Event
 
@@ -67,8 +70,15 @@ class DecodeLoop:
         self.s.totals["decode_steps"] += 1
         self.s.totals["max_batch"] = max(self.s.totals["max_batch"], len(choices))
         try:
-            tokens = self.s.runner.decode([c.seq for c in choices], _decode_inputs(choices),
-                                        [c.sampler for c in choices])  # (B,)
+            logits = self.s.runner.forward([c.seq for c in choices], _decode_inputs(choices))  # (B, vocab)
+            if self.in_flight and any(c.constraint is not None for c in choices):
+                # A grammar's mask follows its row's previous token: the forward is queued, then the previous
+                # tokens are read (emitted, so consumed by their grammars) and the masks computed while it runs.
+                mx.async_eval(logits)
+                self.s.totals["overlapped_steps"] += 1
+                self.read_in_flight()
+            masks = step_masks(choices, logits.shape[-1], self.s._fail)
+            tokens = self.s.runner.sample(logits, [c.sampler for c in choices], masks)  # (B,)
         except Exception as exc:  # noqa: BLE001 - the shared forward failed: fail the requests in it
             self.read_in_flight()
             for job in {id(c.job): c.job for c in choices}.values():

@@ -12,6 +12,7 @@ from mlxkv.engine.output import TextStream
 from mlxkv.engine.request import GenerationRequest, RequestHandle, RetentionSpec, Usage
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.kv import RetentionConfig, Sequence
+from mlxkv.structured.constraint import TokenConstraint
 
 
 class EngineObserver:
@@ -69,6 +70,9 @@ class Choice:
     # next step feeds it lazily. ``placeholder_at``: its position in the pool, named once it is read.
     in_flight: tuple[mx.array, int] | None = None
     placeholder_at: int | None = None
+    # The grammar its output follows (``response_format``, forced tool calls), advanced by each emitted token
+    # (:mod:`mlxkv.engine.constraints`); ``None`` when free, and once the choice is closed.
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(eq=False)

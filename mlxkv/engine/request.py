@@ -15,6 +15,7 @@ from typing import AsyncIterator, Iterator
 
 from mlxkv.engine.output import Event, Usage, delivery_for
 from mlxkv.engine.sampling import SamplingParams
+from mlxkv.structured.response_format import ResponseFormat
 
 __all__ = ["DEFAULT_RETENTION_PRIORITY", "MAX_TOP_LOGPROBS", "EngineStoppedError", "Event", "GenerationRequest",
            "PromptTooLongError", "QueueFullError", "RequestHandle", "RetentionRange", "RetentionSpec", "Usage"]
@@ -96,6 +97,10 @@ class GenerationRequest:
             preempts sequences of higher values (then newer ones) first when blocks run out.
         logprobs: report each generated token's log-probability and this many most likely alternatives (0-20;
             ``None``: none), on its token event (:mod:`mlxkv.engine.logprobs` says which distribution).
+        response_format: constrain every choice's output to this format's grammar (``None`` or ``text``: free).
+            Each choice follows its own copy of the grammar; EOS is allowed once its document is complete. The
+            tokenizer's grammar vocabulary is built at the first constrained request if nobody built it before
+            (seconds for a large vocabulary, on the engine thread: the server builds it ahead).
         request_id: identifies the request in logs and events.
     """
 
@@ -106,6 +111,7 @@ class GenerationRequest:
     retention: RetentionSpec | None = None
     priority: int = 0
     logprobs: int | None = None
+    response_format: ResponseFormat | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:

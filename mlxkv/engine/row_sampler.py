@@ -17,6 +17,10 @@ read it (``int(tokens[-1].item())``), which waits for the previous step to finis
 that have one, the others unaffected. Add such a processor with :meth:`RowSampler.add_processor` before the
 row's first draw (its history then starts with the prompt). Rows that are greedy, have no processor and record
 no log-probabilities take the batch's one ``argmax`` (no work of their own).
+
+**Grammar masks** are not processors: the engine advances a row's grammar with each token it emits and hands
+:func:`sample_rows` the rows' next-token bitmasks, applied to all masked rows in one operation
+(:mod:`mlxkv.engine.constraints`); the plain rows keep their shared ``argmax``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ import os
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxkv.engine.logprobs import LogprobRecorder
 from mlxkv.engine.output import TokenLogprob
 from mlxkv.engine.sampling import LogitsProcessor, SamplingParams, mlx_seed
+from mlxkv.structured.constraint import apply_words
 
 
 class RowSampler:
@@ -75,9 +81,11 @@ class RowSampler:
             self._history = TokenBuffer(self._prompt)
         self._processors.append(processor)
 
-    def __call__(self, logits: mx.array, logprobs: mx.array | None = None) -> mx.array:
+    def __call__(self, logits: mx.array, logprobs: mx.array | None = None, *, masked: bool = False) -> mx.array:
         """The sampled token ``(1,)`` (lazy) from this row's ``logits`` ``(1, vocab)``; ``logprobs`` is their
-        ``log_softmax`` when the caller has it already."""
+        ``log_softmax`` when the caller has it already. ``masked``: ``logits`` carry a grammar's ``-inf`` where
+        tokens are forbidden and ``logprobs`` are the model's own (recorded as they are; the draw is from the
+        masked logits)."""
         if logprobs is None:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, vocab)
         scores = logprobs
@@ -85,6 +93,7 @@ class RowSampler:
             history = self._history.tokens  # (T,) int32, possibly lazy
             for process in self._processors:
                 logits = process(history, logits)
+        if self._processors or masked:
             scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, vocab)
         token = self._draw(scores)  # (1,)
         if self._processors:
@@ -113,22 +122,39 @@ class RowSampler:
         return self._recorder.pop(token) if self._recorder is not None else None
 
 
-def sample_rows(logits: mx.array, samplers: list[RowSampler]) -> mx.array:
+def sample_rows(logits: mx.array, samplers: list[RowSampler],
+                masks: Sequence[np.ndarray | None] | None = None) -> mx.array:
     """Next token of every row of ``logits`` (B, vocab) with its own sampler; returns (B,) uint32 (lazy).
+
+    ``masks[i]`` (``None``: row ``i`` is free) is the allowed-next-token bitmask of row ``i``'s grammar, as uint32
+    words (:meth:`~mlxkv.structured.constraint.TokenConstraint.words`): the masked rows' logits get ``-inf`` on
+    forbidden tokens in one operation before their samplers draw. Plain rows (greedy, nothing of their own) share
+    one ``argmax`` of the batch whatever the other rows do.
 
     If a sampler raises, MLX's global generator is reseeded before the error propagates: mlx-lm's filters are
     compiled with the generator's state as input and output, and an exception while one is traced leaves that state
     a placeholder, so every later random draw in the process would fail ("eval an array without a primitive")."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, vocab)
-    if all(s.plain for s in samplers):
+    masked = [i for i, m in enumerate(masks or ()) if m is not None]
+    if not masked and all(s.plain for s in samplers):
         return mx.argmax(logprobs, axis=-1).astype(mx.uint32)  # (B,)
+    rows_of: dict[int, mx.array] = {}
+    if masked:
+        words = mx.array(np.stack([masks[i] for i in masked]))  # (M, ceil(vocab / 32)) uint32
+        allowed = apply_words(logits[mx.array(masked)], words)  # (M, vocab)
+        rows_of = {i: allowed[j : j + 1] for j, i in enumerate(masked)}
+    own = [i for i, s in enumerate(samplers) if i in rows_of or not s.plain]
     try:
-        rows = [s(logits[i : i + 1], logprobs[i : i + 1]).astype(mx.uint32)
-                for i, s in enumerate(samplers)]  # B x (1,)
+        drawn = [samplers[i](rows_of.get(i, logits[i : i + 1]), logprobs[i : i + 1], masked=i in rows_of)
+                 .astype(mx.uint32) for i in own]  # len(own) x (1,)
     except Exception:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         raise
-    return mx.concatenate(rows)  # (B,)
+    if len(own) == len(samplers):
+        return mx.concatenate(drawn)  # (B,)
+    tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)  # (B,): the plain rows' shared argmax
+    tokens[mx.array(own)] = mx.concatenate(drawn)  # the other rows' own draws
+    return tokens
 
 
 def lazy_outputs(samplers: Sequence[RowSampler]) -> list[mx.array]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxkv.engine.prefill_batch import prefill_together
 from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
@@ -59,12 +60,22 @@ class ModelRunner:
         self.totals["batched_prefills"] += 1
         return last
 
-    def decode(self, seqs: Sequence[Any], inputs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
-        """One decode step: token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``, and each row's next token
-        sampled by its own sampler; returns the tokens ``(B,)`` uint32, handed to MLX with ``async_eval`` together
-        with what the samplers recorded (read them later: building the next step may overlap their evaluation)."""
-        logits = self._forward(seqs, inputs)  # (B, vocab)
-        tokens = sample_rows(logits, list(samplers))  # (B,)
+    def decode(self, seqs: Sequence[Any], inputs: mx.array, samplers: Sequence[RowSampler],
+               masks: Sequence[np.ndarray | None] | None = None) -> mx.array:
+        """One decode step: :meth:`forward` then :meth:`sample`; returns the tokens ``(B,)`` uint32."""
+        return self.sample(self.forward(seqs, inputs), samplers, masks)
+
+    def forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
+        """Token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``; the next-token logits ``(B, vocab)`` (lazy)."""
+        return self._forward(seqs, inputs)
+
+    def sample(self, logits: mx.array, samplers: Sequence[RowSampler],
+               masks: Sequence[np.ndarray | None] | None = None) -> mx.array:
+        """Each row's next token from ``logits`` ``(B, vocab)`` by its own sampler, under its grammar mask if it has
+        one (:func:`~mlxkv.engine.row_sampler.sample_rows`); returns the tokens ``(B,)`` uint32, handed to MLX with
+        ``async_eval`` together with what the samplers recorded (read them later: building the next step may
+        overlap their evaluation)."""
+        tokens = sample_rows(logits, list(samplers), masks)  # (B,)
         mx.async_eval(tokens, *lazy_outputs(samplers))
         return tokens
 
@@ -86,9 +97,11 @@ class ModelRunner:
         return mx.concatenate(rows, axis=0)  # (B, vocab)
 
     @staticmethod
-    def sample_first(last_logits: mx.array, samplers: Sequence[RowSampler]) -> list[int]:
-        """The first token of each of ``samplers``' sequences from one prompt's last logits ``(1, vocab)``."""
+    def sample_first(last_logits: mx.array, samplers: Sequence[RowSampler],
+                     masks: Sequence[np.ndarray | None] | None = None) -> list[int]:
+        """The first token of each of ``samplers``' sequences from one prompt's last logits ``(1, vocab)`` (under
+        each one's grammar mask, if any)."""
         logits = mx.broadcast_to(last_logits, (len(samplers), last_logits.shape[-1]))  # (n, vocab)
-        tokens = sample_rows(logits, list(samplers))  # (n,)
+        tokens = sample_rows(logits, list(samplers), masks)  # (n,)
         mx.eval(tokens, *lazy_outputs(samplers))
         return tokens.tolist()

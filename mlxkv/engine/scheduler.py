@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from mlxkv.engine.constraints import consume, constraints_for, step_masks
 from mlxkv.engine.decode_loop import DecodeLoop
 from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, retention_config
 from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
@@ -347,6 +348,7 @@ class Scheduler:
             self._owners[task.seq.id] = task.choice
             self.running.append(task.choice)
             return
+        constraints = constraints_for(request, self.tokenizer, request.n)
         seqs = [task.seq]
         if request.n > 1:  # parallel samples: forks of the prefilled sequence (paged: sharing its blocks)
             seqs += self.pool.fork(task.seq.id, request.n - 1)
@@ -354,13 +356,14 @@ class Scheduler:
         for i, seq in enumerate(seqs):
             choice = Choice(job=job, index=i, seq=seq, sampler=RowSampler.for_choice(request, i),
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
-                            next_input=request.prompt[-1])
+                            next_input=request.prompt[-1], constraint=constraints[i])
             job.choices.append(choice)
             self._owners[seq.id] = choice
             self.running.append(choice)
         job.open_choices = len(seqs)
         if last_logits is not None:
-            tokens = self.runner.sample_first(last_logits, [c.sampler for c in job.choices])
+            masks = step_masks(job.choices, last_logits.shape[-1], self._fail)
+            tokens = self.runner.sample_first(last_logits, [c.sampler for c in job.choices], masks)
             now = time.perf_counter()
             for choice, token in zip(job.choices, tokens):
                 choice.input_known_to_pool = False  # the whole prompt is written: the decode step feeds the new token
@@ -377,6 +380,7 @@ class Scheduler:
         self.decode_loop.read_in_flight()
 
     def _emit(self, choice: Choice, token: int, now: float) -> None:
+        consume(choice, token)  # its grammar follows emitted tokens only (none is emitted twice)
         self.totals["generation_tokens"] += 1
         finish = emit_token(choice, token, now, self.observer)
         if finish is not None:
@@ -384,7 +388,7 @@ class Scheduler:
 
     def _close_choice(self, choice: Choice, finish: str) -> None:
         job = choice.job
-        choice.done = True
+        choice.done, choice.constraint = True, None
         self.running.remove(choice)
         self._release(choice.seq)
         job.open_choices -= 1
@@ -408,6 +412,8 @@ class Scheduler:
         self.prefilling = [t for t in self.prefilling if t.job is not job]
         self.preempted = collections.deque(t for t in self.preempted if t.job is not job)
         self.running = [c for c in self.running if c.job is not job]
+        for choice in job.choices:
+            choice.constraint = None  # the grammar engine's state goes with the request
         for seq in job.opened:
             self._release(seq)
         self.totals[outcome] += 1

@@ -33,6 +33,7 @@ from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.tools import (
@@ -42,6 +43,7 @@ from mlxkv.server.tools import (
     to_template_messages,
     tools_in_use,
 )
+from mlxkv.structured import ResponseFormat
 
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
@@ -140,13 +142,27 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                 return ids
         return await anyio.to_thread.run_sync(_locked, full, limiter=tokenizer_limiter)
 
+    async def _grammar(fmt: ResponseFormat, tools: list[dict] | None, tool_choice: Any,
+                       parallel: bool = True) -> ResponseFormat | None:
+        """The grammar the request's choices follow (``None``: free), built where prompts are tokenized: it encodes
+        the tool-call markers and, at the first constrained request, builds the grammar vocabulary."""
+        if not needs_grammar(fmt, tools, tool_choice):
+            return None
+        try:
+            return await anyio.to_thread.run_sync(
+                _locked, lambda: output_format(tokenizer, fmt, tools, tool_choice, parallel=parallel),
+                limiter=tokenizer_limiter)
+        except ToolRequestError as exc:
+            raise APIError(400, exc.message, exc.code, exc.param) from None
+
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
-        tools = body.tool_dicts()
+        fmt = parse_format(body.response_format)
+        tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
         try:
-            use_tools = tools_in_use(tools, body.tool_choice_value())
+            use_tools = tools_in_use(tools, tool_choice)
             messages = to_template_messages(m.model_dump(exclude_none=True) for m in body.messages)
         except ToolRequestError as exc:
             raise APIError(400, exc.message, exc.code, exc.param) from None
@@ -154,6 +170,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(400, no_tools, "tools_unsupported", "tools")
         if no_tools and any(m.get("tool_calls") for m in messages):  # the template would drop them silently
             raise APIError(400, f"assistant tool_calls in the history: {no_tools}", "tools_unsupported", "messages")
+        grammar = await _grammar(fmt, tools if use_tools else None, tool_choice, body.parallel_tool_calls is not False)
         kwargs = template_kwargs(body, defaults)
         if use_tools:
             kwargs["tools"] = render_tools(tools)
@@ -164,10 +181,11 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
         output = ToolOutput(tokenizer, tools, body.n, parallel=body.parallel_tool_calls is not False,
                             streaming=body.stream) if use_tools else None
-        return await _generate(request, body, prompt, chat=True, tools=output)
+        return await _generate(request, body, prompt, chat=True, tools=output, grammar=grammar)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        grammar = await _grammar(parse_format(body.response_format), None, None)
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
             prompt = list(body.prompt)
             if vocab is not None and any(not 0 <= t < vocab for t in prompt):
@@ -176,10 +194,10 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
             prompt = await _tokenize(lambda: list(tokenizer.encode(text)) if len(text) <= CHEAP_CHARS else None,
                                      lambda: list(tokenizer.encode(text)))
-        return await _generate(request, body, prompt, chat=False)
+        return await _generate(request, body, prompt, chat=False, grammar=grammar)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
-                        chat: bool, tools: ToolOutput | None = None) -> Any:
+                        chat: bool, tools: ToolOutput | None = None, grammar: ResponseFormat | None = None) -> Any:
         if not prompt:
             raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
         params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
@@ -192,7 +210,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         def build() -> GenerationRequest:
             return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
                                      retention=body.retention.to_spec() if body.retention else None,
-                                     priority=body.priority, logprobs=logprobs)
+                                     priority=body.priority, logprobs=logprobs, response_format=grammar)
 
         handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
         builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)

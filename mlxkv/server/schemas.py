@@ -113,6 +113,9 @@ class _Common(_NullIsDefault):
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="prefix-cache isolation: only requests with the same salt share KV")
     retention: Optional[RetentionBody] = None
+    response_format: Optional[dict[str, Any]] = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}}: the output follows it by constrained decoding')
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="admission order: lower values first")
 
     @field_validator("stop")

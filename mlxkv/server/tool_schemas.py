@@ -19,7 +19,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(..., pattern=FUNCTION_NAME)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = Field(None, description="a JSON Schema object")
-    strict: Optional[bool] = Field(None, description="true needs constrained decoding (refused for now)")
+    strict: Optional[bool] = Field(None, description="true: a call's arguments follow parameters exactly (constrained decoding)")
 
 
 class ToolDefinition(BaseModel):

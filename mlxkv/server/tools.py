@@ -57,25 +57,23 @@ def tools_in_use(tools: list[dict] | None, tool_choice: str | dict | None) -> bo
     """Whether the request's ``tools`` are rendered and its output parsed for calls.
 
     ``tool_choice`` ``"none"`` means the model must not call: the tools are not shown to it and its output is
-    not parsed (text only). ``"auto"`` (the default) lets the model choose. The one place that refuses what
-    needs constrained decoding (``"required"``, a named function, ``strict`` function schemas).
+    not parsed (text only). ``"auto"`` (the default) lets the model choose. ``"required"`` (Anthropic's ``"any"``)
+    and a named function make it call, and ``strict`` functions bind a call's arguments to their schema: both by
+    constrained decoding, whose grammar :func:`mlxkv.server.structured_output.output_format` builds.
 
     Raises:
-        ToolRequestError: ``tool_choice`` or a tool asks for constrained decoding, or names no tool at all.
+        ToolRequestError: ``tool_choice`` forces a call without tools, or names a function that is not among them.
     """
     if tool_choice == "none":
         return False
     if tool_choice in ("required", "any") or isinstance(tool_choice, dict):
         if not tools:
             raise ToolRequestError("tool_choice needs tools", "tool_choice")
-        raise ToolRequestError(f"tool_choice {json.dumps(tool_choice)} forces a call, which needs constrained "
-                               "decoding this server does not have yet: use \"auto\" or \"none\"", "tool_choice",
-                               "unsupported_value")
-    for i, tool in enumerate(tools or ()):
-        if (tool.get("function") or {}).get("strict"):
-            raise ToolRequestError("strict function schemas need constrained decoding this server does not have "
-                                   "yet: leave strict unset or false", f"tools.{i}.function.strict",
-                                   "unsupported_value")
+        name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+        names = [(t.get("function") or {}).get("name") for t in tools]
+        if name is not None and name not in names:
+            raise ToolRequestError(f"tool_choice names the function {name!r}, which is not among the tools "
+                                   f"({', '.join(map(str, names))})", "tool_choice")
     return bool(tools)
 
 

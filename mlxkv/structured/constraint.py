@@ -117,9 +117,6 @@ class TokenConstraint:
         return (self._matcher.get_error() or "rejected").strip().splitlines()[0]
 
 
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
-
-
 @mx.compile
 def apply_words(logits: mx.array, words: mx.array) -> mx.array:
     """``logits`` (B, width) with ``-inf`` where the bit of ``words`` (B, ceil(width / 32)) uint32 is 0.
@@ -127,7 +124,9 @@ def apply_words(logits: mx.array, words: mx.array) -> mx.array:
     The masks travel as bits and are unpacked inside one compiled kernel with the select: on MLX's CPU backend
     that costs a fraction of building a (B, width) mask on the host and copying it over.
     """
-    bits = (words[:, :, None] >> _SHIFTS) & 1  # (B, words, 32)
+    # The shifts are made here, not once at import: an array built lazily on one thread's stream cannot be
+    # evaluated on another's (the batch engine samples on its own thread).
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1  # (B, words, 32)
     allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[-1]]  # (B, width)
     return mx.where(allowed.astype(mx.bool_), logits, -mx.inf)
 

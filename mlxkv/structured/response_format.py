@@ -29,6 +29,8 @@ from typing import Any
 
 #: Separators of the JSON the grammar admits (as ``json.dumps`` writes by default); no other whitespace.
 ITEM_SEPARATOR, KEY_SEPARATOR = ", ", ": "
+#: llguidance's JSON options for those separators (a schema's own ``x-guidance`` may override them).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ITEM_SEPARATOR, "key_separator": KEY_SEPARATOR}
 #: OpenAI's rule for ``json_schema.name``.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -41,20 +43,24 @@ class ResponseFormat:
     """A checked ``response_format``.
 
     Attributes:
-        kind: ``"text"``, ``"json_object"`` or ``"json_schema"``.
+        kind: ``"text"``, ``"json_object"``, ``"json_schema"``, or ``"tool_calls"`` (a grammar over tool-call
+            markup, :mod:`mlxkv.structured.tool_calls`).
         schema_text: the JSON schema as compact JSON text (keys in their order: properties are generated in
             the order the schema lists them), the cache key of its grammar; ``None`` for ``text``.
         name: ``json_schema.name`` (``None`` otherwise).
+        lark: a Lark grammar (llguidance's dialect, JSON schemas embedded as ``%json``) used instead of
+            ``schema_text``'s grammar; ``None`` for the JSON kinds.
     """
 
     kind: str
     schema_text: str | None = None
     name: str | None = None
+    lark: str | None = None
 
     @property
     def constrained(self) -> bool:
         """Whether decoding must follow a grammar (every kind but ``text``)."""
-        return self.schema_text is not None
+        return self.schema_text is not None or self.lark is not None
 
     @property
     def schema(self) -> dict | None:
@@ -63,7 +69,9 @@ class ResponseFormat:
 
     @property
     def grammar(self) -> str:
-        """The llguidance grammar of this format (compiled once per schema text)."""
+        """The llguidance grammar of this format (compiled once per schema or Lark text)."""
+        if self.lark is not None:
+            return lark_grammar_for(self.lark)
         assert self.schema_text is not None, "a text response format has no grammar"
         return grammar_for(self.schema_text)
 
@@ -152,8 +160,23 @@ def grammar_for(schema_text: str) -> str:
     """
     from llguidance import LLMatcher
 
-    options = {"whitespace_flexible": False, "item_separator": ITEM_SEPARATOR, "key_separator": KEY_SEPARATOR}
-    grammar = LLMatcher.grammar_from_json_schema(schema_text, defaults=options)
+    grammar = LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(schema_problem(messages[0]))
+    return grammar
+
+
+@lru_cache(maxsize=256)
+def lark_grammar_for(lark: str) -> str:
+    """The llguidance grammar of the Lark grammar ``lark``, checked; cached by text.
+
+    Raises:
+        ValueError: the grammar (or a JSON schema embedded in it) is invalid or uses what llguidance lacks.
+    """
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_lark(lark)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError(schema_problem(messages[0]))
