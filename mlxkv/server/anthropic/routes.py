@@ -15,19 +15,21 @@ from typing import Any, Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from mlxkv.config import SamplingDefaults
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import GenerationRequest
-from mlxkv.config import SamplingDefaults
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.anthropic.message import Reply
 from mlxkv.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mlxkv.server.anthropic.stream import message_events
-from mlxkv.server.anthropic.tool_use import ToolPlan, plan_tools
+from mlxkv.server.anthropic.tool_use import ToolPlan, anthropic_tool_error, plan_tools
 from mlxkv.server.anthropic.translate import Conversation, to_conversation
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, submit
 from mlxkv.server.prompts import PromptEncoder
-from mlxkv.server.tools import check_template_renders_tools
+from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tools import ToolRequestError, check_template_renders_tools
+from mlxkv.structured import ResponseFormat
 
 #: The app's tokenizing helper: ``tokenize(cheap, full)`` runs ``cheap`` on the event loop when the tokenizer is
 #: free (``None``: too costly there), else ``full`` on the tokenizer's worker thread.
@@ -53,12 +55,24 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
     has_template = bool(getattr(tokenizer, "chat_template", None))
     no_tools = check_template_renders_tools(tokenizer) if has_template else None
     router = APIRouter(tags=["anthropic"])
+    free_text = parse_format(None)  # the Messages API has no response_format: only tool choices constrain
 
     def continue_final(messages: list[dict[str, Any]], template: dict[str, Any]) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=False,
                                                   continue_final_message=True, **template))
 
-    async def render(body: CountTokensRequest) -> tuple[list[int], ToolPlan]:
+    async def grammar(conv: Conversation, plan: ToolPlan) -> ResponseFormat | None:
+        """The grammar a forced ``tool_choice`` (``any``, ``tool``) or ``strict`` tools impose, as on the chat
+        route (built on the tokenizer thread: it encodes the call markers and may build the grammar vocabulary)."""
+        if not needs_grammar(free_text, plan.tools, conv.tool_choice):
+            return None
+        try:
+            return await tokenize(lambda: None, lambda: output_format(tokenizer, free_text, plan.tools,
+                                                                      conv.tool_choice, parallel=plan.parallel))
+        except ToolRequestError as exc:
+            raise anthropic_tool_error(exc, conv) from None
+
+    async def render(body: CountTokensRequest) -> tuple[list[int], ToolPlan, Conversation]:
         conv: Conversation = to_conversation(body)
         if not has_template:
             raise APIError(400, "this model's tokenizer has no chat template", "no_chat_template")
@@ -72,12 +86,13 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
                                      lambda: prompts.chat(messages, **template))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
-        return ids, plan
+        return ids, plan, conv
 
     @router.post("/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API: one answer (text and tool_use blocks), whole or streamed."""
-        prompt, plan = await render(body)
+        prompt, plan, conv = await render(body)
+        fmt = await grammar(conv, plan)
         stops = tuple(body.stop_sequences or ())
 
         def build() -> GenerationRequest:
@@ -87,7 +102,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
                                     top_k=defaults.top_k if body.top_k is None else body.top_k,
                                     min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
                                     stop=stops)
-            return GenerationRequest(prompt, params)
+            return GenerationRequest(prompt, params, response_format=fmt)
 
         handle = submit(engine, build, prompt_param="messages")
         reply = Reply(tokenizer, model=model_name, max_tokens=body.max_tokens, stop_sequences=stops,

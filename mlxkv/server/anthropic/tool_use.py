@@ -3,7 +3,7 @@
 A request's conversation, already in OpenAI's chat form (:mod:`mlxkv.server.anthropic.translate`), goes through the
 same functions as a ``/v1/chat/completions`` request: :func:`~mlxkv.server.tools.tools_in_use` decides whether the
 tools are shown and the output parsed (``tool_choice`` none: neither; ``any`` / ``tool`` and ``strict`` tools are
-refused there, as on the chat route, until constrained decoding reaches the batch engine),
+enforced by the same grammars as on the chat route, :mod:`mlxkv.server.structured_output`),
 :func:`~mlxkv.server.tools.to_template_messages` and :func:`~mlxkv.server.tools.render_tools` make what the template
 reads, and a :class:`~mlxkv.server.tool_stream.ToolOutput` parses the answer. So the same conversation renders the
 same prompt on both routes.
@@ -67,14 +67,14 @@ def plan_tools(conv: Conversation, no_tools: str | None) -> ToolPlan:
         use = tools_in_use(conv.tools, conv.tool_choice)
         messages = to_template_messages(conv.messages)
     except ToolRequestError as exc:
-        raise _anthropic_error(exc, conv) from None
+        raise anthropic_tool_error(exc, conv) from None
     if no_tools and (use or conv.tool_history):
         raise APIError(400, no_tools, "tools_unsupported", "tools")
     kwargs = {"tools": render_tools(conv.tools)} if use else {}
     return ToolPlan(messages, kwargs, conv.tools if use else None, conv.parallel_tool_calls is not False)
 
 
-def _anthropic_error(exc: ToolRequestError, conv: Conversation) -> APIError:
+def anthropic_tool_error(exc: ToolRequestError, conv: Conversation) -> APIError:
     """The chat route's refusal with the Messages API's field names (``tools.0.function.strict`` is
     ``tools.0.strict`` here; a ``tool_choice`` refusal names the choice as it was sent)."""
     param = re.sub(r"^(tools\.\d+)\.function\.", r"\1.", exc.param or "") or None
