@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic (the OpenAPI spec comes from them).
 
-Fields follow OpenAI's chat and completions APIs; unknown fields are accepted and ignored, as OpenAI does.
+Fields follow OpenAI's chat and completions APIs; a field this server does not implement is refused with a 400
+naming it (OpenAI refuses unknown fields too), never accepted and ignored. ``user`` is accepted: it names the end
+user and changes no output. Message objects pass their other fields (``name``) on to the chat template.
 ``null`` means the field's default for every optional field (the server's default where ``mlxkv serve`` sets
 one). mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (prefix-cache isolation, block retention
 and scheduling; they act on the paged KV backend, the default, and are carried but unused with ``--kv-backend
@@ -90,7 +92,7 @@ class _Common(_NullIsDefault):
     """Sampling, stopping and mlxkv extension fields shared by both endpoints (``None``: not set; the server's
     default applies, see :mod:`mlxkv.server.sampling_args`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -102,7 +104,8 @@ class _Common(_NullIsDefault):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Optional[str] = Field(None, description="the end user's id (accepted; changes no output)")
+    store: Optional[Literal[False]] = Field(None, description="false only: this server stores no completions")
     presence_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     frequency_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     repetition_penalty: Optional[float] = Field(None, gt=0.0, description="mlx-lm's multiplicative penalty; 1 is off")
