@@ -290,7 +290,7 @@ def test_a_full_queue_is_a_rate_limit_error(llama_dir):
 def test_a_client_that_goes_away_cancels_its_request(server):
     cancelled = stats(server)["cancelled_total"]
     body = {"model": "m", "messages": [{"role": "user", "content": "The import statement"}], "max_tokens": 100000,
-            "stream": True}
+            "stream": True, **GREEDY}  # greedy: no early end of turn (a sampled one may end within the timeout)
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/messages", json=body) as response:
             assert response.status_code == 200
