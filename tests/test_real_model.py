@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -192,34 +191,12 @@ def _ours_n(loaded, prompt: list[int], n: int) -> list[int]:
     return list(engine.generate_tokens(prompt, SamplingParams(max_tokens=n)))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_answers_8_concurrent_greedy_requests_as_sequential_generate(reference, prompts, ours):
     """A real ``mlxkv serve`` on the GGUF: 8 requests at once (the 3 prompts, repeated, so some hit the
     prefix cache while others decode) answer what one-at-a-time generation gives."""
-    import openai
+    from testkit.serve_process import serve_process
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "-m", str(GGUF), "--dequantize", "--port",
-                             str(port), "--max-sequences", "8", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
+    with serve_process("-m", str(GGUF), "--dequantize", "--max-sequences", "8", "--log-level", "warning") as client:
         order = [0, 1, 2, 0, 1, 2, 0, 1]
 
         def ask(i: int) -> str:
@@ -228,9 +205,6 @@ def test_serve_answers_8_concurrent_greedy_requests_as_sequential_generate(refer
 
         with ThreadPoolExecutor(len(order)) as pool:
             answers = list(pool.map(ask, order))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     eos = set(ours.tokenizer.eos_token_ids)
     for i, answer in zip(order, answers):
         ref = reference("plain", i)

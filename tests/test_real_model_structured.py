@@ -11,16 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
 import pytest
 from testkit.json_schemas import random_schema
+from testkit.serve_process import serve_process
 
 GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
 pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name SmolLM2's GGUF file")
@@ -40,29 +37,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client():
-    import openai
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "-m", str(GGUF), "--dequantize", "--port",
-                             str(port), "--chat-template", TEMPLATE, "--max-sequences", "8", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
-        yield client
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with serve_process("-m", str(GGUF), "--dequantize", "--chat-template", TEMPLATE, "--max-sequences", "8",
+                       "--log-level", "warning") as c:
+        yield c
 
 
 def ask_json(client, schema, seed):

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from testkit.serve_process import serve_process
 
 GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
 pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name SmolLM2's GGUF file")
@@ -42,37 +40,11 @@ ASK = earlier_turn(1, "London") + earlier_turn(2, "Berlin") + [{"role": "user", 
 RESULT = '{"city": "Paris", "temperature_c": 21, "sky": "sunny"}'
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client():
-    import openai
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "-m", str(GGUF), "--dequantize", "--port",
-                             str(port), "--chat-template", TEMPLATE, "--max-sequences", "2", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
-        yield client
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with serve_process("-m", str(GGUF), "--dequantize", "--chat-template", TEMPLATE, "--max-sequences", "2",
+                       "--log-level", "warning") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
