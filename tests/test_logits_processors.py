@@ -20,6 +20,9 @@ from mlxkv.kv.store import CachePool
 
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((3, 9, 17, 30, 5))]
 NEW = 24
+# A log-probability taken in another float32 order (paged decode, a preempted row's re-prefill, one teacher-forced
+# forward) was seen to differ by 1.3e-5 with OpenBLAS: the bound leaves that rounding room, no more.
+LOGPROB_TOL = 1e-4
 SETTINGS = [  # one request per prompt, decoded together
     {},
     {"repetition_penalty": 1.6},
@@ -107,7 +110,7 @@ def test_preempted_rows_resume_with_their_history_and_their_logprobs_in_step(mod
     for events, prompt in zip(got, PROMPTS):
         assert all(e.logprob.token == e.token for e in events)
         forced = teacher_forced(reference_model, prompt, [e.token for e in events])
-        assert [e.logprob.logprob for e in events] == pytest.approx(forced, abs=1e-5)
+        assert [e.logprob.logprob for e in events] == pytest.approx(forced, abs=LOGPROB_TOL)
 
 
 def test_a_processor_that_reads_the_previous_token_sees_the_prompt_and_every_sampled_token(model, monkeypatch):
@@ -178,13 +181,13 @@ def test_log_probabilities_are_the_models_own_and_add_up_to_the_teacher_forced_l
         assert event.logprob.token == event.token and len(top) == 5
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
         assert top[0] == (event.token, pytest.approx(event.logprob.logprob)) and event.logprob.logprob == \
-            pytest.approx(lp, abs=1e-5)
+            pytest.approx(lp, abs=LOGPROB_TOL)
     for index in (0, 1):
         events = [e for e in sampled if e.index == index]
         tokens = [e.token for e in events]
         assert [e.logprob.top for e in events] == [()] * NEW
         assert [e.logprob.logprob for e in events] == pytest.approx(teacher_forced(reference_model, PROMPTS[2],
-                                                                                   tokens), abs=1e-5)
+                                                                                   tokens), abs=LOGPROB_TOL)
 
 
 def test_new_sampling_fields_are_validated_with_their_ranges():
