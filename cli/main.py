@@ -62,6 +62,14 @@ def _fail(message: str, verbose: bool) -> None:
     raise typer.Exit(code=1)
 
 
+def _quiet_length_warning(tokenizer) -> None:
+    """Mark transformers' "sequence length is longer than the maximum" warning as given: :func:`_check_context`
+    says it in one line of ours instead."""
+    warned = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
 def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
     """Refuse a prompt the model's context cannot hold; warn when the answer may run past the context."""
     from mlxkv.engine.batch import context_length_of
@@ -192,6 +200,7 @@ def generate(
                                 seed=seed, stop=tuple(stop or ()))
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
         remember_gguf(loaded)
+        _quiet_length_warning(loaded.tokenizer)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None)
         _check_context(loaded, len(tokens), max_tokens)
         try:
