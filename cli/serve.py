@@ -36,8 +36,8 @@ _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
 def serve(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", rich_help_panel=MODEL_PANEL,
-                                        help="Hugging Face repo id (owner/name[@revision]), local folder or GGUF file "
-                                             "(default: the demo model)."),
+                                        help="Hugging Face repo id (owner/name or owner/name@revision), local folder "
+                                             "or GGUF file (default: the demo model)."),
     revision: Optional[str] = typer.Option(None, "--revision", rich_help_panel=MODEL_PANEL,
                                            help="Branch, tag or commit of a Hugging Face repo id."),
     dequantize: bool = typer.Option(False, "--dequantize", rich_help_panel=MODEL_PANEL,
@@ -101,9 +101,11 @@ def serve(
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
                                               help="Cap on cached tokens per layer, rotating past it (dense)."),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]",
-                                          rich_help_panel=KV_PANEL, help="Quantize the KV cache to 4 or 8 bits (dense)."),
+                                          rich_help_panel=KV_PANEL,
+                                          help="Quantize the KV cache to 4 or 8 bits (dense)."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
-                                      rich_help_panel=KV_PANEL, help="Group size for KV quantization (with --kv-bits)."),
+                                      rich_help_panel=KV_PANEL,
+                                      help="Group size for KV quantization (with --kv-bits)."),
     layout: str = typer.Option("mlxkv", "--cache-layout", callback=check_cache_layout, metavar="[mlxkv|mlx-lm]",
                                rich_help_panel=KV_PANEL,
                                help="KV cache layouts: mlxkv or mlx-lm's own (dense; for comparison)."),

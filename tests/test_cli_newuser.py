@@ -63,7 +63,8 @@ def test_non_utf8_system_message_is_refused():
 
 # ---------------------------------------------------------------------------------- the model's context
 def test_a_prompt_longer_than_the_context_is_refused_in_one_line():
-    result = runner.invoke(app, ["generate", "--raw", "-n", "2", "word " * 600])  # 1200 tokens: the demo model holds 1024
+    # 1200 tokens: the demo model holds 1024
+    result = runner.invoke(app, ["generate", "--raw", "-n", "2", "word " * 600])
     line = one_line_error(result)
     assert "context of 1024 tokens" in line and result.stdout == ""
 
