@@ -130,12 +130,17 @@ def test_seed_with_sampling_is_accepted():
     assert result.exit_code == 0, result.output
 
 
-def test_a_multi_line_load_error_is_kept_whole():
-    from mlxkv.models import _one_line
+def test_a_multi_line_load_error_is_kept_whole(tmp_path, test_model_dir):
+    """transformers' error for a folder without tokenizer files runs over several lines: all of it, on one."""
+    import shutil
 
-    exc = OSError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` file,\n(2) a slow one")
-    assert _one_line(exc) == ("Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` file, "
-                              "(2) a slow one")
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(test_model_dir("llama"), folder)
+    for path in folder.iterdir():
+        if path.name.startswith(("tokenizer", "vocab", "merges")):
+            path.unlink()
+    line = one_line_error(runner.invoke(app, ["generate", "-m", str(folder), "hi"]))
+    assert "Couldn't instantiate the backend tokenizer from one of: (1)" in line and "(3)" in line
 
 
 # ---------------------------------------------------------------------------------- sizes, help, version
