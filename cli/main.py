@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from mlxkv.cli.options import (
+    FLAG,
     KV_PANEL,
     MODEL_PANEL,
     OUTPUT_PANEL,
@@ -46,7 +47,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+    show_version: bool = typer.Option(False, "--version", metavar=FLAG, callback=_version, is_eager=True,
                                       help="Print the version and exit."),
 ) -> None:
     """Local LLM inference on MLX with a first-class KV cache."""
@@ -89,17 +90,18 @@ def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
 def generate(
     ctx: typer.Context,
     prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", rich_help_panel=MODEL_PANEL,
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
                                         help="Hugging Face repo id (owner/name or owner/name@revision), local folder "
                                              "or GGUF file (default: the embedded demo model)."),
-    revision: Optional[str] = typer.Option(None, "--revision", rich_help_panel=MODEL_PANEL,
+    revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL_PANEL,
                                            help="Branch, tag or commit of a Hugging Face repo id."),
-    dequantize: bool = typer.Option(False, "--dequantize", rich_help_panel=MODEL_PANEL,
+    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                                     help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
-    chat: bool = typer.Option(False, "--chat", rich_help_panel=MODEL_PANEL,
+    chat: bool = typer.Option(False, "--chat", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                               help="Apply the chat template (the default when the tokenizer has one)."),
-    raw: bool = typer.Option(False, "--raw", rich_help_panel=MODEL_PANEL, help="Encode the prompt as it is."),
-    system: Optional[str] = typer.Option(None, callback=check_utf8, rich_help_panel=MODEL_PANEL,
+    raw: bool = typer.Option(False, "--raw", metavar=FLAG, rich_help_panel=MODEL_PANEL,
+                             help="Encode the prompt as it is."),
+    system: Optional[str] = typer.Option(None, callback=check_utf8, metavar="TEXT", rich_help_panel=MODEL_PANEL,
                                          help="System message (chat mode)."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE", callback=check_file_option,
                                                 rich_help_panel=MODEL_PANEL,
@@ -116,8 +118,8 @@ def generate(
                                 help="Min-p filter (0<=x<1); 0 disables."),
     seed: Optional[int] = typer.Option(None, rich_help_panel=SAMPLING_PANEL,
                                        help="Random seed for sampling (with --temp above 0)."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", callback=check_utf8, rich_help_panel=SAMPLING_PANEL,
-                                             help="Stop string (repeatable)."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8,
+                                             rich_help_panel=SAMPLING_PANEL, help="Stop string (repeatable)."),
     kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend, metavar="[dense|paged]",
                                    rich_help_panel=KV_PANEL,
                                    help="KV storage: dense buffers or paged blocks with prefix caching."),
@@ -131,19 +133,19 @@ def generate(
                                       help="Group size for KV quantization (with --kv-bits)."),
     kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", rich_help_panel=SPECULATIVE_PANEL,
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
                                               help="Speculative decoding with this draft model (same vocabulary)."),
-    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", rich_help_panel=SPECULATIVE_PANEL,
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
                                        help="Speculative decoding by n-gram lookup in the prompt (no draft model)."),
     num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, rich_help_panel=SPECULATIVE_PANEL,
                                          help="Tokens drafted per round."),
     ngram_size: int = typer.Option(3, "--ngram-size", min=1, rich_help_panel=SPECULATIVE_PANEL,
                                    help="N-gram length for --prompt-lookup."),
-    json_object: bool = typer.Option(False, "--json", rich_help_panel=OUTPUT_PANEL,
+    json_object: bool = typer.Option(False, "--json", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
                                      help="Constrain the output to a JSON object."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", rich_help_panel=OUTPUT_PANEL,
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
                                  help="Print speed and memory figures; tracebacks on errors."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
@@ -248,9 +250,9 @@ def generate(
 def convert(
     gguf_file: str = typer.Argument(..., help="The GGUF file to convert."),
     out_dir: str = typer.Argument(..., help="Folder to write (must not exist, or be empty)."),
-    dequantize: bool = typer.Option(False, "--dequantize",
+    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG,
                                     help="Write quantized weights unquantized (float32 on the CPU backend)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, help="Tracebacks on errors."),
 ) -> None:
     """Write a GGUF model as a Hugging Face folder (config, safetensors, tokenizer) that mlx-lm loads too."""
     from pathlib import Path

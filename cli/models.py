@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from mlxkv.cli.options import FLAG
+
 models_app = typer.Typer(no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -90,7 +92,7 @@ def models(ctx: typer.Context) -> None:
 @models_app.command("rm")
 def rm(
     model_id: str = typer.Argument(..., metavar="ID", help="A repo id (owner/name) or a GGUF path as listed."),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    yes: bool = typer.Option(False, "--yes", "-y", metavar=FLAG, help="Do not ask for confirmation."),
 ) -> None:
     """Delete a model from the Hugging Face cache, or forget a GGUF file (the file itself is kept); asks first."""
     from mlxkv import gguf_registry

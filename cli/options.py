@@ -36,6 +36,8 @@ SPECULATIVE_PANEL = "Speculative decoding"
 OUTPUT_PANEL = "Output"
 SERVER_PANEL = "Server"
 
+FLAG = " "  # metavar of on/off flags (Typer would show "<bool>", as if they took a value)
+
 # Size units: SI with B (8GB = 8e9 bytes), binary with iB or a bare letter (8GiB = 8G = 8 * 2**30 bytes).
 _SIZE_UNITS = {"": 1, "b": 1}
 for _i, _letter in enumerate("kmgt", start=1):
@@ -169,5 +171,5 @@ def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, re
 
 
 __all__ = ["one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_kv_group_size",
-           "check_log_level", "LOG_LEVELS", "parse_size", "with_revision", "check_block_size",
+           "check_log_level", "LOG_LEVELS", "FLAG", "parse_size", "with_revision", "check_block_size",
            "check_top_p", "check_min_p", "kv_config", "sampling_defaults"]

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 from mlxkv.cli.options import (
+    FLAG,
     KV_PANEL,
     MODEL_PANEL,
     SAMPLING_PANEL,
@@ -35,12 +36,12 @@ _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
 
 def serve(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m", rich_help_panel=MODEL_PANEL,
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
                                         help="Hugging Face repo id (owner/name or owner/name@revision), local folder "
                                              "or GGUF file (default: the demo model)."),
-    revision: Optional[str] = typer.Option(None, "--revision", rich_help_panel=MODEL_PANEL,
+    revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL_PANEL,
                                            help="Branch, tag or commit of a Hugging Face repo id."),
-    dequantize: bool = typer.Option(False, "--dequantize", rich_help_panel=MODEL_PANEL,
+    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                                     help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE", rich_help_panel=MODEL_PANEL,
                                                 callback=check_file_option,
@@ -67,7 +68,7 @@ def serve(
                                         help="Most requests waiting for admission; more get HTTP 429."),
     prefill_chunk_size: int = typer.Option(512, "--prefill-chunk-size", min=1, rich_help_panel=SERVER_PANEL,
                                            help="Most prompt tokens prefilled per engine step."),
-    batched_prefill: bool = typer.Option(False, "--batched-prefill", rich_help_panel=SERVER_PANEL,
+    batched_prefill: bool = typer.Option(False, "--batched-prefill", metavar=FLAG, rich_help_panel=SERVER_PANEL,
                                          help="Prefill the short prompt chunks of requests admitted together in "
                                               "one forward (checked against one-by-one at start)."),
     sse_keepalive_s: float = typer.Option(10.0, "--sse-keepalive-s", min=0.01, rich_help_panel=SERVER_PANEL,
