@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -28,7 +28,7 @@ def _not_utf8(text: str) -> Optional[str]:
     return None
 
 
-def check_utf8(value):
+def check_utf8(value: Any) -> Any:
     """A Typer callback: the option's text (or each of a repeated option's) must be valid UTF-8."""
     for item in value if isinstance(value, (list, tuple)) else [value]:
         if item is not None and (why := _not_utf8(item)):

@@ -173,6 +173,23 @@ def test_help_groups_options_into_panels_and_shows_choices(command, panels):
     assert "[4|8]" in result.output and "[32|64|128]" in result.output
 
 
+def test_serve_sizes_reach_the_kv_config(monkeypatch, tmp_path):
+    import mlxkv.server.runner
+
+    seen = []
+
+    def build(run, **kwargs):
+        seen.append(run.kv)
+        raise ValueError("stopped before the model loads")
+
+    monkeypatch.setattr(mlxkv.server.runner, "build", build)
+    result = runner.invoke(app, ["serve", "--port", "0", "--kv-cache-budget", "2GiB", "--host-cache-size", "1.5GB",
+                                 "--kv-disk-cache", str(tmp_path / "tier"), "--kv-disk-cache-size", "10G"])
+    assert result.exit_code == 1 and "stopped before the model loads" in result.stderr
+    kv = seen[0]
+    assert (kv.kv_cache_budget, kv.secondary_memory_bytes, kv.secondary_disk_bytes) == (2 << 30, 1_500_000_000, 10 << 30)
+
+
 def test_serve_help_shows_size_units():
     result = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert "--host-cache-size" in result.output and "SIZE" in result.output and "8GB" in result.output
