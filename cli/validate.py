@@ -23,8 +23,10 @@ def _not_utf8(text: str) -> Optional[str]:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raw = text[exc.start:exc.end].encode("utf-8", "surrogateescape")
-        return f"byte 0x{raw[:1].hex()} at character {exc.start} is not valid UTF-8"
+        bad = text[exc.start]
+        if "\udc80" <= bad <= "\udcff":  # an escaped byte
+            return f"byte 0x{ord(bad) - 0xDC00:02x} at character {exc.start} is not valid UTF-8"
+        return f"character U+{ord(bad):04X} at character {exc.start} is a lone surrogate, not valid UTF-8"
     return None
 
 

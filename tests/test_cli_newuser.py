@@ -48,6 +48,11 @@ def test_non_utf8_argv_is_one_line():
     assert "not UTF-8" in one_line_error(result)
 
 
+def test_a_lone_surrogate_is_one_line_too():
+    result = runner.invoke(app, ["generate", "Hi \ud800"])
+    assert "U+D800" in one_line_error(result)
+
+
 def test_non_utf8_bytes_through_a_real_pipe():
     proc = subprocess.run([sys.executable, "-m", "mlxkv", "generate", "-"], input=b"Hi \xff", capture_output=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
