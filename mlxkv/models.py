@@ -1,7 +1,7 @@
 """Model loading: a Hugging Face repo id, a local folder, a GGUF file, or the embedded demo model.
 
 Architectures, weights and tokenizers come from mlx-lm's loaders (GGUF files through :mod:`mlxkv.gguf`);
-this module resolves *where* the model is (downloading through huggingface-hub with a progress bar when
+this module resolves *where* the model is (downloading through huggingface-hub with progress on stderr when
 needed, honouring ``HF_HUB_OFFLINE`` and the local HF cache) and turns every failure into a
 :class:`ModelLoadError` with one readable line.
 """
@@ -103,7 +103,7 @@ def resolve_model_path(spec: str | None, *, progress: bool = True) -> Path:
             downloaded into the standard HF cache unless already there, optionally at a revision
             (``owner/name@rev``: a branch, tag or commit). What exists locally is a path; so is
             what only looks like one (see :func:`_looks_like_path`); anything else must be a repo id.
-        progress: show a rich progress bar while downloading.
+        progress: draw download progress bars (on stderr, :mod:`mlxkv.hub`).
 
     Raises:
         ModelLoadError: missing file or folder, malformed id, repo not cached while offline, download failure.
@@ -166,8 +166,8 @@ def _download(repo_id: str, *, progress: bool, revision: str | None = None) -> P
                                                       tqdm_class=StderrProgress if progress else NoProgress))
     except hf_errors.LocalEntryNotFoundError:
         raise ModelLoadError(
-            f"{repo_id}{'@' + revision if revision else ''} is not in the local Hugging Face cache and downloads are off or unreachable "
-            "(HF_HUB_OFFLINE or no network)"
+            f"{repo_id}{'@' + revision if revision else ''} is not in the local Hugging Face cache and downloads "
+            "are off or unreachable (HF_HUB_OFFLINE or no network)"
         ) from None
     except hf_errors.GatedRepoError:
         raise ModelLoadError(f"{repo_id} is gated: log in with `hf auth login` and accept its terms") from None
@@ -239,7 +239,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
 
     Args:
         spec: see :func:`resolve_model_path` (``None`` = embedded demo model).
-        progress: show a download progress bar.
+        progress: draw download progress bars (on stderr).
         dequantize: run quantized weights unquantized (float32 on the CPU backend, where MLX's quantized
             matmuls are far slower than BLAS: SmolLM2-135M Q4_1 prefills at ~9 tok/s quantized and ~130-160
             tok/s dequantized under OpenBLAS).
