@@ -8,13 +8,22 @@ from typing import Optional
 import typer
 
 from mlxkv.cli.options import (
+    FLAG,
+    KV_PANEL,
+    MODEL_PANEL,
+    OUTPUT_PANEL,
+    SAMPLING_PANEL,
+    SPECULATIVE_PANEL,
     check_block_size,
     check_kv_backend,
     check_kv_bits,
+    check_kv_group_size,
     check_min_p,
     check_top_p,
     kv_config,
+    with_revision,
 )
+from mlxkv.cli.validate import check_file_option, check_utf8, read_prompt, refuse_unused
 
 app = typer.Typer(
     name="mlxkv",
@@ -25,8 +34,22 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"mlxkv {version('mlxkv')}")
+        except PackageNotFoundError:
+            typer.echo("mlxkv (not installed: running from a source tree)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: bool = typer.Option(False, "--version", metavar=FLAG, callback=_version, is_eager=True,
+                                      help="Print the version and exit."),
+) -> None:
     """Local LLM inference on MLX with a first-class KV cache."""
 
 
@@ -40,62 +63,110 @@ def _fail(message: str, verbose: bool) -> None:
     raise typer.Exit(code=1)
 
 
-def _read_prompt(prompt: str) -> str:
-    if prompt == "-":
-        return sys.stdin.read()
-    return prompt
+def _quiet_length_warning(tokenizer) -> None:
+    """Mark transformers' "sequence length is longer than the maximum" warning as given: :func:`_check_context`
+    says it in one line of ours instead."""
+    warned = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
+def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse a prompt the model's context cannot hold; warn when the answer may run past the context."""
+    from mlxkv.engine.batch import context_length_of
+
+    limit = context_length_of(loaded.config)
+    if limit is None:
+        return
+    if prompt_tokens >= limit:
+        raise ValueError(f"the prompt is {prompt_tokens} tokens, but {loaded.name} has a context of {limit} tokens "
+                         "(max_position_embeddings): shorten the prompt")
+    if prompt_tokens + max_tokens > limit:
+        typer.echo(f"warning: the prompt ({prompt_tokens} tokens) and --max-tokens {max_tokens} go past the model's "
+                   f"context of {limit} tokens; text past it may degrade", err=True)
 
 
 @app.command()
 def generate(
+    ctx: typer.Context,
     prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
-    model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Hugging Face repo id, local folder or GGUF file "
-                                             "(default: the embedded demo model)."),
-    dequantize: bool = typer.Option(False, "--dequantize",
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
+                                        help="Hugging Face repo id (owner/name or owner/name@revision), local folder "
+                                             "or GGUF file (default: the embedded demo model)."),
+    revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL_PANEL,
+                                           help="Branch, tag or commit of a Hugging Face repo id."),
+    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                                     help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
-    system: Optional[str] = typer.Option(None, help="System message (chat mode)."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, help="Nucleus sampling mass (0<x<=1)."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens; 0 disables."),
-    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, help="Min-p filter (0<=x<1); 0 disables."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    chat: Optional[bool] = typer.Option(None, "--chat/--raw",
-                                        help="Apply the chat template (default: when the tokenizer has one)."),
-    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+    chat: bool = typer.Option(False, "--chat", metavar=FLAG, rich_help_panel=MODEL_PANEL,
+                              help="Apply the chat template (the default when the tokenizer has one)."),
+    raw: bool = typer.Option(False, "--raw", metavar=FLAG, rich_help_panel=MODEL_PANEL,
+                             help="Encode the prompt as it is."),
+    system: Optional[str] = typer.Option(None, callback=check_utf8, metavar="TEXT", rich_help_panel=MODEL_PANEL,
+                                         help="System message (chat mode)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE", callback=check_file_option,
+                                                rich_help_panel=MODEL_PANEL,
                                                 help="A Jinja chat template file used instead of the model's."),
-    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1,
-                                              help="Cap on cached tokens per layer (rotating past it)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits,
-                                          help="Quantize the KV cache to 4 or 8 bits."),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
-    kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend,
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, rich_help_panel=SAMPLING_PANEL,
+                                   help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, min=0.0, rich_help_panel=SAMPLING_PANEL,
+                               help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, rich_help_panel=SAMPLING_PANEL,
+                                help="Nucleus sampling mass (0<x<=1)."),
+    top_k: int = typer.Option(0, "--top-k", min=0, rich_help_panel=SAMPLING_PANEL,
+                              help="Keep the k most likely tokens; 0 disables."),
+    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, rich_help_panel=SAMPLING_PANEL,
+                                help="Min-p filter (0<=x<1); 0 disables."),
+    seed: Optional[int] = typer.Option(None, rich_help_panel=SAMPLING_PANEL,
+                                       help="Random seed for sampling (with --temp above 0)."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8,
+                                             rich_help_panel=SAMPLING_PANEL, help="Stop string (repeatable)."),
+    kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend, metavar="[dense|paged]",
+                                   rich_help_panel=KV_PANEL,
                                    help="KV storage: dense buffers or paged blocks with prefix caching."),
-    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size,
+    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
+                                              help="Cap on cached tokens per layer, rotating past it (dense; > 4)."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]",
+                                          rich_help_panel=KV_PANEL,
+                                          help="Quantize the KV cache to 4 or 8 bits (dense)."),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
+                                      rich_help_panel=KV_PANEL,
+                                      help="Group size for KV quantization (with --kv-bits)."),
+    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model",
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
                                               help="Speculative decoding with this draft model (same vocabulary)."),
-    prompt_lookup: bool = typer.Option(False, "--prompt-lookup",
+    prompt_lookup: bool = typer.Option(False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
                                        help="Speculative decoding by n-gram lookup in the prompt (no draft model)."),
-    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, help="Tokens drafted per round."),
-    ngram_size: int = typer.Option(3, "--ngram-size", min=1, help="N-gram length for --prompt-lookup."),
-    json_object: bool = typer.Option(False, "--json", help="Constrain the output to a JSON object."),
-    json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE",
+    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, rich_help_panel=SPECULATIVE_PANEL,
+                                         help="Tokens drafted per round."),
+    ngram_size: int = typer.Option(3, "--ngram-size", min=1, rich_help_panel=SPECULATIVE_PANEL,
+                                   help="N-gram length for --prompt-lookup."),
+    json_object: bool = typer.Option(False, "--json", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
+                                     help="Constrain the output to a JSON object."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory figures; tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
+                                 help="Print speed and memory figures; tracebacks on errors."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
-    if kv_group_size not in (32, 64, 128):
-        raise typer.BadParameter(f"{kv_group_size} is not one of 32, 64, 128.", param_hint="--kv-group-size")
+    if chat and raw:
+        raise typer.BadParameter("--chat and --raw exclude each other", param_hint="--chat")
+    refuse_unused(ctx, [("seed", "--seed", temp > 0),
+                        ("num_draft_tokens", "--num-draft-tokens", bool(draft_model) or prompt_lookup),
+                        ("ngram_size", "--ngram-size", prompt_lookup),
+                        ("kv_group_size", "--kv-group-size", kv_bits is not None),
+                        ("kv_block_size", "--kv-block-size", kv_backend == "paged")])
+    model = with_revision(model, revision)
     if json_object and json_schema is not None:
         raise typer.BadParameter("--json and --json-schema exclude each other.", param_hint="--json")
     structured = json_object or json_schema is not None
     if structured and (draft_model or prompt_lookup):
         _fail("structured output (--json, --json-schema) does not work with speculative decoding "
               "(--draft-model, --prompt-lookup)", verbose)
-    text = _read_prompt(prompt)
+    try:
+        text = read_prompt(prompt)
+    except ValueError as exc:
+        _fail(str(exc), verbose)
     if not text.strip():
         _fail("the prompt is empty", verbose)
     fmt = None
@@ -111,14 +182,20 @@ def generate(
         from mlxkv.config import RunConfig, SpeculativeConfig
         from mlxkv.engine.build import build_engine
         from mlxkv.engine.sampling import SamplingParams
-        from mlxkv.models import ModelLoadError, load
+        from mlxkv.models import ModelLoadError, load, resolve_model_path
         from mlxkv.prompt import encode_prompt
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
+    from mlxkv.cli.models import remember_gguf
 
+    kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                   kv_group_size=kv_group_size)
+    if draft_model:
+        try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
+            resolve_model_path(draft_model)
+        except ModelLoadError as exc:
+            _fail(f"--draft-model {draft_model}: {exc}", verbose)
     try:
-        kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                       kv_group_size=kv_group_size)
         speculative = SpeculativeConfig(draft_model=draft_model, prompt_lookup=prompt_lookup,
                                         num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags(),
@@ -126,8 +203,14 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=seed, stop=tuple(stop or ()))
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
-        tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=chat)
-        engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
+        remember_gguf(loaded)
+        _quiet_length_warning(loaded.tokenizer)
+        tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None)
+        _check_context(loaded, len(tokens), max_tokens)
+        try:
+            engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
         processors = ()
         if fmt is not None:
             from mlxkv.structured.constraint import make_constraint
@@ -167,9 +250,9 @@ def generate(
 def convert(
     gguf_file: str = typer.Argument(..., help="The GGUF file to convert."),
     out_dir: str = typer.Argument(..., help="Folder to write (must not exist, or be empty)."),
-    dequantize: bool = typer.Option(False, "--dequantize",
+    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG,
                                     help="Write quantized weights unquantized (float32 on the CPU backend)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, help="Tracebacks on errors."),
 ) -> None:
     """Write a GGUF model as a Hugging Face folder (config, safetensors, tokenizer) that mlx-lm loads too."""
     from pathlib import Path
@@ -190,7 +273,11 @@ def convert(
 from mlxkv.cli.cache import cache_app  # noqa: E402  (registered after generate: help lists generate first)
 from mlxkv.cli.serve import serve  # noqa: E402
 
+from mlxkv.cli.models import models_app  # noqa: E402
+
 app.command()(serve)
+app.add_typer(models_app, name="models", help="List the models on this machine (Hugging Face cache, GGUF files "
+                                              "used before) with sizes; rm deletes one.")
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
 
 

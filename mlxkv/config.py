@@ -16,6 +16,7 @@ KV_LAYOUTS = ("mlxkv", "mlx-lm")
 KV_BITS = (None, 4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SECONDARY_DISK_BYTES = 16 << 30  # disk tier cap when a folder is given without a size
+MAX_KV_KEEP = 4  # sink tokens a --max-kv-size window keeps at its start: the window must be larger
 
 
 def _is_int(value: object) -> bool:
@@ -93,8 +94,9 @@ class KvCacheConfig:
             raise ValueError(f"kv_bits={self.kv_bits!r}: expected one of None, 4, 8")
         if self.kv_group_size not in KV_GROUP_SIZES or isinstance(self.kv_group_size, bool):
             raise ValueError(f"kv_group_size={self.kv_group_size!r}: expected one of 32, 64, 128")
-        if self.max_kv_size is not None and (not _is_int(self.max_kv_size) or self.max_kv_size < 1):
-            raise ValueError(f"max_kv_size={self.max_kv_size!r}: expected None or an integer >= 1")
+        if self.max_kv_size is not None and (not _is_int(self.max_kv_size) or self.max_kv_size <= MAX_KV_KEEP):
+            raise ValueError(f"max_kv_size={self.max_kv_size!r}: expected None or an integer > {MAX_KV_KEEP} "
+                             f"(the window keeps {MAX_KV_KEEP} sink tokens)")
         for name in ("secondary_memory_bytes", "secondary_disk_bytes"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:

@@ -115,6 +115,13 @@ def api_key() -> str | None:
     return value or None
 
 
+def models_file() -> str:
+    """``MLXKV_MODELS_FILE``: the JSON list of GGUF files given to ``-m`` that ``mlxkv models`` shows
+    (default ``~/.cache/mlxkv/models.json``). Read at each call: it is not a hot-path flag."""
+    value = os.environ.get("MLXKV_MODELS_FILE", "").strip()
+    return os.path.expanduser(value or "~/.cache/mlxkv/models.json")
+
+
 @dataclass(frozen=True, slots=True)
 class Flags:
     """Every flag's value, parsed once (see the module doc)."""

@@ -1,7 +1,7 @@
 """Model loading: a Hugging Face repo id, a local folder, a GGUF file, or the embedded demo model.
 
 Architectures, weights and tokenizers come from mlx-lm's loaders (GGUF files through :mod:`mlxkv.gguf`);
-this module resolves *where* the model is (downloading through huggingface-hub with a progress bar when
+this module resolves *where* the model is (downloading through huggingface-hub with progress on stderr when
 needed, honouring ``HF_HUB_OFFLINE`` and the local HF cache) and turns every failure into a
 :class:`ModelLoadError` with one readable line.
 """
@@ -100,9 +100,10 @@ def resolve_model_path(spec: str | None, *, progress: bool = True) -> Path:
     Args:
         spec: ``None`` for the embedded demo model, a local folder (a Hugging Face folder, or one holding a
             single ``.gguf`` file), a ``.gguf`` file, or a Hugging Face repo id (``owner/name``) that is
-            downloaded into the standard HF cache unless already there. What exists locally is a path; so is
+            downloaded into the standard HF cache unless already there, optionally at a revision
+            (``owner/name@rev``: a branch, tag or commit). What exists locally is a path; so is
             what only looks like one (see :func:`_looks_like_path`); anything else must be a repo id.
-        progress: show a rich progress bar while downloading.
+        progress: draw download progress bars (on stderr, :mod:`mlxkv.hub`).
 
     Raises:
         ModelLoadError: missing file or folder, malformed id, repo not cached while offline, download failure.
@@ -121,11 +122,17 @@ def resolve_model_path(spec: str | None, *, progress: bool = True) -> Path:
         return _folder_model(local)
     if _looks_like_path(spec):
         raise ModelLoadError(f"model not found: no such file or folder: {spec}")
-    problem = _repo_id_problem(spec)
+    from mlxkv.hub import split_revision
+
+    try:
+        repo_id, revision = split_revision(spec)
+    except ValueError as exc:
+        raise ModelLoadError(f"model not found: {exc}") from None
+    problem = _repo_id_problem(repo_id)
     if problem is not None:
         raise ModelLoadError(f"model not found: {spec} is neither a local file or folder nor a Hugging Face "
                              f"repo id ({problem})")
-    return _download(spec, progress=progress)
+    return _download(repo_id, progress=progress, revision=revision)
 
 
 def is_gguf(path: Path) -> bool:
@@ -148,33 +155,34 @@ def _folder_model(folder: Path) -> Path:
     return folder  # _check_files says what is missing
 
 
-def _download(repo_id: str, *, progress: bool) -> Path:
+def _download(repo_id: str, *, progress: bool, revision: str | None = None) -> Path:
+    import huggingface_hub
     from huggingface_hub import errors as hf_errors
-    from huggingface_hub import snapshot_download
 
-    kwargs: dict[str, Any] = {"allow_patterns": DOWNLOAD_PATTERNS}
-    if progress:
-        from tqdm.rich import tqdm as rich_tqdm
+    from mlxkv.hub import NoProgress, StderrProgress
 
-        kwargs["tqdm_class"] = rich_tqdm
     try:
-        return Path(snapshot_download(repo_id, **kwargs))
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=DOWNLOAD_PATTERNS,
+                                                      tqdm_class=StderrProgress if progress else NoProgress))
     except hf_errors.LocalEntryNotFoundError:
         raise ModelLoadError(
-            f"{repo_id} is not in the local Hugging Face cache and downloads are off or unreachable "
-            "(HF_HUB_OFFLINE or no network)"
+            f"{repo_id}{'@' + revision if revision else ''} is not in the local Hugging Face cache and downloads "
+            "are off or unreachable (HF_HUB_OFFLINE or no network)"
         ) from None
-    except hf_errors.RepositoryNotFoundError:
-        raise ModelLoadError(f"no such repository on the Hugging Face Hub: {repo_id}") from None
     except hf_errors.GatedRepoError:
         raise ModelLoadError(f"{repo_id} is gated: log in with `hf auth login` and accept its terms") from None
+    except hf_errors.RevisionNotFoundError:
+        raise ModelLoadError(f"{repo_id} has no revision {revision!r} on the Hugging Face Hub") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise ModelLoadError(f"no such repository on the Hugging Face Hub: {repo_id}") from None
     except (OSError, hf_errors.HfHubHTTPError) as exc:
         raise ModelLoadError(f"could not download {repo_id}: {_one_line(exc)}") from None
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """The whole message of ``exc`` on one line (a multi-line message is joined, not cut after its first line)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 def _check_files(path: Path) -> dict:
@@ -231,7 +239,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
 
     Args:
         spec: see :func:`resolve_model_path` (``None`` = embedded demo model).
-        progress: show a download progress bar.
+        progress: draw download progress bars (on stderr).
         dequantize: run quantized weights unquantized (float32 on the CPU backend, where MLX's quantized
             matmuls are far slower than BLAS: SmolLM2-135M Q4_1 prefills at ~9 tok/s quantized and ~130-160
             tok/s dequantized under OpenBLAS).

@@ -26,6 +26,15 @@ def _fresh_flags():
     env.reload()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _models_list(tmp_path_factory):
+    """The list of GGUF files ``mlxkv models`` shows is the test run's own, never the user's (subprocesses too)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MLXKV_MODELS_FILE", str(tmp_path_factory.mktemp("mlxkv-home") / "models.json"))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
     """Factory ``test_model_dir(arch, seed=0) -> Path``: the folder of that test model, written on

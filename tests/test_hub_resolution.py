@@ -182,7 +182,7 @@ def downloads(monkeypatch) -> list[str]:
     """Record the repo ids handed to the downloader instead of downloading."""
     asked: list[str] = []
 
-    def fake_download(repo_id: str, *, progress: bool) -> Path:
+    def fake_download(repo_id: str, *, progress: bool, revision: str | None = None) -> Path:
         asked.append(repo_id)
         return Path("/snapshot")
 

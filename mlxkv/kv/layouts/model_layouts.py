@@ -28,14 +28,12 @@ from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
 
+from mlxkv.config import MAX_KV_KEEP
 from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
 from mlxkv.kv.layouts.dense_storage import VALID_GROUP_SIZES
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
-
-#: Sink tokens kept by full-attention layers capped with ``max_kv_size`` (as mlx-lm's make_prompt_cache).
-MAX_KV_KEEP = 4
 
 
 def _is_mla(model: Any) -> bool:

@@ -1,0 +1,96 @@
+"""Checks the parser can make before the model loads: text that is not UTF-8, options that need one another,
+and options given where they would have no effect (refused rather than silently ignored)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the parameter ``name`` (its Python name) was set on the command line or by an environment variable,
+    not left at its default."""
+    source = ctx.get_parameter_source(name)  # an enum of the click Typer runs on (by name: Typer vendors click)
+    return getattr(source, "name", None) in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _not_utf8(text: str) -> Optional[str]:
+    """Why ``text`` cannot be encoded as UTF-8, or ``None``. Python hands over undecodable argv and stdin bytes
+    as lone surrogates (``surrogateescape``); this finds them before a tokenizer fails on them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        if "\udc80" <= bad <= "\udcff":  # an escaped byte
+            return f"byte 0x{ord(bad) - 0xDC00:02x} at character {exc.start} is not valid UTF-8"
+        return f"character U+{ord(bad):04X} at character {exc.start} is a lone surrogate, not valid UTF-8"
+    return None
+
+
+def check_utf8(value: Any) -> Any:
+    """A Typer callback: the option's text (or each of a repeated option's) must be valid UTF-8."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if item is not None and (why := _not_utf8(item)):
+            raise typer.BadParameter(why)
+    return value
+
+
+def read_prompt(prompt: str) -> str:
+    """The prompt argument, or standard input for ``-``, as text.
+
+    Raises:
+        ValueError: bytes that are not UTF-8 (from stdin or the argument), in one line.
+    """
+    if prompt != "-":
+        if why := _not_utf8(prompt):
+            raise ValueError(f"the prompt is not UTF-8 text: {why}")
+        return prompt
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"standard input is not UTF-8 text: byte 0x{data[exc.start:exc.start + 1].hex()} "
+                         f"at offset {exc.start}") from None
+
+
+def check_folder_option(value: Optional[str]) -> Optional[str]:
+    """A Typer callback for an option naming a folder (created when missing): refuse an existing non-folder."""
+    if value is not None:
+        path = Path(value).expanduser()
+        if path.exists() and not path.is_dir():
+            raise typer.BadParameter(f"{value} is a file, not a folder")
+        if not path.exists() and path.parent.exists() and not path.parent.is_dir():
+            raise typer.BadParameter(f"{path.parent} is a file, not a folder")
+    return value
+
+
+def refuse_unused(ctx: typer.Context, rules: list[tuple[str, str, bool]]) -> None:
+    """Refuse options given where they do nothing: ``rules`` holds ``(parameter, flag, applies)``; a parameter set
+    by the user whose rule does not apply fails with ``flag`` and the reason in :data:`WHY`."""
+    for name, flag, applies in rules:
+        if not applies and given(ctx, name):
+            raise typer.BadParameter(WHY[name], param_hint=flag)
+
+
+#: Why an option has no effect where :func:`refuse_unused` refuses it.
+WHY = {
+    "seed": "has no effect at --temp 0 (greedy decoding draws nothing at random): raise --temp or drop --seed",
+    "num_draft_tokens": "needs a drafting mode: --draft-model or --prompt-lookup",
+    "ngram_size": "applies to --prompt-lookup only",
+    "kv_group_size": "applies to a quantized KV cache only: add --kv-bits 4 or 8",
+    "kv_block_size": "applies to the paged backend only: add --kv-backend paged",
+}
+
+
+def check_file_option(value: Optional[str]) -> Optional[str]:
+    """A Typer callback for an option naming a file that must exist."""
+    if value is not None and not Path(value).expanduser().is_file():
+        raise typer.BadParameter(f"no such file: {value}")
+    return value
+
+
+__all__ = ["given", "check_utf8", "read_prompt", "check_folder_option", "check_file_option",
+           "refuse_unused", "WHY"]
