@@ -75,7 +75,7 @@ class TierBridge:
 
     # ---- hit → restore -----------------------------------------------------------------------------
     def _valid(self, tb: TierBlock, group: int, tokens: tuple, extra: tuple) -> bool:
-        if tb.token_ids != tokens or tb.extra_digest != extra_digest(extra) or tb.layers != self._layers(group):
+        if not tb.matches(tokens, extra_digest(extra)) or tb.layers != self._layers(group):
             return False
         for j, layer in enumerate(tb.layers):
             for a, d, rows in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.k_rows),
