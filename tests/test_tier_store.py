@@ -150,7 +150,7 @@ def test_other_models_files_are_ignored_not_deleted(tmp_path, caplog):
     # the same file renamed to look like ours is still refused (fingerprint inside the header)
     foreign = _only_file(tmp_path)
     os.rename(foreign, s.path_for((0, h(1))))
-    s._lru.add((0, h(1)), 35, foreign.stat().st_size if foreign.exists() else 1)
+    s._lru.add((0, h(1)), 35, foreign.stat().st_size if foreign.exists() else 1, "")
     with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         assert s.get((0, h(1))) is None
     assert "another model" in caplog.text

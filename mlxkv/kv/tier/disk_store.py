@@ -28,12 +28,14 @@ from mlxkv.kv.tier.format import (
     decode_block,
     encode_block,
     file_size,
+    file_tenant,
     header_end,
     parse_header,
     read_prefix,
 )
 from mlxkv.kv.tier.header import TierHeader
-from mlxkv.kv.tier.host_store import Key, PriorityLRU, _check_capacity, block_key
+from mlxkv.kv.tier.host_store import Key, _check_capacity, block_key
+from mlxkv.kv.tier.quota import TenantLRU
 from mlxkv.kv.tier.seal import Seal, open_seal
 
 log = logging.getLogger("mlxkv.kv.tier")
@@ -129,11 +131,17 @@ class DiskStore:
         fingerprint: this model's fingerprint (fingerprint.py); only files with its digest are served.
         capacity_bytes: cap on the total size of this model's files.
         block_size / layout: when given, files must match (``layout``: group id -> TierBlock.layout()).
+        tenant_quota_bytes: most bytes one tenant (cache salt) keeps while others need room (quota.TenantLRU);
+            None: no quota.
     """
 
     def __init__(self, folder: str | Path, fingerprint: dict, capacity_bytes: int, *,
-                 block_size: int | None = None, layout: dict[int, tuple] | None = None):
+                 block_size: int | None = None, layout: dict[int, tuple] | None = None,
+                 tenant_quota_bytes: int | None = None):
         _check_capacity(capacity_bytes)
+        if tenant_quota_bytes is not None:
+            _check_capacity(tenant_quota_bytes)
+        self.tenant_quota_bytes = tenant_quota_bytes
         self.folder = private_folder(Path(folder))
         self.seal = open_seal(self.folder)
         self.fingerprint = fingerprint
@@ -141,7 +149,7 @@ class DiskStore:
         self.capacity_bytes = capacity_bytes
         self.block_size = block_size
         self.layout = layout
-        self._lru = PriorityLRU()
+        self._lru = TenantLRU()
         self.num_corrupt = 0
         self.num_foreign = 0
         self.num_old_format = 0
@@ -172,14 +180,14 @@ class DiskStore:
         if self.num_old_format:
             log.warning("secondary KV tier: dropped %d file(s) of an older format in %s (never readable by this "
                         "version)", self.num_old_format, self.folder)
-        for _, key, priority, size in sorted(found):  # oldest first = least recently used first
-            self._lru.add(key, priority, size)
-        victims = self._lru.victims(0, self.capacity_bytes, 100) or []
+        for _, key, priority, size, tenant in sorted(found):  # oldest first = least recently used first
+            self._lru.add(key, priority, size, tenant)
+        victims = self._lru.all.victims(0, self.capacity_bytes, 100) or []
         for key in victims:
             self._remove(key)
 
-    def _scan_one(self, path: Path) -> tuple[float, Key, int, int] | None:
-        """``(created, key, priority, size)`` of a servable file of ours; None for anything else (dropped with a
+    def _scan_one(self, path: Path) -> tuple[float, Key, int, int, str] | None:
+        """``(created, key, priority, size, tenant tag)`` of a servable file of ours; None for anything else (dropped with a
         warning when it is ours but bad, left alone when it is not ours)."""
         st = path.lstat()
         if not stat.S_ISREG(st.st_mode):
@@ -211,7 +219,7 @@ class DiskStore:
         if path != self.path_for(key):
             self._drop_file(path, "file name does not match its header")  # a copy or a rename: counted once
             return None
-        return header.created, key, header.priority, st.st_size
+        return header.created, key, header.priority, st.st_size, header.tenant_tag
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -229,6 +237,10 @@ class DiskStore:
     def by_priority(self) -> dict[int, int]:
         return self._lru.by_priority()
 
+    def by_tenant(self) -> dict[str, int]:
+        """Bytes per tenant (keyed tenant tags)."""
+        return self._lru.by_tenant()
+
     def _remove(self, key: Key) -> None:
         self._lru.remove(key)
         self.path_for(key).unlink(missing_ok=True)
@@ -240,12 +252,14 @@ class DiskStore:
         if key in self._lru:
             self._lru.touch(key)
             return True
+        inherited = None if block.parent_hash is None else self._lru.tenant((key[0], block.parent_hash))
         try:
-            data = encode_block(block, self.fingerprint, self.seal)
+            data = encode_block(block, self.fingerprint, self.seal, tenant_tag=inherited)
+            tenant = file_tenant(block, self.seal, inherited)
         except FormatError as exc:  # a block read from another folder: its clear token ids are gone
             log.warning("secondary KV tier: not writing block %s: %s", block.block_hash.hex()[:12], exc)
             return False
-        victims = self._lru.victims(len(data), self.capacity_bytes, block.priority)
+        victims = self._lru.victims(len(data), self.capacity_bytes, block.priority, tenant, self.tenant_quota_bytes)
         if victims is None:
             return False
         for k in victims:
@@ -255,7 +269,7 @@ class DiskStore:
         except OSError as exc:  # disk full, folder removed: the block is simply not kept
             log.warning("secondary KV tier: cannot write %s: %s", self.path_for(key).name, exc)
             return False
-        self._lru.add(key, block.priority, len(data))
+        self._lru.add(key, block.priority, len(data), tenant)
         assert self._lru.nbytes <= self.capacity_bytes
         return True
 

@@ -33,6 +33,7 @@ import numpy as np
 from mlxkv.kv.blocks.hashing import encode_key
 from mlxkv.kv.tier.header import MAX_HEADER_BYTES, HeaderError, TierHeader, parse_header_json
 from mlxkv.kv.tier.seal import TAG_BYTES, Seal
+from mlxkv.kv.tier.tenants import UNSALTED
 
 MAGIC = b"MLXKVBLK"
 FORMAT_VERSION = 2
@@ -95,6 +96,7 @@ class TierBlock:
     created: float = field(default_factory=time.time)  # wall-clock seconds
     seal: Seal | None = None  # set (by decode_block) on a block read from disk: the key of its tags
     tokens_tag: str | None = None  # seal.tokens_tag of the token ids, on a block read from disk
+    tenant: str | None = None  # tenants.tenant_digest (None: unknown); read from disk: seal.tenant_tag of it
 
     @property
     def nbytes(self) -> int:
@@ -113,17 +115,18 @@ class TierBlock:
                 and hmac.compare_digest(self.tokens_tag, self.seal.tokens_tag(self.block_hash, token_ids))
                 and hmac.compare_digest(self.extra_digest, self.seal.extra_tag(digest)))
 
-    def tags(self, seal: Seal) -> tuple[str, str]:
-        """``(tokens tag, extra tag)`` for a file sealed with ``seal``.
+    def tags(self, seal: Seal) -> tuple[str, str, str | None]:
+        """``(tokens tag, extra tag, tenant tag or None when unknown)`` for a file sealed with ``seal``.
 
         Raises:
             FormatError: a block read from disk under another secret (its clear values are gone).
         """
         if self.seal is None:
-            return seal.tokens_tag(self.block_hash, self.token_ids or ()), seal.extra_tag(self.extra_digest)
+            return (seal.tokens_tag(self.block_hash, self.token_ids or ()), seal.extra_tag(self.extra_digest),
+                    None if self.tenant is None else seal.tenant_tag(self.tenant))
         if self.seal is not seal or self.tokens_tag is None:
             raise FormatError("a block read from another tier folder cannot be re-sealed")
-        return self.tokens_tag, self.extra_digest
+        return self.tokens_tag, self.extra_digest, self.tenant
 
     def layout(self) -> tuple:
         """``(layers, ((shape, dtype), ...))``: what a restoring store must match."""
@@ -134,18 +137,27 @@ def _hex(h: bytes | None) -> str | None:
     return None if h is None else h.hex()
 
 
-def encode_block(block: TierBlock, fingerprint: dict, seal: Seal) -> bytes:
-    """The file bytes of ``block`` written by the model ``fingerprint``, tagged with ``seal``."""
+def file_tenant(block: TierBlock, seal: Seal, inherited: str | None = None) -> str:
+    """The tenant tag a file of ``block`` records: its own tenant's, else ``inherited`` (its parent's), else the
+    unsalted tenant's."""
+    own = block.tags(seal)[2]
+    return own or inherited or seal.tenant_tag(UNSALTED)
+
+
+def encode_block(block: TierBlock, fingerprint: dict, seal: Seal, tenant_tag: str | None = None) -> bytes:
+    """The file bytes of ``block`` written by the model ``fingerprint``, tagged with ``seal`` (``tenant_tag``:
+    the tenant tag to record when the block's own tenant is unknown; else the unsalted tenant's)."""
     specs, offset = [], 0
     for a, d in zip(block.arrays, block.dtypes):
         specs.append({"dtype": d, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes})
         offset += a.nbytes
-    tokens_tag, extra_tag = block.tags(seal)
+    tokens_tag, extra_tag, _ = block.tags(seal)
+    tenant = file_tenant(block, seal, tenant_tag)
     header = {
         "version": FORMAT_VERSION, "fingerprint": fingerprint, "group_id": block.group_id,
         "layers": list(block.layers), "arrays": specs, "payload_bytes": offset, "block_size": block.block_size,
         "block_hash": block.block_hash.hex(), "parent_hash": _hex(block.parent_hash), "tokens_tag": tokens_tag,
-        "extra_tag": extra_tag, "priority": block.priority, "created": float(block.created),
+        "extra_tag": extra_tag, "tenant_tag": tenant, "priority": block.priority, "created": float(block.created),
     }
     hb = json.dumps(header, separators=(",", ":")).encode()
     head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)) + hb
@@ -220,7 +232,7 @@ def decode_block(data: bytes, seal: Seal, fingerprint_digest: str, *, block_hash
         parent_hash=None if header.parent_hash is None else bytes.fromhex(header.parent_hash),
         group_id=header.group_id, layers=tuple(header.layers), token_ids=None, extra_digest=header.extra_tag,
         priority=header.priority, arrays=arrays, dtypes=dtypes, created=header.created, seal=seal,
-        tokens_tag=header.tokens_tag,
+        tokens_tag=header.tokens_tag, tenant=header.tenant_tag,
     )
     if block_hash is not None and block.block_hash != block_hash:
         raise FormatError("block hash differs from the requested one")

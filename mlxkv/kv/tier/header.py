@@ -69,6 +69,7 @@ class TierHeader(BaseModel):
     parent_hash: Optional[Annotated[str, Field(pattern=HEX_HASH)]]
     tokens_tag: Annotated[str, Field(pattern=HEX_TAG)]  # seal.Seal.tokens_tag: the ids are never stored
     extra_tag: Annotated[str, Field(pattern=HEX_TAG)]  # seal.Seal.extra_tag
+    tenant_tag: Annotated[str, Field(pattern=HEX_TAG)]  # seal.Seal.tenant_tag (per-tenant quota)
     priority: Annotated[int, Field(ge=0, le=100)]
     created: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 

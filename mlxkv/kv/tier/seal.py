@@ -122,6 +122,10 @@ class Seal:
         """Hex tag of a block's extra-keys digest (format.extra_digest; carries the salt)."""
         return self.tag(b"extra", extra_digest.encode()).hex()
 
+    def tenant_tag(self, tenant: str) -> str:
+        """Hex tag of a tenant id (tenants.tenant_digest): what a file keeps for the per-tenant quota."""
+        return self.tag(b"tenant", tenant.encode()).hex()
+
 
 def open_seal(folder: str | Path, *, create: bool = True) -> Seal | None:
     """:class:`Seal` over ``folder``'s secret (None when absent and not ``create``). Raises SecretError."""
