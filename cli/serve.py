@@ -74,6 +74,12 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id reported by /v1/models (default: --model)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, help="Largest request body (MB); else 413."),
+    max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100,
+                                            help="Highest KV retention priority a request may ask for (0-100); "
+                                                 "a request above it gets a 400."),
+    kv_tenant_share: float = typer.Option(0.5, "--kv-tenant-share", min=0.01, max=1.0,
+                                          help="Share of the disk KV tier one tenant (cache_salt) keeps while "
+                                               "others need room (1 = no quota)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01,
                                              help="GIL switch interval of the server process (ms): how long the "
@@ -121,7 +127,7 @@ def serve(
         kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                        kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                        host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache,
-                       disk_cache_bytes=kv_disk_cache_size)
+                       disk_cache_bytes=kv_disk_cache_size, tenant_share=kv_tenant_share)
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
         sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -130,7 +136,7 @@ def serve(
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
-                      allowed_origins=origins, keepalive_s=sse_keepalive_s)
+                      allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

@@ -144,3 +144,27 @@ def test_a_short_prompt_is_not_held_up_by_a_long_one(server):
     long = result["long"]
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
     assert "tokens" in long.json()["error"]["message"]  # refused by its token count, after tokenizing
+
+
+def test_retention_priority_above_the_server_cap_is_refused(server):
+    import openai
+
+    app = create_app(server.engine, model_name="m", max_client_priority=50)  # the same running engine
+    with ServerThread(app) as capped:
+        client = openai.OpenAI(base_url=capped.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "hi"}]
+        for retention, field in (({"token_ranges": [{"start": 0, "end": 4, "priority": 100}]},
+                                  "retention.token_ranges.0.priority"),
+                                 ({"decode_priority": 51}, "retention.decode_priority")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="m", messages=msgs, max_tokens=1, extra_body={"retention": retention})
+            body = err.value.body
+            assert body["code"] == "priority_above_cap" and body["param"] == field and "cap of 50" in body["message"]
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="m", prompt="hi", max_tokens=1,
+                                      extra_body={"retention": {"decode_priority": 90}})
+        ok = client.chat.completions.create(model="m", messages=msgs, max_tokens=1, extra_body={
+            "retention": {"token_ranges": [{"start": 0, "end": 4, "priority": 50}]}})  # at the cap: fine
+        assert ok.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(ValueError, match="max_client_priority"):
+        create_app(server.engine, model_name="m", max_client_priority=101)

@@ -32,6 +32,7 @@ from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tenancy import check_max_client_priority, check_retention
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tool_stream import ToolOutput
@@ -49,7 +50,8 @@ from mlxkv.structured import ResponseFormat
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
-               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None) -> FastAPI:
+               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
+               max_client_priority: int = 100) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -62,7 +64,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         allowed_origins: CORS origins (``*``: any); none: no CORS headers.
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
+        max_client_priority: the highest retention priority a request may ask for (above it: 400; tenancy.py).
     """
+    check_max_client_priority(max_client_priority)
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     defaults = defaults or SamplingDefaults()
@@ -145,6 +149,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_retention(body.retention, max_client_priority)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
         fmt = parse_format(body.response_format)
@@ -174,6 +179,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_retention(body.retention, max_client_priority)
         grammar = await _grammar(parse_format(body.response_format), None, None)
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
             prompt = list(body.prompt)
