@@ -77,6 +77,9 @@ def serve(
     max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100,
                                             help="Highest KV retention priority a request may ask for (0-100); "
                                                  "a request above it gets a 400."),
+    admin_key: Optional[str] = typer.Option(None, "--admin-key",
+                                            help="Key a /v1/cache/reset of every tenant's blocks needs (a reset "
+                                                 "with cache_salt drops only that tenant's); default: no key."),
     kv_tenant_share: float = typer.Option(0.5, "--kv-tenant-share", min=0.01, max=1.0,
                                           help="Share of the disk KV tier one tenant (cache_salt) keeps while "
                                                "others need room (1 = no quota)."),
@@ -136,7 +139,8 @@ def serve(
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
-                      allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority)
+                      allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
+                      admin_key=admin_key)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, AsyncIterator, Sequence, Union
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,7 +32,7 @@ from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
-from mlxkv.server.tenancy import check_max_client_priority, check_retention
+from mlxkv.server.tenancy import CacheResetRequest, check_max_client_priority, check_retention, reset_scope
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tool_stream import ToolOutput
@@ -51,7 +51,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
-               max_client_priority: int = 100) -> FastAPI:
+               max_client_priority: int = 100, admin_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -65,6 +65,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
         max_client_priority: the highest retention priority a request may ask for (above it: 400; tenancy.py).
+        admin_key: the key a whole-cache ``/v1/cache/reset`` needs (``None``: anyone may; tenancy.py); also
+            accepted wherever ``api_key`` is.
     """
     check_max_client_priority(max_client_priority)
     metrics = metrics or ServerMetrics()
@@ -95,7 +97,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     install_cors(app, allowed_origins)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key)), Depends(reject_invalid_unicode)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key, admin_key)),
+                                               Depends(reject_invalid_unicode)])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -123,8 +126,10 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         return engine.stats()
 
     @v1.post("/cache/reset")
-    async def cache_reset() -> dict:
-        return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
+    async def cache_reset(request: Request, body: Optional[CacheResetRequest] = None) -> dict:
+        salt = reset_scope(body, request, admin_key)
+        freed = await run_in_threadpool(engine.reset_cache, 60.0, salt)
+        return {"reset": True, "scope": "all" if salt is None else "tenant", **freed}
 
     # Templating and tokenizing a long prompt takes milliseconds to seconds: off the event loop (which meanwhile
     # streams other requests' tokens), one prompt at a time, while short prompts are tokenized on the loop at once
