@@ -222,3 +222,22 @@ def test_any_sealed_header_raises_only_format_error(raw):
         parse_header(sealed(seal, raw), seal)
     except FormatError:
         pass  # anything else (RecursionError, OverflowError, AttributeError, ...) fails the test
+
+
+def test_a_real_server_starts_over_a_folder_of_hostile_files(tmp_path):
+    """``mlxkv serve --kv-disk-cache DIR`` (the embedded demo model) over every hostile header above, an old-format
+    file and junk: it starts, answers, and has dropped each bad file of ours with one warning."""
+    from testkit.serve_process import serve_process
+
+    folder = tmp_path / "tier"
+    seal = DiskStore(folder, FP, 1 << 20).seal  # makes the folder and its secret, as a first run would
+    names = []
+    for i, raw in enumerate(hostile_headers(seal).values()):
+        names.append(f"{FP['digest'][:16]}-g0-{h(100 + i).hex()}.mlxkvblk")
+        (folder / names[-1]).write_bytes(sealed(seal, raw, b"\0" * 64))
+    (folder / "old.mlxkvblk").write_bytes(PREFIX.pack(MAGIC, 1, 2) + b"{}" + b"\0" * 32)
+    (folder / "notes.txt").write_text("not ours: kept")
+    with serve_process("--kv-backend", "paged", "--kv-disk-cache", str(folder), "--log-level", "warning") as client:
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
