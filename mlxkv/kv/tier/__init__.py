@@ -6,6 +6,8 @@
 - format.py: ``TierBlock`` and the verified one-file-per-block disk format;
 - host_store.py / disk_store.py: ``HostMemoryStore`` / ``DiskStore`` (byte caps, priority-LRU, atomic private
   writes, index by scan);
+- tenants.py / quota.py: a block's tenant (its chain's cache salt) and the per-tenant quota of a store;
+- listing.py: a folder's verified content for ``mlxkv cache ls`` (cycles and duplicates counted once);
 - secondary.py: ``SecondaryTier`` (priority threshold, memory → disk cascade, counters);
 - bridge.py: ``TierBridge`` (evict → offload, hit → restore for a paged backend; imports MLX).
 """

@@ -187,8 +187,8 @@ class DiskStore:
             self._remove(key)
 
     def _scan_one(self, path: Path) -> tuple[float, Key, int, int, str] | None:
-        """``(created, key, priority, size, tenant tag)`` of a servable file of ours; None for anything else (dropped with a
-        warning when it is ours but bad, left alone when it is not ours)."""
+        """``(created, key, priority, size, tenant tag)`` of a servable file of ours; None for anything else (dropped
+        with a warning when it is ours but bad, left alone when it is not ours)."""
         st = path.lstat()
         if not stat.S_ISREG(st.st_mode):
             return None  # links, folders: never ours

@@ -6,8 +6,8 @@ File layout (all integers little-endian)::
     version     u16       FORMAT_VERSION
     hlen        u32       length of the header (at most header.MAX_HEADER_BYTES)
     header      hlen      UTF-8 JSON (header.TierHeader): fingerprint, group/layer layout, dtypes, shapes,
-                          offsets, block size, block hash, parent hash, keyed tags of the token ids and of the
-                          extra-keys digest, priority, created time
+                          offsets, block size, block hash, parent hash, keyed tags of the token ids, of the
+                          extra-keys digest and of the tenant, priority, created time
     header tag  32 bytes  HMAC-SHA256 (seal.Seal, label "header") over everything before it
     payload     ...       raw array bytes, in header order (bfloat16 stored as its uint16 bit pattern)
     file tag    32 bytes  HMAC-SHA256 (label "file") over everything before it
