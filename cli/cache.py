@@ -37,93 +37,87 @@ def _folder(path: Path) -> Path:
     return path
 
 
-def _scan(folder: Path) -> tuple[list[dict], int]:
-    """Headers of our block files (with ``_size`` and ``_ok``), and the count of unreadable ones."""
-    from mlxkv.kv.tier.disk_store import read_header_file
-    from mlxkv.kv.tier.format import FILE_SUFFIX, FormatError
+def _listing(folder: Path):
+    """The folder's verified entries; one warning line per file that is not listed (never fatal)."""
+    from mlxkv.kv.tier.listing import list_folder
+    from mlxkv.kv.tier.seal import SecretError, open_seal, secret_path
 
-    entries, bad = [], 0
-    for path in sorted(folder.iterdir()):
-        if not path.name.endswith(FILE_SUFFIX) or path.name.startswith("."):
-            continue
-        try:
-            header, expected = read_header_file(path)
-            size = path.stat().st_size
-            header["_size"], header["_ok"] = size, size == expected
-            entries.append(header)
-        except (OSError, FormatError, KeyError, TypeError, ValueError):
-            bad += 1
-    return entries, bad
-
-
-def _chains(entries: list[dict]) -> list[list[dict]]:
-    """Group block headers into chains: per model and group, each root (parent not present) with the
-    blocks reachable from it through parent hashes."""
-    by_hash = {(e["fingerprint"]["digest"], e["group_id"], e["block_hash"]): e for e in entries}
-    children: dict[tuple, list[dict]] = {}
-    roots = []
-    for e in entries:
-        pkey = (e["fingerprint"]["digest"], e["group_id"], e["parent_hash"])
-        if e["parent_hash"] is not None and pkey in by_hash:
-            children.setdefault(pkey, []).append(e)
-        else:
-            roots.append(e)
-    out = []
-    for root in roots:
-        chain, stack = [], [root]
-        while stack:
-            e = stack.pop()
-            chain.append(e)
-            stack.extend(children.get((e["fingerprint"]["digest"], e["group_id"], e["block_hash"]), []))
-        out.append(chain)
-    return out
+    try:
+        seal = open_seal(folder, create=False)
+    except SecretError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    if seal is None:
+        typer.echo(f"warning: no tier secret at {secret_path(folder)}: no file can be verified", err=True)
+    listing = list_folder(folder, seal)
+    for name, why in listing.bad:
+        typer.echo(f"warning: skipping {name}: {why}", err=True)
+    return listing
 
 
 @cache_app.command("ls")
 def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> None:
-    """List the cached chains in a tier folder: blocks, tokens, priority, bytes, model, age."""
+    """List the cached chains in a tier folder: blocks, tokens, priority, bytes, model, age.
+
+    Only files verified with the folder's secret are listed; each other file gets one warning line.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    entries, bad = _scan(_folder(folder))
+    from mlxkv.kv.tier.listing import chains
+
+    listing = _listing(_folder(folder))
     table = Table(title=f"KV tier {folder}")
     for col in ("chain", "group", "blocks", "tokens", "priority", "bytes", "model", "age"):
         text = col in ("chain", "model")
         table.add_column(col, justify="left" if text else "right", no_wrap=text)
     now = time.time()
     total_blocks = total_bytes = 0
-    for chain in sorted(_chains(entries), key=lambda c: -max(e["created"] for e in c)):
-        root = chain[0]
-        fp = root["fingerprint"]
-        prios = sorted({e["priority"] for e in chain})
-        nbytes = sum(e["_size"] for e in chain)
+    for chain in sorted(chains(listing.entries), key=lambda c: -max(e.header.created for e in c)):
+        root = chain[0].header
+        fp = root.fingerprint
+        prios = sorted({e.header.priority for e in chain})
+        nbytes = sum(e.size for e in chain)
         total_blocks += len(chain)
         total_bytes += nbytes
         table.add_row(
-            root["block_hash"][:12] + ("" if all(e["_ok"] for e in chain) else " (truncated)"),
-            str(root["group_id"]), str(len(chain)), str(sum(len(e["token_ids"]) for e in chain)),
+            root.block_hash[:12] + ("" if all(e.complete for e in chain) else " (truncated)"),
+            str(root.group_id), str(len(chain)), str(sum(e.header.block_size for e in chain)),
             str(prios[0]) if len(prios) == 1 else f"{prios[0]}-{prios[-1]}", _fmt_bytes(nbytes),
-            f"{fp.get('architecture', '?')} {str(fp.get('digest', ''))[:8]}",
-            _fmt_age(now - max(e["created"] for e in chain)),
+            f"{fp.architecture} {fp.digest[:8]}", _fmt_age(now - max(e.header.created for e in chain)),
         )
     console = Console()
     console.print(table)
-    console.print(f"{total_blocks} blocks, {_fmt_bytes(total_bytes)}" + (f", {bad} unreadable file(s)" if bad else ""))
+    notes = [f"{n} unreadable file(s)" for n in (len(listing.bad),) if n]
+    notes += [f"{n} duplicate(s) not counted" for n in (listing.duplicates,) if n]
+    console.print(f"{total_blocks} blocks, {_fmt_bytes(total_bytes)}" + "".join(f", {n}" for n in notes))
 
 
 @cache_app.command("clear")
 def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
-          yes: bool = typer.Option(True, "--yes/--ask", help="Ask before deleting.")) -> None:
-    """Delete the tier's block files (and leftover temp files) in a folder; other files are left alone."""
+          yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking.")) -> None:
+    """Delete every tier block file in a folder (readable or not, of any model or format version) and leftover
+    temp files; other files are left alone. Asks for confirmation unless --yes is given."""
     from mlxkv.kv.tier.disk_store import is_tier_file, is_tier_temp
 
     folder = _folder(folder)
     ours = [p for p in sorted(folder.iterdir()) if is_tier_temp(p) or is_tier_file(p)]
-    if not yes and ours and not typer.confirm(f"delete {len(ours)} file(s) in {folder}?"):
+    if not ours:
+        typer.echo(f"no tier files in {folder}")
+        return
+    if not yes and not typer.confirm(f"delete {len(ours)} file(s) in {folder}?"):
+        typer.echo("nothing deleted")
         raise typer.Exit(code=1)
+    removed = 0
     for p in ours:
-        p.unlink(missing_ok=True)
-    typer.echo(f"removed {len(ours)} file(s) from {folder}")
+        try:
+            p.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass  # removed meanwhile (a running server evicting it)
+        except OSError as exc:
+            typer.echo(f"warning: cannot remove {p.name}: {exc}", err=True)
+    typer.echo(f"removed {removed} file(s) from {folder}")
 
 
 def _rate(x) -> str:

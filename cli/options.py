@@ -84,12 +84,13 @@ def check_min_p(value: float) -> float:
 _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir": "--kv-disk-cache",
              "secondary_memory_bytes": "--host-cache-size", "kv_cache_budget": "--kv-cache-budget",
              "block_size": "--kv-block-size", "max_kv_size": "--max-kv-size", "kv_bits": "--kv-bits",
-             "kv_group_size": "--kv-group-size", "layout": "--cache-layout", "backend": "--kv-backend"}
+             "kv_group_size": "--kv-group-size", "secondary_tenant_share": "--kv-tenant-share",
+             "layout": "--cache-layout", "backend": "--kv-backend"}
 
 
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
-              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0) -> Any:
+              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0, tenant_share: float = 0.5) -> Any:
     """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
 
     Raises:
@@ -114,7 +115,7 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
         return KvCacheConfig(backend=backend, block_size=block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                              kv_group_size=kv_group_size, layout=layout, kv_cache_budget=budget or "auto",
                              secondary_memory_bytes=host_cache_bytes, secondary_disk_dir=disk_cache_dir,
-                             secondary_disk_bytes=disk_cache_bytes)
+                             secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share)
     except ValueError as exc:
         raise typer.BadParameter(_flag_names(str(exc))) from None
 

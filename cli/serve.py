@@ -76,6 +76,15 @@ def serve(
                                                "keep-alive comment is sent."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, rich_help_panel=SERVER_PANEL,
                                       help="Largest request body in MB; larger ones get HTTP 413."),
+    max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100, rich_help_panel=SERVER_PANEL,
+                                            help="Highest KV retention priority a request may ask for (0-100); "
+                                                 "a request above it gets a 400."),
+    admin_key: Optional[str] = typer.Option(None, "--admin-key", rich_help_panel=SERVER_PANEL,
+                                            help="Key a /v1/cache/reset of every tenant's blocks needs (a reset "
+                                                 "with cache_salt drops only that tenant's); default: no key."),
+    kv_tenant_share: float = typer.Option(0.5, "--kv-tenant-share", min=0.01, max=1.0, rich_help_panel=KV_PANEL,
+                                          help="Share of the disk KV tier one tenant (cache_salt) keeps while "
+                                               "others need room (1 = no quota)."),
     log_level: str = typer.Option("info", "--log-level", callback=check_log_level, rich_help_panel=SERVER_PANEL,
                                   metavar="[critical|error|warning|info|debug|trace]", help="uvicorn log level."),
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01, rich_help_panel=SERVER_PANEL,
@@ -144,7 +153,8 @@ def serve(
     key = api_key or flags.api_key
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
-                   host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size)
+                   host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
+                   tenant_share=kv_tenant_share)
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)
@@ -173,7 +183,8 @@ def serve(
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
-                      allowed_origins=origins, keepalive_s=sse_keepalive_s)
+                      allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
+                      admin_key=admin_key)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         typer.echo(f"error: {exc}", err=True)

@@ -42,6 +42,8 @@ class KvCacheConfig:
     secondary_disk_dir: paged only: folder for the on-disk secondary tier (None = none); survives restarts.
     secondary_disk_bytes: paged only: byte cap of the on-disk tier (needs secondary_disk_dir; 0 with a folder
         means DEFAULT_SECONDARY_DISK_BYTES, 16 GiB).
+    secondary_tenant_share: share of the disk tier one tenant (cache salt) keeps while others need room, in
+        (0, 1] (1: no quota); a tenant alone may still fill it.
     """
 
     backend: str = "dense"
@@ -60,6 +62,7 @@ class KvCacheConfig:
     secondary_memory_bytes: int = 0
     secondary_disk_dir: str | None = None
     secondary_disk_bytes: int = 0
+    secondary_tenant_share: float = 0.5
     layout: str = "mlxkv"
 
     def __post_init__(self) -> None:
@@ -106,6 +109,9 @@ class KvCacheConfig:
             raise ValueError(f"secondary_disk_dir={d!r}: expected None or a non-empty folder path")
         if self.secondary_disk_bytes and d is None:
             raise ValueError("secondary_disk_bytes needs secondary_disk_dir (the folder for the disk tier)")
+        t = self.secondary_tenant_share
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+            raise ValueError(f"secondary_tenant_share={t!r}: expected a number in (0, 1] (1 = no per-tenant quota)")
 
     @property
     def secondary_enabled(self) -> bool:

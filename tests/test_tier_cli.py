@@ -42,7 +42,7 @@ def test_clear_removes_only_our_files(tmp_path):
     fill(tmp_path)
     (tmp_path / "notes.txt").write_text("keep me")
     (tmp_path / "fake.mlxkvblk").write_bytes(b"not our magic at all")
-    result = runner.invoke(cache_app, ["clear", str(tmp_path)])
+    result = runner.invoke(cache_app, ["clear", str(tmp_path), "--yes"])
     assert result.exit_code == 0 and "removed 5 file(s)" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.mlxkvblk", "notes.txt"]
     assert len(DiskStore(tmp_path, FP, 1 << 20)) == 0

@@ -20,6 +20,7 @@ from mlxkv.kv.tier import (
     FormatError,
     HostMemoryStore,
     SecondaryTier,
+    Seal,
     TierBlock,
     decode_block,
     encode_block,
@@ -30,6 +31,7 @@ from mlxkv.kv.tier.format import extra_digest, to_host, to_mx
 FP = make_fingerprint("llama", "sample", "a" * 64)
 OTHER_FP = make_fingerprint("llama", "sample", "b" * 64)
 B = 4
+SEAL = Seal(b"k" * 32)
 
 
 def h(i: int) -> bytes:
@@ -53,10 +55,13 @@ def make_block(i: int, priority: int = 35, layers=(0, 1), heads=2, dim=8, dtype=
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_encode_decode_round_trip_is_exact(dtype):
     block = make_block(3, priority=80, dtype=dtype)
-    back = decode_block(encode_block(block, FP), FP["digest"], block_hash=h(3), block_size=B, layout=block.layout())
-    assert (back.block_hash, back.parent_hash, back.group_id, back.layers, back.token_ids, back.priority,
-            back.extra_digest, back.created) == (block.block_hash, block.parent_hash, block.group_id, block.layers,
-                                                 block.token_ids, block.priority, block.extra_digest, block.created)
+    back = decode_block(encode_block(block, FP, SEAL), SEAL, FP["digest"], block_hash=h(3), block_size=B,
+                        layout=block.layout())
+    assert (back.block_hash, back.parent_hash, back.group_id, back.layers, back.priority, back.created) == (
+        block.block_hash, block.parent_hash, block.group_id, block.layers, block.priority, block.created)
+    assert back.token_ids is None and back.matches(block.token_ids, block.extra_digest)  # tokens only as a tag
+    assert not back.matches(block.token_ids[:-1] + (999,), block.extra_digest)
+    assert not back.matches(block.token_ids, extra_digest((("s", "another tenant"),)))
     for a, b, da, db in zip(block.arrays, back.arrays, block.dtypes, back.dtypes):
         x, y = to_mx(a, da), to_mx(b, db)
         assert x.dtype == y.dtype == getattr(mx, dtype)
@@ -65,14 +70,15 @@ def test_encode_decode_round_trip_is_exact(dtype):
 
 def test_decode_rejects_every_kind_of_damage():
     block = make_block(1)
-    data = encode_block(block, FP)
-    ok = decode_block(data, FP["digest"])
-    assert ok.token_ids == block.token_ids
+    data = encode_block(block, FP, SEAL)
+    ok = decode_block(data, SEAL, FP["digest"])
+    assert ok.matches(block.token_ids, block.extra_digest)
     bad = {
         "truncated": data[:-1],
         "truncated header": data[:20],
         "padded": data + b"\0",
-        "other model": encode_block(block, OTHER_FP),
+        "other model": encode_block(block, OTHER_FP, SEAL),
+        "other secret": encode_block(block, FP, Seal(b"x" * 32)),
     }
     for pos in (3, 12, 40, len(data) // 2, len(data) - 40, len(data) - 1):  # magic, header, payload, checksum
         flipped = bytearray(data)
@@ -80,14 +86,14 @@ def test_decode_rejects_every_kind_of_damage():
         bad[f"flip {pos}"] = bytes(flipped)
     for name, raw in bad.items():
         with pytest.raises(FormatError):
-            decode_block(raw, FP["digest"])
+            decode_block(raw, SEAL, FP["digest"])
         assert name  # every damaged variant raised
     with pytest.raises(FormatError, match="hash"):
-        decode_block(data, FP["digest"], block_hash=h(2))
+        decode_block(data, SEAL, FP["digest"], block_hash=h(2))
     with pytest.raises(FormatError, match="block size"):
-        decode_block(data, FP["digest"], block_size=8)
+        decode_block(data, SEAL, FP["digest"], block_size=8)
     with pytest.raises(FormatError, match="layout"):
-        decode_block(data, FP["digest"], layout=make_block(1, layers=(0,)).layout())
+        decode_block(data, SEAL, FP["digest"], layout=make_block(1, layers=(0,)).layout())
 
 
 def test_disk_store_persists_across_restart(tmp_path):
@@ -100,7 +106,7 @@ def test_disk_store_persists_across_restart(tmp_path):
     assert s2.by_priority() == {40: 1, 41: 1, 42: 1}
     for b in blocks:
         got = s2.get((0, b.block_hash))
-        assert got is not None and got.token_ids == b.token_ids
+        assert got is not None and got.matches(b.token_ids, b.extra_digest)
         assert all(np.array_equal(x, y) for x, y in zip(got.arrays, b.arrays))
 
 
@@ -144,7 +150,7 @@ def test_other_models_files_are_ignored_not_deleted(tmp_path, caplog):
     # the same file renamed to look like ours is still refused (fingerprint inside the header)
     foreign = _only_file(tmp_path)
     os.rename(foreign, s.path_for((0, h(1))))
-    s._lru.add((0, h(1)), 35, foreign.stat().st_size if foreign.exists() else 1)
+    s._lru.add((0, h(1)), 35, foreign.stat().st_size if foreign.exists() else 1, "")
     with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         assert s.get((0, h(1))) is None
     assert "another model" in caplog.text
@@ -214,7 +220,7 @@ def test_caps_never_exceeded_under_random_workload(tmp_path_factory, ops, mem_ca
             tier.offload(make_block(i, priority=prio, layers=tuple(range(nlayers))))
         else:
             got = tier.take((0, h(i)))
-            assert got is None or got.token_ids == tuple(range(i * B, (i + 1) * B))
+            assert got is None or got.matches(tuple(range(i * B, (i + 1) * B)), extra_digest(()))
         assert tier.memory.nbytes <= mem_cap and tier.disk.nbytes <= disk_cap
         on_disk = sum(p.stat().st_size for p in folder.iterdir())
         assert on_disk == tier.disk.nbytes

@@ -176,14 +176,15 @@ class BatchEngine:
         snap["alive"] = self.alive
         return snap
 
-    def reset_cache(self, timeout: float = 60.0) -> dict:
+    def reset_cache(self, timeout: float = 60.0, salt: str | None = None) -> dict:
         """Drop reusable cached state: the prefix cache's unreferenced blocks (paged) and MLX's buffer cache.
 
-        Blocks held by running sequences stay. Returns what was cleared:
+        Blocks held by running sequences stay; with ``salt`` only the blocks of prompts sent with that cache salt
+        go. Returns what was cleared:
         ``{"mlx_cache_bytes_freed": ..., "prefix_cache_blocks_freed": ...}``.
         """
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("reset", future))
+        self._inbox.put(("reset", (future, salt)))
         return future.result(timeout)
 
     # ---- engine thread -------------------------------------------------------------------------------------
@@ -265,11 +266,12 @@ class BatchEngine:
             if kind == "submit":
                 self._scheduler.add(payload)
             elif kind == "reset":
-                blocks = self.pool.evict_cached()  # cached blocks no sequence holds
+                future, salt = payload
+                blocks = self.pool.evict_cached(salt)  # cached blocks no sequence holds
                 self._kv_stats_at = 0.0  # republish at once
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
-                payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
+                future.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
             elif kind == "stop":
                 self._running = False
             try:

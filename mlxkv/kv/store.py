@@ -354,13 +354,18 @@ class CachePool:
         """Whether verified blocks are kept for later prefix hits (paged, and a model without recurrent layers)."""
         return self.paged is not None and self.paged.manager.pool.enable_caching
 
-    def evict_cached(self) -> int:
+    def evict_cached(self, salt: str | None = None) -> int:
         """Drop every cached block no sequence holds (to the secondary tier when one takes it); returns how many
-        (dense: 0)."""
+        (dense: 0). ``salt``: only the blocks of chains begun under that cache salt; None: every block."""
         if self.paged is None:
             return 0
         pool = self.paged.manager.pool
-        return pool.evict_cached(pool.stats().evictable)
+        if salt is None:
+            return pool.evict_cached(pool.stats().evictable)
+        from mlxkv.kv.tier.tenants import chain_tenant, tenant_digest
+
+        tenant = tenant_digest(salt)
+        return pool.evict_cached(pool.stats().evictable, where=lambda b: chain_tenant(pool, b) == tenant)
 
     def block_stats(self) -> dict:
         """The block pool's figures for stats and metrics (paged; dense: empty)."""

@@ -8,11 +8,9 @@ drops at its next step, releasing the sequences.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from typing import Any, AsyncIterator, Callable, Sequence, Union
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
-import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -28,14 +26,17 @@ from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, submit
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
-from mlxkv.server.prompts import CHEAP_CHARS, PromptEncoder
+from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tenancy import CacheResetRequest, check_max_client_priority, check_retention, reset_scope
 from mlxkv.server.token_text import TokenText
+from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tool_stream import ToolOutput
+from mlxkv.server.unicode_guard import reject_invalid_unicode
 from mlxkv.server.tools import (
     ToolRequestError,
     check_template_renders_tools,
@@ -49,7 +50,8 @@ from mlxkv.structured import ResponseFormat
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
-               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None) -> FastAPI:
+               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
+               max_client_priority: int = 100, admin_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -62,12 +64,17 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         allowed_origins: CORS origins (``*``: any); none: no CORS headers.
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
+        max_client_priority: the highest retention priority a request may ask for (above it: 400; tenancy.py).
+        admin_key: the key a whole-cache ``/v1/cache/reset`` needs (``None``: anyone may; tenancy.py); also
+            accepted wherever ``api_key`` is.
     """
+    check_max_client_priority(max_client_priority)
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     defaults = defaults or SamplingDefaults()
     tokenizer = engine.tokenizer
-    prompts = PromptEncoder(tokenizer)  # a long shared system prompt is tokenized once
+    lanes = TokenizerLanes(tokenizer, engine.context_length)
+    prompts = PromptEncoder(tokenizer, loop_tokenizer=lanes.loop_tokenizer)  # a long shared system prompt: once
     token_text = TokenText(tokenizer)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
     vocab = min((v for v in (_vocab_size(tokenizer), engine.vocab_size) if v is not None), default=None)
@@ -90,7 +97,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     install_cors(app, allowed_origins)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key, admin_key)),
+                                               Depends(reject_invalid_unicode)])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -118,29 +126,20 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         return engine.stats()
 
     @v1.post("/cache/reset")
-    async def cache_reset() -> dict:
-        return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
+    async def cache_reset(request: Request, body: Optional[CacheResetRequest] = None) -> dict:
+        salt = reset_scope(body, request, admin_key)
+        freed = await run_in_threadpool(engine.reset_cache, 60.0, salt)
+        return {"reset": True, "scope": "all" if salt is None else "tenant", **freed}
 
-    # Templating and tokenizing a long prompt takes milliseconds (~6 ms for 4K tokens here): off the event loop,
-    # which meanwhile streams other requests' tokens, one prompt at a time (a tokenizer shared across threads
-    # is not safe to call concurrently). A cheap one (see PromptEncoder.chat_if_cheap) is tokenized on the loop
-    # when no thread is tokenizing: the hop to a thread and back costs more than the work under load.
-    tokenizer_limiter = anyio.CapacityLimiter(1)
-    tokenizer_lock = threading.Lock()
+    # Templating and tokenizing a long prompt takes milliseconds to seconds: off the event loop (which meanwhile
+    # streams other requests' tokens), one prompt at a time, while short prompts are tokenized on the loop at once
+    # (tokenizing.py). A prompt too long for the context by its characters alone is refused before either.
+    _tokenize = lanes.tokenize
 
-    def _locked(fn: Callable[[], Any]) -> Any:
-        with tokenizer_lock:
-            return fn()
-
-    async def _tokenize(cheap: Callable[[], list[int] | None], full: Callable[[], list[int]]) -> list[int]:
-        if tokenizer_lock.acquire(blocking=False):
-            try:
-                ids = cheap()
-            finally:
-                tokenizer_lock.release()
-            if ids is not None:
-                return ids
-        return await anyio.to_thread.run_sync(_locked, full, limiter=tokenizer_limiter)
+    def _check_chars(chars: int, param: str) -> None:
+        problem = lanes.check_chars(chars)
+        if problem is not None:
+            raise APIError(400, problem, "context_length_exceeded", param)
 
     async def _grammar(fmt: ResponseFormat, tools: list[dict] | None, tool_choice: Any,
                        parallel: bool = True) -> ResponseFormat | None:
@@ -149,14 +148,13 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         if not needs_grammar(fmt, tools, tool_choice):
             return None
         try:
-            return await anyio.to_thread.run_sync(
-                _locked, lambda: output_format(tokenizer, fmt, tools, tool_choice, parallel=parallel),
-                limiter=tokenizer_limiter)
+            return await lanes.on_worker(lambda: output_format(tokenizer, fmt, tools, tool_choice, parallel=parallel))
         except ToolRequestError as exc:
             raise APIError(400, exc.message, exc.code, exc.param) from None
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_retention(body.retention, max_client_priority)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
         fmt = parse_format(body.response_format)
@@ -174,6 +172,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         kwargs = template_kwargs(body, defaults)
         if use_tools:
             kwargs["tools"] = render_tools(tools)
+        _check_chars(content_chars(messages), "messages")
         try:
             prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages, **kwargs),
                                      lambda: prompts.chat(messages, **kwargs))
@@ -185,6 +184,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_retention(body.retention, max_client_priority)
         grammar = await _grammar(parse_format(body.response_format), None, None)
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
             prompt = list(body.prompt)
@@ -192,8 +192,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
         else:
             text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-            prompt = await _tokenize(lambda: list(tokenizer.encode(text)) if len(text) <= CHEAP_CHARS else None,
-                                     lambda: list(tokenizer.encode(text)))
+            _check_chars(len(text), "prompt")
+            prompt = await _tokenize(lambda: prompts.encode_if_cheap(text), lambda: list(tokenizer.encode(text)))
         return await _generate(request, body, prompt, chat=False, grammar=grammar)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
@@ -219,7 +219,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, handle, builder, outputs)
 
-    v1.include_router(anthropic_router(engine, prompts, _tokenize, model_name=model_name, keepalive_s=keepalive_s,
+    v1.include_router(anthropic_router(engine, prompts, lanes, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults))
     app.include_router(v1)
     return app

@@ -48,14 +48,18 @@ class PromptEncoder:
 
     Args:
         tokenizer: mlx-lm's ``TokenizerWrapper`` (or a transformers tokenizer) with a chat template.
+        loop_tokenizer: the tokenizer :meth:`chat_if_cheap` and :meth:`encode_if_cheap` use (a private copy
+            for the event loop, see :class:`TokenizerLanes`); ``tokenizer`` itself when not given.
 
     Attributes:
         memo_on: False once the identity failed for some head (every prompt is then encoded whole).
         hits: prompts whose head came from the memo.
     """
 
-    def __init__(self, tokenizer: Any, *, min_head_chars: int = MIN_HEAD_CHARS, entries: int = MEMO_ENTRIES):
+    def __init__(self, tokenizer: Any, *, loop_tokenizer: Any = None, min_head_chars: int = MIN_HEAD_CHARS,
+                 entries: int = MEMO_ENTRIES):
         self.tokenizer = tokenizer
+        self.loop_tokenizer = tokenizer if loop_tokenizer is None else loop_tokenizer
         self.min_head_chars = min_head_chars
         self.entries = entries
         self.memo_on = True
@@ -77,22 +81,24 @@ class PromptEncoder:
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
+        return self._chat(self.tokenizer, messages, template_kwargs)
+
+    def _chat(self, tok: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         if not self.memo_on or not self._specials or len(messages) < 2:
-            return self._whole(messages, template_kwargs)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  **template_kwargs)
-        split = self._split(text, messages, template_kwargs)
+            return self._whole(tok, messages, template_kwargs)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        split = self._split(tok, text, messages, template_kwargs)
         if split is None:
-            return self._whole(messages, template_kwargs)
+            return self._whole(tok, messages, template_kwargs)
         head, special, tail = text[:split[0]], split[1], text[split[0]:]
         seen, ids = self._look_up(head)
         if ids is not None:
-            return self._with_head(ids, special, tail)
-        whole = self._whole(messages, template_kwargs)
+            return self._with_head(tok, ids, special, tail)
+        whole = self._whole(tok, messages, template_kwargs)
         if not seen:  # a head met once costs nothing extra; the second time it is checked and remembered
             return whole
-        ids = self._encode(head)
-        if ids + self._encode(special + tail)[1:] != whole:
+        ids = self._encode(tok, head)
+        if ids + self._encode(tok, special + tail)[1:] != whole:
             self.memo_on = False
             log.warning("a chat prompt did not tokenize as its pieces: prompts are tokenized whole from now on")
             return whole
@@ -109,14 +115,14 @@ class PromptEncoder:
         Raises:
             Exception: whatever the chat template raises for these messages.
         """
+        tok = self.loop_tokenizer
         total = _chars(messages, template_kwargs)
         if total <= CHEAP_CHARS:
-            return self.chat(messages, **template_kwargs)
+            return self._chat(tok, messages, template_kwargs)
         if not self.memo_on or not self._specials or len(messages) < 2 or total > CHEAP_RENDER_CHARS:
             return None
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  **template_kwargs)
-        split = self._split(text, messages, template_kwargs)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        split = self._split(tok, text, messages, template_kwargs)
         if split is None or len(text) - split[0] > CHEAP_CHARS:
             return None
         head = text[:split[0]]
@@ -124,12 +130,17 @@ class PromptEncoder:
             ids = self._heads.get(head)
             if ids is not None:
                 self._heads.move_to_end(head)  # most recently used
-        return None if ids is None else self._with_head(ids, split[1], text[split[0]:])
+        return None if ids is None else self._with_head(tok, ids, split[1], text[split[0]:])
 
-    def _with_head(self, ids: list[int], special: str, tail: str) -> list[int]:
+    def encode_if_cheap(self, text: str) -> list[int] | None:
+        """``tokenizer.encode(text)`` (a completion prompt) when ``text`` has at most ``CHEAP_CHARS`` characters,
+        else None."""
+        return list(self.loop_tokenizer.encode(text)) if len(text) <= CHEAP_CHARS else None
+
+    def _with_head(self, tok: Any, ids: list[int], special: str, tail: str) -> list[int]:
         """A memoized head's ``ids`` and the tail's (encoded after the head's last special token ``special``)."""
         self.hits += 1
-        return ids + self._encode(special + tail)[1:]
+        return ids + self._encode(tok, special + tail)[1:]
 
     def _look_up(self, head: str) -> tuple[bool, list[int] | None]:
         """Whether ``head`` was met before and its ids (None: not checked yet); it becomes the most recently used
@@ -143,19 +154,19 @@ class PromptEncoder:
                 self._heads.popitem(last=False)
         return seen, ids
 
-    def _whole(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
+    def _whole(self, tok: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def _encode(self, tok: Any, text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False))
 
-    def _split(self, text: str, messages: list[dict[str, Any]],
+    def _split(self, tok: Any, text: str, messages: list[dict[str, Any]],
                template_kwargs: dict[str, Any]) -> tuple[int, str] | None:
         """``(end, token)``: the last special token within the rendering of the messages before the last one (when
         the whole text starts with that rendering), if the head up to it is long enough to memoize; else None."""
         try:
-            earlier = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False,
-                                                         **template_kwargs)
+            earlier = tok.apply_chat_template(messages[:-1], add_generation_prompt=False, tokenize=False,
+                                              **template_kwargs)
         except Exception:  # noqa: BLE001 - a template may refuse a conversation that ends early
             return None
         if len(earlier) < self.min_head_chars or not text.startswith(earlier):

@@ -318,14 +318,15 @@ class BlockPool:
             self._free.remove(block)
             self._push_free(block, now)
 
-    def evict_cached(self, n: int) -> int:
-        """Evict up to ``n`` free cached blocks in eviction order; returns how many."""
+    def evict_cached(self, n: int, where: Callable[[KVCacheBlock], bool] | None = None) -> int:
+        """Evict up to ``n`` free cached blocks in eviction order (only those ``where`` accepts, every one judged
+        before any is evicted); returns how many."""
         self._expire_priorities()
         victims = []
         for block in self._free:
             if len(victims) >= n:
                 break
-            if block.cached:
+            if block.cached and (where is None or where(block)):
                 victims.append(block)
         for block in victims:
             self._evict(block)

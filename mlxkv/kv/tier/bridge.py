@@ -24,6 +24,7 @@ from mlxkv.kv.blocks import KVCacheBlock
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
 from mlxkv.kv.tier.secondary import SecondaryTier
+from mlxkv.kv.tier.tenants import chain_tenant
 
 
 class TierBridge:
@@ -70,12 +71,12 @@ class TierBridge:
         self.tier.offload(TierBlock(
             block_hash=h, parent_hash=None if parent is None else parent.block_hash, group_id=block.group_id,
             layers=layers, token_ids=tuple(block.token_ids), extra_digest=extra_digest(block.extra_keys),
-            priority=priority, arrays=arrays, dtypes=dtypes,
+            priority=priority, arrays=arrays, dtypes=dtypes, tenant=chain_tenant(self.pool, block),
         ))
 
     # ---- hit → restore -----------------------------------------------------------------------------
     def _valid(self, tb: TierBlock, group: int, tokens: tuple, extra: tuple) -> bool:
-        if tb.token_ids != tokens or tb.extra_digest != extra_digest(extra) or tb.layers != self._layers(group):
+        if not tb.matches(tokens, extra_digest(extra)) or tb.layers != self._layers(group):
             return False
         for j, layer in enumerate(tb.layers):
             for a, d, rows in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.k_rows),
@@ -173,7 +174,8 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
                 model_path: str | None = None) -> TierBridge | None:
     """A TierBridge for ``backend`` with a host-memory store (``memory_bytes`` > 0) and/or a disk store
     (``disk_dir`` with ``disk_bytes`` > 0); None when neither is asked for. The offload threshold is the
-    backend config's ``secondary_offload_min_priority``; the model fingerprint comes from ``model_path``
+    backend config's ``secondary_offload_min_priority``, the disk tier's per-tenant quota its
+    ``secondary_tenant_share``; the model fingerprint comes from ``model_path``
     (config.json + safetensors metadata) or, without one, from a sample of the weights.
 
     Raises:
@@ -191,7 +193,9 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
     memory = HostMemoryStore(memory_bytes) if memory_bytes > 0 else None
     disk = None
     if use_disk:
+        share = backend.config.secondary_tenant_share
         disk = DiskStore(disk_dir, fingerprint_model(backend.model, model_path), disk_bytes,
-                         block_size=backend.block_size)
+                         block_size=backend.block_size,
+                         tenant_quota_bytes=None if share >= 1 else int(disk_bytes * share))
     tier = SecondaryTier(backend.config.secondary_offload_min_priority, memory=memory, disk=disk)
     return TierBridge(backend, tier)

@@ -2,22 +2,27 @@
 
 File layout (all integers little-endian)::
 
-    magic    8 bytes   b"MLXKVBLK"
-    version  u16       FORMAT_VERSION
-    hlen     u32       length of the header
-    header   hlen      UTF-8 JSON: fingerprint, group/layer layout, dtypes, shapes, offsets, block size,
-                       block hash, parent hash, token ids, extra-keys digest, priority, created time
-    payload  ...       raw array bytes, in header order (bfloat16 stored as its uint16 bit pattern)
-    checksum 32 bytes  sha256 over everything before it
+    magic       8 bytes   b"MLXKVBLK"
+    version     u16       FORMAT_VERSION
+    hlen        u32       length of the header (at most header.MAX_HEADER_BYTES)
+    header      hlen      UTF-8 JSON (header.TierHeader): fingerprint, group/layer layout, dtypes, shapes,
+                          offsets, block size, block hash, parent hash, keyed tags of the token ids, of the
+                          extra-keys digest and of the tenant, priority, created time
+    header tag  32 bytes  HMAC-SHA256 (seal.Seal, label "header") over everything before it
+    payload     ...       raw array bytes, in header order (bfloat16 stored as its uint16 bit pattern)
+    file tag    32 bytes  HMAC-SHA256 (label "file") over everything before it
 
-``decode_block`` verifies all of it (magic, version, lengths, checksum, fingerprint, expected hash, block
-size and layout) and raises :class:`FormatError` on any mismatch; nothing unverified is ever returned.
-Extra keys (which carry the cache salt) are stored only as a digest, never in clear.
+The header tag lets a folder scan trust a header without reading the payload; the file tag covers the payload.
+``decode_block`` verifies all of it (magic, version, lengths, both tags, every header field's type and bounds,
+fingerprint, expected hash, block size and layout) and raises :class:`FormatError` on any mismatch; nothing
+unverified is ever returned. Token ids and extra keys (which carry the cache salt) are never stored in clear:
+restore needs only to compare them with the prompt's, which the keyed tags allow (:meth:`TierBlock.matches`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 import time
@@ -26,17 +31,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mlxkv.kv.blocks.hashing import encode_key
+from mlxkv.kv.tier.header import MAX_HEADER_BYTES, HeaderError, TierHeader, parse_header_json
+from mlxkv.kv.tier.seal import TAG_BYTES, Seal
+from mlxkv.kv.tier.tenants import UNSALTED
 
 MAGIC = b"MLXKVBLK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FILE_SUFFIX = ".mlxkvblk"
-_PREFIX = struct.Struct("<8sHI")  # magic, version, header length
-_SUM = 32
+PREFIX = struct.Struct("<8sHI")  # magic, version, header length
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # host storage dtype
+_HEADER, _FILE = b"header", b"file"  # tag labels
 
 
 class FormatError(ValueError):
-    """A tier file or record that fails verification (corrupt, truncated, wrong model or layout)."""
+    """A tier file or record that fails verification (corrupt, forged, truncated, wrong model or layout)."""
+
+
+class OldFormatError(FormatError):
+    """A tier file of another format version: never readable by this one."""
 
 
 def extra_digest(extra_keys: tuple) -> str:
@@ -76,12 +88,15 @@ class TierBlock:
     parent_hash: bytes | None  # hash of the chain predecessor (None: first block)
     group_id: int  # KV-cache group of the block
     layers: tuple[int, ...]  # model layer of each K/V pair in ``arrays``
-    token_ids: tuple[int, ...]
-    extra_digest: str  # see extra_digest()
+    token_ids: tuple[int, ...] | None  # None on a block read from disk (its file keeps only ``tokens_tag``)
+    extra_digest: str  # see extra_digest(); on a block read from disk, ``seal.extra_tag`` of it
     priority: int  # retention priority when evicted from the primary pool
     arrays: list[np.ndarray]
     dtypes: list[str]
     created: float = field(default_factory=time.time)  # wall-clock seconds
+    seal: Seal | None = None  # set (by decode_block) on a block read from disk: the key of its tags
+    tokens_tag: str | None = None  # seal.tokens_tag of the token ids, on a block read from disk
+    tenant: str | None = None  # tenants.tenant_digest (None: unknown); read from disk: seal.tenant_tag of it
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +104,29 @@ class TierBlock:
 
     @property
     def block_size(self) -> int:
-        return len(self.token_ids)
+        return int(self.arrays[0].shape[0]) if self.arrays else len(self.token_ids or ())
+
+    def matches(self, token_ids: tuple[int, ...], digest: str) -> bool:
+        """Whether this block holds the K/V of ``token_ids`` under extra keys with :func:`extra_digest`
+        ``digest`` (compared in clear in memory, through the keyed tags for a block read from disk)."""
+        if self.seal is None:
+            return self.token_ids == tuple(token_ids) and self.extra_digest == digest
+        return (self.tokens_tag is not None
+                and hmac.compare_digest(self.tokens_tag, self.seal.tokens_tag(self.block_hash, token_ids))
+                and hmac.compare_digest(self.extra_digest, self.seal.extra_tag(digest)))
+
+    def tags(self, seal: Seal) -> tuple[str, str, str | None]:
+        """``(tokens tag, extra tag, tenant tag or None when unknown)`` for a file sealed with ``seal``.
+
+        Raises:
+            FormatError: a block read from disk under another secret (its clear values are gone).
+        """
+        if self.seal is None:
+            return (seal.tokens_tag(self.block_hash, self.token_ids or ()), seal.extra_tag(self.extra_digest),
+                    None if self.tenant is None else seal.tenant_tag(self.tenant))
+        if self.seal is not seal or self.tokens_tag is None:
+            raise FormatError("a block read from another tier folder cannot be re-sealed")
+        return self.tokens_tag, self.extra_digest, self.tenant
 
     def layout(self) -> tuple:
         """``(layers, ((shape, dtype), ...))``: what a restoring store must match."""
@@ -100,85 +137,103 @@ def _hex(h: bytes | None) -> str | None:
     return None if h is None else h.hex()
 
 
-def encode_block(block: TierBlock, fingerprint: dict) -> bytes:
-    """The file bytes of ``block`` written by the model ``fingerprint``."""
+def file_tenant(block: TierBlock, seal: Seal, inherited: str | None = None) -> str:
+    """The tenant tag a file of ``block`` records: its own tenant's, else ``inherited`` (its parent's), else the
+    unsalted tenant's."""
+    own = block.tags(seal)[2]
+    return own or inherited or seal.tenant_tag(UNSALTED)
+
+
+def encode_block(block: TierBlock, fingerprint: dict, seal: Seal, tenant_tag: str | None = None) -> bytes:
+    """The file bytes of ``block`` written by the model ``fingerprint``, tagged with ``seal`` (``tenant_tag``:
+    the tenant tag to record when the block's own tenant is unknown; else the unsalted tenant's)."""
     specs, offset = [], 0
     for a, d in zip(block.arrays, block.dtypes):
         specs.append({"dtype": d, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes})
         offset += a.nbytes
+    tokens_tag, extra_tag, _ = block.tags(seal)
+    tenant = file_tenant(block, seal, tenant_tag)
     header = {
         "version": FORMAT_VERSION, "fingerprint": fingerprint, "group_id": block.group_id,
         "layers": list(block.layers), "arrays": specs, "payload_bytes": offset, "block_size": block.block_size,
-        "block_hash": block.block_hash.hex(), "parent_hash": _hex(block.parent_hash),
-        "token_ids": list(block.token_ids), "extra_digest": block.extra_digest, "priority": block.priority,
-        "created": block.created,
+        "block_hash": block.block_hash.hex(), "parent_hash": _hex(block.parent_hash), "tokens_tag": tokens_tag,
+        "extra_tag": extra_tag, "tenant_tag": tenant, "priority": block.priority, "created": float(block.created),
     }
     hb = json.dumps(header, separators=(",", ":")).encode()
-    body = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)), hb,
-                     *(np.ascontiguousarray(a).tobytes() for a in block.arrays)])
-    return body + hashlib.sha256(body).digest()
+    head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)) + hb
+    head += seal.tag(_HEADER, head)
+    body = b"".join([head, *(np.ascontiguousarray(a).tobytes() for a in block.arrays)])
+    return body + seal.tag(_FILE, body)
 
 
-def parse_header(data: bytes) -> tuple[dict, int]:
-    """``(header, payload start)`` from the first bytes of a file; checks magic, version and sizes only."""
-    if len(data) < _PREFIX.size:
+def read_prefix(data: bytes) -> tuple[int, int]:
+    """``(version, header length)`` from a file's first bytes.
+
+    Raises:
+        FormatError: not our magic, or a header over the size cap; OldFormatError: another format version.
+    """
+    if len(data) < PREFIX.size:
         raise FormatError("truncated: shorter than the file prefix")
-    magic, version, hlen = _PREFIX.unpack_from(data)
+    magic, version, hlen = PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise FormatError("not an mlxkv tier file (bad magic)")
     if version != FORMAT_VERSION:
-        raise FormatError(f"format version {version}, expected {FORMAT_VERSION}")
-    start = _PREFIX.size + hlen
-    if len(data) < start:
+        raise OldFormatError(f"format version {version}, this mlxkv reads {FORMAT_VERSION}")
+    if hlen > MAX_HEADER_BYTES:
+        raise FormatError(f"header length {hlen}, more than {MAX_HEADER_BYTES}")
+    return version, hlen
+
+
+def header_end(hlen: int) -> int:
+    """Bytes from the file's start through the header tag, for a header of ``hlen`` bytes."""
+    return PREFIX.size + hlen + TAG_BYTES
+
+
+def parse_header(data: bytes, seal: Seal) -> tuple[TierHeader, int]:
+    """``(header, payload start)`` from a file's first :func:`header_end` bytes (more is fine): checks the
+    prefix, the header tag, then every field (header.parse_header_json). Raises FormatError."""
+    version, hlen = read_prefix(data)
+    end = header_end(hlen)
+    if len(data) < end:
         raise FormatError("truncated header")
+    if not seal.check(_HEADER, data[:end - TAG_BYTES], data[end - TAG_BYTES:end]):
+        raise FormatError("header tag mismatch (corrupt, forged, or written under another tier secret)")
     try:
-        header = json.loads(data[_PREFIX.size:start])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"unreadable header: {exc}") from None
-    if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
-        raise FormatError("header version mismatch")
-    return header, start
+        header = parse_header_json(data[PREFIX.size:PREFIX.size + hlen], version)
+    except HeaderError as exc:
+        raise FormatError(f"malformed header: {exc}") from None
+    return header, end
 
 
-def file_size(header: dict, payload_start: int) -> int:
+def file_size(header: TierHeader, payload_start: int) -> int:
     """Total bytes a file with this header must have."""
-    return payload_start + int(header["payload_bytes"]) + _SUM
+    return payload_start + header.payload_bytes + TAG_BYTES
 
 
-def decode_block(data: bytes, fingerprint_digest: str, *, block_hash: bytes | None = None,
+def decode_block(data: bytes, seal: Seal, fingerprint_digest: str, *, block_hash: bytes | None = None,
                  block_size: int | None = None, layout: tuple | None = None) -> TierBlock:
     """Verify and decode a file's bytes. Raises FormatError naming the first failed check."""
-    header, start = parse_header(data)
-    try:
-        total = file_size(header, start)
-    except (KeyError, TypeError, ValueError):
-        raise FormatError("header lacks payload_bytes") from None
+    header, start = parse_header(data, seal)
+    total = file_size(header, start)
     if len(data) != total:
         raise FormatError(f"size {len(data)} bytes, header says {total} (truncated or padded)")
-    if hashlib.sha256(data[:-_SUM]).digest() != data[-_SUM:]:
-        raise FormatError("checksum mismatch (corrupt file)")
-    fp = header.get("fingerprint") or {}
-    if fp.get("digest") != fingerprint_digest:
-        raise FormatError(f"written by another model ({fp.get('architecture')}, {str(fp.get('digest'))[:12]})")
-    try:
-        arrays, dtypes = [], []
-        for spec in header["arrays"]:
-            dt = np.dtype(_DTYPES[spec["dtype"]])
-            lo = start + int(spec["offset"])
-            raw = data[lo:lo + int(spec["nbytes"])]
-            arrays.append(np.frombuffer(raw, dtype=dt).reshape(spec["shape"]).copy())
-            dtypes.append(spec["dtype"])
-        block = TierBlock(
-            block_hash=bytes.fromhex(header["block_hash"]),
-            parent_hash=None if header["parent_hash"] is None else bytes.fromhex(header["parent_hash"]),
-            group_id=int(header["group_id"]), layers=tuple(int(x) for x in header["layers"]),
-            token_ids=tuple(int(t) for t in header["token_ids"]), extra_digest=str(header["extra_digest"]),
-            priority=int(header["priority"]), arrays=arrays, dtypes=dtypes, created=float(header["created"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"malformed header: {exc}") from None
-    if block.block_size != header["block_size"]:
-        raise FormatError("token count differs from block_size")
+    if not seal.check(_FILE, data[:-TAG_BYTES], data[-TAG_BYTES:]):
+        raise FormatError("file tag mismatch (corrupt or replaced payload)")
+    if header.fingerprint.digest != fingerprint_digest:
+        fp = header.fingerprint
+        raise FormatError(f"written by another model ({fp.architecture}, {fp.digest[:12]})")
+    arrays, dtypes = [], []
+    for spec in header.arrays:  # offsets, sizes and shapes checked consistent by parse_header
+        lo = start + spec.offset
+        arrays.append(np.frombuffer(data[lo:lo + spec.nbytes], dtype=_DTYPES[spec.dtype]).reshape(spec.shape).copy())
+        dtypes.append(spec.dtype)
+    block = TierBlock(
+        block_hash=bytes.fromhex(header.block_hash),
+        parent_hash=None if header.parent_hash is None else bytes.fromhex(header.parent_hash),
+        group_id=header.group_id, layers=tuple(header.layers), token_ids=None, extra_digest=header.extra_tag,
+        priority=header.priority, arrays=arrays, dtypes=dtypes, created=header.created, seal=seal,
+        tokens_tag=header.tokens_tag, tenant=header.tenant_tag,
+    )
     if block_hash is not None and block.block_hash != block_hash:
         raise FormatError("block hash differs from the requested one")
     if block_size is not None and block.block_size != block_size:

@@ -73,6 +73,13 @@ class PriorityLRU:
     def keys(self) -> list[Key]:
         return list(self._prio)
 
+    def priority(self, key: Key) -> int:
+        return self._prio[key]
+
+    def ordered(self) -> list[tuple[Key, int]]:
+        """``(key, nbytes)`` in eviction order: lowest priority first, least recently used first among equals."""
+        return [item for p in sorted(self._buckets) for item in self._buckets[p].items()]
+
 
 def _check_capacity(capacity_bytes: int) -> None:
     if not isinstance(capacity_bytes, int) or capacity_bytes < 0:

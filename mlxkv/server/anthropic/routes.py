@@ -10,7 +10,7 @@ tool_use`), so ``count_tokens`` counts them as rendered. Errors on these paths t
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -28,22 +28,19 @@ from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, submit
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tools import ToolRequestError, check_template_renders_tools
 from mlxkv.structured import ResponseFormat
 
-#: The app's tokenizing helper: ``tokenize(cheap, full)`` runs ``cheap`` on the event loop when the tokenizer is
-#: free (``None``: too costly there), else ``full`` on the tokenizer's worker thread.
-Tokenize = Callable[[Callable[[], "list[int] | None"], Callable[[], "list[int]"]], Awaitable["list[int]"]]
 
-
-def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Tokenize, *, model_name: str,
+def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, *, model_name: str,
                      keepalive_s: float | None = None, defaults: SamplingDefaults | None = None) -> APIRouter:
     """The Messages routes over ``engine`` (mount under ``/v1``, behind the API-key check).
 
     Args:
         engine: the batch engine.
         prompts: the app's prompt encoder (shared with the OpenAI chat route).
-        tokenize: the app's tokenizing helper (see :data:`Tokenize`).
+        lanes: the app's tokenizing lanes (short prompts on the event loop, others on a worker thread).
         model_name: the model id reported in responses.
         keepalive_s: a stream silent this long gets a ``ping`` event (``None``: none).
         defaults: the server's sampling defaults and chat-template variables (``mlxkv serve --temp`` ...), for
@@ -67,8 +64,8 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
         if not needs_grammar(free_text, plan.tools, conv.tool_choice):
             return None
         try:
-            return await tokenize(lambda: None, lambda: output_format(tokenizer, free_text, plan.tools,
-                                                                      conv.tool_choice, parallel=plan.parallel))
+            return await lanes.on_worker(lambda: output_format(tokenizer, free_text, plan.tools, conv.tool_choice,
+                                                               parallel=plan.parallel))
         except ToolRequestError as exc:
             raise anthropic_tool_error(exc, conv) from None
 
@@ -78,12 +75,15 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, tokenize: Toke
             raise APIError(400, "this model's tokenizer has no chat template", "no_chat_template")
         plan = plan_tools(conv, no_tools)
         messages, template = plan.messages, {**kwargs, **plan.template_kwargs}
+        problem = lanes.check_chars(content_chars(messages))
+        if problem is not None:
+            raise APIError(400, problem, "context_length_exceeded", "messages")
         try:
             if conv.prefill:  # rendered whole: the memo's head/tail split assumes a generation prompt
-                ids = await tokenize(lambda: None, lambda: continue_final(messages, template))
+                ids = await lanes.on_worker(lambda: continue_final(messages, template))
             else:
-                ids = await tokenize(lambda: prompts.chat_if_cheap(messages, **template),
-                                     lambda: prompts.chat(messages, **template))
+                ids = await lanes.tokenize(lambda: prompts.chat_if_cheap(messages, **template),
+                                           lambda: prompts.chat(messages, **template))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
         return ids, plan, conv
