@@ -97,6 +97,9 @@ class BatchEngine:
         self._kv_capacity = self.pool.max_sequence_tokens()  # the longest sequence the block pool holds (paged)
         self._kv_stats: dict = {}
         self._kv_stats_at = 0.0
+        self._draining = False  # drain(): new submissions refused
+        self._flush_timeout = 10.0  # seconds stop() gives the KV tier to write its cached blocks
+        self.last_flush: dict | None = None  # what the last stop's tier flush did
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "BatchEngine":
@@ -114,13 +117,24 @@ class BatchEngine:
             raise self._start_error
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; unfinished requests end with an error event and release their sequences."""
+    def stop(self, timeout: float = 30.0, flush_timeout: float = 10.0) -> None:
+        """Stop the engine thread; unfinished requests end with an error event and release their sequences, then
+        the KV tier writes its cached blocks to disk (at most ``flush_timeout`` seconds; see :attr:`last_flush`)."""
         if self._thread is None:
             return
-        self._inbox.put(("stop", None))
+        self._inbox.put(("stop", flush_timeout))
         self._thread.join(timeout)
         self._thread = None
+
+    def drain(self, message: str = "the server is shutting down", timeout: float = 30.0) -> int:
+        """Refuse new submissions and end every unfinished request now with an error event whose
+        ``finish_reason`` is ``"shutdown"`` (a graceful stop). Returns how many requests were ended."""
+        self._draining = True
+        if not self.alive:
+            return 0
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("drain", (message, future)))
+        return future.result(timeout)
 
     @property
     def alive(self) -> bool:
@@ -153,6 +167,8 @@ class BatchEngine:
         bias = request.params.logit_bias
         if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
             raise ValueError(f"logit_bias token {max(bias)} is outside the model's vocabulary of {self.vocab_size}")
+        if self._draining:
+            raise EngineStoppedError("the server is shutting down")
         if not self.alive:
             raise EngineStoppedError("the engine is not running")
         with self._lock:
@@ -205,6 +221,7 @@ class BatchEngine:
         self._started.set()
         try:
             while self._running:
+                self.pool.persist_tier()  # the KV tier's write-behind sweep, when due (between steps only)
                 self._handle_commands(block=not sched.has_work())
                 if self._running and sched.has_work():
                     try:
@@ -218,6 +235,10 @@ class BatchEngine:
         finally:
             for job in sched.jobs():
                 sched._end(job, Event("error", finish_reason="error", message="the engine stopped"), "failed")
+            try:
+                self.last_flush = self.pool.flush_tier(self._flush_timeout)
+            except Exception:  # noqa: BLE001 - a failed flush loses cached blocks, never the shutdown
+                log.exception("flushing the KV tier failed")
             self._publish()
             # MLX streams made by this thread must be destroyed by it, else the process can abort at exit
             # ("terminate called without an active exception"): MLX asks threads to clean up themselves.
@@ -257,7 +278,10 @@ class BatchEngine:
 
     def _handle_commands(self, block: bool) -> None:
         try:
-            command = self._inbox.get() if block else self._inbox.get_nowait()
+            if block:  # idle: wake for the tier's next sweep too
+                command = self._inbox.get(timeout=self.pool.tier_due_in())
+            else:
+                command = self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -270,7 +294,14 @@ class BatchEngine:
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
+            elif kind == "drain":
+                message, future = payload
+                jobs = self._scheduler.jobs()
+                for job in jobs:
+                    self._scheduler._end(job, Event("error", finish_reason="shutdown", message=message), "failed")
+                future.set_result(len(jobs))
             elif kind == "stop":
+                self._flush_timeout = payload
                 self._running = False
             try:
                 command = self._inbox.get_nowait()

@@ -376,7 +376,27 @@ class CachePool:
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
             "evictions": p.evictions,
             "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
+            "tier": self.paged.tier_stats(),
         }
+
+    # ---- secondary tier's write-behind (paged with a disk tier; otherwise no-ops) --------------------------
+    def _bridge(self) -> Any:
+        return None if self.paged is None else self.paged.tier
+
+    def tier_due_in(self) -> float | None:
+        """Seconds until the tier's next write-behind sweep (None: nothing to write): the engine's idle wait."""
+        bridge = self._bridge()
+        return None if bridge is None else bridge.due_in()
+
+    def persist_tier(self) -> int:
+        """Run the write-behind sweep when it is due (engine thread, between steps); blocks queued."""
+        bridge = self._bridge()
+        return 0 if bridge is None else bridge.persist()
+
+    def flush_tier(self, timeout: float) -> dict | None:
+        """Write every cached block worth keeping to the disk tier within ``timeout`` seconds (shutdown)."""
+        bridge = self._bridge()
+        return None if bridge is None else bridge.flush(timeout)
 
     def check_invariants(self) -> None:
         """Assert pool consistency (tests): paged: manager invariants, open sequences == manager sequences."""

@@ -9,21 +9,35 @@ Two hooks, nothing else in the paged code changes:
   into fresh pages and cached in the pool exactly as if it had never left, so the following ``open`` finds
   it as an ordinary hit.
 
+With a disk store, cached blocks are also written *behind* (:meth:`TierBridge.persist`, every
+``write_interval_s`` seconds between engine steps; :meth:`TierBridge.flush` at shutdown): the blocks stored since
+the last sweep (the pool's ``BlockStored`` events), at or above the tier's priority threshold and not on disk
+yet, are copied to host memory on the engine thread and written by the write-behind thread, so a restart finds
+them and a crash loses at most the last interval's blocks.
+
 Restore covers models whose groups are all full attention (windowed groups' anchors are not restored);
 for other models the bridge stays inactive (no offload, no restore).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from mlxkv.kv.blocks import KVCacheBlock
+from mlxkv.kv.blocks.events import BlockStored
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
+from mlxkv.kv.tier.host_store import Key
 from mlxkv.kv.tier.secondary import SecondaryTier
+from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
+
+log = logging.getLogger("mlxkv.kv.tier")
+DEFAULT_WRITE_INTERVAL_S = 2.0
 
 
 class TierBridge:
@@ -41,8 +55,25 @@ class TierBridge:
         self.primary_hit_blocks = 0
         self.secondary_hit_blocks = 0
         self.prompt_blocks = 0
+        self.writer: WriteBehind | None = None
+        self.write_interval_s = DEFAULT_WRITE_INTERVAL_S
+        self._next_sweep = 0.0
+        self._cursor = 0  # pool events read so far
+        self._pending: dict[Key, bytes | None] = {}  # cached blocks not on disk yet -> their parent hash
         if self.active:
             self.pool.add_evict_hook(self._on_evict)
+
+    def enable_write_behind(self, interval_s: float = DEFAULT_WRITE_INTERVAL_S,
+                            max_queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+        """Write cached blocks to the disk store every ``interval_s`` seconds (needs a disk store)."""
+        if interval_s <= 0:
+            raise ValueError(f"write interval {interval_s}: expected > 0 seconds")
+        if not self.active or self.tier.disk is None or self.writer is not None:
+            return
+        self.write_interval_s = interval_s
+        self.writer = WriteBehind(self.tier, max_queue_bytes)
+        self.tier.attach_writer(self.writer)
+        self._next_sweep = time.monotonic() + interval_s
 
     def _layers(self, group: int) -> tuple[int, ...]:
         return tuple(self.backend.specs[group].layer_ids)
@@ -55,6 +86,8 @@ class TierBridge:
         layers = self._layers(block.group_id)
         if not all(self.storage.allocated(layer) for layer in layers):
             return
+        if self.writer is not None and self.tier.on_disk((block.group_id, h)):
+            return  # written behind already (or queued): nothing to copy
         priority = block.effective_priority(self.pool.clock())
         if priority < self.tier.min_priority:
             self.tier.counters.offered += 1
@@ -72,6 +105,100 @@ class TierBridge:
             layers=layers, token_ids=tuple(block.token_ids), extra_digest=extra_digest(block.extra_keys),
             priority=priority, arrays=arrays, dtypes=dtypes,
         ))
+
+    # ---- write-behind ----------------------------------------------------------------------------------
+    def due_in(self) -> float | None:
+        """Seconds until the next write-behind sweep is due; None when there is nothing to write."""
+        if self.writer is None or (not self._pending and self.pool.events.last_seq == self._cursor):
+            return None
+        return max(0.0, self._next_sweep - time.monotonic())
+
+    def _collect(self) -> None:
+        """Add the blocks cached since the last read of the pool's events to the pending set."""
+        batch = self.pool.events.read(self._cursor)
+        self._cursor = batch.cursor
+        if batch.dropped:  # the event ring wrapped: look at every cached block instead
+            for b in self.pool.blocks:
+                if b.cached and isinstance(b.block_hash, bytes):
+                    parent = self.pool.resolve(b.parent)
+                    self._pending.setdefault((b.group_id, b.block_hash), parent and parent.block_hash)
+        for _, event in batch.events:
+            if isinstance(event, BlockStored) and isinstance(event.block_hashes[0], bytes):
+                for h in event.block_hashes:
+                    self._pending.setdefault((event.group_id, h), event.parent_block_hash)
+
+    def persist(self, force: bool = False) -> int:
+        """The write-behind sweep (engine thread, between steps): when due (or ``force``), queue pending cached
+        blocks worth keeping for the writer, as many as its queue has room for (the rest wait for the next
+        sweep). Returns how many were queued."""
+        now = time.monotonic()
+        if self.writer is None or (not force and now < self._next_sweep):
+            return 0
+        self._next_sweep = now + self.write_interval_s
+        self._collect()
+        room = self.writer.room()
+        now = self.pool.clock()
+        picked: list[tuple[KVCacheBlock, bytes | None, int]] = []
+        for key, parent_hash in list(self._pending.items()):
+            found = self.pool.lookup(*key)
+            block = found[0] if found else None
+            layers = self._layers(key[0])
+            if (block is None or self.tier.on_disk(key) or not all(self.storage.allocated(x) for x in layers)
+                    or block.effective_priority(now) < self.tier.min_priority):
+                del self._pending[key]  # evicted (the evict hook offered it), stored, or not worth keeping
+                continue
+            nbytes = sum(self.backend.layer_block_bytes[x] for x in layers)
+            if picked and nbytes > room:
+                break
+            room -= nbytes
+            picked.append((block, parent_hash, block.effective_priority(now)))
+            del self._pending[key]
+        queued = 0
+        for tb in self._copy_out(picked):
+            if self.writer.offer(tb, wait_s=1.0 if force else 0.0):
+                queued += 1
+            else:  # the queue stayed full: try again at the next sweep
+                self._pending[(tb.group_id, tb.block_hash)] = tb.parent_hash
+        return queued
+
+    def _copy_out(self, picked: list[tuple[KVCacheBlock, bytes | None, int]]) -> list[TierBlock]:
+        """Host copies of cached blocks (one gather per layer per group; evaluated here, on the engine thread)."""
+        out: list[TierBlock] = []
+        for g in sorted({b.group_id for b, _, _ in picked}):
+            rows = [(b, p, prio) for b, p, prio in picked if b.group_id == g]
+            ids = mx.array([b.block_id for b, _, _ in rows], dtype=mx.int32)
+            layers = self._layers(g)
+            per_layer: list[tuple[np.ndarray, str]] = []
+            for layer in layers:
+                for pages in self.storage.pages(layer):  # (kv_heads, NB, bs, D) each
+                    per_layer.append(to_host(pages[:, ids].transpose(1, 2, 0, 3)))  # (n, bs, kv_heads, D)
+            for i, (b, parent_hash, prio) in enumerate(rows):
+                out.append(TierBlock(
+                    block_hash=b.block_hash, parent_hash=parent_hash, group_id=g, layers=layers,
+                    token_ids=tuple(b.token_ids), extra_digest=extra_digest(b.extra_keys), priority=prio,
+                    arrays=[a[i] for a, _ in per_layer], dtypes=[d for _, d in per_layer]))
+        return out
+
+    def flush(self, timeout: float) -> dict:
+        """Write every pending cached block, waiting at most ``timeout`` seconds, and stop the writer (shutdown).
+        Returns ``{"written": blocks this flush wrote, "lost": blocks left unwritten, "seconds": time taken}``."""
+        if self.writer is None:
+            return {"written": 0, "lost": 0, "seconds": 0.0}
+        start = time.monotonic()
+        deadline = start + timeout
+        queued = 0
+        self._collect()
+        while self._pending and time.monotonic() < deadline:
+            queued += self.persist(force=True)
+        self.writer.flush(max(0.0, deadline - time.monotonic()))
+        unwritten = self.writer.close()
+        lost = unwritten + len(self._pending)
+        self.tier.attach_writer(None)
+        self.writer = None
+        result = {"written": queued - unwritten, "lost": lost, "seconds": round(time.monotonic() - start, 3)}
+        if lost:
+            log.warning("secondary KV tier: flush timed out after %.1f s; %d block(s) not written", timeout, lost)
+        return result
 
     # ---- hit → restore -----------------------------------------------------------------------------
     def _valid(self, tb: TierBlock, group: int, tokens: tuple, extra: tuple) -> bool:
@@ -174,7 +301,8 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
     """A TierBridge for ``backend`` with a host-memory store (``memory_bytes`` > 0) and/or a disk store
     (``disk_dir`` with ``disk_bytes`` > 0); None when neither is asked for. The offload threshold is the
     backend config's ``secondary_offload_min_priority``; the model fingerprint comes from ``model_path``
-    (config.json + safetensors metadata) or, without one, from a sample of the weights.
+    (config.json + safetensors metadata) or, without one, from a sample of the weights. With a disk store,
+    cached blocks are written behind every ``secondary_write_interval_s`` seconds (0: only evicted blocks).
 
     Raises:
         ValueError: a disk tier with ``hash_algo='builtin'`` (its hashes differ between processes).
@@ -194,4 +322,8 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
         disk = DiskStore(disk_dir, fingerprint_model(backend.model, model_path), disk_bytes,
                          block_size=backend.block_size)
     tier = SecondaryTier(backend.config.secondary_offload_min_priority, memory=memory, disk=disk)
-    return TierBridge(backend, tier)
+    bridge = TierBridge(backend, tier)
+    interval = getattr(backend.config, "secondary_write_interval_s", DEFAULT_WRITE_INTERVAL_S)
+    if disk is not None and interval > 0:
+        bridge.enable_write_behind(interval)
+    return bridge
