@@ -45,7 +45,8 @@ def check_min_p(value: float) -> float:
 
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
-              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0) -> Any:
+              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0,
+              disk_write_interval_s: float = 2.0) -> Any:
     """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
 
     Raises:
@@ -58,7 +59,7 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
     return KvCacheConfig(backend=backend, block_size=block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                          kv_group_size=kv_group_size, layout=layout, kv_cache_budget=budget or "auto",
                          secondary_memory_bytes=host_cache_bytes, secondary_disk_dir=disk_cache_dir,
-                         secondary_disk_bytes=disk_cache_bytes)
+                         secondary_disk_bytes=disk_cache_bytes, secondary_write_interval_s=disk_write_interval_s)
 
 
 def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float | None,

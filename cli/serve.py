@@ -1,6 +1,7 @@
 """``mlxkv serve``: the OpenAI-compatible server (the lead registers :func:`serve` on the main Typer app).
 
-Thin: parse options, build the server (:func:`mlxkv.server.runner.build`), run uvicorn. MLX, FastAPI and the
+Thin: parse options, build the server (:func:`mlxkv.server.runner.build`), run uvicorn until a signal
+(:mod:`mlxkv.server.shutdown`: a graceful stop that saves the KV tier). MLX, FastAPI and the
 model are imported inside the command so ``mlxkv --help`` stays instant.
 """
 
@@ -59,6 +60,13 @@ def serve(
                                                 help="Folder for an on-disk KV block tier (paged; survives restarts)."),
     kv_disk_cache_size: int = typer.Option(0, "--kv-disk-cache-size", min=0,
                                            help="Byte cap of the on-disk KV tier (needs --kv-disk-cache)."),
+    kv_disk_write_interval: float = typer.Option(
+        2.0, "--kv-disk-write-interval", min=0.0, max=3600.0,
+        help="Seconds between writes of newly cached KV blocks to the disk tier (what a crash can lose; 0: only "
+             "evicted blocks and the flush at stop)."),
+    kv_disk_flush_timeout: float = typer.Option(
+        10.0, "--kv-disk-flush-timeout", min=0.0,
+        help="Seconds a graceful stop (SIGTERM/SIGINT) may spend writing cached KV blocks to the disk tier."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template",
                                                 help="A Jinja chat template file used instead of the model's "
                                                      "(e.g. one that renders tools)."),
@@ -109,11 +117,10 @@ def serve(
     if host not in _LOOPBACK and key is None:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
     try:
-        import uvicorn
-
         from mlxkv.config import EngineConfig, RunConfig
         from mlxkv.models import ModelLoadError
         from mlxkv.server.runner import build, set_switch_interval
+        from mlxkv.server.shutdown import serve_until_signalled
     except ImportError as exc:
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
         raise typer.Exit(code=1) from None
@@ -121,7 +128,7 @@ def serve(
         kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                        kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                        host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache,
-                       disk_cache_bytes=kv_disk_cache_size)
+                       disk_cache_bytes=kv_disk_cache_size, disk_write_interval_s=kv_disk_write_interval)
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
         sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -130,14 +137,19 @@ def serve(
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
-                      allowed_origins=origins, keepalive_s=sse_keepalive_s)
+                      allowed_origins=origins, keepalive_s=sse_keepalive_s, flush_timeout_s=kv_disk_flush_timeout)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     set_switch_interval(switch_interval_ms / 1000)
     typer.echo(f"mlxkv serve: {parts.loaded.name} on http://{host}:{port} "
                f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV)", err=True)
-    uvicorn.run(parts.app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    serve_until_signalled(parts.app, parts.engine, host=host, port=port, log_level=log_level)
+    flushed = parts.engine.last_flush
+    if flushed:
+        typer.echo(f"mlxkv serve: KV tier saved: {flushed['written']} block(s) written in {flushed['seconds']:.2f} s"
+                   + (f", {flushed['lost']} not written (--kv-disk-flush-timeout)" if flushed["lost"] else ""),
+                   err=True)
     import mlx.core as mx
 
     mx.synchronize()

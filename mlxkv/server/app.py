@@ -33,6 +33,7 @@ from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.shutdown import SHUTDOWN_CODE
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tool_stream import ToolOutput
@@ -49,7 +50,8 @@ from mlxkv.structured import ResponseFormat
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
-               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None) -> FastAPI:
+               keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
+               flush_timeout_s: float = 10.0) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -62,6 +64,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         allowed_origins: CORS origins (``*``: any); none: no CORS headers.
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
+        flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
     """
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
@@ -83,7 +86,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             yield
         finally:
             if manage_engine:
-                await run_in_threadpool(engine.stop)
+                await run_in_threadpool(lambda: engine.stop(flush_timeout=flush_timeout_s))
 
     app = FastAPI(title="mlxkv", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
@@ -232,6 +235,8 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
     if events is None:
         return Response(status_code=499)  # nobody reads it
     if events[-1].kind != "done":
+        if events[-1].finish_reason == "shutdown":
+            raise APIError(503, events[-1].message, SHUTDOWN_CODE)
         raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
     for event in events[:-1]:
         outputs[event.index].feed(event.text, event.logprob, event.finish_reason)
@@ -273,6 +278,8 @@ def _render(event: Event, builder: ResponseBuilder, outputs: list[ChoiceOutput],
         if include_usage:
             out.append(sse(builder.usage_chunk(event.usage or Usage(0, 0))))
         out.append(sse("[DONE]"))
+    elif event.finish_reason == "shutdown":  # a graceful stop ended the request
+        out.append(sse(error_body(503, event.message, SHUTDOWN_CODE)))
     else:
         out.append(sse(error_body(500, f"generation failed: {event.message}", "generation_failed")))
 
