@@ -137,6 +137,11 @@ class BatchEngine:
         return future.result(timeout)
 
     @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called (the server is stopping)."""
+        return self._draining
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -201,6 +206,15 @@ class BatchEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("reset", future))
         return future.result(timeout)
+
+    def kv_events(self, since: int = 0) -> dict | None:
+        """The KV cache's events numbered above ``since`` (see :meth:`mlxkv.kv.CachePool.kv_events`; any thread;
+        None without a paged pool).
+
+        Raises:
+            ValueError: ``since`` < 0.
+        """
+        return self.pool.kv_events(since)
 
     # ---- engine thread -------------------------------------------------------------------------------------
     def _dequeued(self) -> None:

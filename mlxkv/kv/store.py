@@ -356,11 +356,25 @@ class CachePool:
 
     def evict_cached(self) -> int:
         """Drop every cached block no sequence holds (to the secondary tier when one takes it); returns how many
-        (dense: 0)."""
+        (dense: 0). When no sequence holds any block, the whole prefix cache is then empty and an
+        ``AllBlocksCleared`` event says so (else each evicted block's ``BlockRemoved`` does)."""
         if self.paged is None:
             return 0
         pool = self.paged.manager.pool
-        return pool.evict_cached(pool.stats().evictable)
+        n = pool.evict_cached(pool.stats().evictable)
+        pool.reset_prefix_cache()  # refused (no event) while blocks are in use
+        return n
+
+    def kv_events(self, since: int = 0) -> dict | None:
+        """KV events numbered above ``since`` in their JSON form (safe from any thread; dense: None):
+        ``{"events": [{"seq": n, "type": ..., ...}], "cursor": newest number, "dropped": events missed}``."""
+        if self.paged is None:
+            return None
+        from mlxkv.kv.blocks.events import event_to_json
+
+        batch = self.paged.manager.events.read(since)
+        return {"events": [{"seq": n, **event_to_json(e)} for n, e in batch.events], "cursor": batch.cursor,
+                "dropped": batch.dropped}
 
     def block_stats(self) -> dict:
         """The block pool's figures for stats and metrics (paged; dense: empty)."""

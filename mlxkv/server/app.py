@@ -22,6 +22,7 @@ from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
 from mlxkv.server.auth import bearer_auth
+from mlxkv.server.cache_routes import cache_router
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
@@ -116,13 +117,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                            "model")
         return card
 
-    @v1.get("/cache/stats")
-    async def cache_stats() -> dict:
-        return engine.stats()
-
-    @v1.post("/cache/reset")
-    async def cache_reset() -> dict:
-        return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
+    v1.include_router(cache_router(engine, keepalive_s=keepalive_s))
 
     # Templating and tokenizing a long prompt takes milliseconds (~6 ms for 4K tokens here): off the event loop,
     # which meanwhile streams other requests' tokens, one prompt at a time (a tokenizer shared across threads

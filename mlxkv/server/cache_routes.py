@@ -1,0 +1,93 @@
+"""The KV cache over HTTP: ``/v1/cache/stats``, ``/v1/cache/reset`` and ``/v1/cache/events``.
+
+``GET /v1/cache/events`` streams the block manager's events as server-sent events: each has ``id:`` its sequence
+number, ``event:`` its type (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and ``data:`` its JSON
+(block hashes in hex). A reader resumes after the last number it saw with ``?since=N`` or the standard
+``Last-Event-ID`` header (which browsers' EventSource sends on reconnect); events the bounded buffer no longer
+holds are announced by one ``EventsDropped`` event carrying how many. ``?stream=false`` returns what is held as
+one JSON object instead. The stream ends when the server stops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from mlxkv.engine.batch import BatchEngine
+from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT
+from mlxkv.server.errors import APIError
+
+#: How often an events stream looks for new events (seconds).
+EVENTS_POLL_S = 0.1
+
+
+def _cursor(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise APIError(400, f"{name} must be an event sequence number (an integer >= 0), got {value!r}",
+                       "invalid_value", name)
+    return n
+
+
+def _sse(event: dict) -> str:
+    return f"id: {event['seq']}\nevent: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> APIRouter:
+    """The cache routes over ``engine`` (mounted under /v1, behind its API key)."""
+    router = APIRouter()
+
+    @router.get("/cache/stats")
+    async def cache_stats() -> dict:
+        return engine.stats()
+
+    @router.post("/cache/reset")
+    async def cache_reset() -> dict:
+        return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
+
+    @router.get("/cache/events")
+    async def cache_events(request: Request, since: str | None = None, stream: str = "true") -> object:
+        if stream not in ("true", "false"):
+            raise APIError(400, f"stream must be true or false, got {stream!r}", "invalid_value", "stream")
+        start = _cursor(since, "since")
+        if start is None:
+            start = _cursor(request.headers.get("last-event-id"), "Last-Event-ID") or 0
+        first = engine.kv_events(start)
+        if first is None:
+            raise APIError(400, "KV events need the paged KV backend (--kv-backend paged)", "kv_events_unavailable")
+        if stream == "false":
+            return first
+        return StreamingResponse(_events(request, engine, first, keepalive_s), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    return router
+
+
+async def _events(request: Request, engine: BatchEngine, batch: dict, keepalive_s: float) -> AsyncIterator[str]:
+    last_write = time.monotonic()
+    while True:
+        parts = []
+        if batch["dropped"]:
+            parts.append(f"event: EventsDropped\ndata: {json.dumps({'dropped': batch['dropped']})}\n\n")
+        parts += [_sse(e) for e in batch["events"]]
+        if parts:
+            yield "".join(parts)
+            last_write = time.monotonic()
+        elif time.monotonic() - last_write >= keepalive_s:
+            yield KEEPALIVE_EVENT
+            last_write = time.monotonic()
+        if engine.draining or await request.is_disconnected():
+            return
+        await anyio.sleep(EVENTS_POLL_S)
+        batch = engine.kv_events(batch["cursor"])
