@@ -81,6 +81,10 @@ def serve(
                                                "keep-alive comment is sent."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model id reported by /v1/models (default: --model)."),
+    metrics_key: Optional[str] = typer.Option(
+        None, "--metrics-key",
+        help="Require 'Authorization: Bearer KEY' (or the API key) on /metrics, /docs, /redoc and /openapi.json "
+             "(default: open)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, help="Largest request body (MB); else 413."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01,
@@ -137,7 +141,8 @@ def serve(
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
-                      allowed_origins=origins, keepalive_s=sse_keepalive_s, flush_timeout_s=kv_disk_flush_timeout)
+                      allowed_origins=origins, keepalive_s=sse_keepalive_s, flush_timeout_s=kv_disk_flush_timeout,
+                      metrics_key=metrics_key)
     except (ModelLoadError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
@@ -147,7 +152,8 @@ def serve(
     serve_until_signalled(parts.app, parts.engine, host=host, port=port, log_level=log_level)
     flushed = parts.engine.last_flush
     if flushed:
-        typer.echo(f"mlxkv serve: KV tier saved: {flushed['written']} block(s) written in {flushed['seconds']:.2f} s"
+        typer.echo(f"mlxkv serve: KV tier saved: {flushed['on_disk']} block(s) on disk ({flushed['written']} written "
+                   f"at stop, {flushed['seconds']:.2f} s)"
                    + (f", {flushed['lost']} not written (--kv-disk-flush-timeout)" if flushed["lost"] else ""),
                    err=True)
     import mlx.core as mx

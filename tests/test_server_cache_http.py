@@ -52,8 +52,8 @@ def test_events_are_numbered_resumable_and_reset_clears_all(srv):
     assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][0]  # the chain
 
     got: list[dict] = []
-    with httpx.stream("GET", f"{base}/cache/events", headers={"Last-Event-ID": str(after["cursor"])},
-                      timeout=30) as resp:
+    with httpx.stream("GET", f"{base}/cache/events", timeout=30,
+                      headers={"Last-Event-ID": str(after["cursor"]), "Accept": "text/event-stream"}) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         reader = threading.Thread(target=read_sse, args=(resp, "AllBlocksCleared", got), daemon=True)
         reader.start()
@@ -92,3 +92,44 @@ def test_tier_stats_and_the_cache_stats_command(srv):
     disk = next(line for line in out.stdout.splitlines() if "│ disk" in line)
     assert str(sec["disk"]["blocks"]) in disk or str(sec["disk"]["blocks"] + 1) in disk
     assert "for a full write queue" in out.stdout and "write-behind queue" in out.stdout
+
+
+SYSTEM = [(7 * i + 3) % 900 + 10 for i in range(64)]  # 4 blocks of 16: the shared system prompt
+USER = [(11 * i + 5) % 900 + 10 for i in range(40)]
+
+
+def cached(srv, prompt, **extra) -> int:
+    r = srv.client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_per_range_salts_share_the_system_prompt_only(srv):
+    prompt = SYSTEM + USER
+    a = {"cache_salt_ranges": [{"start": len(SYSTEM), "salt": "tenant-a"}]}
+    b = {"cache_salt_ranges": [{"start": len(SYSTEM), "end": None, "salt": "tenant-b"}]}
+    assert cached(srv, prompt, **a) == 0
+    assert cached(srv, prompt, **b) == len(SYSTEM)  # the same tokens: only the unsalted system blocks are shared
+    assert cached(srv, prompt, **a) == len(prompt) - 1  # tenant A's own blocks: all but the last token
+    assert cached(srv, prompt) == len(SYSTEM)  # no salt at all: the system prompt only
+    assert cached(srv, prompt, cache_salt="t") == 0  # a whole-request salt covers the first block too
+
+
+@pytest.mark.parametrize("ranges", [[{"start": 10, "end": 5, "salt": "x"}], [{"start": 500, "salt": "x"}],
+                                    [{"start": 0, "salt": ""}], [{"start": 0, "salt": "x", "other": 1}]])
+def test_bad_salt_ranges_are_400(srv, ranges):
+    r = httpx.post(f"{srv.base}/completions", json={"model": "m", "prompt": SYSTEM, "max_tokens": 1,
+                                                    "cache_salt_ranges": ranges})
+    assert r.status_code == 400, r.text
+
+
+def test_the_metrics_key_protects_the_operator_routes():
+    with server("--metrics-key", "m-key", "--api-key", "a-key") as s:
+        base = f"http://127.0.0.1:{s.port}"
+        for path in ("/metrics", "/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(base + path).status_code == 401
+            assert httpx.get(base + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            for key in ("m-key", "a-key"):
+                assert httpx.get(base + path, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.get(base + "/health").status_code == 200  # probes stay open
+        r = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer m-key"})
+        assert r.status_code == 401  # the metrics key is not an API key

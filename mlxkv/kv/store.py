@@ -52,6 +52,7 @@ class Sequence:
     created_at: float = field(default_factory=time.monotonic)
     paged: Any = None
     salt: str | bytes | None = None  # what it was opened with: a resume opens with the same
+    spans: tuple = ()  # (start, end, key) token ranges with extra hash keys (per-range salts), likewise
     retention: Any = None
     priority: int = 0
     preempted: bool = False
@@ -201,13 +202,14 @@ class CachePool:
 
     # ---- opening and ending -------------------------------------------------------------------------------
     def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None, salt: str | bytes | None = None,
-             retention: Any = None, priority: int = 0) -> Sequence:
+             retention: Any = None, priority: int = 0, spans: tuple = ()) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
 
         Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
         and takes its prefix hit (``seq.num_cached`` tokens need no compute); ``salt`` isolates caches
         (sequences with different salts never share blocks); ``retention`` (the manager's ``RetentionConfig``)
-        ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later).
+        ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later);
+        ``spans`` (``(start, end, key)`` token ranges) add ``key`` to the hash of every block they overlap.
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
@@ -218,7 +220,7 @@ class CachePool:
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
         seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length, salt=salt,
-                       retention=retention, priority=priority)
+                       retention=retention, priority=priority, spans=tuple(spans))
         self._attach(seq, prompt)
         self._sequences[seq.id] = seq
         return seq
@@ -231,7 +233,7 @@ class CachePool:
         if not tokens:
             raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
         seq.caches, seq.paged = self.paged.open(tokens, salt=seq.salt, retention=seq.retention,
-                                                priority=seq.priority)
+                                                priority=seq.priority, spans=seq.spans)
         seq.prompt_length = seq.prompt_length or len(tokens)
         self._by_manager_id[seq.paged.seq_id] = seq
 
@@ -300,7 +302,8 @@ class CachePool:
         children = []
         for caches, paged in pairs:
             child = Sequence(id=SequenceId(next(self._ids)), caches=caches, prompt_length=parent.prompt_length,
-                             paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority)
+                             paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority,
+                             spans=parent.spans)
             self._sequences[child.id] = child
             if paged is not None:
                 self._by_manager_id[paged.seq_id] = child

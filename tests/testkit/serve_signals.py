@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Iterator
 
+import httpx
 import openai
 
 from testkit.serve_process import free_port
@@ -29,11 +30,12 @@ class Server:
         while True:
             assert self.proc.poll() is None, self.proc.stdout.read()
             try:
-                self.client.models.list()
-                return
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> tuple[int, str]:
         """Send ``sig``; the exit status and everything the process wrote."""
