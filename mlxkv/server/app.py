@@ -21,7 +21,7 @@ from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
-from mlxkv.server.auth import bearer_auth
+from mlxkv.server.auth import KeyProtectedPaths, bearer_auth
 from mlxkv.server.cache_routes import cache_router
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
@@ -52,7 +52,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
-               flush_timeout_s: float = 10.0) -> FastAPI:
+               flush_timeout_s: float = 10.0, metrics_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -66,7 +66,11 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
         flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
+        metrics_key: require it (or ``api_key``) on ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
+            (``None``: those stay open).
     """
+    if metrics_key is not None and not metrics_key:
+        raise ValueError("the metrics key must not be empty")
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     defaults = defaults or SamplingDefaults()
@@ -93,6 +97,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if metrics_key is not None:
+        app.add_middleware(KeyProtectedPaths, keys=[k for k in (metrics_key, api_key) if k])
     install_cors(app, allowed_origins)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
 
@@ -207,6 +213,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
         def build() -> GenerationRequest:
             return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
+                                     cache_salt_ranges=body.salt_ranges(len(prompt)),
                                      retention=body.retention.to_spec() if body.retention else None,
                                      priority=body.priority, logprobs=logprobs, response_format=grammar)
 

@@ -4,8 +4,10 @@
 number, ``event:`` its type (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and ``data:`` its JSON
 (block hashes in hex). A reader resumes after the last number it saw with ``?since=N`` or the standard
 ``Last-Event-ID`` header (which browsers' EventSource sends on reconnect); events the bounded buffer no longer
-holds are announced by one ``EventsDropped`` event carrying how many. ``?stream=false`` returns what is held as
-one JSON object instead. The stream ends when the server stops.
+holds are announced by one ``EventsDropped`` event carrying how many. The stream is what a client asking for
+``Accept: text/event-stream`` (as EventSource does) or ``?stream=true`` gets; any other request gets what is held
+now as one JSON object (``{"events", "cursor", "dropped"}``; ``?stream=false`` forces it). The stream ends when
+the server stops.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
         return {"reset": True, **await run_in_threadpool(engine.reset_cache)}
 
     @router.get("/cache/events")
-    async def cache_events(request: Request, since: str | None = None, stream: str = "true") -> object:
+    async def cache_events(request: Request, since: str | None = None) -> object:
+        stream = request.query_params.get("stream")
+        if stream is None:
+            stream = "true" if "text/event-stream" in request.headers.get("accept", "") else "false"
         if stream not in ("true", "false"):
             raise APIError(400, f"stream must be true or false, got {stream!r}", "invalid_value", "stream")
         start = _cursor(since, "since")

@@ -15,8 +15,10 @@ the last sweep (the pool's ``BlockStored`` events), at or above the tier's prior
 yet, are copied to host memory on the engine thread and written by the write-behind thread, so a restart finds
 them and a crash loses at most the last interval's blocks.
 
-Restore covers models whose groups are all full attention (windowed groups' anchors are not restored);
-for other models the bridge stays inactive (no offload, no restore).
+Every layout is covered: full-attention groups restore every block of the hit, sliding-window and chunked
+groups only the blocks of their window at the hit's end (restore_plan.py), linked and anchored as the
+block manager's hit search checks them. Models with recurrent layers keep no prefix cache, so the bridge stays
+inactive for them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mlxkv.kv.blocks.events import BlockStored
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
 from mlxkv.kv.tier.host_store import Key
+from mlxkv.kv.tier.restore_plan import plan_restore
 from mlxkv.kv.tier.secondary import SecondaryTier
 from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
 
@@ -51,7 +54,10 @@ class TierBridge:
         self.pool = backend.manager.pool
         self.storage = backend.storage
         self.block_size = backend.block_size
-        self.active = self.pool.enable_caching and all(s.is_full for s in backend.specs)
+        self.active = self.pool.enable_caching
+        self._windowed = not all(s.is_full for s in backend.specs)
+        # the coordinator's rule: the first full-attention group anchors the windowed groups' blocks
+        self._anchor_group = next((g for g, s in enumerate(backend.specs) if s.is_full), None)
         self.primary_hit_blocks = 0
         self.secondary_hit_blocks = 0
         self.prompt_blocks = 0
@@ -181,9 +187,10 @@ class TierBridge:
 
     def flush(self, timeout: float) -> dict:
         """Write every pending cached block, waiting at most ``timeout`` seconds, and stop the writer (shutdown).
-        Returns ``{"written": blocks this flush wrote, "lost": blocks left unwritten, "seconds": time taken}``."""
+        Returns ``{"written": blocks this flush wrote, "lost": blocks left unwritten, "on_disk": blocks the disk
+        tier holds now, "seconds": time taken}``."""
         if self.writer is None:
-            return {"written": 0, "lost": 0, "seconds": 0.0}
+            return {"written": 0, "lost": 0, "on_disk": 0, "seconds": 0.0}
         start = time.monotonic()
         deadline = start + timeout
         queued = 0
@@ -195,7 +202,10 @@ class TierBridge:
         lost = unwritten + len(self._pending)
         self.tier.attach_writer(None)
         self.writer = None
-        result = {"written": queued - unwritten, "lost": lost, "seconds": round(time.monotonic() - start, 3)}
+        with self.tier.disk_lock:
+            on_disk = len(self.tier.disk)
+        result = {"written": queued - unwritten, "lost": lost, "on_disk": on_disk,
+                  "seconds": round(time.monotonic() - start, 3)}
         if lost:
             log.warning("secondary KV tier: flush timed out after %.1f s; %d block(s) not written", timeout, lost)
         return result
@@ -215,10 +225,12 @@ class TierBridge:
 
     def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
                 spans: tuple = ()) -> int:
-        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit.
-        Call before ``open`` with the same arguments. Returns the number of blocks restored."""
+        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
+        (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
+        the same arguments. Returns by how many blocks the hit grew (0 when nothing was restored)."""
         tokens = [int(t) for t in tokens]
-        usable = max(0, len(tokens) - 1) // self.block_size  # the last prompt token is always recomputed
+        bs = self.block_size
+        usable = max(0, len(tokens) - 1) // bs  # the last prompt token is always recomputed
         self.prompt_blocks += usable
         hit = self.manager.find_prefix_hit(tokens, salt, extra, spans)
         first = hit.num_full_blocks
@@ -226,37 +238,41 @@ class TierBridge:
         if not self.active or first >= usable:
             return 0
         ctx = HashContext(salt, tuple(extra), tuple(spans))
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * self.block_size, self.block_size, ctx, [])
-        groups = range(len(self.backend.specs))
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
+        length, wanted = plan_restore(self.backend.specs, bs, first, usable,
+                                      lambda g, i: self.tier.contains((g, hashes[i])), self.pool.num_free_blocks)
+        if not wanted:
+            return 0
         held = [b for chain in hit.blocks for b in chain if not b.is_null]
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
-        prev = [hit.blocks[g][first - 1] if first else None for g in groups]
+        placed: dict[tuple[int, int], KVCacheBlock] = {
+            (g, i): b for g, chain in enumerate(hit.blocks) for i, b in enumerate(chain) if not b.is_null}
+        anchor_group = self._anchor_group if self._windowed else None
         restored: list[KVCacheBlock] = []
         writes: list[tuple[int, TierBlock]] = []
+        complete = True
+        wanted.sort(key=lambda ig: (ig[0], ig[1] != anchor_group))  # per index, the anchoring block first
         try:
-            for i in range(first, usable):
-                if not all(self.tier.contains((g, hashes[i])) for g in groups):
+            for i, g in wanted:
+                btoks = tuple(tokens[i * bs:(i + 1) * bs])
+                bextra = ctx.block_extra_keys(i, bs)
+                tb = self.tier.take((g, hashes[i]))
+                if tb is None or not self._valid(tb, g, btoks, bextra):
+                    if tb is not None:
+                        self.tier.put_back(tb)
+                    complete = False
                     break
-                if self.pool.num_free_blocks < len(groups):
-                    break
-                btoks = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-                bextra = ctx.block_extra_keys(i, self.block_size)
-                taken = [self.tier.take((g, hashes[i])) for g in groups]
-                if not all(tb is not None and self._valid(tb, g, btoks, bextra) for g, tb in zip(groups, taken)):
-                    for tb in taken:
-                        if tb is not None:
-                            self.tier.put_back(tb)
-                    break
-                for g, tb in zip(groups, taken):
-                    block = self.pool.get_new_blocks(1)[0]
-                    restored.append(block)
-                    writes.append((block.block_id, tb))
-                    self.pool.cache_full_block(
-                        block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
-                        parent_ref=None if prev[g] is None else prev[g].ref, token_ids=btoks, extra_keys=bextra)
-                    self.pool.set_retention(block, tb.priority, None, merge=False)
-                    prev[g] = block
-                self.secondary_hit_blocks += 1
+                prev = placed.get((g, i - 1))
+                anchor = placed.get((anchor_group, i)) if anchor_group is not None and anchor_group != g else None
+                block = self.pool.get_new_blocks(1)[0]
+                restored.append(block)
+                writes.append((block.block_id, tb))
+                self.pool.cache_full_block(
+                    block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
+                    parent_ref=None if prev is None else prev.ref, token_ids=btoks, extra_keys=bextra,
+                    anchor=None if anchor is None else anchor.ref)
+                self.pool.set_retention(block, tb.priority, None, merge=False)
+                placed[(g, i)] = block
             self._write(writes)  # before any model step reads these pages
         except BaseException:
             for block in restored:  # their pages may not hold the content: never let them be hit
@@ -265,7 +281,10 @@ class TierBridge:
         finally:
             self.pool.free_blocks(list(reversed(restored)))  # tail first: the chain's end is evicted first
             self.pool.free_blocks(list(reversed(held)))
-        return len(restored) // len(groups)
+        if not complete:
+            return 0
+        self.secondary_hit_blocks += length - first
+        return length - first
 
     def _write(self, writes: list[tuple[int, TierBlock]]) -> None:
         """Write restored blocks into their pages: one write per layer for all of them."""
