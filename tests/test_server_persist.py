@@ -4,6 +4,7 @@ stream with a final event and logs no traceback."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from testkit.serve_signals import server
 
@@ -85,3 +87,27 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(tmp_path):
     assert "Traceback" not in log and "ERROR" not in log, log
     assert len([o for o in outcomes if o in ("shutdown", "ended")]) == 4, outcomes
     assert "shutdown" in outcomes, outcomes  # 900 tokens each: at least one was still streaming
+
+
+GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
+
+
+@pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name the SmolLM2-135M GGUF file")
+def test_the_real_model_restarts_warm(tmp_path):
+    """SmolLM2-135M: after SIGTERM and a restart, a ~200-token prompt comes back from disk with the same greedy
+    answer as the cold run."""
+    args = ("-m", str(GGUF), "--dequantize", "--kv-disk-cache", str(tmp_path), "--max-sequences", "1")
+    messages = [{"role": "user", "content": "Name three colours of the rainbow and say why the sky is blue. " * 12}]
+
+    def ask(s):
+        r = s.client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+
+    with server(*args) as s:
+        cold, cached, n = ask(s)
+        assert cached == 0 and n > 160
+        assert s.stop()[0] == 0
+    with server(*args) as s:
+        warm, cached, _ = ask(s)
+        assert cached >= 16 * ((n - 1) // 16) and warm == cold
+        assert s.stop()[0] == 0
