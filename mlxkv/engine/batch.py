@@ -98,6 +98,7 @@ class BatchEngine:
         self._kv_stats: dict = {}
         self._kv_stats_at = 0.0
         self._draining = False  # drain(): new submissions refused
+        self._drains: list[tuple[str, concurrent.futures.Future]] = []  # drain commands, run between steps
         self._flush_timeout = 10.0  # seconds stop() gives the KV tier to write its cached blocks
         self.last_flush: dict | None = None  # what the last stop's tier flush did
 
@@ -123,7 +124,7 @@ class BatchEngine:
         if self._thread is None:
             return
         self._inbox.put(("stop", flush_timeout))
-        self._thread.join(timeout)
+        self._thread.join(timeout + flush_timeout)
         self._thread = None
 
     def drain(self, message: str = "the server is shutting down", timeout: float = 30.0) -> int:
@@ -237,6 +238,7 @@ class BatchEngine:
             while self._running:
                 self.pool.persist_tier()  # the KV tier's write-behind sweep, when due (between steps only)
                 self._handle_commands(block=not sched.has_work())
+                self._run_drains()
                 if self._running and sched.has_work():
                     try:
                         with batched_wakeups():  # a step's events wake each event loop once
@@ -292,8 +294,9 @@ class BatchEngine:
 
     def _handle_commands(self, block: bool) -> None:
         try:
-            if block:  # idle: wake for the tier's next sweep too
-                command = self._inbox.get(timeout=self.pool.tier_due_in())
+            if block:  # idle: wake for the tier's next sweep too, if one is due
+                due = self.pool.tier_due_in()
+                command = self._inbox.get() if due is None else self._inbox.get(timeout=due)
             else:
                 command = self._inbox.get_nowait()
         except queue.Empty:
@@ -308,12 +311,8 @@ class BatchEngine:
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 payload.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
-            elif kind == "drain":
-                message, future = payload
-                jobs = self._scheduler.jobs()
-                for job in jobs:
-                    self._scheduler._end(job, Event("error", finish_reason="shutdown", message=message), "failed")
-                future.set_result(len(jobs))
+            elif kind == "drain":  # not mid-step (this may be the scheduler's intake): see _run_drains
+                self._drains.append(payload)
             elif kind == "stop":
                 self._flush_timeout = payload
                 self._running = False
@@ -321,6 +320,15 @@ class BatchEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_drains(self) -> None:
+        """End every unfinished request with the shutdown event, for each drain command received."""
+        while self._drains:
+            message, future = self._drains.pop(0)
+            jobs = self._scheduler.jobs()
+            for job in jobs:
+                self._scheduler._end(job, Event("error", finish_reason="shutdown", message=message), "failed")
+            future.set_result(len(jobs))
 
     def _paged_stats(self, force: bool) -> dict:
         """Block and prefix-cache figures from the pool (its block scan is O(blocks): at most every 0.25 s
