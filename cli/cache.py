@@ -147,7 +147,7 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
         raise typer.Exit(code=1)
     console = Console()
     tier = snap.get("tier")
-    if not isinstance(tier, dict):
+    if not isinstance(tier, dict) or not isinstance(tier.get("secondary"), dict):
         console.print("the server reports no secondary tier")
     else:
         sec = tier.get("secondary", {})
@@ -166,9 +166,14 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
         console.print(hits)
         console.print(f"prompt blocks {prompt}; offloaded {sec.get('stored_memory', 0)} to memory, "
                       f"{sec.get('stored_disk', 0)} to disk; dropped {sec.get('dropped_low_priority', 0)} "
-                      f"below priority {sec.get('min_priority', '?')}, {sec.get('dropped_no_room', 0)} for room")
+                      f"below priority {sec.get('min_priority', '?')}, {sec.get('dropped_no_room', 0)} for room, "
+                      f"{(sec.get('drops') or {}).get('queue_full', 0)} for a full write queue")
+        queue = sec.get("write_queue")
+        if isinstance(queue, dict):
+            console.print(f"write-behind queue: {queue.get('blocks', 0)} block(s), {_fmt_bytes(queue.get('bytes', 0))}")
         prios = Table(title="blocks per retention priority")
-        cols = [("primary", snap.get("blocks_by_priority") or {})]
+        cols = [("primary", snap.get("blocks_by_priority") or (snap.get("kv_blocks") or {}).get("cached_by_priority")
+                 or {})]
         cols += [(n, sec[n].get("blocks_by_priority", {})) for n in ("memory", "disk") if isinstance(sec.get(n), dict)]
         prios.add_column("priority", justify="right")
         for name, _ in cols:

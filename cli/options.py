@@ -90,7 +90,8 @@ _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir
 
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
-              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0, tenant_share: float = 0.5) -> Any:
+              disk_cache_dir: str | None = None, disk_cache_bytes: int = 0, tenant_share: float = 0.5,
+              disk_write_interval_s: float = 2.0) -> Any:
     """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
 
     Raises:
@@ -115,7 +116,8 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
         return KvCacheConfig(backend=backend, block_size=block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                              kv_group_size=kv_group_size, layout=layout, kv_cache_budget=budget or "auto",
                              secondary_memory_bytes=host_cache_bytes, secondary_disk_dir=disk_cache_dir,
-                             secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share)
+                             secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share,
+                             secondary_write_interval_s=disk_write_interval_s)
     except ValueError as exc:
         raise typer.BadParameter(_flag_names(str(exc))) from None
 

@@ -1,6 +1,7 @@
 """``mlxkv serve``: the OpenAI-compatible server (the lead registers :func:`serve` on the main Typer app).
 
-Thin: parse options, build the server (:func:`mlxkv.server.runner.build`), run uvicorn. MLX, FastAPI and the
+Thin: parse options, build the server (:func:`mlxkv.server.runner.build`), run uvicorn until a signal
+(:mod:`mlxkv.server.shutdown`: a graceful stop that saves the KV tier). MLX, FastAPI and the
 model are imported inside the command so ``mlxkv --help`` stays instant.
 """
 
@@ -74,6 +75,10 @@ def serve(
     sse_keepalive_s: float = typer.Option(10.0, "--sse-keepalive-s", min=0.01, rich_help_panel=SERVER_PANEL,
                                           help="Seconds a stream may stay silent (a long prefill) before a "
                                                "keep-alive comment is sent."),
+    metrics_key: Optional[str] = typer.Option(
+        None, "--metrics-key", rich_help_panel=SERVER_PANEL,
+        help="Require 'Authorization: Bearer KEY' (or the API key) on /metrics, /docs, /redoc and /openapi.json "
+             "(default: open)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, rich_help_panel=SERVER_PANEL,
                                       help="Largest request body in MB; larger ones get HTTP 413."),
     max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100, rich_help_panel=SERVER_PANEL,
@@ -108,6 +113,13 @@ def serve(
     kv_disk_cache_size: int = typer.Option(0, "--kv-disk-cache-size", parser=parse_size, metavar="SIZE",
                                            rich_help_panel=KV_PANEL,
                                            help="Cap of the on-disk KV tier (needs --kv-disk-cache; 0 = 16GiB)."),
+    kv_disk_write_interval: float = typer.Option(
+        2.0, "--kv-disk-write-interval", min=0.0, max=3600.0, rich_help_panel=KV_PANEL,
+        help="Seconds between writes of newly cached KV blocks to the disk tier (what a crash can lose; 0: only "
+             "evicted blocks and the flush at stop)."),
+    kv_disk_flush_timeout: float = typer.Option(
+        10.0, "--kv-disk-flush-timeout", min=0.0, rich_help_panel=KV_PANEL,
+        help="Seconds a graceful stop (SIGTERM/SIGINT) may spend writing cached KV blocks to the disk tier."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
                                               help="Cap on cached tokens per layer, rotating past it (dense)."),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]",
@@ -154,7 +166,7 @@ def serve(
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                    host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
-                   tenant_share=kv_tenant_share)
+                   tenant_share=kv_tenant_share, disk_write_interval_s=kv_disk_write_interval)
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)
@@ -166,11 +178,10 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     try:
-        import uvicorn
-
         from mlxkv.config import EngineConfig, RunConfig
         from mlxkv.models import ModelLoadError
         from mlxkv.server.runner import build, set_switch_interval
+        from mlxkv.server.shutdown import serve_until_signalled
     except ImportError as exc:
         sock.close()
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
@@ -184,7 +195,7 @@ def serve(
                         chat_template=chat_template, tool_parser=tool_parser)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
-                      admin_key=admin_key)
+                      admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         typer.echo(f"error: {exc}", err=True)
@@ -195,15 +206,17 @@ def serve(
     set_switch_interval(switch_interval_ms / 1000)
     typer.echo(f"mlxkv serve: {parts.loaded.name} on {url(host, bound_port(sock))} "
                f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV)", err=True)
-    server = uvicorn.Server(uvicorn.Config(parts.app, host=host, port=bound_port(sock), log_level=log_level,
-                                           timeout_graceful_shutdown=5))
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; that is a clean exit (as uvicorn.run)
-        pass
+    started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock), log_level=log_level,
+                                    sockets=[sock])
+    flushed = parts.engine.last_flush
+    if flushed:
+        typer.echo(f"mlxkv serve: KV tier saved: {flushed['on_disk']} block(s) on disk ({flushed['written']} written "
+                   f"at stop, {flushed['seconds']:.2f} s)"
+                   + (f", {flushed['lost']} not written (--kv-disk-flush-timeout)" if flushed["lost"] else ""),
+                   err=True)
     import mlx.core as mx
 
     mx.synchronize()
     mx.clear_streams()  # MLX asks each thread that used it to clean up, else the process may abort at exit
-    if not server.started:
+    if not started:
         raise typer.Exit(code=3)  # uvicorn's startup-failure code (it logged why)

@@ -44,6 +44,8 @@ class KvCacheConfig:
         means DEFAULT_SECONDARY_DISK_BYTES, 16 GiB).
     secondary_tenant_share: share of the disk tier one tenant (cache salt) keeps while others need room, in
         (0, 1] (1: no quota); a tenant alone may still fill it.
+    secondary_write_interval_s: paged with a disk tier: cached blocks are written to disk behind the engine at
+        most this many seconds after they are cached (what a crash can lose); 0 = only evicted blocks go to disk.
     """
 
     backend: str = "dense"
@@ -63,6 +65,7 @@ class KvCacheConfig:
     secondary_disk_dir: str | None = None
     secondary_disk_bytes: int = 0
     secondary_tenant_share: float = 0.5
+    secondary_write_interval_s: float = 2.0
     layout: str = "mlxkv"
 
     def __post_init__(self) -> None:
@@ -107,6 +110,9 @@ class KvCacheConfig:
         d = self.secondary_disk_dir
         if d is not None and (not isinstance(d, str) or not d):
             raise ValueError(f"secondary_disk_dir={d!r}: expected None or a non-empty folder path")
+        w = self.secondary_write_interval_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 3600:
+            raise ValueError(f"secondary_write_interval_s={w!r}: expected seconds in 0..3600 (0 = off)")
         if self.secondary_disk_bytes and d is None:
             raise ValueError("secondary_disk_bytes needs secondary_disk_dir (the folder for the disk tier)")
         t = self.secondary_tenant_share

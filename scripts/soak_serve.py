@@ -5,6 +5,15 @@ stats can be checked at the end: no running or open sequences, no KV bytes held.
 after warm-up and at the end. Bounded in request count and wall time.
 
     python scripts/soak_serve.py --requests 80 --concurrency 8 --max-seconds 120
+
+``--restart-mid-soak`` runs ``mlxkv serve`` as a child process with a disk KV tier instead and, once half the
+requests have ended, stops it with SIGTERM while the rest are in flight and starts it again on the same port.
+Requests the stop ended (the shutdown error event, a 503, a refused connection while it restarts) are sent
+again; the soak passes when none is lost (every request completes or is disconnected by its client), both
+servers exit 0 without a traceback, the restarted one ends holding no sequence and no KV bytes, and it served
+the repeated prompts from the disk tier.
+
+    python scripts/soak_serve.py --restart-mid-soak --requests 60 --max-seconds 120
 """
 
 from __future__ import annotations
@@ -70,7 +79,9 @@ def one_request(url: str, rng: random.Random, disconnect_prob: float, repeat_pro
                     if cut is not None and i >= cut:
                         return "disconnected"  # leaving the with-blocks closes the connection mid-stream
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        json.loads(line[6:])
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            return "shutdown" if event["error"].get("code") == "server_shutting_down" else "error"
             return "completed"
         timeout = httpx.Timeout(60, read=rng.uniform(0.005, 0.05)) if disconnect else 60
         r = httpx.post(url + path, json=body, timeout=timeout)
@@ -80,6 +91,8 @@ def one_request(url: str, rng: random.Random, disconnect_prob: float, repeat_pro
         return "completed"
     except httpx.ReadTimeout:
         return "disconnected" if disconnect else "error"
+    except httpx.ConnectError:  # no server listening (a restart)
+        return "refused"
     except Exception as exc:  # noqa: BLE001 - a soak counts failures, it does not stop on them
         print(f"request error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return "error"
@@ -99,7 +112,13 @@ def main() -> int:
     p.add_argument("--batched-prefill", action="store_true", help="the engine's opt-in batched prefill")
     p.add_argument("--repeat-prob", type=float, default=0.25,
                    help="chance a request repeats one of four earlier prompts (its last token joins a decode step)")
+    p.add_argument("--restart-mid-soak", action="store_true",
+                   help="a real server process with a disk KV tier, restarted (SIGTERM) half-way through")
     args = p.parse_args()
+    if args.restart_mid_soak:
+        from soak_restart import restart_soak
+
+        return restart_soak(args, one_request)
 
     import httpx
 

@@ -97,6 +97,10 @@ class BatchEngine:
         self._kv_capacity = self.pool.max_sequence_tokens()  # the longest sequence the block pool holds (paged)
         self._kv_stats: dict = {}
         self._kv_stats_at = 0.0
+        self._draining = False  # drain(): new submissions refused
+        self._drains: list[tuple[str, concurrent.futures.Future]] = []  # drain commands, run between steps
+        self._flush_timeout = 10.0  # seconds stop() gives the KV tier to write its cached blocks
+        self.last_flush: dict | None = None  # what the last stop's tier flush did
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "BatchEngine":
@@ -114,13 +118,29 @@ class BatchEngine:
             raise self._start_error
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; unfinished requests end with an error event and release their sequences."""
+    def stop(self, timeout: float = 30.0, flush_timeout: float = 10.0) -> None:
+        """Stop the engine thread; unfinished requests end with an error event and release their sequences, then
+        the KV tier writes its cached blocks to disk (at most ``flush_timeout`` seconds; see :attr:`last_flush`)."""
         if self._thread is None:
             return
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout)
+        self._inbox.put(("stop", flush_timeout))
+        self._thread.join(timeout + flush_timeout)
         self._thread = None
+
+    def drain(self, message: str = "the server is shutting down", timeout: float = 30.0) -> int:
+        """Refuse new submissions and end every unfinished request now with an error event whose
+        ``finish_reason`` is ``"shutdown"`` (a graceful stop). Returns how many requests were ended."""
+        self._draining = True
+        if not self.alive:
+            return 0
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("drain", (message, future)))
+        return future.result(timeout)
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called (the server is stopping)."""
+        return self._draining
 
     @property
     def alive(self) -> bool:
@@ -153,6 +173,8 @@ class BatchEngine:
         bias = request.params.logit_bias
         if bias and self.vocab_size is not None and max(bias) >= self.vocab_size:
             raise ValueError(f"logit_bias token {max(bias)} is outside the model's vocabulary of {self.vocab_size}")
+        if self._draining:
+            raise EngineStoppedError("the server is shutting down")
         if not self.alive:
             raise EngineStoppedError("the engine is not running")
         with self._lock:
@@ -187,6 +209,15 @@ class BatchEngine:
         self._inbox.put(("reset", (future, salt)))
         return future.result(timeout)
 
+    def kv_events(self, since: int = 0) -> dict | None:
+        """The KV cache's events numbered above ``since`` (see :meth:`mlxkv.kv.CachePool.kv_events`; any thread;
+        None without a paged pool).
+
+        Raises:
+            ValueError: ``since`` < 0.
+        """
+        return self.pool.kv_events(since)
+
     # ---- engine thread -------------------------------------------------------------------------------------
     def _dequeued(self) -> None:
         with self._lock:
@@ -206,7 +237,9 @@ class BatchEngine:
         self._started.set()
         try:
             while self._running:
+                self.pool.persist_tier()  # the KV tier's write-behind sweep, when due (between steps only)
                 self._handle_commands(block=not sched.has_work())
+                self._run_drains()
                 if self._running and sched.has_work():
                     try:
                         with batched_wakeups():  # a step's events wake each event loop once
@@ -219,6 +252,10 @@ class BatchEngine:
         finally:
             for job in sched.jobs():
                 sched._end(job, Event("error", finish_reason="error", message="the engine stopped"), "failed")
+            try:
+                self.last_flush = self.pool.flush_tier(self._flush_timeout)
+            except Exception:  # noqa: BLE001 - a failed flush loses cached blocks, never the shutdown
+                log.exception("flushing the KV tier failed")
             self._publish()
             # MLX streams made by this thread must be destroyed by it, else the process can abort at exit
             # ("terminate called without an active exception"): MLX asks threads to clean up themselves.
@@ -258,7 +295,11 @@ class BatchEngine:
 
     def _handle_commands(self, block: bool) -> None:
         try:
-            command = self._inbox.get() if block else self._inbox.get_nowait()
+            if block:  # idle: wake for the tier's next sweep too, if one is due
+                due = self.pool.tier_due_in()
+                command = self._inbox.get() if due is None else self._inbox.get(timeout=due)
+            else:
+                command = self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -272,12 +313,24 @@ class BatchEngine:
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 future.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
+            elif kind == "drain":  # not mid-step (this may be the scheduler's intake): see _run_drains
+                self._drains.append(payload)
             elif kind == "stop":
+                self._flush_timeout = payload
                 self._running = False
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_drains(self) -> None:
+        """End every unfinished request with the shutdown event, for each drain command received."""
+        while self._drains:
+            message, future = self._drains.pop(0)
+            jobs = self._scheduler.jobs()
+            for job in jobs:
+                self._scheduler._end(job, Event("error", finish_reason="shutdown", message=message), "failed")
+            future.set_result(len(jobs))
 
     def _paged_stats(self, force: bool) -> dict:
         """Block and prefix-cache figures from the pool (its block scan is O(blocks): at most every 0.25 s

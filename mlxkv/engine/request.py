@@ -92,6 +92,9 @@ class GenerationRequest:
         n: parallel samples of the prompt (prefilled once; dense: the caches are copied, paged: each sample's
             sequence takes the prompt's cached blocks).
         cache_salt: isolates prefix-cache sharing to requests with the same salt (paged storage).
+        cache_salt_ranges: ``(start, end, salt)`` prompt token ranges whose blocks (and, through the chained
+            hash, every later block) are shared only with requests naming the same salt over the same range: a
+            system prompt left unsalted (or under a shared salt) is shared across tenants, the rest is not.
         retention: KV retention rules (paged storage).
         priority: admission order: lower values are admitted first, ties in arrival order; paged storage
             preempts sequences of higher values (then newer ones) first when blocks run out.
@@ -108,6 +111,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
     cache_salt: str | None = None
+    cache_salt_ranges: tuple[tuple[int, int, str], ...] = ()
     retention: RetentionSpec | None = None
     priority: int = 0
     logprobs: int | None = None
@@ -121,6 +125,10 @@ class GenerationRequest:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt must be a non-empty string when given")
+        for start, end, salt in self.cache_salt_ranges:
+            if not (isinstance(salt, str) and salt and 0 <= start < end and start < len(self.prompt)):
+                raise ValueError(f"cache_salt_ranges: ({start}, {end}, {salt!r}) is not a non-empty range starting "
+                                 f"inside the {len(self.prompt)}-token prompt with a non-empty salt")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

@@ -179,6 +179,7 @@ class Scheduler:
             else:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
                                           salt=request.cache_salt, retention=retention_config(request.retention),
+                                          spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges),
                                           priority=-request.priority)  # the pool preempts lower values first
                 job.opened.append(task.seq)
             self._owners[task.seq.id] = task

@@ -52,6 +52,7 @@ class Sequence:
     created_at: float = field(default_factory=time.monotonic)
     paged: Any = None
     salt: str | bytes | None = None  # what it was opened with: a resume opens with the same
+    spans: tuple = ()  # (start, end, key) token ranges with extra hash keys (per-range salts), likewise
     retention: Any = None
     priority: int = 0
     preempted: bool = False
@@ -201,13 +202,14 @@ class CachePool:
 
     # ---- opening and ending -------------------------------------------------------------------------------
     def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None, salt: str | bytes | None = None,
-             retention: Any = None, priority: int = 0) -> Sequence:
+             retention: Any = None, priority: int = 0, spans: tuple = ()) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
 
         Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
         and takes its prefix hit (``seq.num_cached`` tokens need no compute); ``salt`` isolates caches
         (sequences with different salts never share blocks); ``retention`` (the manager's ``RetentionConfig``)
-        ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later).
+        ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later);
+        ``spans`` (``(start, end, key)`` token ranges) add ``key`` to the hash of every block they overlap.
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
@@ -218,7 +220,7 @@ class CachePool:
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
         seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length, salt=salt,
-                       retention=retention, priority=priority)
+                       retention=retention, priority=priority, spans=tuple(spans))
         self._attach(seq, prompt)
         self._sequences[seq.id] = seq
         return seq
@@ -231,7 +233,7 @@ class CachePool:
         if not tokens:
             raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
         seq.caches, seq.paged = self.paged.open(tokens, salt=seq.salt, retention=seq.retention,
-                                                priority=seq.priority)
+                                                priority=seq.priority, spans=seq.spans)
         seq.prompt_length = seq.prompt_length or len(tokens)
         self._by_manager_id[seq.paged.seq_id] = seq
 
@@ -300,7 +302,8 @@ class CachePool:
         children = []
         for caches, paged in pairs:
             child = Sequence(id=SequenceId(next(self._ids)), caches=caches, prompt_length=parent.prompt_length,
-                             paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority)
+                             paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority,
+                             spans=parent.spans)
             self._sequences[child.id] = child
             if paged is not None:
                 self._by_manager_id[paged.seq_id] = child
@@ -356,16 +359,31 @@ class CachePool:
 
     def evict_cached(self, salt: str | None = None) -> int:
         """Drop every cached block no sequence holds (to the secondary tier when one takes it); returns how many
-        (dense: 0). ``salt``: only the blocks of chains begun under that cache salt; None: every block."""
+        (dense: 0). ``salt``: only the blocks of chains begun under that cache salt; None: every block, and when
+        no sequence holds any block the whole prefix cache is then empty and an ``AllBlocksCleared`` event says so
+        (else each evicted block's ``BlockRemoved`` does)."""
         if self.paged is None:
             return 0
         pool = self.paged.manager.pool
         if salt is None:
-            return pool.evict_cached(pool.stats().evictable)
+            n = pool.evict_cached(pool.stats().evictable)
+            pool.reset_prefix_cache()  # refused (no event) while blocks are in use
+            return n
         from mlxkv.kv.tier.tenants import chain_tenant, tenant_digest
 
         tenant = tenant_digest(salt)
         return pool.evict_cached(pool.stats().evictable, where=lambda b: chain_tenant(pool, b) == tenant)
+
+    def kv_events(self, since: int = 0) -> dict | None:
+        """KV events numbered above ``since`` in their JSON form (safe from any thread; dense: None):
+        ``{"events": [{"seq": n, "type": ..., ...}], "cursor": newest number, "dropped": events missed}``."""
+        if self.paged is None:
+            return None
+        from mlxkv.kv.blocks.events import event_to_json
+
+        batch = self.paged.manager.events.read(since)
+        return {"events": [{"seq": n, **event_to_json(e)} for n, e in batch.events], "cursor": batch.cursor,
+                "dropped": batch.dropped}
 
     def block_stats(self) -> dict:
         """The block pool's figures for stats and metrics (paged; dense: empty)."""
@@ -381,7 +399,27 @@ class CachePool:
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
             "evictions": p.evictions,
             "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
+            "tier": self.paged.tier_stats(),
         }
+
+    # ---- secondary tier's write-behind (paged with a disk tier; otherwise no-ops) --------------------------
+    def _bridge(self) -> Any:
+        return None if self.paged is None else self.paged.tier
+
+    def tier_due_in(self) -> float | None:
+        """Seconds until the tier's next write-behind sweep (None: nothing to write): the engine's idle wait."""
+        bridge = self._bridge()
+        return None if bridge is None else bridge.due_in()
+
+    def persist_tier(self) -> int:
+        """Run the write-behind sweep when it is due (engine thread, between steps); blocks queued."""
+        bridge = self._bridge()
+        return 0 if bridge is None else bridge.persist()
+
+    def flush_tier(self, timeout: float) -> dict | None:
+        """Write every cached block worth keeping to the disk tier within ``timeout`` seconds (shutdown)."""
+        bridge = self._bridge()
+        return None if bridge is None else bridge.flush(timeout)
 
     def check_invariants(self) -> None:
         """Assert pool consistency (tests): paged: manager invariants, open sequences == manager sequences."""

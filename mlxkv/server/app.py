@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Sequence, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,7 +19,8 @@ from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
-from mlxkv.server.auth import bearer_auth
+from mlxkv.server.auth import KeyProtectedPaths, bearer_auth
+from mlxkv.server.cache_routes import cache_router
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
@@ -31,8 +32,9 @@ from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
+from mlxkv.server.shutdown import SHUTDOWN_CODE
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
-from mlxkv.server.tenancy import CacheResetRequest, check_max_client_priority, check_retention, reset_scope
+from mlxkv.server.tenancy import check_max_client_priority, check_retention
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tool_stream import ToolOutput
@@ -51,7 +53,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
-               max_client_priority: int = 100, admin_key: str | None = None) -> FastAPI:
+               max_client_priority: int = 100, admin_key: str | None = None,
+               flush_timeout_s: float = 10.0, metrics_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -67,8 +70,13 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         max_client_priority: the highest retention priority a request may ask for (above it: 400; tenancy.py).
         admin_key: the key a whole-cache ``/v1/cache/reset`` needs (``None``: anyone may; tenancy.py); also
             accepted wherever ``api_key`` is.
+        flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
+        metrics_key: require it (or ``api_key``) on ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
+            (``None``: those stay open).
     """
     check_max_client_priority(max_client_priority)
+    if metrics_key is not None and not metrics_key:
+        raise ValueError("the metrics key must not be empty")
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     defaults = defaults or SamplingDefaults()
@@ -90,12 +98,14 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             yield
         finally:
             if manage_engine:
-                await run_in_threadpool(engine.stop)
+                await run_in_threadpool(lambda: engine.stop(flush_timeout=flush_timeout_s))
 
     app = FastAPI(title="mlxkv", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if metrics_key is not None:
+        app.add_middleware(KeyProtectedPaths, keys=[k for k in (metrics_key, api_key) if k])
     install_cors(app, allowed_origins)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key, admin_key)),
                                                Depends(reject_invalid_unicode)])
@@ -121,15 +131,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                            "model")
         return card
 
-    @v1.get("/cache/stats")
-    async def cache_stats() -> dict:
-        return engine.stats()
-
-    @v1.post("/cache/reset")
-    async def cache_reset(request: Request, body: Optional[CacheResetRequest] = None) -> dict:
-        salt = reset_scope(body, request, admin_key)
-        freed = await run_in_threadpool(engine.reset_cache, 60.0, salt)
-        return {"reset": True, "scope": "all" if salt is None else "tenant", **freed}
+    v1.include_router(cache_router(engine, keepalive_s=keepalive_s, admin_key=admin_key))
 
     # Templating and tokenizing a long prompt takes milliseconds to seconds: off the event loop (which meanwhile
     # streams other requests' tokens), one prompt at a time, while short prompts are tokenized on the loop at once
@@ -209,6 +211,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
         def build() -> GenerationRequest:
             return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
+                                     cache_salt_ranges=body.salt_ranges(len(prompt)),
                                      retention=body.retention.to_spec() if body.retention else None,
                                      priority=body.priority, logprobs=logprobs, response_format=grammar)
 
@@ -232,6 +235,8 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
     if events is None:
         return Response(status_code=499)  # nobody reads it
     if events[-1].kind != "done":
+        if events[-1].finish_reason == "shutdown":
+            raise APIError(503, events[-1].message, SHUTDOWN_CODE)
         raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
     for event in events[:-1]:
         outputs[event.index].feed(event.text, event.logprob, event.finish_reason)
@@ -273,6 +278,8 @@ def _render(event: Event, builder: ResponseBuilder, outputs: list[ChoiceOutput],
         if include_usage:
             out.append(sse(builder.usage_chunk(event.usage or Usage(0, 0))))
         out.append(sse("[DONE]"))
+    elif event.finish_reason == "shutdown":  # a graceful stop ended the request
+        out.append(sse(error_body(503, event.message, SHUTDOWN_CODE)))
     else:
         out.append(sse(error_body(500, f"generation failed: {event.message}", "generation_failed")))
 

@@ -69,6 +69,22 @@ class RetentionRangeBody(_NullIsDefault):
         return self
 
 
+class SaltRangeBody(_NullIsDefault):
+    """Prompt tokens ``[start, end)`` whose KV blocks are shared only under ``salt`` (so are all later blocks:
+    a block's hash covers its whole prefix)."""
+
+    model_config = ConfigDict(extra="forbid")
+    start: int = Field(0, ge=0)
+    end: Optional[int] = Field(None, ge=1, description="exclusive; null runs to the end of the prompt")
+    salt: str = Field(..., min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SaltRangeBody":
+        if self.end is not None and self.end <= self.start:
+            raise ValueError(f"end ({self.end}) must be greater than start ({self.start})")
+        return self
+
+
 class RetentionBody(_NullIsDefault):
     """KV retention rules for the request's blocks (TensorRT-LLM style)."""
 
@@ -115,7 +131,15 @@ class _Common(_NullIsDefault):
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="prefix-cache isolation: only requests with the same salt share KV")
+    cache_salt_ranges: Optional[list[SaltRangeBody]] = Field(
+        None, max_length=16, description="per-range salts: prompt token ranges shared only under their salt (e.g. "
+                                         "the system prompt unsalted, the rest under the tenant's salt)")
     retention: Optional[RetentionBody] = None
+
+    def salt_ranges(self, prompt_length: int) -> tuple[tuple[int, int, str], ...]:
+        """``cache_salt_ranges`` as the engine's ``(start, end, salt)`` tuples (``end`` null: the prompt's end)."""
+        return tuple((r.start, prompt_length if r.end is None else r.end, r.salt)
+                     for r in self.cache_salt_ranges or ())
     response_format: Optional[dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the output follows it by constrained decoding')

@@ -151,21 +151,22 @@ class PagedBackend:
         return self.storage.num_blocks
 
     def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
-             priority: int = 0) -> tuple[list, PagedSequence]:
+             priority: int = 0, spans: tuple = ()) -> tuple[list, PagedSequence]:
         """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
 
         Args:
             prompt: its token ids; salt: cache salt (different salts never share blocks).
             retention: the manager's ``RetentionConfig`` for its blocks (the prefix-hit blocks included).
             priority: preemption rank (higher is preempted later).
+            spans: ``(start, end, key)`` token ranges whose blocks get ``key`` in their hash (per-range salts).
 
         Returns:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
             the sequence (``seq.num_cached`` prompt tokens need no compute; prefill from there).
         """
         if self.tier is not None:
-            self.tier.restore(prompt, salt)  # tier blocks extending the primary hit come back as cached blocks
-        res = self.manager.open(prompt, salt=salt, retention=retention, priority=priority)
+            self.tier.restore(prompt, salt, spans=spans)  # tier blocks extending the primary hit come back cached
+        res = self.manager.open(prompt, salt=salt, spans=spans, retention=retention, priority=priority)
         seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
                             res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
         seq.apply_copies(res.copies)

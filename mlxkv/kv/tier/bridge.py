@@ -9,22 +9,39 @@ Two hooks, nothing else in the paged code changes:
   into fresh pages and cached in the pool exactly as if it had never left, so the following ``open`` finds
   it as an ordinary hit.
 
-Restore covers models whose groups are all full attention (windowed groups' anchors are not restored);
-for other models the bridge stays inactive (no offload, no restore).
+With a disk store, cached blocks are also written *behind* (:meth:`TierBridge.persist`, every
+``write_interval_s`` seconds between engine steps; :meth:`TierBridge.flush` at shutdown): the blocks stored since
+the last sweep (the pool's ``BlockStored`` events), at or above the tier's priority threshold and not on disk
+yet, are copied to host memory on the engine thread and written by the write-behind thread, so a restart finds
+them and a crash loses at most the last interval's blocks.
+
+Every layout is covered: full-attention groups restore every block of the hit, sliding-window and chunked
+groups only the blocks of their window at the hit's end (restore_plan.py), linked and anchored as the
+block manager's hit search checks them. Models with recurrent layers keep no prefix cache, so the bridge stays
+inactive for them.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from mlxkv.kv.blocks import KVCacheBlock
+from mlxkv.kv.blocks.events import BlockStored
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
+from mlxkv.kv.tier.host_store import Key
+from mlxkv.kv.tier.restore_plan import plan_restore
 from mlxkv.kv.tier.secondary import SecondaryTier
 from mlxkv.kv.tier.tenants import chain_tenant
+from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
+
+log = logging.getLogger("mlxkv.kv.tier")
+DEFAULT_WRITE_INTERVAL_S = 2.0
 
 
 class TierBridge:
@@ -38,12 +55,32 @@ class TierBridge:
         self.pool = backend.manager.pool
         self.storage = backend.storage
         self.block_size = backend.block_size
-        self.active = self.pool.enable_caching and all(s.is_full for s in backend.specs)
+        self.active = self.pool.enable_caching
+        self._windowed = not all(s.is_full for s in backend.specs)
+        # the coordinator's rule: the first full-attention group anchors the windowed groups' blocks
+        self._anchor_group = next((g for g, s in enumerate(backend.specs) if s.is_full), None)
         self.primary_hit_blocks = 0
         self.secondary_hit_blocks = 0
         self.prompt_blocks = 0
+        self.writer: WriteBehind | None = None
+        self.write_interval_s = DEFAULT_WRITE_INTERVAL_S
+        self._next_sweep = 0.0
+        self._cursor = 0  # pool events read so far
+        self._pending: dict[Key, bytes | None] = {}  # cached blocks not on disk yet -> their parent hash
         if self.active:
             self.pool.add_evict_hook(self._on_evict)
+
+    def enable_write_behind(self, interval_s: float = DEFAULT_WRITE_INTERVAL_S,
+                            max_queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+        """Write cached blocks to the disk store every ``interval_s`` seconds (needs a disk store)."""
+        if interval_s <= 0:
+            raise ValueError(f"write interval {interval_s}: expected > 0 seconds")
+        if not self.active or self.tier.disk is None or self.writer is not None:
+            return
+        self.write_interval_s = interval_s
+        self.writer = WriteBehind(self.tier, max_queue_bytes)
+        self.tier.attach_writer(self.writer)
+        self._next_sweep = time.monotonic() + interval_s
 
     def _layers(self, group: int) -> tuple[int, ...]:
         return tuple(self.backend.specs[group].layer_ids)
@@ -56,6 +93,8 @@ class TierBridge:
         layers = self._layers(block.group_id)
         if not all(self.storage.allocated(layer) for layer in layers):
             return
+        if self.writer is not None and self.tier.on_disk((block.group_id, h)):
+            return  # written behind already (or queued): nothing to copy
         priority = block.effective_priority(self.pool.clock())
         if priority < self.tier.min_priority:
             self.tier.counters.offered += 1
@@ -74,6 +113,104 @@ class TierBridge:
             priority=priority, arrays=arrays, dtypes=dtypes, tenant=chain_tenant(self.pool, block),
         ))
 
+    # ---- write-behind ----------------------------------------------------------------------------------
+    def due_in(self) -> float | None:
+        """Seconds until the next write-behind sweep is due; None when there is nothing to write."""
+        if self.writer is None or (not self._pending and self.pool.events.last_seq == self._cursor):
+            return None
+        return max(0.0, self._next_sweep - time.monotonic())
+
+    def _collect(self) -> None:
+        """Add the blocks cached since the last read of the pool's events to the pending set."""
+        batch = self.pool.events.read(self._cursor)
+        self._cursor = batch.cursor
+        if batch.dropped:  # the event ring wrapped: look at every cached block instead
+            for b in self.pool.blocks:
+                if b.cached and isinstance(b.block_hash, bytes):
+                    parent = self.pool.resolve(b.parent)
+                    self._pending.setdefault((b.group_id, b.block_hash), parent and parent.block_hash)
+        for _, event in batch.events:
+            if isinstance(event, BlockStored) and isinstance(event.block_hashes[0], bytes):
+                for h in event.block_hashes:
+                    self._pending.setdefault((event.group_id, h), event.parent_block_hash)
+
+    def persist(self, force: bool = False) -> int:
+        """The write-behind sweep (engine thread, between steps): when due (or ``force``), queue pending cached
+        blocks worth keeping for the writer, as many as its queue has room for (the rest wait for the next
+        sweep). Returns how many were queued."""
+        now = time.monotonic()
+        if self.writer is None or (not force and now < self._next_sweep):
+            return 0
+        self._next_sweep = now + self.write_interval_s
+        self._collect()
+        room = self.writer.room()
+        now = self.pool.clock()
+        picked: list[tuple[KVCacheBlock, bytes | None, int]] = []
+        for key, parent_hash in list(self._pending.items()):
+            found = self.pool.lookup(*key)
+            block = found[0] if found else None
+            layers = self._layers(key[0])
+            if (block is None or self.tier.on_disk(key) or not all(self.storage.allocated(x) for x in layers)
+                    or block.effective_priority(now) < self.tier.min_priority):
+                del self._pending[key]  # evicted (the evict hook offered it), stored, or not worth keeping
+                continue
+            nbytes = sum(self.backend.layer_block_bytes[x] for x in layers)
+            if picked and nbytes > room:
+                break
+            room -= nbytes
+            picked.append((block, parent_hash, block.effective_priority(now)))
+            del self._pending[key]
+        queued = 0
+        for tb in self._copy_out(picked):
+            if self.writer.offer(tb, wait_s=1.0 if force else 0.0):
+                queued += 1
+            else:  # the queue stayed full: try again at the next sweep
+                self._pending[(tb.group_id, tb.block_hash)] = tb.parent_hash
+        return queued
+
+    def _copy_out(self, picked: list[tuple[KVCacheBlock, bytes | None, int]]) -> list[TierBlock]:
+        """Host copies of cached blocks (one gather per layer per group; evaluated here, on the engine thread)."""
+        out: list[TierBlock] = []
+        for g in sorted({b.group_id for b, _, _ in picked}):
+            rows = [(b, p, prio) for b, p, prio in picked if b.group_id == g]
+            ids = mx.array([b.block_id for b, _, _ in rows], dtype=mx.int32)
+            layers = self._layers(g)
+            per_layer: list[tuple[np.ndarray, str]] = []
+            for layer in layers:
+                for pages in self.storage.pages(layer):  # (kv_heads, NB, bs, D) each
+                    per_layer.append(to_host(pages[:, ids].transpose(1, 2, 0, 3)))  # (n, bs, kv_heads, D)
+            for i, (b, parent_hash, prio) in enumerate(rows):
+                out.append(TierBlock(
+                    block_hash=b.block_hash, parent_hash=parent_hash, group_id=g, layers=layers,
+                    token_ids=tuple(b.token_ids), extra_digest=extra_digest(b.extra_keys), priority=prio,
+                    arrays=[a[i] for a, _ in per_layer], dtypes=[d for _, d in per_layer]))
+        return out
+
+    def flush(self, timeout: float) -> dict:
+        """Write every pending cached block, waiting at most ``timeout`` seconds, and stop the writer (shutdown).
+        Returns ``{"written": blocks this flush wrote, "lost": blocks left unwritten, "on_disk": blocks the disk
+        tier holds now, "seconds": time taken}``."""
+        if self.writer is None:
+            return {"written": 0, "lost": 0, "on_disk": 0, "seconds": 0.0}
+        start = time.monotonic()
+        deadline = start + timeout
+        queued = 0
+        self._collect()
+        while self._pending and time.monotonic() < deadline:
+            queued += self.persist(force=True)
+        self.writer.flush(max(0.0, deadline - time.monotonic()))
+        unwritten = self.writer.close()
+        lost = unwritten + len(self._pending)
+        self.tier.attach_writer(None)
+        self.writer = None
+        with self.tier.disk_lock:
+            on_disk = len(self.tier.disk)
+        result = {"written": queued - unwritten, "lost": lost, "on_disk": on_disk,
+                  "seconds": round(time.monotonic() - start, 3)}
+        if lost:
+            log.warning("secondary KV tier: flush timed out after %.1f s; %d block(s) not written", timeout, lost)
+        return result
+
     # ---- hit → restore -----------------------------------------------------------------------------
     def _valid(self, tb: TierBlock, group: int, tokens: tuple, extra: tuple) -> bool:
         if not tb.matches(tokens, extra_digest(extra)) or tb.layers != self._layers(group):
@@ -89,10 +226,12 @@ class TierBridge:
 
     def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
                 spans: tuple = ()) -> int:
-        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit.
-        Call before ``open`` with the same arguments. Returns the number of blocks restored."""
+        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
+        (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
+        the same arguments. Returns by how many blocks the hit grew (0 when nothing was restored)."""
         tokens = [int(t) for t in tokens]
-        usable = max(0, len(tokens) - 1) // self.block_size  # the last prompt token is always recomputed
+        bs = self.block_size
+        usable = max(0, len(tokens) - 1) // bs  # the last prompt token is always recomputed
         self.prompt_blocks += usable
         hit = self.manager.find_prefix_hit(tokens, salt, extra, spans)
         first = hit.num_full_blocks
@@ -100,37 +239,41 @@ class TierBridge:
         if not self.active or first >= usable:
             return 0
         ctx = HashContext(salt, tuple(extra), tuple(spans))
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * self.block_size, self.block_size, ctx, [])
-        groups = range(len(self.backend.specs))
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
+        length, wanted = plan_restore(self.backend.specs, bs, first, usable,
+                                      lambda g, i: self.tier.contains((g, hashes[i])), self.pool.num_free_blocks)
+        if not wanted:
+            return 0
         held = [b for chain in hit.blocks for b in chain if not b.is_null]
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
-        prev = [hit.blocks[g][first - 1] if first else None for g in groups]
+        placed: dict[tuple[int, int], KVCacheBlock] = {
+            (g, i): b for g, chain in enumerate(hit.blocks) for i, b in enumerate(chain) if not b.is_null}
+        anchor_group = self._anchor_group if self._windowed else None
         restored: list[KVCacheBlock] = []
         writes: list[tuple[int, TierBlock]] = []
+        complete = True
+        wanted.sort(key=lambda ig: (ig[0], ig[1] != anchor_group))  # per index, the anchoring block first
         try:
-            for i in range(first, usable):
-                if not all(self.tier.contains((g, hashes[i])) for g in groups):
+            for i, g in wanted:
+                btoks = tuple(tokens[i * bs:(i + 1) * bs])
+                bextra = ctx.block_extra_keys(i, bs)
+                tb = self.tier.take((g, hashes[i]))
+                if tb is None or not self._valid(tb, g, btoks, bextra):
+                    if tb is not None:
+                        self.tier.put_back(tb)
+                    complete = False
                     break
-                if self.pool.num_free_blocks < len(groups):
-                    break
-                btoks = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-                bextra = ctx.block_extra_keys(i, self.block_size)
-                taken = [self.tier.take((g, hashes[i])) for g in groups]
-                if not all(tb is not None and self._valid(tb, g, btoks, bextra) for g, tb in zip(groups, taken)):
-                    for tb in taken:
-                        if tb is not None:
-                            self.tier.put_back(tb)
-                    break
-                for g, tb in zip(groups, taken):
-                    block = self.pool.get_new_blocks(1)[0]
-                    restored.append(block)
-                    writes.append((block.block_id, tb))
-                    self.pool.cache_full_block(
-                        block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
-                        parent_ref=None if prev[g] is None else prev[g].ref, token_ids=btoks, extra_keys=bextra)
-                    self.pool.set_retention(block, tb.priority, None, merge=False)
-                    prev[g] = block
-                self.secondary_hit_blocks += 1
+                prev = placed.get((g, i - 1))
+                anchor = placed.get((anchor_group, i)) if anchor_group is not None and anchor_group != g else None
+                block = self.pool.get_new_blocks(1)[0]
+                restored.append(block)
+                writes.append((block.block_id, tb))
+                self.pool.cache_full_block(
+                    block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
+                    parent_ref=None if prev is None else prev.ref, token_ids=btoks, extra_keys=bextra,
+                    anchor=None if anchor is None else anchor.ref)
+                self.pool.set_retention(block, tb.priority, None, merge=False)
+                placed[(g, i)] = block
             self._write(writes)  # before any model step reads these pages
         except BaseException:
             for block in restored:  # their pages may not hold the content: never let them be hit
@@ -139,7 +282,10 @@ class TierBridge:
         finally:
             self.pool.free_blocks(list(reversed(restored)))  # tail first: the chain's end is evicted first
             self.pool.free_blocks(list(reversed(held)))
-        return len(restored) // len(groups)
+        if not complete:
+            return 0
+        self.secondary_hit_blocks += length - first
+        return length - first
 
     def _write(self, writes: list[tuple[int, TierBlock]]) -> None:
         """Write restored blocks into their pages: one write per layer for all of them."""
@@ -176,7 +322,8 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
     (``disk_dir`` with ``disk_bytes`` > 0); None when neither is asked for. The offload threshold is the
     backend config's ``secondary_offload_min_priority``, the disk tier's per-tenant quota its
     ``secondary_tenant_share``; the model fingerprint comes from ``model_path``
-    (config.json + safetensors metadata) or, without one, from a sample of the weights.
+    (config.json + safetensors metadata) or, without one, from a sample of the weights. With a disk store,
+    cached blocks are written behind every ``secondary_write_interval_s`` seconds (0: only evicted blocks).
 
     Raises:
         ValueError: a disk tier with ``hash_algo='builtin'`` (its hashes differ between processes).
@@ -198,4 +345,8 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
                          block_size=backend.block_size,
                          tenant_quota_bytes=None if share >= 1 else int(disk_bytes * share))
     tier = SecondaryTier(backend.config.secondary_offload_min_priority, memory=memory, disk=disk)
-    return TierBridge(backend, tier)
+    bridge = TierBridge(backend, tier)
+    interval = getattr(backend.config, "secondary_write_interval_s", DEFAULT_WRITE_INTERVAL_S)
+    if disk is not None and interval > 0:
+        bridge.enable_write_behind(interval)
+    return bridge

@@ -4,10 +4,14 @@ Offload: a block whose retention priority is below ``min_priority`` is dropped; 
 memory when there is a memory store (whose own evictions cascade to disk), else straight to disk.
 Lookup: memory first (a memory hit *moves* the block back to the primary pool), then disk (the file stays:
 it survives restarts and costs no host memory). Every outcome is counted for stats.
+
+With a write-behind writer attached (:mod:`mlxkv.kv.tier.write_behind`), blocks bound for disk are queued and
+written by its thread; every disk-store call (either thread) holds :attr:`SecondaryTier.disk_lock`.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from mlxkv.kv.tier.disk_store import DiskStore
@@ -25,6 +29,7 @@ class TierCounters:
     lookups: int = 0
     hits_memory: int = 0
     hits_disk: int = 0
+    dropped_queue_full: int = 0  # evicted blocks bound for disk while the write-behind queue was full
 
 
 class SecondaryTier:
@@ -46,6 +51,41 @@ class SecondaryTier:
         self.memory = memory
         self.disk = disk
         self.counters = TierCounters()
+        self.disk_lock = threading.Lock()  # the disk store is shared with the write-behind thread
+        self.writer = None  # a WriteBehind, once attached
+
+    def attach_writer(self, writer) -> None:
+        """Send disk-bound blocks through ``writer`` (a :class:`~mlxkv.kv.tier.write_behind.WriteBehind`)."""
+        self.writer = writer
+
+    def on_disk(self, key: Key) -> bool:
+        """Whether ``key`` is stored on disk or queued to be."""
+        if self.disk is None:
+            return False
+        if self.writer is not None and key in self.writer:
+            return True
+        with self.disk_lock:
+            return key in self.disk
+
+    def store_on_disk(self, block: TierBlock) -> bool:
+        """Write ``block`` to the disk store now (the writer thread's call); whether it is stored."""
+        with self.disk_lock:
+            present = block_key(block) in self.disk
+            stored = self.disk.put(block)
+            if stored and not present:
+                self.counters.stored_disk += 1
+            elif not stored:
+                self.counters.dropped_no_room += 1
+        return stored
+
+    def _to_disk(self, block: TierBlock) -> bool:
+        """An evicted block to disk: queued when a writer is attached (refused when its queue is full)."""
+        if self.writer is None:
+            return self.store_on_disk(block)
+        if self.writer.offer(block):
+            return True
+        self.counters.dropped_queue_full += 1
+        return False
 
     def offload(self, block: TierBlock) -> bool:
         """Keep an evicted block if its priority allows and it fits; returns whether it was kept."""
@@ -58,18 +98,22 @@ class SecondaryTier:
             stored, evicted = self.memory.put(block)
             if self.disk is not None:
                 for old in evicted:
-                    c.stored_disk += self.disk.put(old)
+                    self._to_disk(old)
             if stored:
                 c.stored_memory += 1
                 return True
-        if self.disk is not None and self.disk.put(block):
-            c.stored_disk += 1
-            return True
+        if self.disk is not None:
+            return self._to_disk(block)
         c.dropped_no_room += 1
         return False
 
     def contains(self, key: Key) -> bool:
-        return (self.memory is not None and key in self.memory) or (self.disk is not None and key in self.disk)
+        if self.memory is not None and key in self.memory:
+            return True
+        if self.disk is None:
+            return False
+        with self.disk_lock:
+            return key in self.disk
 
     def take(self, key: Key) -> TierBlock | None:
         """The block for ``key`` to restore into the primary pool (verified), or None. Counts the lookup."""
@@ -78,7 +122,8 @@ class SecondaryTier:
             self.counters.hits_memory += 1
             return self.memory.pop(key)
         if self.disk is not None:
-            block = self.disk.get(key)
+            with self.disk_lock:
+                block = self.disk.get(key)
             if block is not None:
                 self.counters.hits_disk += 1
                 return block
@@ -93,23 +138,39 @@ class SecondaryTier:
         if self.memory is not None:
             self.memory.clear()
         if self.disk is not None:
-            self.disk.clear()
+            with self.disk_lock:
+                self.disk.clear()
 
     def stats(self) -> dict:
-        """Counters and per-store sizes (JSON-able; served under ``secondary`` by /v1/cache/stats)."""
+        """Counters and per-store sizes (JSON-able; served under ``tier.secondary`` by /v1/cache/stats).
+
+        Summary keys: ``blocks`` / ``bytes`` held over both stores, ``hits``, ``writes`` (blocks stored),
+        ``drops`` by reason (``low_priority``, ``no_room``, ``queue_full``), ``write_queue`` (write-behind backlog).
+        """
         c = self.counters
         hits = c.hits_memory + c.hits_disk
         out: dict = {
             "min_priority": self.min_priority, "offered": c.offered, "dropped_low_priority": c.dropped_low_priority,
             "dropped_no_room": c.dropped_no_room, "stored_memory": c.stored_memory, "stored_disk": c.stored_disk,
             "lookups": c.lookups, "hits_memory": c.hits_memory, "hits_disk": c.hits_disk,
-            "hit_rate": hits / c.lookups if c.lookups else 0.0,
+            "hit_rate": hits / c.lookups if c.lookups else 0.0, "hits": hits,
+            "writes": c.stored_memory + c.stored_disk,
+            "drops": {"low_priority": c.dropped_low_priority, "no_room": c.dropped_no_room,
+                      "queue_full": c.dropped_queue_full},
+            "blocks": 0, "bytes": 0,
         }
-        for name, store in (("memory", self.memory), ("disk", self.disk)):
-            if store is not None:
-                out[name] = {"blocks": len(store), "bytes": store.nbytes, "capacity_bytes": store.capacity_bytes,
-                             "blocks_by_priority": {str(p): n for p, n in store.by_priority().items()}}
-        if self.disk is not None:
-            out["disk"]["corrupt_dropped"] = self.disk.num_corrupt
-            out["disk"]["folder"] = str(self.disk.folder)
+        with self.disk_lock:
+            for name, store in (("memory", self.memory), ("disk", self.disk)):
+                if store is not None:
+                    out[name] = {"blocks": len(store), "bytes": store.nbytes, "capacity_bytes": store.capacity_bytes,
+                                 "blocks_by_priority": {str(p): n for p, n in store.by_priority().items()}}
+                    out["blocks"] += len(store)
+                    out["bytes"] += store.nbytes
+            if self.disk is not None:
+                out["disk"]["corrupt_dropped"] = self.disk.num_corrupt
+                out["disk"]["folder"] = str(self.disk.folder)
+        if self.writer is not None:
+            blocks, nbytes = self.writer.pending()
+            out["write_queue"] = {"blocks": blocks, "bytes": nbytes, "capacity_bytes": self.writer.max_bytes,
+                                  "coalesced": self.writer.coalesced}
         return out
