@@ -2,6 +2,12 @@
 dense attention (anywhere else). Exit status 0 only if everything matches.
 
     PYTHONPATH=. python scripts/check_kernels.py [--quick]
+    PYTHONPATH=. python scripts/check_kernels.py --static [FILE.metal ...]
+
+--static (any machine with g++): compile kernel bodies against tests/metal_shim/metal_shim.h in the
+signature of every variant the factories emit; a FILE named like a shipped kernel
+(paged_attention.metal, paged_merge.metal, kv_write.metal) is checked with that kernel's
+signatures; default: the shipped bodies.
 
 On Metal: paged attention (partials + merge, splits 1/2/4, window/chunk/sinks, three dtypes,
 head_dim 64/128, block 16/32, GQA 1/4/8), cascade through the Metal pair, and the KV write;
@@ -137,10 +143,42 @@ def check_metal(quick: bool) -> bool:
     return ok
 
 
+def check_static(files: list[str]) -> bool:
+    """The static check (tests/metal_shim/static_check.py) over ``files`` or the shipped bodies."""
+    from metal_shim import static_check
+
+    if static_check.GXX is None:
+        print("the static check needs g++ (Debian/Ubuntu: apt-get install g++)")
+        return False
+    bodies = {}
+    for name in files:
+        path = Path(name)
+        spec = static_check.spec_for_file(path)
+        if spec is None:
+            known = ", ".join(s.source_file for s in static_check.ALL_SPECS)
+            print(f"{path}: not named like a shipped kernel ({known})")
+            return False
+        bodies[spec] = path.read_text(encoding="utf-8")
+    ok = True
+    for report in static_check.check_all(bodies or None):
+        ok &= report.ok
+        print(f"static {report.spec.source_file}: {report.variants} variants "
+              f"{'ok' if report.ok else 'FAILED'}")
+        for problem in report.problems:
+            print(f"  {problem}")
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one head_dim/block/gqa per dtype and option")
+    ap.add_argument("--static", nargs="*", metavar="FILE.metal", default=None,
+                    help="static check of kernel bodies with g++ (default: the shipped ones)")
     args = ap.parse_args()
+    if args.static is not None:
+        ok = check_static(args.static)
+        print("STATIC OK" if ok else "STATIC CHECK FAILED")
+        return 0 if ok else 1
     if mx.metal.is_available():
         ok = check_metal(args.quick)
     else:

@@ -16,7 +16,11 @@ import mlx.core as mx
 from .geometry import SplitPlan
 from .metal_specs import KV_WRITE, PAGED_ATTENTION, PAGED_MERGE, KernelSpec
 
+# What the factories cover; :mod:`mlxkv.kernels.variants` enumerates the checked launches from these
+# tuples, so a value added here is syntax-checked and emulated before it can be built.
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of 32: one element per lane per 32-wide slice
+BLOCK_SIZES = tuple(2**i for i in range(9))  # every block size mlxkv.config allows (1..256)
 # Per lane the attention kernel keeps G*D/32 query and G*D/32 accumulator floats in registers.
 MAX_GQA_TIMES_HEAD_DIM = 2048
 # Threadgroup memory for combining simdgroups: NSG * G * (D + 2) floats.
@@ -46,9 +50,15 @@ def simdgroups_for(gqa: int, head_dim: int) -> int:
     return 1
 
 
-def supports_attention(dtype: mx.Dtype, head_dim: int, gqa: int) -> bool:
+def max_gqa(head_dim: int) -> int:
+    """Most query heads per kv head the attention kernel holds at ``head_dim``."""
+    return MAX_GQA_TIMES_HEAD_DIM // head_dim
+
+
+def supports_attention(dtype: mx.Dtype, head_dim: int, block_size: int, gqa: int) -> bool:
     """Whether the attention kernel covers this configuration (else the reference runs)."""
-    return dtype in SUPPORTED_DTYPES and head_dim % 32 == 0 and gqa * head_dim <= MAX_GQA_TIMES_HEAD_DIM
+    return (dtype in SUPPORTED_DTYPES and head_dim in HEAD_DIMS and block_size in BLOCK_SIZES
+            and 1 <= gqa <= max_gqa(head_dim))
 
 
 @dataclass(slots=True)
@@ -86,7 +96,7 @@ class MetalPagedAttention:
     def __init__(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int):
         self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
         self.kv_heads, self.gqa = kv_heads, gqa
-        self.max_gqa = MAX_GQA_TIMES_HEAD_DIM // head_dim  # cascade splits groups to fit
+        self.max_gqa = max_gqa(head_dim)  # cascade splits groups to fit
 
     def partials_call(
         self,
@@ -154,7 +164,7 @@ def paged_attention_kernel(
     dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int
 ) -> MetalPagedAttention | None:
     """The Metal paged-attention pair for one configuration, or None (no Metal / unsupported)."""
-    if not mx.metal.is_available() or not supports_attention(dtype, head_dim, gqa):
+    if not mx.metal.is_available() or not supports_attention(dtype, head_dim, block_size, gqa):
         return None
     return MetalPagedAttention(dtype, head_dim, block_size, kv_heads, gqa)
 

@@ -114,6 +114,16 @@ class ArgInfo:
     scalar: bool = False  # ndim == 0 -> `const constant T& name`
     small: bool = False  # size < 8 -> constant address space
 
+    @classmethod
+    def of(cls, a: mx.array) -> ArgInfo:
+        """How MLX passes ``a``."""
+        return cls(a.dtype, scalar=a.ndim == 0, small=a.size < MAX_CONSTANT_ARRAY_SIZE)
+
+    @property
+    def space(self) -> str:
+        """The address space of the argument: ``constant`` or ``device``."""
+        return "constant" if (self.scalar or self.small) else "device"
+
 
 def render_kernel(
     spec: KernelSpec,
@@ -138,7 +148,7 @@ def render_kernel(
     index = 0
     for name in spec.input_names:
         info = inputs[name]
-        space = "constant" if (info.scalar or info.small) else "device"
+        space = info.space
         ref = "&" if info.scalar else "*"
         params.append(f"  const {space} {TYPE_NAMES[info.dtype]}{ref} {name} [[buffer({index})]]")
         index += 1

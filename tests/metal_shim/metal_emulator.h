@@ -6,6 +6,7 @@
 // each emulated kernel compiles quickly.
 #pragma once
 // System headers first: metal_shim.h defines `thread`, `device`, `constant` as macros.
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,9 +20,10 @@ inline half::half(float f) {
   _Float16 h = static_cast<_Float16>(f);
   memcpy(&bits, &h, 2);
 }
-inline half::operator float() const {
+inline half::operator float() const volatile {
+  const unsigned short b = bits;
   _Float16 h;
-  memcpy(&h, &bits, 2);
+  memcpy(&h, &b, 2);
   return static_cast<float>(h);
 }
 inline bfloat16_t::bfloat16_t(float f) {
@@ -33,7 +35,7 @@ inline bfloat16_t::bfloat16_t(float f) {
     bits = static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
   }
 }
-inline bfloat16_t::operator float() const {
+inline bfloat16_t::operator float() const volatile {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
   memcpy(&f, &u, 4);
@@ -43,20 +45,34 @@ inline bfloat16_t::operator float() const {
 // -- math ---------------------------------------------------------------------------------
 namespace metal {
 template <typename U>
-U max(U a, U b) { return a > b ? a : b; }
+MLXKV_MSL_SCALAR(U) max(U a, U b) { return a > b ? a : b; }
 template <typename U>
-U min(U a, U b) { return a < b ? a : b; }
-inline float exp(float x) { return std::exp(x); }
-inline half exp(half x) { return half(std::exp(float(x))); }
-inline float log(float x) { return std::log(x); }
-inline half log(half x) { return half(std::log(float(x))); }
-inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
-inline float sqrt(float x) { return std::sqrt(x); }
-inline float abs(float x) { return std::fabs(x); }
+MLXKV_MSL_SCALAR(U) min(U a, U b) { return a < b ? a : b; }
+template <typename U>
+MLXKV_MSL_SCALAR(U) clamp(U x, U lo, U hi) { return x < lo ? lo : (x > hi ? hi : x); }
+#define MLXKV_EMU_1(f, c) \
+  inline float f(float x) { return c(x); } \
+  inline half f(half x) { return half(c(float(x))); }
+MLXKV_EMU_1(exp2, ::exp2f)
+MLXKV_EMU_1(log, ::logf)
+MLXKV_EMU_1(log2, ::log2f)
+MLXKV_EMU_1(sqrt, ::sqrtf)
+MLXKV_EMU_1(rsqrt, 1.0f / ::sqrtf)
+MLXKV_EMU_1(abs, ::fabsf)
+MLXKV_EMU_1(fabs, ::fabsf)
+inline float fma(float a, float b, float c) { return ::fmaf(a, b, c); }
+inline float fmax(float a, float b) { return ::fmaxf(a, b); }
+inline float fmin(float a, float b) { return ::fminf(a, b); }
+inline bool isinf(float x) { return __builtin_isinf(x); }
+inline bool isnan(float x) { return __builtin_isnan(x); }
 namespace precise {
-inline float exp(float x) { return std::exp(x); }
-inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+MLXKV_EMU_1(log, ::logf)
+MLXKV_EMU_1(rsqrt, 1.0f / ::sqrtf)
 }  // namespace precise
+namespace fast {
+MLXKV_EMU_1(exp2, ::exp2f)
+MLXKV_EMU_1(log, ::logf)
+}  // namespace fast
 }  // namespace metal
 
 // -- threads ------------------------------------------------------------------------------
@@ -143,8 +159,44 @@ inline void save(const char* dir, const char* name, const unsigned char* buf, si
 }
 }  // namespace emu
 
-inline float simd_sum(float x) { return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a + b; }); }
-inline int simd_sum(int x) { return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a + b; }); }
-inline float simd_max(float x) { return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a > b ? a : b; }); }
-inline int simd_max(int x) { return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a > b ? a : b; }); }
-inline void threadgroup_barrier(mem_flags) { pthread_barrier_wait(&emu::lane_ctx->group->all); }
+// Operation counts per launch (all threads together), printed by the emulated launch's main():
+// what "fast by design" can be judged by without a GPU.
+namespace emu {
+struct Counts {
+  unsigned long simd_reductions = 0;  // simd_sum / simd_max / simd_min calls (per lane)
+  unsigned long simd_shuffles = 0;    // simd_shuffle_xor / simd_broadcast calls (per lane)
+  unsigned long barriers = 0;         // threadgroup_barrier calls (per thread)
+  unsigned long exps = 0;             // metal::exp / fast::exp calls (per thread)
+};
+inline Counts counts;
+inline void count(unsigned long* c) { __atomic_fetch_add(c, 1ul, __ATOMIC_RELAXED); }
+template <typename V>
+V exchange(V* slots, V x, int src_lane) {
+  const int sg = lane_ctx->index / 32;
+  pthread_barrier_t* bar = &lane_ctx->group->simd[sg];
+  slots[lane_ctx->index] = x;
+  pthread_barrier_wait(bar);
+  V got = slots[sg * 32 + (src_lane & 31)];
+  pthread_barrier_wait(bar);
+  return got;
+}
+}  // namespace emu
+
+namespace metal {
+inline float counted_exp(float x) { emu::count(&emu::counts.exps); return ::expf(x); }
+MLXKV_EMU_1(exp, counted_exp)
+namespace precise { MLXKV_EMU_1(exp, counted_exp) }
+namespace fast { MLXKV_EMU_1(exp, counted_exp) }
+}  // namespace metal
+#undef MLXKV_EMU_1
+
+inline float simd_sum(float x) { emu::count(&emu::counts.simd_reductions); return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a + b; }); }
+inline int simd_sum(int x) { emu::count(&emu::counts.simd_reductions); return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a + b; }); }
+inline float simd_max(float x) { emu::count(&emu::counts.simd_reductions); return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a > b ? a : b; }); }
+inline int simd_max(int x) { emu::count(&emu::counts.simd_reductions); return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a > b ? a : b; }); }
+inline float simd_min(float x) { emu::count(&emu::counts.simd_reductions); return emu::reduce(emu::lane_ctx->group->slots, x, [](float a, float b) { return a < b ? a : b; }); }
+inline int simd_min(int x) { emu::count(&emu::counts.simd_reductions); return emu::reduce(emu::lane_ctx->group->islots, x, [](int a, int b) { return a < b ? a : b; }); }
+inline float simd_shuffle_xor(float x, ushort mask) { emu::count(&emu::counts.simd_shuffles); return emu::exchange(emu::lane_ctx->group->slots, x, (emu::lane_ctx->index % 32) ^ mask); }
+inline float simd_broadcast(float x, ushort lane) { emu::count(&emu::counts.simd_shuffles); return emu::exchange(emu::lane_ctx->group->slots, x, lane); }
+inline void threadgroup_barrier(mem_flags) { emu::count(&emu::counts.barriers); pthread_barrier_wait(&emu::lane_ctx->group->all); }
+inline void simdgroup_barrier(mem_flags) { pthread_barrier_wait(&emu::lane_ctx->group->simd[emu::lane_ctx->index / 32]); }
