@@ -28,8 +28,10 @@ const int num_blocks = params[5];
 const int b = int(threadgroup_position_in_grid.z) / num_splits;
 const int split = int(threadgroup_position_in_grid.z) % num_splits;
 
-// Visible positions [start, L), as visible_start() in mlxkv/kernels/layout.py.
-const int L = context_lens[b];
+// Visible positions [start, L), as visible_start() in mlxkv/kernels/geometry.py. The host refuses
+// tables that disagree with the pool (KernelDispatch); the kernel still never reads outside it:
+// L is clamped to what the table row can hold and each block id to the pool.
+const int L = metal::clamp(context_lens[b], 0, max_blocks * BS);
 int start = 0;
 if (window > 0) {
   start = metal::max(start, L - window);
@@ -63,7 +65,7 @@ for (int g = 0; g < G; ++g) {
 }
 
 for (int t = t_begin + sg; t < t_end; t += NSG) {
-  const int block = block_tables[size_t(b) * max_blocks + t / BS];
+  const int block = metal::clamp(block_tables[size_t(b) * max_blocks + t / BS], 0, num_blocks - 1);
   const size_t row = ((size_t(kvh) * num_blocks + block) * BS + t % BS) * D;
   float k[DL];
   float v[DL];

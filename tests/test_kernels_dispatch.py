@@ -191,3 +191,40 @@ def test_factories_return_none_without_metal():
     assert metal.simdgroups_for(4, 128) == 4 and metal.simdgroups_for(16, 256) == 1
     assert metal.supports_attention(mx.bfloat16, 128, 16, 16) and not metal.supports_attention(mx.float16, 80, 16, 4)
     assert not metal.supports_attention(mx.float16, 128, 16, 17) and not metal.supports_attention(mx.float16, 128, 3, 1)
+
+
+@pytest.mark.parametrize("bad", ["id-past-pool", "negative-id", "context-longer-than-table", "negative-length"])
+def test_inconsistent_tables_are_refused_before_launch(bad):
+    kernel = ScaledKernel(1.0)
+    dispatch, _ = dispatch_with(kernel)
+    c = case()
+    tables, lens = c.block_tables.tolist(), c.context_lens.tolist()
+    num_blocks, max_blocks = c.k_pages.shape[1], len(tables[0])
+    if bad == "id-past-pool":
+        tables[1][0] = num_blocks
+    elif bad == "negative-id":
+        tables[2][1] = -1
+    elif bad == "context-longer-than-table":
+        lens[0] = max_blocks * 16 + 1
+    else:
+        lens[1] = -4
+    args = (c.queries, c.k_pages, c.v_pages, mx.array(tables, dtype=mx.int32), mx.array(lens, dtype=mx.int32))
+    with pytest.raises(ValueError, match="block_tables row|context_lens"):
+        dispatch.paged_attention(*args)
+    assert kernel.calls == 0
+
+
+def test_tables_are_checked_once_per_step(monkeypatch):
+    # The layers of one step pass the same table arrays: one check (one sync), not one per layer.
+    from mlxkv.kernels import dispatch as dispatch_module
+
+    checks = []
+    real = dispatch_module.check_table_contents
+    monkeypatch.setattr(dispatch_module, "check_table_contents", lambda *a: checks.append(1) or real(*a))
+    dispatch, _ = dispatch_with(ScaledKernel(1.0), mode="reference")
+    c = case()
+    for _layer in range(3):
+        dispatch.paged_attention(*c.args())
+    assert len(checks) == 1
+    dispatch.paged_attention(c.queries, c.k_pages, c.v_pages, mx.array(c.block_tables), c.context_lens)
+    assert len(checks) == 2  # a new table array is checked again

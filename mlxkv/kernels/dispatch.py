@@ -31,7 +31,7 @@ from mlxkv import env
 
 from . import metal
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
-from .geometry import check_paged_inputs
+from .geometry import check_paged_inputs, check_table_contents
 from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
 from .selfcheck import check_attention_impl, check_kv_write_impl
@@ -75,6 +75,8 @@ class KernelDispatch:
         self.mode = mode
         self._attention: dict[tuple[str, AttentionClass], object] = {}
         self._kv_write: dict[tuple, object] = {}
+        # The last (block_tables, context_lens, num_blocks) checked: the layers of one step share the arrays.
+        self._checked: tuple[mx.array, mx.array, int] | None = None
 
     # -- choice ---------------------------------------------------------------------------
     def _require_metal(self, what: str) -> None:
@@ -166,6 +168,9 @@ class KernelDispatch:
     ) -> mx.array:
         """Paged decode attention (arguments as ``paged_attention_reference``).
 
+        Raises ``ValueError`` for a table entry outside the pool or a context longer than its table
+        row (checked once per distinct pair of table arrays, so the layers of a step pay one sync).
+
         With ``MLXKV_CASCADE_ATTENTION`` on and no window/chunk, sequences sharing whole-page
         prefixes go through cascade attention; pass ``prefix_groups`` (computed once per step
         for all layers) to avoid reading the block tables back on every call.
@@ -173,6 +178,7 @@ class KernelDispatch:
         B, H, D, bs, kv_heads, gqa = check_paged_inputs(
             queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks
         )
+        self._check_tables(block_tables, context_lens, k_pages.shape[1], bs)
 
         def impl_for(g: int):
             if queries.dtype != k_pages.dtype:  # the kernel reads both as one type T
@@ -194,6 +200,14 @@ class KernelDispatch:
             scale=scale, window=window, chunk_size=chunk_size, sinks=sinks,
             num_splits=num_splits, max_context_len=max_context_len,
         )
+
+    def _check_tables(self, block_tables: mx.array, context_lens: mx.array, num_blocks: int, bs: int) -> None:
+        """Refuse inconsistent tables before any launch, once per distinct pair of arrays (one sync a step)."""
+        last = self._checked
+        if last is not None and last[0] is block_tables and last[1] is context_lens and last[2] == num_blocks:
+            return
+        check_table_contents(block_tables, context_lens, num_blocks, bs)
+        self._checked = (block_tables, context_lens, num_blocks)
 
     def kv_write(
         self, k_pages: mx.array, v_pages: mx.array, slot_mapping: mx.array, k_new: mx.array, v_new: mx.array
