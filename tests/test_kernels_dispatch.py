@@ -228,3 +228,18 @@ def test_tables_are_checked_once_per_step(monkeypatch):
     assert len(checks) == 1
     dispatch.paged_attention(c.queries, c.k_pages, c.v_pages, mx.array(c.block_tables), c.context_lens)
     assert len(checks) == 2  # a new table array is checked again
+
+
+def test_self_check_covers_batches_of_eight_and_more():
+    # MLX passes context_lens in device memory from 8 sequences: a kernel wrong only there must fail.
+    from mlxkv.kernels.selfcheck import check_attention_impl
+
+    class WrongFromEight(ScaledKernel):
+        def partials(self, queries, *args, scale, **kwargs):
+            factor = 2.0 if queries.shape[0] >= 8 else 1.0
+            return REFERENCE.partials(queries, *args, scale=scale * factor, **kwargs)
+
+    ok, err = check_attention_impl(WrongFromEight(), dtype=mx.float32, head_dim=64, block_size=16, kv_heads=2, gqa=2)
+    assert not ok and err > 1e-3
+    ok, _ = check_attention_impl(ScaledKernel(1.0), dtype=mx.float32, head_dim=64, block_size=16, kv_heads=2, gqa=2)
+    assert ok

@@ -131,3 +131,22 @@ def kv_write_variants() -> list[Variant]:
 def all_variants() -> list[Variant]:
     """Every variant of every kernel, in spec order."""
     return attention_variants() + merge_variants() + kv_write_variants()
+
+
+def emulation_classes() -> list[Variant]:
+    """One attention variant per (dtype, simdgroup count, ``context_lens`` address space), the
+    cheapest of each: what the CPU emulator runs (compiling all variants would take minutes). The
+    emulator's C++ is identical across a class but for loop bounds and array sizes."""
+    best: dict[tuple, Variant] = {}
+    for v in attention_variants():
+        t = v.call.template
+        key = (t["T"], t["NSG"], v.arg_infos()["context_lens"].space)
+        cost = t["D"] * t["G"] * t["BS"]
+        if key not in best or cost < _cost(best[key]):
+            best[key] = v
+    return list(best.values())
+
+
+def _cost(v: Variant) -> int:
+    t = v.call.template
+    return t["D"] * t["G"] * t["BS"]

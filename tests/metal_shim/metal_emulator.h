@@ -1,5 +1,5 @@
 // CPU emulator for mlxkv's Metal kernel bodies: definitions behind metal_shim.h's declarations.
-// One threadgroup runs at a time with one POSIX thread per Metal thread; simd_sum/simd_max
+// One threadgroup runs at a time with one POSIX thread per Metal thread (reused group after group); simd_sum/simd_max
 // exchange values through per-simdgroup slots and barriers, threadgroup_barrier waits on a
 // threadgroup-wide barrier. This checks a body's indexing and arithmetic on real data; it says
 // nothing about Metal's speed, memory-model corners or compiler. Only light C headers, so that
@@ -199,4 +199,7 @@ inline int simd_min(int x) { emu::count(&emu::counts.simd_reductions); return em
 inline float simd_shuffle_xor(float x, ushort mask) { emu::count(&emu::counts.simd_shuffles); return emu::exchange(emu::lane_ctx->group->slots, x, (emu::lane_ctx->index % 32) ^ mask); }
 inline float simd_broadcast(float x, ushort lane) { emu::count(&emu::counts.simd_shuffles); return emu::exchange(emu::lane_ctx->group->slots, x, lane); }
 inline void threadgroup_barrier(mem_flags) { emu::count(&emu::counts.barriers); pthread_barrier_wait(&emu::lane_ctx->group->all); }
+namespace emu {
+inline void group_done() { pthread_barrier_wait(&lane_ctx->group->all); }  // not counted: between groups
+}  // namespace emu
 inline void simdgroup_barrier(mem_flags) { pthread_barrier_wait(&emu::lane_ctx->group->simd[emu::lane_ctx->index / 32]); }
