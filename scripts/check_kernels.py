@@ -6,7 +6,7 @@ dense attention (anywhere else). Exit status 0 only if everything matches.
 
 --static (any machine with g++): compile kernel bodies against tests/metal_shim/metal_shim.h in the
 signature of every variant the factories emit; a FILE named like a shipped kernel
-(paged_attention.metal, paged_merge.metal, kv_write.metal) is checked with that kernel's
+(paged_attention.metal, paged_merge.metal) is checked with that kernel's
 signatures; default: the shipped bodies.
 
 On Metal: paged attention (partials + merge, splits 1/2/4, window/chunk/sinks, three dtypes,
@@ -30,7 +30,6 @@ from mlxkv.kernels.cascade import cascade_attention, find_prefix_groups
 from mlxkv.kernels.geometry import TOLERANCES
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
 from mlxkv.kernels.selfcheck import (
-    check_kv_write_impl,
     close,
     max_abs_error,
     random_paged_case,
@@ -135,11 +134,6 @@ def check_metal(quick: bool) -> bool:
     good = close(got, want, mx.float16)
     ok &= good
     print(f"cascade float16 groups={len(groups)} max_err={max_abs_error(got, want):.2e} {'ok' if good else 'MISMATCH'}")
-    for dtype in DTYPES:
-        kv = metal.kv_write_kernel(dtype, 128, 2)
-        good, err = check_kv_write_impl(kv, dtype=dtype, head_dim=128, block_size=16, kv_heads=2)
-        ok &= good
-        print(f"kv_write {dtype} exact={good} max_err={err:.2e}")
     return ok
 
 

@@ -97,9 +97,9 @@ ATTENTION_PLANTS = {
     "cast-drops-address-space": ("threadgroup float tg_acc[NSG * G * D];",
                                  "threadgroup float tg_acc[NSG * G * D];\nfloat* tg_p = (float*)tg_acc;\n"
                                  "tg_p[0] = 0.0f;"),
-    "atomic-64-bit": ("const int L = context_lens[b];",
+    "atomic-64-bit": ("const int chunk = params[1];",
                       "atomic_fetch_add_explicit((device atomic<ulong>*)lse, 1ul, memory_order_relaxed);\n"
-                      "const int L = context_lens[b];"),
+                      "const int chunk = params[1];"),
     "bfloat-arithmetic": ("static_cast<float>(k_pages[row + lane + 32 * i])", "k_pages[row + lane + 32 * i] * 1.0f"),
     "bfloat-math": ("static_cast<float>(k_pages[row + lane + 32 * i])", "metal::exp(k_pages[row + lane + 32 * i])"),
 }
@@ -111,9 +111,9 @@ ATTENTION_VALID = {
     "device-pointer-qualified": ("float k[DL];", "float k[DL];\n  const device T* k_row = k_pages + row;\n  (void)k_row;"),
     "constant-pointer-qualified": ("const int window = params[0];",
                                    "const constant int* pp = params;\nconst int window = pp[0];"),
-    "atomic-32-bit": ("const int L = context_lens[b];",
+    "atomic-32-bit": ("const int chunk = params[1];",
                       "atomic_fetch_add_explicit((device atomic_uint*)lse, 1u, memory_order_relaxed);\n"
-                      "const int L = context_lens[b];"),
+                      "const int chunk = params[1];"),
 }
 
 
@@ -159,8 +159,9 @@ def test_script_static_mode(tmp_path: Path):
     # signatures and exits non-zero on a problem.
     bad = tmp_path / "paged_merge.metal"
     bad.write_text(PAGED_MERGE.source().replace("const float top_safe", "const double top_safe", 1))
-    good = tmp_path / "kv_write.metal"
-    good.write_text(ALL_SPECS[2].source())
+    good = tmp_path / "merge" / "paged_merge.metal"
+    good.parent.mkdir()
+    good.write_text(PAGED_MERGE.source())
     script = [sys.executable, str(ROOT / "scripts" / "check_kernels.py"), "--static"]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     ok = subprocess.run([*script, str(good)], capture_output=True, text=True, env=env, timeout=300)

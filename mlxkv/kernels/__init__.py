@@ -39,7 +39,6 @@ from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
 from .dispatch import (
     KernelDispatch,
     kv_write,
-    kv_write_is_reference,
     paged_attention,
     reference_on_views,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "cascade_attention",
     "find_prefix_groups",
     "kv_write",
-    "kv_write_is_reference",
     "kv_write_reference",
     "merge_partials",
     "paged_attention",

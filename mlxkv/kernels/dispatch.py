@@ -11,9 +11,9 @@
 - ``metal``: the kernel, self-checked the same way; a mismatch, an uncovered configuration or a
   machine without Metal raises ``RuntimeError`` instead of falling back.
 
-KV writes go through the same modes, except that ``auto`` keeps MLX's scatter (the reference):
-a custom Metal kernel cannot write into its input buffer, so it must rewrite the whole pool,
-while the scatter is O(rows) when the pool is donated (see :mod:`mlxkv.kernels.kv_write_ref`).
+KV writes use MLX's scatter in every mode: a custom Metal kernel cannot write into its input
+buffer, so it would rewrite the whole pool, while the scatter is O(rows) when the pool is donated
+(see :mod:`mlxkv.kernels.kv_write_ref`).
 
 The factories and the Metal probe are constructor arguments of :class:`KernelDispatch`, so tests
 inject a deliberately wrong kernel and pretend Metal is present to exercise the fallback on CPU.
@@ -34,7 +34,7 @@ from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
 from .geometry import check_paged_inputs, check_table_contents
 from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
-from .selfcheck import check_attention_impl, check_kv_write_impl
+from .selfcheck import check_attention_impl
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,6 @@ class KernelDispatch:
 
     Args:
         attention_factory: ``(dtype, head_dim, block_size, kv_heads, gqa) -> impl | None``.
-        kv_write_factory: ``(dtype, head_dim, kv_heads) -> callable | None``.
         metal_available: ``() -> bool``.
         mode: ``() -> "auto" | "metal" | "reference"``.
     """
@@ -65,16 +64,13 @@ class KernelDispatch:
         self,
         *,
         attention_factory: Callable = metal.paged_attention_kernel,
-        kv_write_factory: Callable = metal.kv_write_kernel,
         metal_available: Callable[[], bool] = mx.metal.is_available,
         mode: Callable[[], str] = lambda: env.flags().paged_kernel,
     ):
         self.attention_factory = attention_factory
-        self.kv_write_factory = kv_write_factory
         self.metal_available = metal_available
         self.mode = mode
         self._attention: dict[tuple[str, AttentionClass], object] = {}
-        self._kv_write: dict[tuple, object] = {}
         # The last (block_tables, context_lens, num_blocks) checked: the layers of one step share the arrays.
         self._checked: tuple[mx.array, mx.array, int] | None = None
 
@@ -125,29 +121,6 @@ class KernelDispatch:
         (``reference`` mode, or ``auto`` without Metal), which could only copy those rows first."""
         mode = self.mode()
         return mode == "reference" or (mode == "auto" and not self.metal_available())
-
-    def kv_write_is_reference(self) -> bool:
-        """Whether KV writes run the pure-MLX reference (every mode but ``metal``): callers that know the slots
-        on the host may then write them as static slice updates (:func:`kv_write_ref.write_row_runs`), same result."""
-        return self.mode() != "metal"
-
-    def kv_write_impl(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int):
-        """The KV-write implementation: the reference unless ``MLXKV_PAGED_KERNEL=metal``."""
-        mode = self.mode()
-        if mode != "metal":
-            return kv_write_reference
-        key = (dtype, head_dim, block_size, kv_heads)
-        if key not in self._kv_write:
-            self._require_metal("kv write")
-            impl = self.kv_write_factory(dtype, head_dim, kv_heads)
-            if impl is None:
-                raise RuntimeError(f"MLXKV_PAGED_KERNEL=metal: no Metal kv-write kernel for {key}")
-            ok, err = check_kv_write_impl(impl, dtype=dtype, head_dim=head_dim, block_size=block_size,
-                                          kv_heads=kv_heads)
-            if not ok:
-                raise RuntimeError(f"Metal kv-write kernel disagrees with the reference for {key} (max abs error {err:.3g})")
-            self._kv_write[key] = impl
-        return self._kv_write[key]
 
     # -- entry points ---------------------------------------------------------------------
     def paged_attention(
@@ -214,9 +187,7 @@ class KernelDispatch:
     ) -> tuple[mx.array, mx.array]:
         """Write new rows into their page slots (arguments and ownership rule as ``kv_write_reference``)."""
         check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
-        kv_heads, _, bs, D = k_pages.shape
-        impl = self.kv_write_impl(k_pages.dtype, D, bs, kv_heads)
-        return impl(k_pages, v_pages, slot_mapping, k_new, v_new)
+        return kv_write_reference(k_pages, v_pages, slot_mapping, k_new, v_new)
 
 
 DEFAULT_DISPATCH = KernelDispatch()
@@ -230,11 +201,6 @@ def paged_attention(*args, **kwargs) -> mx.array:
 def reference_on_views() -> bool:
     """:meth:`KernelDispatch.reference_on_views` on the process-wide dispatcher."""
     return DEFAULT_DISPATCH.reference_on_views()
-
-
-def kv_write_is_reference() -> bool:
-    """:meth:`KernelDispatch.kv_write_is_reference` on the process-wide dispatcher."""
-    return DEFAULT_DISPATCH.kv_write_is_reference()
 
 
 def kv_write(*args, **kwargs) -> tuple[mx.array, mx.array]:

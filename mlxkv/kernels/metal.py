@@ -1,9 +1,14 @@
-"""Metal kernel factories: paged attention (split-K partials + merge) and paged KV write.
+"""Metal kernel factories: paged attention (split-K partials + merge).
 
 Each factory builds its ``mx.fast.metal_kernel`` once (per source) and one wrapper per
 configuration key, and returns ``None`` where Metal is unavailable or the configuration is one
 the kernel does not cover, so the dispatcher falls back to the pure-MLX reference. Nothing here
 runs on a machine without Metal; ``tests/test_kernels_metal_syntax.py`` checks the sources as C++.
+
+There is no Metal KV-write kernel: ``mx.fast.metal_kernel`` outputs are fresh buffers (no input can
+be written in place, ml-explore/mlx#2547), so one would copy the whole pool on every call, while
+MLX's own scatter (a GPU kernel on Metal) writes only the new rows into a donated pool
+(:mod:`mlxkv.kernels.kv_write_ref`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .geometry import SplitPlan
-from .metal_specs import KV_WRITE, PAGED_ATTENTION, PAGED_MERGE, KernelSpec
+from .metal_specs import PAGED_ATTENTION, PAGED_MERGE, KernelSpec
 
 # What the factories cover; :mod:`mlxkv.kernels.variants` enumerates the checked launches from these
 # tuples, so a value added here is syntax-checked and emulated before it can be built.
@@ -167,50 +172,6 @@ def paged_attention_kernel(
     if not mx.metal.is_available() or not supports_attention(dtype, head_dim, block_size, gqa):
         return None
     return MetalPagedAttention(dtype, head_dim, block_size, kv_heads, gqa)
-
-
-class MetalKvWrite:
-    """Writes new K/V rows into their page slots with one kernel for both pools.
-
-    ``mx.fast.metal_kernel`` cannot alias an output to an input, so the kernel rewrites the
-    whole pool (O(pool) per call); see :mod:`mlxkv.kernels.dispatch` for when it is used.
-    """
-
-    name = "metal"
-
-    def __init__(self, dtype: mx.Dtype, head_dim: int, kv_heads: int):
-        self.dtype, self.head_dim, self.kv_heads = dtype, head_dim, kv_heads
-
-    def call(
-        self, k_pages: mx.array, v_pages: mx.array, slot_mapping: mx.array, k_new: mx.array,
-        v_new: mx.array,
-    ) -> KernelCall:
-        """The launch of the write kernel (built without running it)."""
-        KVH, NB, bs, D = k_pages.shape
-        slot_rows = mx.full((NB * bs,), -1, dtype=mx.int32)  # (slots,): new row per slot or -1
-        slot_rows[slot_mapping] = mx.arange(slot_mapping.shape[0], dtype=mx.int32)
-        return KernelCall(
-            spec=KV_WRITE,
-            inputs=dict(k_pages=k_pages, v_pages=v_pages, k_new=k_new.astype(self.dtype),
-                        v_new=v_new.astype(self.dtype), slot_rows=slot_rows),
-            template=dict(T=self.dtype, D=D, KVH=KVH, BS=bs, NB=NB),
-            grid=(D, KVH, NB * bs),
-            threadgroup=(min(D, 256), 1, 1),
-            output_shapes=dict(k_out=k_pages.shape, v_out=v_pages.shape),
-            output_dtypes=dict(k_out=self.dtype, v_out=self.dtype),
-        )
-
-    def __call__(self, *args) -> tuple[mx.array, mx.array]:
-        k_out, v_out = self.call(*args).launch()
-        return k_out, v_out
-
-
-@functools.lru_cache(maxsize=None)
-def kv_write_kernel(dtype: mx.Dtype, head_dim: int, kv_heads: int) -> MetalKvWrite | None:
-    """The Metal KV-write kernel for one configuration, or None without Metal."""
-    if not mx.metal.is_available() or dtype not in SUPPORTED_DTYPES:
-        return None
-    return MetalKvWrite(dtype, head_dim, kv_heads)
 
 
 def paged_attention_metal(queries, k_pages, v_pages, block_tables, context_lens, **kwargs) -> mx.array:

@@ -81,14 +81,7 @@ PAGED_MERGE = KernelSpec(
     output_names=("out",),
     template_params=(("T", "typename"), ("D", "int"), ("HAS_SINKS", "bool")),
 )
-KV_WRITE = KernelSpec(
-    name="mlxkv_kv_write",
-    source_file="kv_write.metal",
-    input_names=("k_pages", "v_pages", "k_new", "v_new", "slot_rows"),
-    output_names=("k_out", "v_out"),
-    template_params=(("T", "typename"), ("D", "int"), ("KVH", "int"), ("BS", "int"), ("NB", "int")),
-)
-ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, KV_WRITE)
+ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE)
 
 
 def read_source(filename: str) -> str:

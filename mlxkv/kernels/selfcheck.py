@@ -9,7 +9,6 @@ import mlx.core as mx
 
 from .geometry import TOLERANCES
 from .metal_specs import MAX_CONSTANT_ARRAY_SIZE
-from .kv_write_ref import kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
 
 
@@ -119,30 +118,3 @@ def check_attention_impl(
             ok = ok and close(got, want, dtype)
             worst = max(worst, max_abs_error(got, want))
     return ok, worst
-
-
-def check_kv_write_impl(
-    impl, *, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, seed: int = 0
-) -> tuple[bool, float]:
-    """Write random rows with ``impl`` and the reference; ``(exactly equal, max err)``."""
-    rng = random.Random(seed)
-    num_blocks = 6
-    slots = rng.sample(range(block_size, num_blocks * block_size), 5)  # never the null block
-    key = mx.random.key(seed)
-    k1, k2, k3, k4 = mx.random.split(key, 4)
-    shape = (kv_heads, num_blocks, block_size, head_dim)
-    k_pages = mx.random.normal(shape, key=k1).astype(dtype)
-    v_pages = mx.random.normal(shape, key=k2).astype(dtype)
-    k_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k3).astype(dtype)
-    v_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k4).astype(dtype)
-    slot_mapping = mx.array(slots, dtype=mx.int32)
-    want = kv_write_reference(k_pages, v_pages, slot_mapping, k_new, v_new)
-    try:
-        got = impl(k_pages, v_pages, slot_mapping, k_new, v_new)
-        mx.eval(got)
-    except Exception:
-        return False, float("inf")
-    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):  # noqa: B905
-        return False, float("inf")
-    ok = all(bool(mx.array_equal(g, w).item()) for g, w in zip(got, want))  # noqa: B905
-    return ok, max(max_abs_error(g, w) for g, w in zip(got, want))  # noqa: B905

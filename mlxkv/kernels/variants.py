@@ -113,24 +113,9 @@ def merge_variants() -> list[Variant]:
     return out
 
 
-def kv_write_variants() -> list[Variant]:
-    """Every (dtype, head_dim, block size) KV-write launch."""
-    out = []
-    kv_heads = 2
-    for dtype in metal.SUPPORTED_DTYPES:
-        for D in metal.HEAD_DIMS:
-            for bs in block_size_values():
-                impl = metal.MetalKvWrite(dtype, D, kv_heads)
-                pool = _zeros((kv_heads, 4, bs, D), dtype)
-                rows = _zeros((2, kv_heads, D), dtype)
-                call = impl.call(pool, pool, mx.array([bs, 2 * bs], dtype=mx.int32), rows, rows)
-                out.append(Variant(f"kv_write {dtype} D={D} bs={bs}", call))
-    return out
-
-
 def all_variants() -> list[Variant]:
     """Every variant of every kernel, in spec order."""
-    return attention_variants() + merge_variants() + kv_write_variants()
+    return attention_variants() + merge_variants()
 
 
 def emulation_classes() -> list[Variant]:

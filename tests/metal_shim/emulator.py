@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.kernels.metal import KernelCall, MetalKvWrite, MetalPagedAttention
+from mlxkv.kernels.metal import KernelCall, MetalPagedAttention
 from mlxkv.kernels.metal_specs import ArgInfo, METAL_ATTRIBUTES, TYPE_NAMES, render_kernel
 
 SHIM = Path(__file__).parent
@@ -178,13 +178,3 @@ class EmulatedAttention(MetalPagedAttention):
     def merge(self, *args):
         (out,) = self.emulator.launch(self.merge_call(*args))
         return out
-
-
-class EmulatedKvWrite(MetalKvWrite):
-    def __init__(self, emulator, *args):
-        super().__init__(*args)
-        self.emulator = emulator
-
-    def __call__(self, *args):
-        k_out, v_out = self.emulator.launch(self.call(*args))
-        return k_out, v_out
