@@ -6,19 +6,25 @@
 //          block_tables [B, max_blocks] int32, context_lens [B] int32,
 //          params int32 {window, chunk, pages_per_split, num_splits, max_blocks, num_blocks}, scale float
 // outputs: o_part [B, H, S, D] float (normalised per split), lse [B, H, S] float
-// template: T, D (multiple of 32), BS, KVH, G (query heads per kv head), NSG (simdgroups)
-// grid   : (32 * NSG, KVH, B * S) threads, threadgroup (32 * NSG, 1, 1)
+// template: T, D (multiple of 32), BS, KVH, G (query heads per kv head), HT (heads per
+//           threadgroup, divides G), NSG (simdgroups)
+// grid   : (32 * NSG, KVH * G / HT, B * S) threads, threadgroup (32 * NSG, 1, 1)
 //
-// One threadgroup per (sequence, kv head, split). Simdgroup sg walks the split's visible tokens
-// sg, sg + NSG, ... reading each K/V row through the block table (no gather); lane i holds
-// elements i, i + 32, ... of the row and of the G query heads sharing this kv head. Only visible
+// As MLX's sdpa_vector: one threadgroup per (sequence, kv head, tile of HT query heads, split);
+// simdgroup sg walks the split's visible tokens sg, sg + NSG, ... reading each K/V row through the
+// block table (no gather), one simd_sum per token and head; lane i holds elements i, i + 32, ... of
+// the row, so a simdgroup's loads of one row are contiguous. Per lane the state is HT * D / 32
+// query and as many accumulator floats (the host keeps HT * D / 32 <= 8: no register spills);
+// the G / HT threadgroups of one kv head read the same K/V rows, mostly from cache. Only visible
 // tokens are visited, so every score is finite and the running max starts at -inf:
 // exp(-inf) == 0 under math_mode "safe" makes the first correction factor vanish.
 constexpr int DL = D / 32;
 constexpr int H = KVH * G;
+constexpr int TILES = G / HT;
 const int lane = int(thread_index_in_simdgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
-const int kvh = int(threadgroup_position_in_grid.y);
+const int kvh = int(threadgroup_position_in_grid.y) / TILES;
+const int g0 = kvh * G + (int(threadgroup_position_in_grid.y) % TILES) * HT;  // first query head of the tile
 const int window = params[0];
 const int chunk = params[1];
 const int pages_per_split = params[2];
@@ -43,20 +49,20 @@ const int first_page = start / BS;
 const int t_begin = metal::max(start, (first_page + split * pages_per_split) * BS);
 const int t_end = metal::min(L, (first_page + (split + 1) * pages_per_split) * BS);
 
-// Pre-scaled queries of the G heads, float32 in registers.
-float q[G][DL];
-for (int g = 0; g < G; ++g) {
-  const size_t q_row = (size_t(b) * H + kvh * G + g) * D;
+// Pre-scaled queries of the tile's HT heads, float32 in registers.
+float q[HT][DL];
+for (int g = 0; g < HT; ++g) {
+  const size_t q_row = (size_t(b) * H + g0 + g) * D;
   for (int i = 0; i < DL; ++i) {
     q[g][i] = static_cast<float>(queries[q_row + lane + 32 * i]) * scale;
   }
 }
 
 // Online softmax state per head: running max, running sum, accumulator.
-float m[G];
-float l[G];
-float acc[G][DL];
-for (int g = 0; g < G; ++g) {
+float m[HT];
+float l[HT];
+float acc[HT][DL];
+for (int g = 0; g < HT; ++g) {
   m[g] = -INFINITY;
   l[g] = 0.0f;
   for (int i = 0; i < DL; ++i) {
@@ -73,7 +79,7 @@ for (int t = t_begin + sg; t < t_end; t += NSG) {
     k[i] = static_cast<float>(k_pages[row + lane + 32 * i]);
     v[i] = static_cast<float>(v_pages[row + lane + 32 * i]);
   }
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < HT; ++g) {
     float dot = 0.0f;
     for (int i = 0; i < DL; ++i) {
       dot += q[g][i] * k[i];
@@ -91,25 +97,25 @@ for (int t = t_begin + sg; t < t_end; t += NSG) {
 }
 
 // Combine the NSG simdgroups' states through threadgroup memory.
-threadgroup float tg_m[NSG * G];
-threadgroup float tg_l[NSG * G];
-threadgroup float tg_acc[NSG * G * D];
-for (int g = 0; g < G; ++g) {
+threadgroup float tg_m[NSG * HT];
+threadgroup float tg_l[NSG * HT];
+threadgroup float tg_acc[NSG * HT * D];
+for (int g = 0; g < HT; ++g) {
   if (lane == 0) {
-    tg_m[sg * G + g] = m[g];
-    tg_l[sg * G + g] = l[g];
+    tg_m[sg * HT + g] = m[g];
+    tg_l[sg * HT + g] = l[g];
   }
   for (int i = 0; i < DL; ++i) {
-    tg_acc[(sg * G + g) * D + lane + 32 * i] = acc[g][i];
+    tg_acc[(sg * HT + g) * D + lane + 32 * i] = acc[g][i];
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // Simdgroup sg finalises heads sg, sg + NSG, ...: normalised output and log-sum-exp.
-for (int g = sg; g < G; g += NSG) {
+for (int g = sg; g < HT; g += NSG) {
   float top = -INFINITY;
   for (int j = 0; j < NSG; ++j) {
-    top = metal::max(top, tg_m[j * G + g]);
+    top = metal::max(top, tg_m[j * HT + g]);
   }
   const float top_safe = top == -INFINITY ? 0.0f : top;
   float total = 0.0f;
@@ -118,14 +124,14 @@ for (int g = sg; g < G; g += NSG) {
     o[i] = 0.0f;
   }
   for (int j = 0; j < NSG; ++j) {
-    const float w = metal::exp(tg_m[j * G + g] - top_safe);
-    total += w * tg_l[j * G + g];
+    const float w = metal::exp(tg_m[j * HT + g] - top_safe);
+    total += w * tg_l[j * HT + g];
     for (int i = 0; i < DL; ++i) {
-      o[i] += w * tg_acc[(j * G + g) * D + lane + 32 * i];
+      o[i] += w * tg_acc[(j * HT + g) * D + lane + 32 * i];
     }
   }
   const bool seen = total != 0.0f;  // NaN inputs propagate, as in the reference
-  const size_t out_row = (size_t(b) * H + kvh * G + g) * num_splits + split;
+  const size_t out_row = (size_t(b) * H + g0 + g) * num_splits + split;
   for (int i = 0; i < DL; ++i) {
     o_part[out_row * D + lane + 32 * i] = seen ? o[i] / total : 0.0f;
   }

@@ -136,3 +136,20 @@ def test_out_of_range_tables_never_leave_the_pool(sanitized, option):
     o, lse = impl.partials(case.queries, case.k_pages, case.v_pages, tables, lens, plan, scale=0.125,
                            window=option.get("window"), chunk_size=option.get("chunk_size"))
     assert not mx.isnan(o).any().item() and not mx.isnan(lse).any().item()
+
+
+def test_operation_counts_match_the_design(emulator):
+    # One simd_sum per (token, head) and two exps per (token, head) per lane, as MLX's sdpa_vector;
+    # one threadgroup barrier per thread; G / HT threadgroups per kv head (a head tile each).
+    dtype, D, bs, kvh, gqa, L = mx.float32, 128, 16, 2, 8, 100
+    impl = EmulatedAttention(emulator, dtype, D, bs, kvh, gqa)
+    case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=gqa, context_lens=[L], seed=2)
+    call = impl.partials_call(*case.args(), plan_splits(L, bs, num_splits=1), scale=0.1, window=None, chunk_size=None)
+    t = call.template
+    assert t["HT"] * D // 32 <= 8 and t["G"] // t["HT"] == 4  # per-lane state: 2 heads x 4 floats
+    emulator.launch(call)
+    n = emulator.last_counts
+    heads, lanes, nsg = kvh * gqa, 32, t["NSG"]
+    assert n["simd_reductions"] == L * heads * lanes
+    assert n["exps"] == 2 * L * heads * lanes + heads * nsg * lanes  # softmax + combining the simdgroups
+    assert n["threads"] == n["barriers"] == kvh * (gqa // t["HT"]) * 32 * nsg

@@ -49,13 +49,23 @@ def test_variants_cover_the_factory_tables(every_variant):
     attn = [v for v in every_variant if v.spec == PAGED_ATTENTION]
     assert {v.call.template["T"] for v in attn} == set(metal.SUPPORTED_DTYPES)
     assert {v.call.template["D"] for v in attn} == set(metal.HEAD_DIMS)
-    assert {v.call.template["NSG"] for v in attn} == {metal.simdgroups_for(g, d) for d in metal.HEAD_DIMS
-                                                       for g in range(1, metal.max_gqa(d) + 1)}
+    assert {v.call.template["NSG"] for v in attn} == {
+        metal.simdgroups_for(metal.heads_per_threadgroup(g, d), d)
+        for d in metal.HEAD_DIMS for g in range(1, metal.max_gqa(d) + 1)}
     assert {v.arg_infos()["context_lens"].space for v in attn} == {"constant", "device"}
     merge = [v for v in every_variant if v.spec == PAGED_MERGE]
     assert {v.arg_infos()["sinks"].space for v in merge} == {"constant", "device"}
     assert {v.call.template["HAS_SINKS"] for v in merge} == {False, True}
     assert len({v.signature_key() for v in every_variant}) == len(every_variant)
+
+
+def test_per_lane_state_is_bounded_in_every_variant(every_variant):
+    # The decode kernel's registers per lane: HT * D / 32 query + as many accumulator floats.
+    for v in every_variant:
+        if v.spec == PAGED_ATTENTION:
+            t = v.call.template
+            assert t["G"] % t["HT"] == 0 and t["HT"] * t["D"] // 32 <= metal.MAX_LANE_FLOATS, v.label
+            assert v.call.grid[1] == t["KVH"] * t["G"] // t["HT"], v.label
 
 
 def test_signature_matches_launch_arguments(every_variant):
@@ -86,16 +96,16 @@ ATTENTION_PLANTS = {
     "recursion": ("const float s = simd_sum(dot);",
                   "auto down = [](auto& self, int n) -> float { return n > 0 ? self(self, n - 1) : 0.0f; };\n"
                   "    const float s = simd_sum(dot) + down(down, 2);"),
-    "threadgroup-pointer-unqualified": ("threadgroup float tg_acc[NSG * G * D];",
-                                        "threadgroup float tg_acc[NSG * G * D];\nfloat* tg_p = tg_acc;\ntg_p[0] = 0.0f;"),
-    "threadgroup-pointer-as-device": ("threadgroup float tg_acc[NSG * G * D];",
-                                      "threadgroup float tg_acc[NSG * G * D];\ndevice float* tg_p = tg_acc;\n"
+    "threadgroup-pointer-unqualified": ("threadgroup float tg_acc[NSG * HT * D];",
+                                        "threadgroup float tg_acc[NSG * HT * D];\nfloat* tg_p = tg_acc;\ntg_p[0] = 0.0f;"),
+    "threadgroup-pointer-as-device": ("threadgroup float tg_acc[NSG * HT * D];",
+                                      "threadgroup float tg_acc[NSG * HT * D];\ndevice float* tg_p = tg_acc;\n"
                                       "tg_p[0] = 0.0f;"),
     "device-pointer-unqualified": ("float k[DL];", "float k[DL];\n  const T* k_row = k_pages + row;\n  (void)k_row;"),
     "constant-pointer-unqualified": ("const int window = params[0];",
                                      "const int* pp = params;\nconst int window = pp[0];"),
-    "cast-drops-address-space": ("threadgroup float tg_acc[NSG * G * D];",
-                                 "threadgroup float tg_acc[NSG * G * D];\nfloat* tg_p = (float*)tg_acc;\n"
+    "cast-drops-address-space": ("threadgroup float tg_acc[NSG * HT * D];",
+                                 "threadgroup float tg_acc[NSG * HT * D];\nfloat* tg_p = (float*)tg_acc;\n"
                                  "tg_p[0] = 0.0f;"),
     "atomic-64-bit": ("const int chunk = params[1];",
                       "atomic_fetch_add_explicit((device atomic<ulong>*)lse, 1ul, memory_order_relaxed);\n"
@@ -105,8 +115,8 @@ ATTENTION_PLANTS = {
 }
 # Near misses that are valid Metal and must pass (the check is not rejecting every pointer).
 ATTENTION_VALID = {
-    "threadgroup-pointer-qualified": ("threadgroup float tg_acc[NSG * G * D];",
-                                      "threadgroup float tg_acc[NSG * G * D];\nthreadgroup float* tg_p = tg_acc;\n"
+    "threadgroup-pointer-qualified": ("threadgroup float tg_acc[NSG * HT * D];",
+                                      "threadgroup float tg_acc[NSG * HT * D];\nthreadgroup float* tg_p = tg_acc;\n"
                                       "tg_p[0] = 0.0f;"),
     "device-pointer-qualified": ("float k[DL];", "float k[DL];\n  const device T* k_row = k_pages + row;\n  (void)k_row;"),
     "constant-pointer-qualified": ("const int window = params[0];",

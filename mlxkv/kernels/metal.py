@@ -26,9 +26,12 @@ from .metal_specs import PAGED_ATTENTION, PAGED_MERGE, KernelSpec
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of 32: one element per lane per 32-wide slice
 BLOCK_SIZES = tuple(2**i for i in range(9))  # every block size mlxkv.config allows (1..256)
-# Per lane the attention kernel keeps G*D/32 query and G*D/32 accumulator floats in registers.
+# Query heads per kv head the attention kernel takes (the cascade stacks a group's heads up to it).
 MAX_GQA_TIMES_HEAD_DIM = 2048
-# Threadgroup memory for combining simdgroups: NSG * G * (D + 2) floats.
+# Per lane a threadgroup keeps HT * D / 32 query and as many accumulator floats: at most this many
+# each, so q + acc + one K and one V slice stay well inside the registers (no spills).
+MAX_LANE_FLOATS = 8
+# Threadgroup memory for combining simdgroups: NSG * HT * (D + 2) floats.
 THREADGROUP_BYTES = 28 * 1024
 
 
@@ -47,10 +50,16 @@ def _build(spec: KernelSpec):
     )
 
 
-def simdgroups_for(gqa: int, head_dim: int) -> int:
-    """Simdgroups per threadgroup: as many as the combine buffer fits (4, 2 or 1)."""
+def heads_per_threadgroup(gqa: int, head_dim: int) -> int:
+    """HT: the largest divisor of ``gqa`` whose per-lane state fits ``MAX_LANE_FLOATS``."""
+    lane_floats = head_dim // 32
+    return max(h for h in range(1, gqa + 1) if gqa % h == 0 and (h * lane_floats <= MAX_LANE_FLOATS or h == 1))
+
+
+def simdgroups_for(heads: int, head_dim: int) -> int:
+    """Simdgroups per threadgroup of ``heads`` query heads: as many as the combine buffer fits (4, 2 or 1)."""
     for nsg in (4, 2, 1):
-        if nsg * gqa * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
+        if nsg * heads * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
             return nsg
     return 1
 
@@ -120,15 +129,17 @@ class MetalPagedAttention:
         B, H, _, D = queries.shape
         S = plan.num_splits
         params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1], k_pages.shape[1]]
-        threads = 32 * simdgroups_for(H // self.kv_heads, D)
+        G = H // self.kv_heads
+        ht = heads_per_threadgroup(G, D)
+        threads = 32 * simdgroups_for(ht, D)
         return KernelCall(
             spec=PAGED_ATTENTION,
             inputs=dict(queries=queries, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
                         context_lens=context_lens, params=mx.array(params, dtype=mx.int32),
                         scale=mx.array(scale, dtype=mx.float32)),
             template=dict(T=self.dtype, D=D, BS=self.block_size, KVH=self.kv_heads,
-                          G=H // self.kv_heads, NSG=threads // 32),
-            grid=(threads, self.kv_heads, B * S),
+                          G=G, HT=ht, NSG=threads // 32),
+            grid=(threads, self.kv_heads * (G // ht), B * S),
             threadgroup=(threads, 1, 1),
             output_shapes=dict(o_part=(B, H, S, D), lse=(B, H, S)),
             output_dtypes=dict(o_part=mx.float32, lse=mx.float32),

@@ -51,14 +51,16 @@ class Variant:
 
 
 def gqa_values(head_dim: int) -> list[int]:
-    """GQA ratios checked at ``head_dim``: 1, 2, the largest, and the first at each simdgroup count."""
+    """GQA ratios checked at ``head_dim``: 1, 2, the largest, and the first at each (head tile,
+    simdgroup count) the factory picks."""
     top = metal.max_gqa(head_dim)
     chosen = {1, min(2, top), top}
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     for g in range(1, top + 1):
-        nsg = metal.simdgroups_for(g, head_dim)
-        if nsg not in seen:
-            seen.add(nsg)
+        ht = metal.heads_per_threadgroup(g, head_dim)
+        shape = (ht, metal.simdgroups_for(ht, head_dim))
+        if shape not in seen:
+            seen.add(shape)
             chosen.add(g)
     return sorted(chosen)
 
@@ -119,19 +121,19 @@ def all_variants() -> list[Variant]:
 
 
 def emulation_classes() -> list[Variant]:
-    """One attention variant per (dtype, simdgroup count, ``context_lens`` address space), the
-    cheapest of each: what the CPU emulator runs (compiling all variants would take minutes). The
-    emulator's C++ is identical across a class but for loop bounds and array sizes."""
+    """One attention variant per (dtype, simdgroup count, head tiling, ``context_lens`` address space),
+    the cheapest of each to emulate: what the CPU emulator runs (all variants would take minutes). The
+    emulated C++ of one class differs only in loop bounds and array sizes."""
     best: dict[tuple, Variant] = {}
     for v in attention_variants():
         t = v.call.template
-        key = (t["T"], t["NSG"], v.arg_infos()["context_lens"].space)
-        cost = t["D"] * t["G"] * t["BS"]
-        if key not in best or cost < _cost(best[key]):
+        key = (t["T"], t["NSG"], t["HT"] < t["G"], v.arg_infos()["context_lens"].space)
+        if key not in best or _cost(v) < _cost(best[key]):
             best[key] = v
     return list(best.values())
 
 
 def _cost(v: Variant) -> int:
+    """Emulation work: threads x tokens per threadgroup x threadgroups per kv head."""
     t = v.call.template
-    return t["D"] * t["G"] * t["BS"]
+    return t["D"] * t["HT"] * t["BS"] * (t["G"] // t["HT"]) ** 2
