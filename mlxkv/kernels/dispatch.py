@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlxkv import env
 
 from . import metal
-from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
+from .cascade import PrefixGroup, cascade_attention
 from .geometry import check_paged_inputs, check_table_contents
 from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
@@ -144,9 +144,9 @@ class KernelDispatch:
         Raises ``ValueError`` for a table entry outside the pool or a context longer than its table
         row (checked once per distinct pair of table arrays, so the layers of a step pay one sync).
 
-        With ``MLXKV_CASCADE_ATTENTION`` on and no window/chunk, sequences sharing whole-page
-        prefixes go through cascade attention; pass ``prefix_groups`` (computed once per step
-        for all layers) to avoid reading the block tables back on every call.
+        ``prefix_groups`` (computed once per step for all layers, see
+        :func:`~mlxkv.kernels.cascade.worth_cascading`): sequences sharing those whole-page
+        prefixes go through cascade attention (full-attention layers only).
         """
         B, H, D, bs, kv_heads, gqa = check_paged_inputs(
             queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks
@@ -160,14 +160,11 @@ class KernelDispatch:
                 AttentionClass(k_pages.dtype, D, bs, kv_heads, g, window, chunk_size, sinks is not None)
             )
 
-        if env.flags().cascade_attention and window is None and chunk_size is None:
-            if prefix_groups is None:
-                prefix_groups = find_prefix_groups(block_tables.tolist(), context_lens.tolist(), bs)
-            if prefix_groups:
-                return cascade_attention(
-                    impl_for, queries, k_pages, v_pages, block_tables, context_lens, prefix_groups,
-                    scale=scale, sinks=sinks, num_splits=num_splits,
-                )
+        if prefix_groups and window is None and chunk_size is None:
+            return cascade_attention(
+                impl_for, queries, k_pages, v_pages, block_tables, context_lens, prefix_groups,
+                scale=scale, sinks=sinks, num_splits=num_splits,
+            )
         return run_paged_attention(
             impl_for(gqa), queries, k_pages, v_pages, block_tables, context_lens,
             scale=scale, window=window, chunk_size=chunk_size, sinks=sinks,
