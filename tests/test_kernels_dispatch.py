@@ -175,9 +175,11 @@ def test_factories_return_none_without_metal():
         metal.paged_attention_metal(*c.args())
     # What the factory would build on a Mac: one simdgroup count per GQA x head_dim, within limits.
     assert metal.simdgroups_for(4, 128) == 4 and metal.simdgroups_for(16, 256) == 1
-    # Head tiles keep per-lane state at <= 8 floats each for q and acc (HT * D / 32).
+    # Small heads take several keys per simdgroup step (>= 4 row elements per lane); head tiles keep
+    # per-lane state at <= 8 floats each for q and acc (HT * D / LPK).
+    assert [metal.lanes_per_key(d) for d in (32, 64, 96, 128, 256)] == [8, 16, 16, 32, 32]
     assert [metal.heads_per_threadgroup(g, d) for g, d in [(8, 128), (53, 32), (12, 96), (4, 256), (32, 64)]] == [
-        2, 1, 2, 1, 4]
+        2, 1, 1, 1, 2]
     assert metal.supports_attention(mx.bfloat16, 128, 16, 16) and not metal.supports_attention(mx.float16, 80, 16, 4)
     assert not metal.supports_attention(mx.float16, 128, 16, 17) and not metal.supports_attention(mx.float16, 128, 3, 1)
 

@@ -103,8 +103,8 @@ def test_emulator_catches_a_wrong_body(emulator, monkeypatch):
     from mlxkv.kernels import metal_specs
 
     original = metal_specs.PAGED_ATTENTION
-    body = original.source().replace("block_tables[size_t(b) * max_blocks + t / BS]",
-                                     "block_tables[size_t(b) * max_blocks + (t + 1) / BS]")
+    body = original.source().replace("block_tables[size_t(b) * max_blocks + tc / BS]",
+                                     "block_tables[size_t(b) * max_blocks + (tc + 1) / BS]")
     bad = metal_specs.KernelSpec(original.name, original.source_file, original.input_names,
                                  original.output_names, original.template_params)
     monkeypatch.setattr(type(bad), "source", lambda self: body)
@@ -138,18 +138,23 @@ def test_out_of_range_tables_never_leave_the_pool(sanitized, option):
     assert not mx.isnan(o).any().item() and not mx.isnan(lse).any().item()
 
 
-def test_operation_counts_match_the_design(emulator):
-    # One simd_sum per (token, head) and two exps per (token, head) per lane, as MLX's sdpa_vector;
-    # one threadgroup barrier per thread; G / HT threadgroups per kv head (a head tile each).
-    dtype, D, bs, kvh, gqa, L = mx.float32, 128, 16, 2, 8, 100
+@pytest.mark.parametrize("D, lanes_per_key", [(128, 32), (64, 16), (32, 8)])
+def test_operation_counts_match_the_design(emulator, D, lanes_per_key):
+    # Per (token, head): log2(LPK) shuffles on LPK lanes, several tokens per simdgroup step where
+    # LPK < 32, and two exps on each of the token's LPK lanes; one threadgroup barrier per thread;
+    # G / HT threadgroups per kv head (a head tile each). MLX's sdpa_vector: one 32-lane simd_sum
+    # (five shuffle stages) and 32 lanes of exps per (token, head).
+    dtype, bs, kvh, gqa, L = mx.float32, 16, 2, 8, 96
     impl = EmulatedAttention(emulator, dtype, D, bs, kvh, gqa)
     case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=gqa, context_lens=[L], seed=2)
     call = impl.partials_call(*case.args(), plan_splits(L, bs, num_splits=1), scale=0.1, window=None, chunk_size=None)
     t = call.template
-    assert t["HT"] * D // 32 <= 8 and t["G"] // t["HT"] == 4  # per-lane state: 2 heads x 4 floats
+    assert t["LPK"] == lanes_per_key and t["HT"] * D // lanes_per_key <= 8
     emulator.launch(call)
     n = emulator.last_counts
-    heads, lanes, nsg = kvh * gqa, 32, t["NSG"]
-    assert n["simd_reductions"] == L * heads * lanes
-    assert n["exps"] == 2 * L * heads * lanes + heads * nsg * lanes  # softmax + combining the simdgroups
+    heads, nsg, kps = kvh * gqa, t["NSG"], 32 // lanes_per_key
+    stages = lanes_per_key.bit_length() - 1
+    assert n["simd_reductions"] == 0
+    assert n["simd_shuffles"] == (L // kps) * heads * 32 * stages  # L is a multiple of every KPS here
+    assert n["exps"] == 2 * L * heads * lanes_per_key + heads * nsg * kps * 32  # softmax + combine
     assert n["threads"] == n["barriers"] == kvh * (gqa // t["HT"]) * 32 * nsg

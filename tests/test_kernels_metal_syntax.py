@@ -60,11 +60,12 @@ def test_variants_cover_the_factory_tables(every_variant):
 
 
 def test_per_lane_state_is_bounded_in_every_variant(every_variant):
-    # The decode kernel's registers per lane: HT * D / 32 query + as many accumulator floats.
+    # The decode kernel's registers per lane: HT * D / LPK query + as many accumulator floats.
     for v in every_variant:
         if v.spec == PAGED_ATTENTION:
             t = v.call.template
-            assert t["G"] % t["HT"] == 0 and t["HT"] * t["D"] // 32 <= metal.MAX_LANE_FLOATS, v.label
+            assert t["G"] % t["HT"] == 0 and t["HT"] * t["D"] // t["LPK"] <= metal.MAX_LANE_FLOATS, v.label
+            assert 32 % t["LPK"] == 0 and t["D"] % t["LPK"] == 0, v.label
             assert v.call.grid[1] == t["KVH"] * t["G"] // t["HT"], v.label
 
 
@@ -84,41 +85,41 @@ def test_signature_matches_launch_arguments(every_variant):
 
 ATTENTION_PLANTS = {
     # name: (text in the shipped body, replacement)
-    "missing-semicolon": ("const float s = simd_sum(dot);", "const float s = simd_sum(dot)"),
-    "misspelt-builtin": ("simd_sum(dot)", "simd_summ(dot)"),
+    "missing-semicolon": ("const float p = metal::exp(s - m_new);", "const float p = metal::exp(s - m_new)"),
+    "misspelt-builtin": ("simd_shuffle_xor(s, ushort(mask))", "simd_shufle_xor(s, ushort(mask))"),
     "mixed-max": ("metal::max(m[g], s)", "metal::max(m[g], 0)"),
     "undeclared": ("q[g][i] * k[i]", "q[g][i] * kk[i]"),
-    "vla": ("float k[DL];", "float k[DL];\n  float vla[lane + 1];\n  vla[0] = 0.0f;"),
-    "double": ("const float s = simd_sum(dot);", "const double s = simd_sum(dot);"),
+    "vla": ("float k[EL];", "float k[EL];\n  float vla[lane + 1];\n  vla[0] = 0.0f;"),
+    "double": ("const float p = metal::exp(s - m_new);", "const double p = metal::exp(s - m_new);"),
     "std-call": ("metal::exp(m[g] - m_new)", "std::exp(m[g] - m_new)"),
     "c-library-call": ("metal::exp(m[g] - m_new)", "expf(m[g] - m_new)"),
-    "new-delete": ("float k[DL];", "float k[DL];\n  float* heap = new float[DL];\n  delete[] heap;"),
-    "recursion": ("const float s = simd_sum(dot);",
+    "new-delete": ("float k[EL];", "float k[EL];\n  float* heap = new float[EL];\n  delete[] heap;"),
+    "recursion": ("const float p = metal::exp(s - m_new);",
                   "auto down = [](auto& self, int n) -> float { return n > 0 ? self(self, n - 1) : 0.0f; };\n"
-                  "    const float s = simd_sum(dot) + down(down, 2);"),
-    "threadgroup-pointer-unqualified": ("threadgroup float tg_acc[NSG * HT * D];",
-                                        "threadgroup float tg_acc[NSG * HT * D];\nfloat* tg_p = tg_acc;\ntg_p[0] = 0.0f;"),
-    "threadgroup-pointer-as-device": ("threadgroup float tg_acc[NSG * HT * D];",
-                                      "threadgroup float tg_acc[NSG * HT * D];\ndevice float* tg_p = tg_acc;\n"
+                  "      const float p = metal::exp(s - m_new) + down(down, 2);"),
+    "threadgroup-pointer-unqualified": ("threadgroup float tg_acc[NV * HT * D];",
+                                        "threadgroup float tg_acc[NV * HT * D];\nfloat* tg_p = tg_acc;\ntg_p[0] = 0.0f;"),
+    "threadgroup-pointer-as-device": ("threadgroup float tg_acc[NV * HT * D];",
+                                      "threadgroup float tg_acc[NV * HT * D];\ndevice float* tg_p = tg_acc;\n"
                                       "tg_p[0] = 0.0f;"),
-    "device-pointer-unqualified": ("float k[DL];", "float k[DL];\n  const T* k_row = k_pages + row;\n  (void)k_row;"),
+    "device-pointer-unqualified": ("float k[EL];", "float k[EL];\n  const T* k_row = k_pages + row;\n  (void)k_row;"),
     "constant-pointer-unqualified": ("const int window = params[0];",
                                      "const int* pp = params;\nconst int window = pp[0];"),
-    "cast-drops-address-space": ("threadgroup float tg_acc[NSG * HT * D];",
-                                 "threadgroup float tg_acc[NSG * HT * D];\nfloat* tg_p = (float*)tg_acc;\n"
+    "cast-drops-address-space": ("threadgroup float tg_acc[NV * HT * D];",
+                                 "threadgroup float tg_acc[NV * HT * D];\nfloat* tg_p = (float*)tg_acc;\n"
                                  "tg_p[0] = 0.0f;"),
     "atomic-64-bit": ("const int chunk = params[1];",
                       "atomic_fetch_add_explicit((device atomic<ulong>*)lse, 1ul, memory_order_relaxed);\n"
                       "const int chunk = params[1];"),
-    "bfloat-arithmetic": ("static_cast<float>(k_pages[row + lane + 32 * i])", "k_pages[row + lane + 32 * i] * 1.0f"),
-    "bfloat-math": ("static_cast<float>(k_pages[row + lane + 32 * i])", "metal::exp(k_pages[row + lane + 32 * i])"),
+    "bfloat-arithmetic": ("static_cast<float>(k_pages[row + vl + LPK * i])", "k_pages[row + vl + LPK * i] * 1.0f"),
+    "bfloat-math": ("static_cast<float>(k_pages[row + vl + LPK * i])", "metal::exp(k_pages[row + vl + LPK * i])"),
 }
 # Near misses that are valid Metal and must pass (the check is not rejecting every pointer).
 ATTENTION_VALID = {
-    "threadgroup-pointer-qualified": ("threadgroup float tg_acc[NSG * HT * D];",
-                                      "threadgroup float tg_acc[NSG * HT * D];\nthreadgroup float* tg_p = tg_acc;\n"
+    "threadgroup-pointer-qualified": ("threadgroup float tg_acc[NV * HT * D];",
+                                      "threadgroup float tg_acc[NV * HT * D];\nthreadgroup float* tg_p = tg_acc;\n"
                                       "tg_p[0] = 0.0f;"),
-    "device-pointer-qualified": ("float k[DL];", "float k[DL];\n  const device T* k_row = k_pages + row;\n  (void)k_row;"),
+    "device-pointer-qualified": ("float k[EL];", "float k[EL];\n  const device T* k_row = k_pages + row;\n  (void)k_row;"),
     "constant-pointer-qualified": ("const int window = params[0];",
                                    "const constant int* pp = params;\nconst int window = pp[0];"),
     "atomic-32-bit": ("const int chunk = params[1];",

@@ -28,10 +28,12 @@ HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of 32: one element per lane per 
 BLOCK_SIZES = tuple(2**i for i in range(9))  # every block size mlxkv.config allows (1..256)
 # Query heads per kv head the attention kernel takes (the cascade stacks a group's heads up to it).
 MAX_GQA_TIMES_HEAD_DIM = 2048
-# Per lane a threadgroup keeps HT * D / 32 query and as many accumulator floats: at most this many
+# Per lane a threadgroup keeps HT * D / LPK query and as many accumulator floats: at most this many
 # each, so q + acc + one K and one V slice stay well inside the registers (no spills).
 MAX_LANE_FLOATS = 8
-# Threadgroup memory for combining simdgroups: NSG * HT * (D + 2) floats.
+# Fewest row elements per lane: below it a simdgroup takes several keys per step (LPK < 32).
+MIN_LANE_ELEMENTS = 4
+# Threadgroup memory for combining the virtual simdgroups: NSG * (32 / LPK) * HT * (D + 2) floats.
 THREADGROUP_BYTES = 28 * 1024
 
 
@@ -50,16 +52,26 @@ def _build(spec: KernelSpec):
     )
 
 
+def lanes_per_key(head_dim: int) -> int:
+    """LPK: lanes sharing one K/V row (32, 16 or 8); a simdgroup takes 32 / LPK keys per step, so that
+    each lane handles at least ``MIN_LANE_ELEMENTS`` elements of a row (small heads: several keys)."""
+    lpk = 32
+    while lpk > 8 and head_dim // lpk < MIN_LANE_ELEMENTS and head_dim % (lpk // 2) == 0:
+        lpk //= 2
+    return lpk
+
+
 def heads_per_threadgroup(gqa: int, head_dim: int) -> int:
     """HT: the largest divisor of ``gqa`` whose per-lane state fits ``MAX_LANE_FLOATS``."""
-    lane_floats = head_dim // 32
+    lane_floats = head_dim // lanes_per_key(head_dim)
     return max(h for h in range(1, gqa + 1) if gqa % h == 0 and (h * lane_floats <= MAX_LANE_FLOATS or h == 1))
 
 
 def simdgroups_for(heads: int, head_dim: int) -> int:
     """Simdgroups per threadgroup of ``heads`` query heads: as many as the combine buffer fits (4, 2 or 1)."""
+    keys = 32 // lanes_per_key(head_dim)  # virtual simdgroups per simdgroup
     for nsg in (4, 2, 1):
-        if nsg * heads * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
+        if nsg * keys * heads * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
             return nsg
     return 1
 
@@ -138,7 +150,7 @@ class MetalPagedAttention:
                         context_lens=context_lens, params=mx.array(params, dtype=mx.int32),
                         scale=mx.array(scale, dtype=mx.float32)),
             template=dict(T=self.dtype, D=D, BS=self.block_size, KVH=self.kv_heads,
-                          G=G, HT=ht, NSG=threads // 32),
+                          G=G, HT=ht, LPK=lanes_per_key(D), NSG=threads // 32),
             grid=(threads, self.kv_heads * (G // ht), B * S),
             threadgroup=(threads, 1, 1),
             output_shapes=dict(o_part=(B, H, S, D), lse=(B, H, S)),

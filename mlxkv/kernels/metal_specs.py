@@ -72,7 +72,7 @@ PAGED_ATTENTION = KernelSpec(
     input_names=("queries", "k_pages", "v_pages", "block_tables", "context_lens", "params", "scale"),
     output_names=("o_part", "lse"),
     template_params=(("T", "typename"), ("D", "int"), ("BS", "int"), ("KVH", "int"), ("G", "int"),
-                     ("HT", "int"), ("NSG", "int")),
+                     ("HT", "int"), ("LPK", "int"), ("NSG", "int")),
 )
 PAGED_MERGE = KernelSpec(
     name="mlxkv_paged_merge",

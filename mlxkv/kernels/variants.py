@@ -121,19 +121,28 @@ def all_variants() -> list[Variant]:
 
 
 def emulation_classes() -> list[Variant]:
-    """One attention variant per (dtype, simdgroup count, head tiling, ``context_lens`` address space),
-    the cheapest of each to emulate: what the CPU emulator runs (all variants would take minutes). The
-    emulated C++ of one class differs only in loop bounds and array sizes."""
-    best: dict[tuple, Variant] = {}
-    for v in attention_variants():
-        t = v.call.template
-        key = (t["T"], t["NSG"], t["HT"] < t["G"], v.arg_infos()["context_lens"].space)
-        if key not in best or _cost(v) < _cost(best[key]):
-            best[key] = v
-    return list(best.values())
+    """The attention variants the CPU emulator runs (all of them would take minutes): the cheapest per
+    (lanes per key, head tiling, ``context_lens`` address space), the dtypes taking turns so that every
+    dtype meets every lanes-per-key value. The emulated C++ of one class differs only in loop bounds
+    and array sizes."""
+    every = attention_variants()
+    keys = sorted({_class_key(v) for v in every})
+    dtypes = metal.SUPPORTED_DTYPES
+    chosen = []
+    for lpk in sorted({k[0] for k in keys}):
+        for n, key in enumerate(k for k in keys if k[0] == lpk):
+            dtype = dtypes[n % len(dtypes)]
+            members = [v for v in every if _class_key(v) == key and v.call.template["T"] == dtype]
+            chosen.append(min(members, key=_cost))
+    return chosen
+
+
+def _class_key(v: Variant) -> tuple:
+    t = v.call.template
+    return t["LPK"], t["HT"] < t["G"], v.arg_infos()["context_lens"].space
 
 
 def _cost(v: Variant) -> int:
-    """Emulation work: threads x tokens per threadgroup x threadgroups per kv head."""
+    """Emulation work: row elements x heads x block size x threadgroups per kv head, squared."""
     t = v.call.template
     return t["D"] * t["HT"] * t["BS"] * (t["G"] // t["HT"]) ** 2

@@ -83,8 +83,11 @@ struct Group {  // one threadgroup; simdgroups are full (launches use multiples 
   int threads;
   pthread_barrier_t all;
   pthread_barrier_t simd[kMaxThreads / 32];
-  float slots[kMaxThreads];
-  int islots[kMaxThreads];
+  // Exchange slots, double-buffered per simdgroup: a lane writes buffer `parity`, waits once, reads;
+  // its next exchange writes the other buffer, which every lane finished reading before the last wait.
+  float slots[2][kMaxThreads];
+  int islots[2][kMaxThreads];
+  int parity[kMaxThreads];  // per lane
 };
 
 struct Lane {
@@ -97,16 +100,17 @@ struct Lane {
 inline thread_local Lane* lane_ctx = nullptr;
 
 template <typename V, typename F>
-V reduce(V* slots, V x, F f) {
-  const int sg = lane_ctx->index / 32;
-  pthread_barrier_t* bar = &lane_ctx->group->simd[sg];
-  slots[lane_ctx->index] = x;
-  pthread_barrier_wait(bar);
-  V acc = slots[sg * 32];
+V reduce(V (*slots)[kMaxThreads], V x, F f) {
+  const int me = lane_ctx->index, sg = me / 32;
+  int& parity = lane_ctx->group->parity[me];
+  V* buf = slots[parity];
+  parity ^= 1;
+  buf[me] = x;
+  pthread_barrier_wait(&lane_ctx->group->simd[sg]);
+  V acc = buf[sg * 32];
   for (int i = 1; i < 32; ++i) {
-    acc = f(acc, slots[sg * 32 + i]);
+    acc = f(acc, buf[sg * 32 + i]);
   }
-  pthread_barrier_wait(bar);
   return acc;
 }
 
@@ -124,6 +128,7 @@ void run_group(int threads, F body) {
   static pthread_t ids[kMaxThreads];
   if (threads > kMaxThreads) abort();
   g.threads = threads;
+  memset(g.parity, 0, sizeof g.parity);
   pthread_barrier_init(&g.all, nullptr, threads);
   for (int i = 0; i < threads / 32; ++i) pthread_barrier_init(&g.simd[i], nullptr, 32);
   auto call = [](void* ctx, int t) { (*static_cast<F*>(ctx))(t); };
@@ -171,14 +176,14 @@ struct Counts {
 inline Counts counts;
 inline void count(unsigned long* c) { __atomic_fetch_add(c, 1ul, __ATOMIC_RELAXED); }
 template <typename V>
-V exchange(V* slots, V x, int src_lane) {
-  const int sg = lane_ctx->index / 32;
-  pthread_barrier_t* bar = &lane_ctx->group->simd[sg];
-  slots[lane_ctx->index] = x;
-  pthread_barrier_wait(bar);
-  V got = slots[sg * 32 + (src_lane & 31)];
-  pthread_barrier_wait(bar);
-  return got;
+V exchange(V (*slots)[kMaxThreads], V x, int src_lane) {
+  const int me = lane_ctx->index, sg = me / 32;
+  int& parity = lane_ctx->group->parity[me];
+  V* buf = slots[parity];
+  parity ^= 1;
+  buf[me] = x;
+  pthread_barrier_wait(&lane_ctx->group->simd[sg]);
+  return buf[sg * 32 + (src_lane & 31)];
 }
 }  // namespace emu
 
