@@ -29,9 +29,10 @@ Data layout (the paged cache storage is built on this)
 
 Modules
 -------
-``layout`` (visible ranges, split plans, checks, tolerances) · ``paged_attention_ref`` (reference
-twin, split-K + log-sum-exp merge) · ``kv_write_ref`` · ``cascade`` (shared-prefix attention) ·
-``oracle`` (gather-then-SDPA, for tests) · ``metal_specs`` / ``metal`` (Metal sources, factories) ·
+``geometry`` (visible ranges, split plans, input and table checks, tolerances) · ``paged_attention_ref``
+(reference twin, split-K + log-sum-exp merge) · ``page_views_ref`` (shared prefixes as page views) ·
+``kv_write_ref`` (MLX's scatter) · ``cascade`` (shared-prefix attention) · ``metal_specs`` / ``metal``
+(Metal sources, factories) · ``variants`` (every launch the factories emit, for the checks) ·
 ``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
 """
 
