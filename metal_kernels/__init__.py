@@ -6,5 +6,5 @@ from importlib import resources
 
 
 def read_source(filename: str) -> str:
-    """Text of one ``.metal`` source in this package, e.g. ``read_source("kv_write.metal")``."""
+    """Text of one ``.metal`` source in this package, e.g. ``read_source("paged_merge.metal")``."""
     return resources.files(__name__).joinpath(filename).read_text(encoding="utf-8")

@@ -6,19 +6,34 @@
 //          block_tables [B, max_blocks] int32, context_lens [B] int32,
 //          params int32 {window, chunk, pages_per_split, num_splits, max_blocks, num_blocks}, scale float
 // outputs: o_part [B, H, S, D] float (normalised per split), lse [B, H, S] float
-// template: T, D (multiple of 32), BS, KVH, G (query heads per kv head), NSG (simdgroups)
-// grid   : (32 * NSG, KVH, B * S) threads, threadgroup (32 * NSG, 1, 1)
+// template: T, D (multiple of 32), BS, KVH, G (query heads per kv head), HT (heads per
+//           threadgroup, divides G), LPK (lanes per key: 8, 16 or 32, divides D), NSG (simdgroups)
+// grid   : (32 * NSG, KVH * G / HT, B * S) threads, threadgroup (32 * NSG, 1, 1)
 //
-// One threadgroup per (sequence, kv head, split). Simdgroup sg walks the split's visible tokens
-// sg, sg + NSG, ... reading each K/V row through the block table (no gather); lane i holds
-// elements i, i + 32, ... of the row and of the G query heads sharing this kv head. Only visible
-// tokens are visited, so every score is finite and the running max starts at -inf:
+// As MLX's sdpa_vector: one threadgroup per (sequence, kv head, tile of HT query heads, split),
+// simdgroups walking the split's visible tokens, K/V rows read through the block table (no
+// gather). A simdgroup takes KPS = 32 / LPK tokens per step: lane group j (lanes j * LPK ...)
+// holds elements vl, vl + LPK, ... of token t + j's row (vl = lane % LPK, so a group's loads are
+// contiguous) and reduces its partial dots with log2(LPK) shuffles, all KPS tokens at once: each
+// lane group is a "virtual simdgroup" with its own online-softmax state, NV = NSG * KPS of them
+// combined at the end. Per lane the state is HT * D / LPK query and as many accumulator floats
+// (the host keeps them <= 8: no register spills); the G / HT threadgroups of one kv head read the
+// same K/V rows, mostly from cache. Shuffles sit in control flow uniform across the simdgroup: a
+// lane group past the split's end computes on a clamped row and discards the result. Only
+// visible tokens update the state, so every score is finite and the running max starts at -inf:
 // exp(-inf) == 0 under math_mode "safe" makes the first correction factor vanish.
-constexpr int DL = D / 32;
+constexpr int KPS = 32 / LPK;
+constexpr int EL = D / LPK;  // elements of a row per lane
+constexpr int DL = D / 32;   // elements per lane in the final combine
+constexpr int NV = NSG * KPS;
 constexpr int H = KVH * G;
+constexpr int TILES = G / HT;
 const int lane = int(thread_index_in_simdgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
-const int kvh = int(threadgroup_position_in_grid.y);
+const int vl = lane % LPK;             // lane within its key group
+const int vsg = sg * KPS + lane / LPK;  // virtual simdgroup: one token in flight
+const int kvh = int(threadgroup_position_in_grid.y) / TILES;
+const int g0 = kvh * G + (int(threadgroup_position_in_grid.y) % TILES) * HT;  // first query head of the tile
 const int window = params[0];
 const int chunk = params[1];
 const int pages_per_split = params[2];
@@ -28,8 +43,10 @@ const int num_blocks = params[5];
 const int b = int(threadgroup_position_in_grid.z) / num_splits;
 const int split = int(threadgroup_position_in_grid.z) % num_splits;
 
-// Visible positions [start, L), as visible_start() in mlxkv/kernels/layout.py.
-const int L = context_lens[b];
+// Visible positions [start, L), as visible_start() in mlxkv/kernels/geometry.py. The host refuses
+// tables that disagree with the pool (KernelDispatch); the kernel still never reads outside it:
+// L is clamped to what the table row can hold and each block id to the pool.
+const int L = metal::clamp(context_lens[b], 0, max_blocks * BS);
 int start = 0;
 if (window > 0) {
   start = metal::max(start, L - window);
@@ -41,73 +58,81 @@ const int first_page = start / BS;
 const int t_begin = metal::max(start, (first_page + split * pages_per_split) * BS);
 const int t_end = metal::min(L, (first_page + (split + 1) * pages_per_split) * BS);
 
-// Pre-scaled queries of the G heads, float32 in registers.
-float q[G][DL];
-for (int g = 0; g < G; ++g) {
-  const size_t q_row = (size_t(b) * H + kvh * G + g) * D;
-  for (int i = 0; i < DL; ++i) {
-    q[g][i] = static_cast<float>(queries[q_row + lane + 32 * i]) * scale;
+// Pre-scaled queries of the tile's HT heads, float32 in registers.
+float q[HT][EL];
+for (int g = 0; g < HT; ++g) {
+  const size_t q_row = (size_t(b) * H + g0 + g) * D;
+  for (int i = 0; i < EL; ++i) {
+    q[g][i] = static_cast<float>(queries[q_row + vl + LPK * i]) * scale;
   }
 }
 
 // Online softmax state per head: running max, running sum, accumulator.
-float m[G];
-float l[G];
-float acc[G][DL];
-for (int g = 0; g < G; ++g) {
+float m[HT];
+float l[HT];
+float acc[HT][EL];
+for (int g = 0; g < HT; ++g) {
   m[g] = -INFINITY;
   l[g] = 0.0f;
-  for (int i = 0; i < DL; ++i) {
+  for (int i = 0; i < EL; ++i) {
     acc[g][i] = 0.0f;
   }
 }
 
-for (int t = t_begin + sg; t < t_end; t += NSG) {
-  const int block = block_tables[size_t(b) * max_blocks + t / BS];
-  const size_t row = ((size_t(kvh) * num_blocks + block) * BS + t % BS) * D;
-  float k[DL];
-  float v[DL];
-  for (int i = 0; i < DL; ++i) {
-    k[i] = static_cast<float>(k_pages[row + lane + 32 * i]);
-    v[i] = static_cast<float>(v_pages[row + lane + 32 * i]);
+// The step loop's bounds are the same for every lane of a simdgroup (shuffles stay uniform).
+for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NV) {
+  const int t = t0 + lane / LPK;
+  const bool live = t < t_end;
+  const int tc = live ? t : t_end - 1;  // a real row either way
+  const int block = metal::clamp(block_tables[size_t(b) * max_blocks + tc / BS], 0, num_blocks - 1);
+  const size_t row = ((size_t(kvh) * num_blocks + block) * BS + tc % BS) * D;
+  float k[EL];
+  float v[EL];
+  for (int i = 0; i < EL; ++i) {
+    k[i] = static_cast<float>(k_pages[row + vl + LPK * i]);
+    v[i] = static_cast<float>(v_pages[row + vl + LPK * i]);
   }
-  for (int g = 0; g < G; ++g) {
-    float dot = 0.0f;
-    for (int i = 0; i < DL; ++i) {
-      dot += q[g][i] * k[i];
+  for (int g = 0; g < HT; ++g) {
+    float s = 0.0f;
+    for (int i = 0; i < EL; ++i) {
+      s += q[g][i] * k[i];
     }
-    const float s = simd_sum(dot);
-    const float m_new = metal::max(m[g], s);
-    const float corr = metal::exp(m[g] - m_new);
-    const float p = metal::exp(s - m_new);
-    l[g] = l[g] * corr + p;
-    for (int i = 0; i < DL; ++i) {
-      acc[g][i] = acc[g][i] * corr + p * v[i];
+    for (int mask = LPK / 2; mask > 0; mask /= 2) {  // sum over the key's LPK lanes
+      s += simd_shuffle_xor(s, ushort(mask));
     }
-    m[g] = m_new;
+    if (live) {
+      const float m_new = metal::max(m[g], s);
+      const float corr = metal::exp(m[g] - m_new);
+      const float p = metal::exp(s - m_new);
+      l[g] = l[g] * corr + p;
+      for (int i = 0; i < EL; ++i) {
+        acc[g][i] = acc[g][i] * corr + p * v[i];
+      }
+      m[g] = m_new;
+    }
   }
 }
 
-// Combine the NSG simdgroups' states through threadgroup memory.
-threadgroup float tg_m[NSG * G];
-threadgroup float tg_l[NSG * G];
-threadgroup float tg_acc[NSG * G * D];
-for (int g = 0; g < G; ++g) {
-  if (lane == 0) {
-    tg_m[sg * G + g] = m[g];
-    tg_l[sg * G + g] = l[g];
+// Combine the NV virtual simdgroups' states through threadgroup memory.
+threadgroup float tg_m[NV * HT];
+threadgroup float tg_l[NV * HT];
+threadgroup float tg_acc[NV * HT * D];
+for (int g = 0; g < HT; ++g) {
+  if (vl == 0) {
+    tg_m[vsg * HT + g] = m[g];
+    tg_l[vsg * HT + g] = l[g];
   }
-  for (int i = 0; i < DL; ++i) {
-    tg_acc[(sg * G + g) * D + lane + 32 * i] = acc[g][i];
+  for (int i = 0; i < EL; ++i) {
+    tg_acc[(vsg * HT + g) * D + vl + LPK * i] = acc[g][i];
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // Simdgroup sg finalises heads sg, sg + NSG, ...: normalised output and log-sum-exp.
-for (int g = sg; g < G; g += NSG) {
+for (int g = sg; g < HT; g += NSG) {
   float top = -INFINITY;
-  for (int j = 0; j < NSG; ++j) {
-    top = metal::max(top, tg_m[j * G + g]);
+  for (int j = 0; j < NV; ++j) {
+    top = metal::max(top, tg_m[j * HT + g]);
   }
   const float top_safe = top == -INFINITY ? 0.0f : top;
   float total = 0.0f;
@@ -115,15 +140,15 @@ for (int g = sg; g < G; g += NSG) {
   for (int i = 0; i < DL; ++i) {
     o[i] = 0.0f;
   }
-  for (int j = 0; j < NSG; ++j) {
-    const float w = metal::exp(tg_m[j * G + g] - top_safe);
-    total += w * tg_l[j * G + g];
+  for (int j = 0; j < NV; ++j) {
+    const float w = metal::exp(tg_m[j * HT + g] - top_safe);
+    total += w * tg_l[j * HT + g];
     for (int i = 0; i < DL; ++i) {
-      o[i] += w * tg_acc[(j * G + g) * D + lane + 32 * i];
+      o[i] += w * tg_acc[(j * HT + g) * D + lane + 32 * i];
     }
   }
   const bool seen = total != 0.0f;  // NaN inputs propagate, as in the reference
-  const size_t out_row = (size_t(b) * H + kvh * G + g) * num_splits + split;
+  const size_t out_row = (size_t(b) * H + g0 + g) * num_splits + split;
   for (int i = 0; i < DL; ++i) {
     o_part[out_row * D + lane + 32 * i] = seen ? o[i] / total : 0.0f;
   }

@@ -76,11 +76,6 @@ def paged_decode_splits() -> int | None:
     return _int("MLXKV_PAGED_DECODE_SPLITS", None, minimum=1)
 
 
-def cascade_attention() -> bool:
-    """``MLXKV_CASCADE_ATTENTION`` (default off): shared-prefix cascade attention."""
-    return _flag("MLXKV_CASCADE_ATTENTION", False)
-
-
 def cascade_min_group_size() -> int:
     """``MLXKV_CASCADE_MIN_GROUP`` (default 2): fewest sequences sharing a prefix to cascade."""
     return _int("MLXKV_CASCADE_MIN_GROUP", 2, minimum=2)
@@ -130,7 +125,6 @@ class Flags:
     padded_prefill: bool | None
     paged_kernel: str
     paged_decode_splits: int | None
-    cascade_attention: bool
     cascade_min_group_size: int
     cascade_min_shared_pages: int
     mla_absorbed: bool
@@ -142,7 +136,7 @@ class Flags:
 def _read() -> Flags:
     return Flags(kv_inplace_write=kv_inplace_write(), padded_prefill=padded_prefill_override(),
                  paged_kernel=paged_kernel(), paged_decode_splits=paged_decode_splits(),
-                 cascade_attention=cascade_attention(), cascade_min_group_size=cascade_min_group_size(),
+                 cascade_min_group_size=cascade_min_group_size(),
                  cascade_min_shared_pages=cascade_min_shared_pages(), mla_absorbed=mla_absorbed(),
                  mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), api_key=api_key())
 

@@ -2,10 +2,18 @@
 dense attention (anywhere else). Exit status 0 only if everything matches.
 
     PYTHONPATH=. python scripts/check_kernels.py [--quick]
+    PYTHONPATH=. python scripts/check_kernels.py --static [FILE.metal ...]
 
-On Metal: paged attention (partials + merge, splits 1/2/4, window/chunk/sinks, three dtypes,
-head_dim 64/128, block 16/32, GQA 1/4/8), cascade through the Metal pair, and the KV write;
-prints max errors and speed vs the reference and vs dense SDPA.
+--static (any machine with g++): compile kernel bodies against tests/metal_shim/metal_shim.h in the
+signature of every variant the factories emit; a FILE named like a shipped kernel
+(paged_attention.metal, paged_merge.metal) is checked with that kernel's
+signatures; default: the shipped bodies.
+
+On Metal: a markdown report to paste into an issue. One row per attention variant the factories
+emit (mlxkv.kernels.variants; --quick: one per emulator class): compile ok, max error vs the
+pure-MLX reference over full / sinks / window / chunk and 1-3 splits, and milliseconds of the
+kernel, the reference and dense SDPA at a 2K context; then cascade through the kernel pair.
+Elsewhere: the references against dense attention.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from mlxkv.kernels.cascade import cascade_attention, find_prefix_groups
 from mlxkv.kernels.geometry import TOLERANCES
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
 from mlxkv.kernels.selfcheck import (
-    check_kv_write_impl,
     close,
     max_abs_error,
     random_paged_case,
@@ -78,44 +85,81 @@ def check_references(quick: bool) -> bool:
     return ok
 
 
-def check_metal(quick: bool) -> bool:
-    from mlxkv.kernels import metal
+def _lens(batch: int, ctx: int, bs: int) -> list[int]:
+    """Varied context lengths (a page edge, one token, ...) for ``batch`` sequences."""
+    pattern = [ctx, 1, ctx // 2 + 1, bs, 3 * bs + 5, ctx - 7, 2, ctx // 3]
+    return [max(1, n) for n in (pattern * 2)[:batch]]
 
-    ok = True
-    for n, (dtype, D, bs, gqa, option) in enumerate(grid(quick)):
-        impl = metal.paged_attention_kernel(dtype, D, bs, 2, gqa)
+
+def dense_sdpa_ms(case, batch: int, ctx: int, scale: float) -> float:
+    """Dense SDPA over the same K/V gathered contiguous (every sequence ``ctx`` long): the speed to beat."""
+    kvh, _, bs, D = case.k_pages.shape
+    pages = -(-ctx // bs)
+    table = case.block_tables[:, :pages]  # (B, pages)
+    k = mx.contiguous(mx.take(case.k_pages, table, axis=1).reshape(kvh, batch, pages * bs, D)[:, :, :ctx]
+                      .transpose(1, 0, 2, 3))  # (B, kvh, ctx, D)
+    v = mx.contiguous(mx.take(case.v_pages, table, axis=1).reshape(kvh, batch, pages * bs, D)[:, :, :ctx]
+                      .transpose(1, 0, 2, 3))
+    return timed_ms(partial(mx.fast.scaled_dot_product_attention, case.queries, k, v, scale=scale))
+
+
+def report_rows(chosen, factory, ctx: int):
+    """One markdown row per attention variant: compile, max error vs the reference, speeds. Yields (row, ok)."""
+    for v in chosen:
+        t = v.call.template
+        dtype, D, bs, kvh, G = t["T"], t["D"], t["BS"], t["KVH"], t["G"]
+        batch = v.call.inputs["context_lens"].shape[0]
+        label = f"{str(dtype).split('.')[-1]} D={D} bs={bs} G={G} HT={t['HT']} B={batch}"
+        impl = factory(dtype, D, bs, kvh, G)
         if impl is None:
-            print(f"metal {dtype} D={D} bs={bs} gqa={gqa}: not covered (reference runs)")
+            yield f"| {label} | not covered | | | | | |", False
             continue
-        case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=2, gqa=gqa,
-                                 context_lens=[1, 100, 700, 3000], sinks=option == "sinks", seed=n)
-        kw = option_kwargs(option, case)
+        case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
+                                 context_lens=_lens(batch, ctx, bs), sinks=True, seed=batch + G)
         errs, good = [], True
-        for splits in (1, 2, 4):
-            want = run_paged_attention(REFERENCE, *case.args(), num_splits=splits, **kw)
-            got = run_paged_attention(impl, *case.args(), num_splits=splits, **kw)
-            good &= close(got, want, dtype)
-            errs.append(max_abs_error(got, want))
+        try:
+            for kw in ({"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3},
+                       {"window": ctx // 3, "num_splits": 2}, {"chunk_size": ctx // 4 + 3}):
+                want = run_paged_attention(REFERENCE, *case.args(), **kw)
+                got = run_paged_attention(impl, *case.args(), **kw)
+                good &= close(got, want, dtype)
+                errs.append(max_abs_error(got, want))
+        except Exception as exc:  # a compile or launch failure is a result to report
+            yield f"| {label} | FAILED: {type(exc).__name__}: {str(exc)[:80]} | | | | | |", False
+            continue
+        speed = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
+                                  context_lens=[ctx] * batch, seed=1)
+        scale = D**-0.5
+        t_k = timed_ms(partial(run_paged_attention, impl, *speed.args(), scale=scale))
+        t_r = timed_ms(partial(run_paged_attention, REFERENCE, *speed.args(), scale=scale))
+        t_s = dense_sdpa_ms(speed, batch, ctx, scale)
+        verdict = "ok" if good else "MISMATCH"
+        yield (f"| {label} | ok | {max(errs):.1e} (tol {TOLERANCES[dtype]:.0e}) {verdict} | {t_k:.3f} | "
+               f"{t_r:.3f} | {t_s:.3f} | {t_k / t_s:.2f}x |"), good
+
+
+def metal_report(quick: bool, factory=None, ctx: int = 2048, out=print) -> bool:
+    """The markdown report a maintainer pastes into an issue: every attention variant the factories emit
+    (``--quick``: one per emulator class), compile / max error / ms vs the reference and dense SDPA, then
+    cascade through the kernel pair. ``factory`` defaults to the Metal factory (tests pass another)."""
+    import platform
+
+    from mlxkv.kernels import metal, variants
+
+    factory = factory or metal.paged_attention_kernel
+    chosen = variants.emulation_classes() if quick else variants.attention_variants()
+    info = mx.metal.device_info() if mx.metal.is_available() else {}
+    out("## mlxkv Metal kernel report\n")
+    out(f"- machine: {platform.platform()}, {info.get('device_name', 'no Metal device')}; mlx {mx.__version__}")
+    out(f"- {len(chosen)} attention variants{' (--quick)' if quick else ''}; context {ctx}; merge kernel "
+        "launched by every row (with and without sinks)\n")
+    out("| variant | compile | max error vs reference | kernel ms | reference ms | dense SDPA ms | kernel / SDPA |")
+    out("| --- | --- | --- | --- | --- | --- | --- |")
+    ok = True
+    for row, good in report_rows(chosen, factory, ctx):
         ok &= good
-        t_metal = timed_ms(partial(run_paged_attention, impl, *case.args(), **kw))
-        t_ref = timed_ms(partial(run_paged_attention, REFERENCE, *case.args(), **kw))
-        print(f"metal {str(dtype):>18} D={D:<3} bs={bs:<2} gqa={gqa} {option:<6} max_err={max(errs):.2e} "
-              f"(tol {TOLERANCES[dtype]:.0e}) {'ok' if good else 'MISMATCH'} "
-              f"metal={t_metal:.2f}ms ref={t_ref:.2f}ms")
-    # Dense SDPA speed at one long context, for scale.
-    for dtype in DTYPES:
-        case = random_paged_case(dtype=dtype, head_dim=128, block_size=16, kv_heads=8, gqa=4,
-                                 context_lens=[8192] * 4, seed=1)
-        impl = metal.paged_attention_kernel(dtype, 128, 16, 8, 4)
-        table = case.block_tables[:, :512]
-        k = mx.contiguous(mx.take(case.k_pages, table, axis=0).reshape(4, 8192, 8, 128).transpose(0, 2, 1, 3))
-        v = mx.contiguous(mx.take(case.v_pages, table, axis=0).reshape(4, 8192, 8, 128).transpose(0, 2, 1, 3))
-        t_sdpa = timed_ms(partial(mx.fast.scaled_dot_product_attention, case.queries, k, v, scale=128**-0.5))
-        t_metal = timed_ms(partial(run_paged_attention, impl, *case.args()))
-        t_ref = timed_ms(partial(run_paged_attention, REFERENCE, *case.args()))
-        print(f"speed {str(dtype):>18} B=4 ctx=8192: sdpa={t_sdpa:.2f}ms metal={t_metal:.2f}ms "
-              f"({t_metal / t_sdpa:.2f}x) ref={t_ref:.2f}ms ({t_ref / t_sdpa:.2f}x)")
-    # Cascade through the Metal pair.
+        out(row)
+    # Cascade through the kernel pair.
     case = random_paged_case(dtype=mx.float16, head_dim=128, block_size=16, kv_heads=2, gqa=4,
                              context_lens=[500, 400, 300], seed=7)
     table = case.block_tables.tolist()
@@ -123,26 +167,53 @@ def check_metal(quick: bool) -> bool:
         table[r][:10] = table[0][:10]
     case.block_tables = mx.array(table, dtype=mx.int32)
     groups = find_prefix_groups(table, [500, 400, 300], 16, min_group=2, min_shared_pages=1)
-    got = cascade_attention(lambda g: metal.paged_attention_kernel(mx.float16, 128, 16, 2, g) or REFERENCE,
-                            *case.args(), groups)
+    got = cascade_attention(lambda g: factory(mx.float16, 128, 16, 2, g) or REFERENCE, *case.args(), groups)
     want = run_paged_attention(REFERENCE, *case.args())
     good = close(got, want, mx.float16)
     ok &= good
-    print(f"cascade float16 groups={len(groups)} max_err={max_abs_error(got, want):.2e} {'ok' if good else 'MISMATCH'}")
-    for dtype in DTYPES:
-        kv = metal.kv_write_kernel(dtype, 128, 2)
-        good, err = check_kv_write_impl(kv, dtype=dtype, head_dim=128, block_size=16, kv_heads=2)
-        ok &= good
-        print(f"kv_write {dtype} exact={good} max_err={err:.2e}")
+    out(f"\ncascade float16 (3 sequences, 10 shared pages): max error {max_abs_error(got, want):.1e} "
+        f"{'ok' if good else 'MISMATCH'}")
+    return ok
+
+
+def check_static(files: list[str]) -> bool:
+    """The static check (tests/metal_shim/static_check.py) over ``files`` or the shipped bodies."""
+    from metal_shim import static_check
+
+    if static_check.GXX is None:
+        print("the static check needs g++ (Debian/Ubuntu: apt-get install g++)")
+        return False
+    bodies = {}
+    for name in files:
+        path = Path(name)
+        spec = static_check.spec_for_file(path)
+        if spec is None:
+            known = ", ".join(s.source_file for s in static_check.ALL_SPECS)
+            print(f"{path}: not named like a shipped kernel ({known})")
+            return False
+        bodies[spec] = path.read_text(encoding="utf-8")
+    ok = True
+    for report in static_check.check_all(bodies or None):
+        ok &= report.ok
+        print(f"static {report.spec.source_file}: {report.variants} variants "
+              f"{'ok' if report.ok else 'FAILED'}")
+        for problem in report.problems:
+            print(f"  {problem}")
     return ok
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one head_dim/block/gqa per dtype and option")
+    ap.add_argument("--static", nargs="*", metavar="FILE.metal", default=None,
+                    help="static check of kernel bodies with g++ (default: the shipped ones)")
     args = ap.parse_args()
+    if args.static is not None:
+        ok = check_static(args.static)
+        print("STATIC OK" if ok else "STATIC CHECK FAILED")
+        return 0 if ok else 1
     if mx.metal.is_available():
-        ok = check_metal(args.quick)
+        ok = metal_report(args.quick)
     else:
         print("Metal is not available here: checking the pure-MLX references against dense attention instead")
         ok = check_references(args.quick)

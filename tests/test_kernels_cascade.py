@@ -16,6 +16,7 @@ from mlxkv.kernels import (
     find_prefix_groups,
     paged_attention_reference,
 )
+from mlxkv.kernels.cascade import worth_cascading
 from mlxkv.kernels.paged_attention_ref import REFERENCE
 from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
 
@@ -127,22 +128,64 @@ def test_shared_pass_is_one_pass_per_group_or_per_allowed_slice():
         assert mx.allclose(o, flat, atol=1e-6, rtol=1e-6).item()
 
 
-def test_dispatch_cascades_when_enabled(monkeypatch):
+def test_dispatch_cascades_the_groups_it_is_given():
     lens = [120, 100, 77]
     case = shared_case(lens=lens, share=[((0, 1, 2), 4)], sinks=True, seed=9)
     flat = paged_attention_reference(*case.args(), sinks=case.sinks)
     seen = CountingReference(max_gqa=None)
     dispatch = KernelDispatch(attention_factory=lambda *key: seen, metal_available=lambda: True,
                               mode=lambda: "auto")
-    monkeypatch.setenv("MLXKV_CASCADE_ATTENTION", "1")
-    reload_flags()
-    out = dispatch.paged_attention(*case.args(), sinks=case.sinks)
+    groups = find_prefix_groups(case.block_tables.tolist(), lens, 16, min_group=2, min_shared_pages=1)
+    out = dispatch.paged_attention(*case.args(), sinks=case.sinks, prefix_groups=groups)
     assert mx.allclose(out, flat, atol=1e-6, rtol=1e-6).item()
     assert 4 * 3 * 2 in seen.shared_query_heads  # the grouped pass ran (3 rows x gqa 4 x 2 kv heads)
-    # Windowed layers never cascade.
-    seen.shared_query_heads.clear()
-    dispatch.paged_attention(*case.args(), window=50)
-    assert all(h == 8 for h in seen.shared_query_heads)
+    # Without groups, or on windowed layers, attention is flat.
+    for kw in ({}, {"window": 50, "prefix_groups": groups}):
+        seen.shared_query_heads.clear()
+        dispatch.paged_attention(*case.args(), **kw)
+        assert all(h == 8 for h in seen.shared_query_heads) and seen.shared_query_heads
+
+
+def test_worth_cascading_needs_a_long_prefix_that_is_half_of_every_context():
+    groups = [PrefixGroup(rows=(0, 1), shared_pages=160), PrefixGroup(rows=(2, 3), shared_pages=130)]
+    # group 0: 2560 of 5000 and 4000 tokens; group 1: 2080 of 4000 but of 4200 too few
+    assert worth_cascading(groups, [5000, 4000, 4000, 4200], 16) == [groups[0]]
+    assert worth_cascading(groups, [5000, 5200, 4100, 4100], 16) == [groups[1]]
+    short = [PrefixGroup(rows=(0, 1), shared_pages=100)]  # 1600 tokens: below MIN_SHARED_TOKENS
+    assert worth_cascading(short, [1700, 1700], 16) == []
+
+
+def test_batched_decode_on_the_kernel_path_cascades_shared_prefixes(monkeypatch):
+    # Where the paged kernel runs (Metal; forced here), a batch sharing a system prompt cascades it,
+    # and the logits still equal each sequence decoded alone over dense caches.
+    from test_paged_batch import decode_batched_vs_dense, prefill
+    from testkit.archs import build_model
+
+    import mlxkv.kernels.dispatch as dispatch_module
+    import mlxkv.kv.batching.paged_views as paged_views
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.kv.layouts import install_attention_hook
+    from mlxkv.kv.store import CachePool
+
+    calls = []
+    real = dispatch_module.cascade_attention
+    monkeypatch.setattr(dispatch_module, "cascade_attention",
+                        lambda *a, **k: calls.append([g.shared_pages for g in a[6]]) or real(*a, **k))
+    monkeypatch.setattr(paged_views, "reference_on_views", lambda: False)
+    import mlxkv.kernels.cascade as cascade_module
+
+    monkeypatch.setattr(cascade_module, "MIN_SHARED_TOKENS", 16)  # a tiny model's short prompts
+    model, _ = build_model("llama")
+    install_attention_hook(model)
+    pool = CachePool(model, backend="paged", num_blocks=200, kv_config=KvCacheConfig(backend="paged", block_size=4))
+    system = [(5 * i) % 900 + 10 for i in range(30)]
+    prompts = [system + [100 + k, 200 + k, 300 + k][: k + 1] for k in range(3)]
+    seqs, dense, tokens = prefill(model, pool, prompts)
+    decode_batched_vs_dense(model, seqs, dense, tokens)
+    assert calls and all(c == [7] for c in calls)  # 7 shared pages of 4 tokens, >= half of each context
+    for seq in seqs:
+        pool.release(seq.id)
+    pool.check_invariants()
 
 
 # ---- the pure-MLX shared-prefix path (batch decode on CPU) ---------------------------------------------------

@@ -76,9 +76,6 @@ def test_metal_mode_without_metal_is_a_clear_error(monkeypatch):
     c = case()
     with pytest.raises(RuntimeError, match="MLXKV_PAGED_KERNEL=metal but Metal is not available"):
         KernelDispatch().paged_attention(*c.args())
-    with pytest.raises(RuntimeError, match="Metal is not available"):
-        KernelDispatch().kv_write(c.k_pages, c.v_pages, mx.array([20], dtype=mx.int32),
-                                  mx.zeros((1, 2, 64)), mx.zeros((1, 2, 64)))
 
 
 def test_bad_mode_value_is_a_value_error(monkeypatch):
@@ -157,36 +154,83 @@ def test_reference_mode_never_asks_the_factory():
     assert factory.keys == []
 
 
-def test_kv_write_dispatch():
+@pytest.mark.parametrize("mode", ["auto", "metal", "reference"])
+def test_kv_write_is_the_scatter_in_every_mode(mode):
+    # No Metal KV-write kernel: MLX's scatter is O(rows) on a donated pool, a custom kernel O(pool).
     c = case()
     slots = mx.array([20, 47], dtype=mx.int32)
     rows = mx.random.normal((2, 2, 64))
     want = kv_write_reference(c.k_pages, c.v_pages, slots, rows, rows)
-
-    def good(k, v, s, kn, vn):
-        return kv_write_reference(k, v, s, kn, vn)
-
-    def bad(k, v, s, kn, vn):
-        return kv_write_reference(k, v, s + 1, kn, vn)  # off by one slot
-
-    # auto keeps MLX's scatter even where Metal exists (a custom kernel must rewrite the pool).
-    auto = KernelDispatch(kv_write_factory=lambda *k: bad, metal_available=lambda: True, mode=lambda: "auto")
-    assert all(mx.array_equal(g, w).item() for g, w in zip(auto.kv_write(c.k_pages, c.v_pages, slots, rows, rows), want))
-    forced = KernelDispatch(kv_write_factory=lambda *k: good, metal_available=lambda: True, mode=lambda: "metal")
-    assert all(mx.array_equal(g, w).item() for g, w in zip(forced.kv_write(c.k_pages, c.v_pages, slots, rows, rows), want))
-    broken = KernelDispatch(kv_write_factory=lambda *k: bad, metal_available=lambda: True, mode=lambda: "metal")
-    with pytest.raises(RuntimeError, match="kv-write kernel disagrees"):
-        broken.kv_write(c.k_pages, c.v_pages, slots, rows, rows)
+    dispatch = KernelDispatch(metal_available=lambda: True, mode=lambda: mode)
+    got = dispatch.kv_write(c.k_pages, c.v_pages, slots, rows, rows)
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 
 
 def test_factories_return_none_without_metal():
     from mlxkv.kernels import metal
 
     assert metal.paged_attention_kernel(mx.float16, 128, 16, 8, 4) is None
-    assert metal.kv_write_kernel(mx.float16, 128, 8) is None
     c = case()
     with pytest.raises(RuntimeError, match="no Metal paged-attention kernel"):
         metal.paged_attention_metal(*c.args())
     # What the factory would build on a Mac: one simdgroup count per GQA x head_dim, within limits.
     assert metal.simdgroups_for(4, 128) == 4 and metal.simdgroups_for(16, 256) == 1
-    assert metal.supports_attention(mx.bfloat16, 128, 16) and not metal.supports_attention(mx.float16, 80, 4)
+    # Small heads take several keys per simdgroup step (>= 4 row elements per lane); head tiles keep
+    # per-lane state at <= 8 floats each for q and acc (HT * D / LPK).
+    assert [metal.lanes_per_key(d) for d in (32, 64, 96, 128, 256)] == [8, 16, 16, 32, 32]
+    assert [metal.heads_per_threadgroup(g, d) for g, d in [(8, 128), (53, 32), (12, 96), (4, 256), (32, 64)]] == [
+        2, 1, 1, 1, 2]
+    assert metal.supports_attention(mx.bfloat16, 128, 16, 16) and not metal.supports_attention(mx.float16, 80, 16, 4)
+    assert not metal.supports_attention(mx.float16, 128, 16, 17) and not metal.supports_attention(mx.float16, 128, 3, 1)
+
+
+@pytest.mark.parametrize("bad", ["id-past-pool", "negative-id", "context-longer-than-table", "negative-length"])
+def test_inconsistent_tables_are_refused_before_launch(bad):
+    kernel = ScaledKernel(1.0)
+    dispatch, _ = dispatch_with(kernel)
+    c = case()
+    tables, lens = c.block_tables.tolist(), c.context_lens.tolist()
+    num_blocks, max_blocks = c.k_pages.shape[1], len(tables[0])
+    if bad == "id-past-pool":
+        tables[1][0] = num_blocks
+    elif bad == "negative-id":
+        tables[2][1] = -1
+    elif bad == "context-longer-than-table":
+        lens[0] = max_blocks * 16 + 1
+    else:
+        lens[1] = -4
+    args = (c.queries, c.k_pages, c.v_pages, mx.array(tables, dtype=mx.int32), mx.array(lens, dtype=mx.int32))
+    with pytest.raises(ValueError, match="block_tables row|context_lens"):
+        dispatch.paged_attention(*args)
+    assert kernel.calls == 0
+
+
+def test_tables_are_checked_once_per_step(monkeypatch):
+    # The layers of one step pass the same table arrays: one check (one sync), not one per layer.
+    from mlxkv.kernels import dispatch as dispatch_module
+
+    checks = []
+    real = dispatch_module.check_table_contents
+    monkeypatch.setattr(dispatch_module, "check_table_contents", lambda *a: checks.append(1) or real(*a))
+    dispatch, _ = dispatch_with(ScaledKernel(1.0), mode="reference")
+    c = case()
+    for _layer in range(3):
+        dispatch.paged_attention(*c.args())
+    assert len(checks) == 1
+    dispatch.paged_attention(c.queries, c.k_pages, c.v_pages, mx.array(c.block_tables), c.context_lens)
+    assert len(checks) == 2  # a new table array is checked again
+
+
+def test_self_check_covers_batches_of_eight_and_more():
+    # MLX passes context_lens in device memory from 8 sequences: a kernel wrong only there must fail.
+    from mlxkv.kernels.selfcheck import check_attention_impl
+
+    class WrongFromEight(ScaledKernel):
+        def partials(self, queries, *args, scale, **kwargs):
+            factor = 2.0 if queries.shape[0] >= 8 else 1.0
+            return REFERENCE.partials(queries, *args, scale=scale * factor, **kwargs)
+
+    ok, err = check_attention_impl(WrongFromEight(), dtype=mx.float32, head_dim=64, block_size=16, kv_heads=2, gqa=2)
+    assert not ok and err > 1e-3
+    ok, _ = check_attention_impl(ScaledKernel(1.0), dtype=mx.float32, head_dim=64, block_size=16, kv_heads=2, gqa=2)
+    assert ok

@@ -29,9 +29,10 @@ Data layout (the paged cache storage is built on this)
 
 Modules
 -------
-``layout`` (visible ranges, split plans, checks, tolerances) · ``paged_attention_ref`` (reference
-twin, split-K + log-sum-exp merge) · ``kv_write_ref`` · ``cascade`` (shared-prefix attention) ·
-``oracle`` (gather-then-SDPA, for tests) · ``metal_specs`` / ``metal`` (Metal sources, factories) ·
+``geometry`` (visible ranges, split plans, input and table checks, tolerances) · ``paged_attention_ref``
+(reference twin, split-K + log-sum-exp merge) · ``page_views_ref`` (shared prefixes as page views) ·
+``kv_write_ref`` (MLX's scatter) · ``cascade`` (shared-prefix attention) · ``metal_specs`` / ``metal``
+(Metal sources, factories) · ``variants`` (every launch the factories emit, for the checks) ·
 ``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
 """
 
@@ -39,7 +40,6 @@ from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
 from .dispatch import (
     KernelDispatch,
     kv_write,
-    kv_write_is_reference,
     paged_attention,
     reference_on_views,
 )
@@ -55,7 +55,6 @@ __all__ = [
     "cascade_attention",
     "find_prefix_groups",
     "kv_write",
-    "kv_write_is_reference",
     "kv_write_reference",
     "merge_partials",
     "paged_attention",

@@ -11,9 +11,9 @@
 - ``metal``: the kernel, self-checked the same way; a mismatch, an uncovered configuration or a
   machine without Metal raises ``RuntimeError`` instead of falling back.
 
-KV writes go through the same modes, except that ``auto`` keeps MLX's scatter (the reference):
-a custom Metal kernel cannot write into its input buffer, so it must rewrite the whole pool,
-while the scatter is O(rows) when the pool is donated (see :mod:`mlxkv.kernels.kv_write_ref`).
+KV writes use MLX's scatter in every mode: a custom Metal kernel cannot write into its input
+buffer, so it would rewrite the whole pool, while the scatter is O(rows) when the pool is donated
+(see :mod:`mlxkv.kernels.kv_write_ref`).
 
 The factories and the Metal probe are constructor arguments of :class:`KernelDispatch`, so tests
 inject a deliberately wrong kernel and pretend Metal is present to exercise the fallback on CPU.
@@ -30,11 +30,11 @@ import mlx.core as mx
 from mlxkv import env
 
 from . import metal
-from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
-from .geometry import check_paged_inputs
+from .cascade import PrefixGroup, cascade_attention
+from .geometry import check_paged_inputs, check_table_contents
 from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
-from .selfcheck import check_attention_impl, check_kv_write_impl
+from .selfcheck import check_attention_impl
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,6 @@ class KernelDispatch:
 
     Args:
         attention_factory: ``(dtype, head_dim, block_size, kv_heads, gqa) -> impl | None``.
-        kv_write_factory: ``(dtype, head_dim, kv_heads) -> callable | None``.
         metal_available: ``() -> bool``.
         mode: ``() -> "auto" | "metal" | "reference"``.
     """
@@ -65,16 +64,15 @@ class KernelDispatch:
         self,
         *,
         attention_factory: Callable = metal.paged_attention_kernel,
-        kv_write_factory: Callable = metal.kv_write_kernel,
         metal_available: Callable[[], bool] = mx.metal.is_available,
         mode: Callable[[], str] = lambda: env.flags().paged_kernel,
     ):
         self.attention_factory = attention_factory
-        self.kv_write_factory = kv_write_factory
         self.metal_available = metal_available
         self.mode = mode
         self._attention: dict[tuple[str, AttentionClass], object] = {}
-        self._kv_write: dict[tuple, object] = {}
+        # The last (block_tables, context_lens, num_blocks) checked: the layers of one step share the arrays.
+        self._checked: tuple[mx.array, mx.array, int] | None = None
 
     # -- choice ---------------------------------------------------------------------------
     def _require_metal(self, what: str) -> None:
@@ -124,29 +122,6 @@ class KernelDispatch:
         mode = self.mode()
         return mode == "reference" or (mode == "auto" and not self.metal_available())
 
-    def kv_write_is_reference(self) -> bool:
-        """Whether KV writes run the pure-MLX reference (every mode but ``metal``): callers that know the slots
-        on the host may then write them as static slice updates (:func:`kv_write_ref.write_row_runs`), same result."""
-        return self.mode() != "metal"
-
-    def kv_write_impl(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int):
-        """The KV-write implementation: the reference unless ``MLXKV_PAGED_KERNEL=metal``."""
-        mode = self.mode()
-        if mode != "metal":
-            return kv_write_reference
-        key = (dtype, head_dim, block_size, kv_heads)
-        if key not in self._kv_write:
-            self._require_metal("kv write")
-            impl = self.kv_write_factory(dtype, head_dim, kv_heads)
-            if impl is None:
-                raise RuntimeError(f"MLXKV_PAGED_KERNEL=metal: no Metal kv-write kernel for {key}")
-            ok, err = check_kv_write_impl(impl, dtype=dtype, head_dim=head_dim, block_size=block_size,
-                                          kv_heads=kv_heads)
-            if not ok:
-                raise RuntimeError(f"Metal kv-write kernel disagrees with the reference for {key} (max abs error {err:.3g})")
-            self._kv_write[key] = impl
-        return self._kv_write[key]
-
     # -- entry points ---------------------------------------------------------------------
     def paged_attention(
         self,
@@ -166,13 +141,17 @@ class KernelDispatch:
     ) -> mx.array:
         """Paged decode attention (arguments as ``paged_attention_reference``).
 
-        With ``MLXKV_CASCADE_ATTENTION`` on and no window/chunk, sequences sharing whole-page
-        prefixes go through cascade attention; pass ``prefix_groups`` (computed once per step
-        for all layers) to avoid reading the block tables back on every call.
+        Raises ``ValueError`` for a table entry outside the pool or a context longer than its table
+        row (checked once per distinct pair of table arrays, so the layers of a step pay one sync).
+
+        ``prefix_groups`` (computed once per step for all layers, see
+        :func:`~mlxkv.kernels.cascade.worth_cascading`): sequences sharing those whole-page
+        prefixes go through cascade attention (full-attention layers only).
         """
         B, H, D, bs, kv_heads, gqa = check_paged_inputs(
             queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks
         )
+        self._check_tables(block_tables, context_lens, k_pages.shape[1], bs)
 
         def impl_for(g: int):
             if queries.dtype != k_pages.dtype:  # the kernel reads both as one type T
@@ -181,28 +160,31 @@ class KernelDispatch:
                 AttentionClass(k_pages.dtype, D, bs, kv_heads, g, window, chunk_size, sinks is not None)
             )
 
-        if env.flags().cascade_attention and window is None and chunk_size is None:
-            if prefix_groups is None:
-                prefix_groups = find_prefix_groups(block_tables.tolist(), context_lens.tolist(), bs)
-            if prefix_groups:
-                return cascade_attention(
-                    impl_for, queries, k_pages, v_pages, block_tables, context_lens, prefix_groups,
-                    scale=scale, sinks=sinks, num_splits=num_splits,
-                )
+        if prefix_groups and window is None and chunk_size is None:
+            return cascade_attention(
+                impl_for, queries, k_pages, v_pages, block_tables, context_lens, prefix_groups,
+                scale=scale, sinks=sinks, num_splits=num_splits,
+            )
         return run_paged_attention(
             impl_for(gqa), queries, k_pages, v_pages, block_tables, context_lens,
             scale=scale, window=window, chunk_size=chunk_size, sinks=sinks,
             num_splits=num_splits, max_context_len=max_context_len,
         )
 
+    def _check_tables(self, block_tables: mx.array, context_lens: mx.array, num_blocks: int, bs: int) -> None:
+        """Refuse inconsistent tables before any launch, once per distinct pair of arrays (one sync a step)."""
+        last = self._checked
+        if last is not None and last[0] is block_tables and last[1] is context_lens and last[2] == num_blocks:
+            return
+        check_table_contents(block_tables, context_lens, num_blocks, bs)
+        self._checked = (block_tables, context_lens, num_blocks)
+
     def kv_write(
         self, k_pages: mx.array, v_pages: mx.array, slot_mapping: mx.array, k_new: mx.array, v_new: mx.array
     ) -> tuple[mx.array, mx.array]:
         """Write new rows into their page slots (arguments and ownership rule as ``kv_write_reference``)."""
         check_kv_write_inputs(k_pages, v_pages, slot_mapping, k_new, v_new)
-        kv_heads, _, bs, D = k_pages.shape
-        impl = self.kv_write_impl(k_pages.dtype, D, bs, kv_heads)
-        return impl(k_pages, v_pages, slot_mapping, k_new, v_new)
+        return kv_write_reference(k_pages, v_pages, slot_mapping, k_new, v_new)
 
 
 DEFAULT_DISPATCH = KernelDispatch()
@@ -216,11 +198,6 @@ def paged_attention(*args, **kwargs) -> mx.array:
 def reference_on_views() -> bool:
     """:meth:`KernelDispatch.reference_on_views` on the process-wide dispatcher."""
     return DEFAULT_DISPATCH.reference_on_views()
-
-
-def kv_write_is_reference() -> bool:
-    """:meth:`KernelDispatch.kv_write_is_reference` on the process-wide dispatcher."""
-    return DEFAULT_DISPATCH.kv_write_is_reference()
 
 
 def kv_write(*args, **kwargs) -> tuple[mx.array, mx.array]:

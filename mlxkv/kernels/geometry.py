@@ -153,6 +153,26 @@ def check_paged_inputs(
     return B, H, D, block_size, kv_heads, H // kv_heads
 
 
+def check_table_contents(block_tables: mx.array, context_lens: mx.array, num_blocks: int, block_size: int) -> None:
+    """Refuse tables that disagree with the pool: a block id outside ``[0, num_blocks)`` or a context
+    length outside ``[0, max_blocks * block_size]`` (more tokens than the table row holds). One device sync.
+
+    Raises:
+        ValueError: naming the first bad row.
+    """
+    max_blocks = block_tables.shape[1]
+    bad_ids = mx.any((block_tables < 0) | (block_tables >= num_blocks), axis=1)  # (B,)
+    bad_lens = (context_lens < 0) | (context_lens > max_blocks * block_size)  # (B,)
+    bad = mx.stack([bad_ids, bad_lens]).tolist()  # (2, B) on the host
+    for row, (ids_wrong, len_wrong) in enumerate(zip(*bad, strict=True)):
+        if ids_wrong:
+            raise ValueError(f"block_tables row {row} has an id outside the pool [0, {num_blocks}): "
+                             f"{block_tables[row].tolist()}")
+        if len_wrong:
+            raise ValueError(f"context_lens[{row}]={context_lens[row].item()} is outside [0, {max_blocks * block_size}] "
+                             f"(the table row holds {max_blocks} blocks of {block_size})")
+
+
 def page_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int]] | None:
     """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
     runs: list[tuple[int, int]] = []

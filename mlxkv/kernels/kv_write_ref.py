@@ -1,4 +1,4 @@
-"""Pure-MLX paged KV write: the reference twin of ``metal_kernels/kv_write.metal``.
+"""Paged KV write through MLX's scatter, on every backend (a GPU kernel on Metal).
 
 Ownership rule (what makes the write O(rows) instead of O(pool)): MLX arrays are values, and a
 scatter copies its input buffer unless MLX can donate it, which it does only when nothing else

@@ -1,9 +1,14 @@
-"""Metal kernel factories: paged attention (split-K partials + merge) and paged KV write.
+"""Metal kernel factories: paged attention (split-K partials + merge).
 
 Each factory builds its ``mx.fast.metal_kernel`` once (per source) and one wrapper per
 configuration key, and returns ``None`` where Metal is unavailable or the configuration is one
 the kernel does not cover, so the dispatcher falls back to the pure-MLX reference. Nothing here
 runs on a machine without Metal; ``tests/test_kernels_metal_syntax.py`` checks the sources as C++.
+
+There is no Metal KV-write kernel: ``mx.fast.metal_kernel`` outputs are fresh buffers (no input can
+be written in place, ml-explore/mlx#2547), so one would copy the whole pool on every call, while
+MLX's own scatter (a GPU kernel on Metal) writes only the new rows into a donated pool
+(:mod:`mlxkv.kernels.kv_write_ref`).
 """
 
 from __future__ import annotations
@@ -14,12 +19,21 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .geometry import SplitPlan
-from .metal_specs import KV_WRITE, PAGED_ATTENTION, PAGED_MERGE, KernelSpec
+from .metal_specs import PAGED_ATTENTION, PAGED_MERGE, KernelSpec
 
+# What the factories cover; :mod:`mlxkv.kernels.variants` enumerates the checked launches from these
+# tuples, so a value added here is syntax-checked and emulated before it can be built.
 SUPPORTED_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# Per lane the attention kernel keeps G*D/32 query and G*D/32 accumulator floats in registers.
+HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of 32: one element per lane per 32-wide slice
+BLOCK_SIZES = tuple(2**i for i in range(9))  # every block size mlxkv.config allows (1..256)
+# Query heads per kv head the attention kernel takes (the cascade stacks a group's heads up to it).
 MAX_GQA_TIMES_HEAD_DIM = 2048
-# Threadgroup memory for combining simdgroups: NSG * G * (D + 2) floats.
+# Per lane a threadgroup keeps HT * D / LPK query and as many accumulator floats: at most this many
+# each, so q + acc + one K and one V slice stay well inside the registers (no spills).
+MAX_LANE_FLOATS = 8
+# Fewest row elements per lane: below it a simdgroup takes several keys per step (LPK < 32).
+MIN_LANE_ELEMENTS = 4
+# Threadgroup memory for combining the virtual simdgroups: NSG * (32 / LPK) * HT * (D + 2) floats.
 THREADGROUP_BYTES = 28 * 1024
 
 
@@ -38,17 +52,39 @@ def _build(spec: KernelSpec):
     )
 
 
-def simdgroups_for(gqa: int, head_dim: int) -> int:
-    """Simdgroups per threadgroup: as many as the combine buffer fits (4, 2 or 1)."""
+def lanes_per_key(head_dim: int) -> int:
+    """LPK: lanes sharing one K/V row (32, 16 or 8); a simdgroup takes 32 / LPK keys per step, so that
+    each lane handles at least ``MIN_LANE_ELEMENTS`` elements of a row (small heads: several keys)."""
+    lpk = 32
+    while lpk > 8 and head_dim // lpk < MIN_LANE_ELEMENTS and head_dim % (lpk // 2) == 0:
+        lpk //= 2
+    return lpk
+
+
+def heads_per_threadgroup(gqa: int, head_dim: int) -> int:
+    """HT: the largest divisor of ``gqa`` whose per-lane state fits ``MAX_LANE_FLOATS``."""
+    lane_floats = head_dim // lanes_per_key(head_dim)
+    return max(h for h in range(1, gqa + 1) if gqa % h == 0 and (h * lane_floats <= MAX_LANE_FLOATS or h == 1))
+
+
+def simdgroups_for(heads: int, head_dim: int) -> int:
+    """Simdgroups per threadgroup of ``heads`` query heads: as many as the combine buffer fits (4, 2 or 1)."""
+    keys = 32 // lanes_per_key(head_dim)  # virtual simdgroups per simdgroup
     for nsg in (4, 2, 1):
-        if nsg * gqa * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
+        if nsg * keys * heads * (head_dim + 2) * 4 <= THREADGROUP_BYTES:
             return nsg
     return 1
 
 
-def supports_attention(dtype: mx.Dtype, head_dim: int, gqa: int) -> bool:
+def max_gqa(head_dim: int) -> int:
+    """Most query heads per kv head the attention kernel holds at ``head_dim``."""
+    return MAX_GQA_TIMES_HEAD_DIM // head_dim
+
+
+def supports_attention(dtype: mx.Dtype, head_dim: int, block_size: int, gqa: int) -> bool:
     """Whether the attention kernel covers this configuration (else the reference runs)."""
-    return dtype in SUPPORTED_DTYPES and head_dim % 32 == 0 and gqa * head_dim <= MAX_GQA_TIMES_HEAD_DIM
+    return (dtype in SUPPORTED_DTYPES and head_dim in HEAD_DIMS and block_size in BLOCK_SIZES
+            and 1 <= gqa <= max_gqa(head_dim))
 
 
 @dataclass(slots=True)
@@ -86,7 +122,7 @@ class MetalPagedAttention:
     def __init__(self, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int):
         self.dtype, self.head_dim, self.block_size = dtype, head_dim, block_size
         self.kv_heads, self.gqa = kv_heads, gqa
-        self.max_gqa = MAX_GQA_TIMES_HEAD_DIM // head_dim  # cascade splits groups to fit
+        self.max_gqa = max_gqa(head_dim)  # cascade splits groups to fit
 
     def partials_call(
         self,
@@ -105,15 +141,17 @@ class MetalPagedAttention:
         B, H, _, D = queries.shape
         S = plan.num_splits
         params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1], k_pages.shape[1]]
-        threads = 32 * simdgroups_for(H // self.kv_heads, D)
+        G = H // self.kv_heads
+        ht = heads_per_threadgroup(G, D)
+        threads = 32 * simdgroups_for(ht, D)
         return KernelCall(
             spec=PAGED_ATTENTION,
             inputs=dict(queries=queries, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
                         context_lens=context_lens, params=mx.array(params, dtype=mx.int32),
                         scale=mx.array(scale, dtype=mx.float32)),
             template=dict(T=self.dtype, D=D, BS=self.block_size, KVH=self.kv_heads,
-                          G=H // self.kv_heads, NSG=threads // 32),
-            grid=(threads, self.kv_heads, B * S),
+                          G=G, HT=ht, LPK=lanes_per_key(D), NSG=threads // 32),
+            grid=(threads, self.kv_heads * (G // ht), B * S),
             threadgroup=(threads, 1, 1),
             output_shapes=dict(o_part=(B, H, S, D), lse=(B, H, S)),
             output_dtypes=dict(o_part=mx.float32, lse=mx.float32),
@@ -154,53 +192,9 @@ def paged_attention_kernel(
     dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int
 ) -> MetalPagedAttention | None:
     """The Metal paged-attention pair for one configuration, or None (no Metal / unsupported)."""
-    if not mx.metal.is_available() or not supports_attention(dtype, head_dim, gqa):
+    if not mx.metal.is_available() or not supports_attention(dtype, head_dim, block_size, gqa):
         return None
     return MetalPagedAttention(dtype, head_dim, block_size, kv_heads, gqa)
-
-
-class MetalKvWrite:
-    """Writes new K/V rows into their page slots with one kernel for both pools.
-
-    ``mx.fast.metal_kernel`` cannot alias an output to an input, so the kernel rewrites the
-    whole pool (O(pool) per call); see :mod:`mlxkv.kernels.dispatch` for when it is used.
-    """
-
-    name = "metal"
-
-    def __init__(self, dtype: mx.Dtype, head_dim: int, kv_heads: int):
-        self.dtype, self.head_dim, self.kv_heads = dtype, head_dim, kv_heads
-
-    def call(
-        self, k_pages: mx.array, v_pages: mx.array, slot_mapping: mx.array, k_new: mx.array,
-        v_new: mx.array,
-    ) -> KernelCall:
-        """The launch of the write kernel (built without running it)."""
-        KVH, NB, bs, D = k_pages.shape
-        slot_rows = mx.full((NB * bs,), -1, dtype=mx.int32)  # (slots,): new row per slot or -1
-        slot_rows[slot_mapping] = mx.arange(slot_mapping.shape[0], dtype=mx.int32)
-        return KernelCall(
-            spec=KV_WRITE,
-            inputs=dict(k_pages=k_pages, v_pages=v_pages, k_new=k_new.astype(self.dtype),
-                        v_new=v_new.astype(self.dtype), slot_rows=slot_rows),
-            template=dict(T=self.dtype, D=D, KVH=KVH, BS=bs, NB=NB),
-            grid=(D, KVH, NB * bs),
-            threadgroup=(min(D, 256), 1, 1),
-            output_shapes=dict(k_out=k_pages.shape, v_out=v_pages.shape),
-            output_dtypes=dict(k_out=self.dtype, v_out=self.dtype),
-        )
-
-    def __call__(self, *args) -> tuple[mx.array, mx.array]:
-        k_out, v_out = self.call(*args).launch()
-        return k_out, v_out
-
-
-@functools.lru_cache(maxsize=None)
-def kv_write_kernel(dtype: mx.Dtype, head_dim: int, kv_heads: int) -> MetalKvWrite | None:
-    """The Metal KV-write kernel for one configuration, or None without Metal."""
-    if not mx.metal.is_available() or dtype not in SUPPORTED_DTYPES:
-        return None
-    return MetalKvWrite(dtype, head_dim, kv_heads)
 
 
 def paged_attention_metal(queries, k_pages, v_pages, block_tables, context_lens, **kwargs) -> mx.array:

@@ -72,7 +72,7 @@ PAGED_ATTENTION = KernelSpec(
     input_names=("queries", "k_pages", "v_pages", "block_tables", "context_lens", "params", "scale"),
     output_names=("o_part", "lse"),
     template_params=(("T", "typename"), ("D", "int"), ("BS", "int"), ("KVH", "int"), ("G", "int"),
-                     ("NSG", "int")),
+                     ("HT", "int"), ("LPK", "int"), ("NSG", "int")),
 )
 PAGED_MERGE = KernelSpec(
     name="mlxkv_paged_merge",
@@ -81,14 +81,7 @@ PAGED_MERGE = KernelSpec(
     output_names=("out",),
     template_params=(("T", "typename"), ("D", "int"), ("HAS_SINKS", "bool")),
 )
-KV_WRITE = KernelSpec(
-    name="mlxkv_kv_write",
-    source_file="kv_write.metal",
-    input_names=("k_pages", "v_pages", "k_new", "v_new", "slot_rows"),
-    output_names=("k_out", "v_out"),
-    template_params=(("T", "typename"), ("D", "int"), ("KVH", "int"), ("BS", "int"), ("NB", "int")),
-)
-ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, KV_WRITE)
+ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE)
 
 
 def read_source(filename: str) -> str:
@@ -114,6 +107,16 @@ class ArgInfo:
     scalar: bool = False  # ndim == 0 -> `const constant T& name`
     small: bool = False  # size < 8 -> constant address space
 
+    @classmethod
+    def of(cls, a: mx.array) -> ArgInfo:
+        """How MLX passes ``a``."""
+        return cls(a.dtype, scalar=a.ndim == 0, small=a.size < MAX_CONSTANT_ARRAY_SIZE)
+
+    @property
+    def space(self) -> str:
+        """The address space of the argument: ``constant`` or ``device``."""
+        return "constant" if (self.scalar or self.small) else "device"
+
 
 def render_kernel(
     spec: KernelSpec,
@@ -138,7 +141,7 @@ def render_kernel(
     index = 0
     for name in spec.input_names:
         info = inputs[name]
-        space = "constant" if (info.scalar or info.small) else "device"
+        space = info.space
         ref = "&" if info.scalar else "*"
         params.append(f"  const {space} {TYPE_NAMES[info.dtype]}{ref} {name} [[buffer({index})]]")
         index += 1

@@ -3,7 +3,7 @@
 Both compute, per (sequence, kv head, split), an online-softmax state over the split's visible
 tokens (running max ``m``, running sum ``l``, float32 accumulator ``acc``), emit the normalised
 partial output and its log-sum-exp, and then merge the splits (and the optional sink logits) by
-log-sum-exp. The kernel walks one token per simdgroup step; the reference walks one *step of
+log-sum-exp. The kernel walks a few tokens per simdgroup step; the reference walks one *step of
 pages* at a time, gathering them with ``mx.take`` into a head-major layout so that each step is two
 matmuls over all kv heads at once. Sliding and chunked layers visit only their in-window pages.
 

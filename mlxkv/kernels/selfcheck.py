@@ -8,8 +8,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .geometry import TOLERANCES
-from .kv_write_ref import kv_write_reference
+from .metal_specs import MAX_CONSTANT_ARRAY_SIZE
 from .paged_attention_ref import REFERENCE, run_paged_attention
+
+
+# The self-check's second batch: enough sequences that context_lens is passed in device memory.
+SELF_CHECK_LARGE_BATCH = MAX_CONSTANT_ARRAY_SIZE
 
 
 @dataclass(slots=True)
@@ -87,53 +91,30 @@ def check_attention_impl(
     sinks: bool = False,
     seed: int = 0,
 ) -> tuple[bool, float]:
-    """Run ``impl`` and the reference on small random inputs (1 and 2 splits); ``(ok, max err)``.
+    """Run ``impl`` and the reference on small random inputs; ``(ok, max err)``.
 
-    Exceptions from ``impl`` count as a mismatch (err = inf).
+    Two batches (fewer than 8 sequences and at least 8: MLX passes ``context_lens`` in constant
+    memory below 8 elements and in device memory from 8, so the kernel is compiled twice), each
+    with 1 and 2 splits. Exceptions from ``impl`` count as a mismatch (err = inf).
     """
     lens = [1, block_size + 1, 3 * block_size + 5]
     if window is not None:
         lens.append(window + 2 * block_size + 3)
     if chunk_size is not None:
         lens.append(chunk_size + block_size // 2 + 1)
-    case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
-                             gqa=gqa, context_lens=lens, sinks=sinks, seed=seed)
+    large = lens + [2, block_size, 2 * block_size + 3, 5, 4 * block_size][: max(0, SELF_CHECK_LARGE_BATCH - len(lens))]
     ok, worst = True, 0.0
-    for splits in (1, 2):
-        kw = dict(window=window, chunk_size=chunk_size, sinks=case.sinks, num_splits=splits)
-        want = run_paged_attention(REFERENCE, *case.args(), **kw)
-        try:
-            got = run_paged_attention(impl, *case.args(), **kw)
-            mx.eval(got)
-        except Exception:  # a kernel that fails to compile or run is a failed self-check
-            return False, float("inf")
-        ok = ok and close(got, want, dtype)
-        worst = max(worst, max_abs_error(got, want))
+    for n, batch in enumerate((lens, large)):
+        case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
+                                 gqa=gqa, context_lens=batch, sinks=sinks, seed=seed + n)
+        for splits in (1, 2):
+            kw = dict(window=window, chunk_size=chunk_size, sinks=case.sinks, num_splits=splits)
+            want = run_paged_attention(REFERENCE, *case.args(), **kw)
+            try:
+                got = run_paged_attention(impl, *case.args(), **kw)
+                mx.eval(got)
+            except Exception:  # a kernel that fails to compile or run is a failed self-check
+                return False, float("inf")
+            ok = ok and close(got, want, dtype)
+            worst = max(worst, max_abs_error(got, want))
     return ok, worst
-
-
-def check_kv_write_impl(
-    impl, *, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, seed: int = 0
-) -> tuple[bool, float]:
-    """Write random rows with ``impl`` and the reference; ``(exactly equal, max err)``."""
-    rng = random.Random(seed)
-    num_blocks = 6
-    slots = rng.sample(range(block_size, num_blocks * block_size), 5)  # never the null block
-    key = mx.random.key(seed)
-    k1, k2, k3, k4 = mx.random.split(key, 4)
-    shape = (kv_heads, num_blocks, block_size, head_dim)
-    k_pages = mx.random.normal(shape, key=k1).astype(dtype)
-    v_pages = mx.random.normal(shape, key=k2).astype(dtype)
-    k_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k3).astype(dtype)
-    v_new = mx.random.normal((len(slots), kv_heads, head_dim), key=k4).astype(dtype)
-    slot_mapping = mx.array(slots, dtype=mx.int32)
-    want = kv_write_reference(k_pages, v_pages, slot_mapping, k_new, v_new)
-    try:
-        got = impl(k_pages, v_pages, slot_mapping, k_new, v_new)
-        mx.eval(got)
-    except Exception:
-        return False, float("inf")
-    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):  # noqa: B905
-        return False, float("inf")
-    ok = all(bool(mx.array_equal(g, w).item()) for g, w in zip(got, want))  # noqa: B905
-    return ok, max(max_abs_error(g, w) for g, w in zip(got, want))  # noqa: B905

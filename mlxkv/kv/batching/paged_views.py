@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.kernels import paged_attention, reference_on_views
+from mlxkv.kernels.cascade import worth_cascading
 from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kv.batching.dense_views import (
     BatchUnsupported,
@@ -109,9 +110,14 @@ class PagedBatchView(KVBatchView):
                 on_views = self._per_sequence_runs(queries, scale, sinks)
             if on_views is not None:
                 return on_views
+            groups = None  # full-attention layers: shared prefixes worth it attend once (cascade)
+            if first.window is None and first.chunk_size is None:
+                groups = worth_cascading(self.step.prefix_groups(offsets, self.storage.block_size), offsets,
+                                         self.storage.block_size)
             return paged_attention(
                 queries, kp, vp, self.step.tables(), mx.array(offsets, dtype=mx.int32), scale=scale,
                 window=first.window, chunk_size=first.chunk_size, sinks=sinks, max_context_len=max(offsets),
+                prefix_groups=groups,
             )  # (B, n_q, 1, D)
         outs = []
         for b, n in enumerate(self._lengths):

@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.kernels import kv_write_is_reference, paged_attention, reference_on_views
+from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.kernels.page_views_ref import runs_attention
 from mlxkv.kv.blocks import KVCacheGroupSpec
@@ -108,7 +108,7 @@ class PagedLayerCache:
         o, N = self.offset, keys.shape[2]
         storage = self.seq.storage
         runs = None  # more rows than MAX_SLICE_RUNS pages hold cannot be that few runs: skip the host scan
-        if N <= MAX_SLICE_RUNS * storage.block_size and kv_write_is_reference():
+        if N <= MAX_SLICE_RUNS * storage.block_size:
             runs = slot_runs(self.seq.host_slots(self.group, o, o + N), storage.block_size)
         if runs is not None and len(runs) <= MAX_SLICE_RUNS:
             storage.write_runs(self.layer, runs, keys, values)  # (1, n_kv, N, D): static slice updates

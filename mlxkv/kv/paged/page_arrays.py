@@ -76,7 +76,7 @@ class PagedStorage:
     def write_runs(self, layer: int, runs: list[tuple[int, int, int]], k: mx.array, v: mx.array) -> None:
         """Write ``k``/``v`` ``(1, kv_heads, T, D)`` (a cache's own layout) at host-known slot ``runs``
         (:func:`mlxkv.kernels.kv_write_ref.slot_runs`) as static slice updates: the reference write's result
-        with a dense append's cost. Only where KV writes run the reference (``kv_write_is_reference``)."""
+        with a dense append's cost."""
         self._ensure(layer, k.shape[1], k.shape[3], v.shape[3], k.dtype)
         kr, vr = self.k_rows[layer], self.v_rows[layer]
         self.k_rows[layer] = self.v_rows[layer] = None  # sole owner while the write is built (see write)

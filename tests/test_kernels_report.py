@@ -1,0 +1,56 @@
+"""scripts/check_kernels.py's Mac report, run on CPU with stand-in kernels (no Metal here): the report
+lists each variant with compile, error and speed columns and flags a wrong kernel."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxkv.kernels import variants
+from mlxkv.kernels.paged_attention_ref import REFERENCE
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_kernels.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("check_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Skewed:
+    """The reference with its scores scaled: a wrong kernel."""
+
+    def partials(self, *args, scale, **kwargs):
+        return REFERENCE.partials(*args, scale=scale * 1.5, **kwargs)
+
+    def merge(self, *args):
+        return REFERENCE.merge(*args)
+
+
+def run_report(monkeypatch, factory):
+    chosen = [v for v in variants.emulation_classes() if v.call.template["T"] == mx.float32][:2]
+    monkeypatch.setattr(variants, "emulation_classes", lambda: chosen)
+    lines = []
+    ok = load_script().metal_report(True, factory=factory, ctx=64, out=lines.append)
+    return ok, lines, chosen
+
+
+def test_report_has_a_row_per_variant(monkeypatch):
+    ok, lines, chosen = run_report(monkeypatch, lambda *key: REFERENCE)
+    rows = [ln for ln in lines if ln.startswith("| float32")]
+    assert ok and len(rows) == len(chosen) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "ok" and cells[2].endswith("ok") and all(float(c) > 0 for c in cells[3:6])
+    assert any(ln.strip().startswith("cascade float16") and ln.endswith("ok") for ln in lines)
+
+
+def test_report_flags_a_wrong_kernel_and_an_uncovered_one(monkeypatch):
+    ok, lines, _ = run_report(monkeypatch, lambda *key: Skewed())
+    assert not ok and sum("MISMATCH" in ln for ln in lines) == 3  # two variants and the cascade
+    ok, lines, _ = run_report(monkeypatch, lambda *key: None)
+    assert not ok and sum("not covered" in ln for ln in lines) == 2
