@@ -1,5 +1,5 @@
 """``POST /v1/cache/reset`` per tenant on a real server: a ``cache_salt`` drops only that tenant's cached blocks;
-a reset of every tenant needs the admin key on a server started with one."""
+a reset of every tenant, and the KV events stream, need the admin key on a server started with one."""
 
 from __future__ import annotations
 
@@ -63,3 +63,12 @@ def test_a_tenant_resets_only_its_own_blocks_and_everything_needs_the_admin_key(
     r = reset(server, key=ADMIN)
     assert r.status_code == 200 and r.json()["scope"] == "all" and cached_blocks(server) == 0
     assert ask(server, "tenant-b", key=ADMIN) == 0  # the admin key also passes the API-key check
+
+
+def test_the_events_stream_shows_every_tenant_and_so_needs_the_admin_key(server):
+    ask(server, "tenant-c")
+    url = server.url + "/v1/cache/events?stream=false"
+    r = httpx.get(url, headers={"Authorization": f"Bearer {API}"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    r = httpx.get(url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    assert r.status_code == 200 and any(e["type"] == "BlockStored" for e in r.json()["events"])
