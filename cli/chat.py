@@ -176,8 +176,10 @@ class _Repl:
         with _StopFlag() as stopped:
             turn = self.session.turn(text, self.params, stop_requested=stopped)
             try:
-                for piece in turn:
-                    self.console.print(piece, end="", markup=False, soft_wrap=True)
+                out = self.console.file
+                for piece in turn:  # raw text: rich's rendering per token would cost more than the token
+                    out.write(piece)
+                    out.flush()
             finally:
                 turn.close()
             self.console.print()
