@@ -1,0 +1,47 @@
+"""``mlxkv chat`` with the real SmolLM2-135M-Instruct: a two-turn conversation answers exactly what ``mlxkv serve``
+answers through the official openai client for the same messages (greedy), although chat's second turn
+prefills only the new message over the cached first turn. Skipped without ``MLXKV_TEST_GGUF``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testkit.serve_process import serve_process
+
+GGUF_ENV = "MLXKV_TEST_GGUF"
+GGUF = Path(os.environ.get(GGUF_ENV, "")).expanduser()
+pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF_ENV} does not name a GGUF file (see "
+                                                             "tests/test_real_model.py)")
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = "You are a helpful assistant."
+QUESTIONS = ("What is the capital of France?", "And what is it famous for?")
+TOKENS = 16
+
+
+def test_chat_answers_as_serve_does_for_the_same_conversation(tmp_path):
+    with serve_process("-m", str(GGUF), "--dequantize", "--max-sequences", "1", "--log-level", "warning") as client:
+        messages = [{"role": "system", "content": SYSTEM}]
+        answers = []
+        for q in QUESTIONS:
+            messages.append({"role": "user", "content": q})
+            reply = client.chat.completions.create(model="default", messages=messages, max_tokens=TOKENS,
+                                                   temperature=0)
+            answers.append(reply.choices[0].message.content)
+            messages.append({"role": "assistant", "content": answers[-1]})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXKV_SESSIONS_DIR": str(tmp_path)}
+    lines = "\n".join([*QUESTIONS, "/stats"]) + "\n"
+    done = subprocess.run([sys.executable, "-m", "mlxkv", "chat", "-m", str(GGUF), "--dequantize", "-n", str(TOKENS),
+                           "--system", SYSTEM], input=lines, capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert all(answers) and f"\n{answers[0]}\n{answers[1]}\n" in done.stdout, (answers, done.stdout)
+    found = re.search(r"last turn: (\d+) prompt tokens, (\d+) cached, (\d+) prefilled", done.stdout)
+    assert found, done.stdout
+    prompt, cached, prefilled = map(int, found.groups())
+    assert cached > 40 and prefilled == prompt - cached < 20  # the second turn prefilled only the new question
