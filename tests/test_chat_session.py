@@ -155,3 +155,15 @@ def test_reset_and_system(demo):
     s.set_system(None)
     assert s.messages == [] and s.system is None
     assert _answer(s, QUESTIONS[0]) == _fresh_answer(demo, [], QUESTIONS[0])
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was(demo, tmp_path):
+    s = _session(demo, kv_bits=8, kv_group_size=32)  # the demo model's head_dim 48 has no valid group size
+    with pytest.raises(ValueError, match="head_dim 48"):
+        _answer(s, QUESTIONS[0])
+    assert s.messages == [{"role": "system", "content": "Be brief."}] and _offsets(s) == {len(s.tokens)}
+    plain = _session(demo)
+    _answer(plain, QUESTIONS[0])
+    save_session(plain, tmp_path, "plain", "fp")
+    with pytest.raises(ValueError, match="saved with no --kv-bits: resume it with that"):
+        load_session(s, tmp_path, "plain", "fp")

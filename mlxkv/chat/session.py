@@ -132,7 +132,8 @@ class ChatSession:
         """Answer the user message ``text``, yielding the answer's text as it is produced.
 
         The answer (cut short, if ``stop_requested`` turned true between tokens or the consumer closed the
-        iterator) joins the conversation when the iterator ends.
+        iterator) joins the conversation when the iterator ends; a turn that fails with an exception leaves the
+        conversation as it was.
 
         Raises:
             ValueError: an empty message, or one too long for the context.
@@ -150,14 +151,19 @@ class ChatSession:
                                  f"context holds {limit} (--max-kv-size or the model's limit)")
         max_new = params.max_tokens if limit is None else min(params.max_tokens, limit - len(prompt))
         stats = self.last = TurnStats(prompt_tokens=len(prompt), dropped_turns=dropped)
-        self.messages = messages
+        previous, self.messages = self.messages, messages
         pieces: list[str] = []
+        failed = False
         try:
             for piece in self._generate(prompt, params, max_new, stats, stop_requested):
                 pieces.append(piece)
                 yield piece
+        except Exception:  # a failed turn leaves the conversation as it was (the cache keeps what is valid)
+            failed, self.messages = True, previous
+            raise
         finally:
-            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+            if not failed:
+                self.messages.append({"role": "assistant", "content": "".join(pieces)})
             self._sync()
 
     def _generate(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,

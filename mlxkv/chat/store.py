@@ -64,8 +64,8 @@ def save_session(session: ChatSession, folder: str | Path, name: str, fingerprin
         ValueError: a bad name, or the folder cannot be written.
     """
     path = session_path(folder, name)
-    record = {"version": FORMAT_VERSION, "model": fingerprint, "model_name": model_name, "messages": session.messages,
-              "tokens": session.tokens}
+    record = {"version": FORMAT_VERSION, "model": fingerprint, "model_name": model_name, "kv_bits": session.kv_bits,
+              "messages": session.messages, "tokens": session.tokens}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.stem}.tmp{SUFFIX}")  # a crash mid-write leaves the old file whole
@@ -80,7 +80,8 @@ def load_session(session: ChatSession, folder: str | Path, name: str, fingerprin
     """Replace ``session``'s conversation and KV cache with saved session ``name``.
 
     Raises:
-        ValueError: no such session, a file that is not a chat session, or one saved for another model.
+        ValueError: no such session, a file that is not a chat session, or one saved for another model or
+            another ``kv_bits`` (the cache's layout is the saved one).
     """
     path = session_path(folder, name)
     if not path.is_file():
@@ -96,6 +97,12 @@ def load_session(session: ChatSession, folder: str | Path, name: str, fingerprin
     if record.get("model") != fingerprint:
         saved_with = record.get("model_name") or "another model"
         raise ValueError(f"session {name!r} was saved with {saved_with}, not this model: resume it with that model (-m)")
+    if record.get("kv_bits") != session.kv_bits:
+        def bits(b: Any) -> str:
+            return f"--kv-bits {b}" if b else "no --kv-bits"
+
+        raise ValueError(f"session {name!r} was saved with {bits(record.get('kv_bits'))}: resume it with that "
+                         f"(this chat has {bits(session.kv_bits)})")
     session.restore(record["messages"], record["tokens"], caches)
 
 
