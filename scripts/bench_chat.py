@@ -2,13 +2,15 @@
 ``mlx_lm.generate`` given the same whole history, and a resumed session's first turn against a live one.
 
 The conversation: a system message, then ``--turns - 1`` turns, each a scripted user message of about
-``--message-tokens`` tokens (40) answered by the model (greedy, ``--answer-tokens``: 180), all through
-:class:`mlxkv.chat.ChatSession` — the library path the REPL drives. The history is then saved (``/save``'s file)
+``--message-tokens`` tokens (200) answered by the model (greedy, ``--answer-tokens``: 16), all through
+:class:`mlxkv.chat.ChatSession` — the library path the REPL drives (long messages and short answers build the
+history with little decoding; the timed turn does not care which side of the history its tokens came from). The
+last message has ``--last-message-tokens`` (40). The history is then saved (``/save``'s file)
 and the last turn is timed, ``--rounds`` times, three ways (median reported):
 
 - live: the same session answers the last message (the cache holds the history; the turn prefills only the new
-  message). Each round restores the conversation before the last turn, so the turn diff trims the cache back to
-  the history and the round starts where the first did;
+  message). Each round restores the conversation before the last turn and sends a new last message (numbered by
+  round), so the turn diff trims the cache back to the history and nothing of an earlier round is reused;
 - resumed: a new session loads the saved file (its load time is reported apart), then answers;
 - mlx-lm: ``mlx_lm.generate.stream_generate`` on the whole rendered conversation (a new prompt cache each time,
   as a stateless ``mlx_lm.generate`` call is).
@@ -28,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +45,8 @@ from bench_common import (  # noqa: E402
     load_peer_model,
     print_header,
 )
+
+print = partial(print, flush=True)  # noqa: A001  (progress shows when the output goes to a file)
 
 TOPICS = ("the water cycle", "how a compiler works", "the history of the printing press", "photosynthesis",
           "how vaccines train the immune system", "the rules of chess", "plate tectonics", "how a bank works",
@@ -73,8 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser, "hidden 576, 30 layers")
     parser.add_argument("--turns", type=int, default=10, help="turns of the conversation; the last is timed")
-    parser.add_argument("--message-tokens", type=int, default=40, help="tokens of each scripted user message")
-    parser.add_argument("--answer-tokens", type=int, default=180, help="tokens of each history answer")
+    parser.add_argument("--message-tokens", type=int, default=200, help="tokens of each history user message")
+    parser.add_argument("--answer-tokens", type=int, default=16, help="tokens of each history answer")
+    parser.add_argument("--last-message-tokens", type=int, default=40, help="tokens of the timed last message")
     parser.add_argument("--last-tokens", type=int, default=8, help="tokens of the timed last answer")
     parser.add_argument("--rounds", type=int, default=3, help="timed repetitions of the last turn")
     args = parser.parse_args()
@@ -87,7 +93,7 @@ def main() -> None:
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from mlxkv.chat import ChatSession, fingerprint_of, load_session, save_session
+    from mlxkv.chat import ChatSession, fingerprint_of, fit_conversation, load_session, save_session
     from mlxkv.engine.sampling import SamplingParams
 
     tok = loaded.tokenizer
@@ -104,38 +110,46 @@ def main() -> None:
     print(f"history: {args.turns - 1} turns, {live.context_tokens} tokens cached "
           f"(built in {time.perf_counter() - start:.1f} s)")
     before_last = [dict(m) for m in live.messages]
-    last_message = user_message(args.turns - 1, tok, args.message_tokens)
-    last = SamplingParams(max_tokens=args.last_tokens)
-    prompt = live.render([*before_last, {"role": "user", "content": last_message}])
-    print(f"last turn: {len(prompt)} prompt tokens in all, {args.last_tokens} answer tokens")
-
     folder_tmp = tempfile.TemporaryDirectory(prefix="mlxkv-bench-chat-")
     fingerprint = fingerprint_of(loaded)
     save_session(live, folder_tmp.name, "history", fingerprint)
     peer = load_peer_model(folder, loaded.model)
     greedy = make_sampler(temp=0.0)
+    last = SamplingParams(max_tokens=args.last_tokens)
 
     times: dict[str, list[float]] = {"live": [], "resumed": [], "mlx-lm": []}
-    answers: dict[str, str] = {}
-    loads, prefilled = [], {}
-    for _ in range(args.rounds):
-        live.messages = [dict(m) for m in before_last]  # the turn diff trims the cache back to the history
-        t, answers["live"] = first_token_seconds(live.turn(last_message, last))
+    prefilled: dict[str, int] = {}
+    loads, same = [], True
+    for r in range(args.rounds):
+        # A new last message each round (as a user's would be), so no round finds the previous one's in the cache.
+        message = f"(round {r + 1}) " + user_message(args.turns - 1, tok, args.last_message_tokens)
+        kept, prompt, dropped = fit_conversation([*before_last, {"role": "user", "content": message}], live.render,
+                                                 live.limit or 1 << 62, last.max_tokens)
+        if r == 0:
+            print(f"last turn: {len(prompt)} prompt tokens in all ({dropped} turns dropped to fit the context), "
+                  f"{args.last_tokens} answer tokens")
+        answers = {}
+        live.messages = [dict(m) for m in before_last]
+        t, answers["live"] = first_token_seconds(live.turn(message, last))
+        assert live.last.prompt_tokens == len(prompt)
         times["live"].append(t)
         prefilled["live"] = live.last.prefill_tokens
         resumed = new_session()
         start = time.perf_counter()
         load_session(resumed, folder_tmp.name, "history", fingerprint)
         loads.append(time.perf_counter() - start)
-        t, answers["resumed"] = first_token_seconds(resumed.turn(last_message, last))
+        t, answers["resumed"] = first_token_seconds(resumed.turn(message, last))
         times["resumed"].append(t)
         prefilled["resumed"] = resumed.last.prefill_tokens
         del resumed
-        stream = (r.text for r in stream_generate(peer, tok, prompt=prompt, max_tokens=args.last_tokens,
+        stream = (x.text for x in stream_generate(peer, tok, prompt=prompt, max_tokens=args.last_tokens,
                                                   sampler=greedy))
         t, answers["mlx-lm"] = first_token_seconds(stream)
         times["mlx-lm"].append(t)
         prefilled["mlx-lm"] = len(prompt)
+        if len(set(answers.values())) > 1:
+            same = False
+            print(f"round {r + 1}: the answers differ: {answers}")
 
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{'path':<10}{'prefilled':>10}{'TTFT s (median)':>18}   all rounds")
@@ -143,11 +157,7 @@ def main() -> None:
         print(f"{k:<10}{prefilled[k]:>10}{med[k]:>18.3f}   {', '.join(f'{t:.3f}' for t in times[k])}")
     print(f"session file load: {statistics.median(loads):.3f} s (median)")
     print(f"mlx-lm / live TTFT: {med['mlx-lm'] / med['live']:.1f}x; resumed / live: {med['resumed'] / med['live']:.2f}")
-    same = answers["live"] == answers["resumed"] == answers["mlx-lm"]
-    print(f"same greedy answer on all three paths: {'yes' if same else 'NO'}")
-    if not same:
-        for k, v in answers.items():
-            print(f"  {k}: {v!r}")
+    print(f"same greedy answer on all three paths, every round: {'yes' if same else 'NO'}")
     folder_tmp.cleanup()
 
 
