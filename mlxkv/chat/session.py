@@ -105,8 +105,10 @@ class ChatSession:
         """Take over a saved conversation: its messages, and caches holding exactly ``tokens``.
 
         Raises:
-            ValueError: the caches do not hold ``len(tokens)`` tokens.
+            ValueError: the caches are not this model's number of layers or do not hold ``len(tokens)`` tokens.
         """
+        if len(caches) != len(self.caches):
+            raise ValueError(f"the saved cache has {len(caches)} layers, this model {len(self.caches)}")
         offsets = {getattr(c, "offset", len(tokens)) for c in each_layer_cache(caches)}
         if offsets != {len(tokens)}:
             raise ValueError(f"the saved cache holds {sorted(offsets)} tokens per layer, its record {len(tokens)}")

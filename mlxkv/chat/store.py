@@ -103,7 +103,12 @@ def load_session(session: ChatSession, folder: str | Path, name: str, fingerprin
 
         raise ValueError(f"session {name!r} was saved with {bits(record.get('kv_bits'))}: resume it with that "
                          f"(this chat has {bits(session.kv_bits)})")
-    session.restore(record["messages"], record["tokens"], caches)
+    messages, tokens = record.get("messages"), record.get("tokens")
+    if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                               and isinstance(m.get("content"), str) for m in messages)
+            and isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+        raise ValueError(f"{path} is not an mlxkv chat session (its record has no valid messages and tokens)")
+    session.restore(messages, tokens, caches)
 
 
 __all__ = ["FORMAT_VERSION", "model_fingerprint", "fingerprint_of", "session_path", "list_sessions", "save_session", "load_session"]
