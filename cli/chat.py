@@ -52,19 +52,24 @@ def chat(
 ) -> None:
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
     options.check_kv_group_size(kv_group_size)
+    from mlxkv import env
+    from mlxkv.chat.paths import saved_session_path
+
+    try:  # a bad flag, a bad session name or a missing session fails before MLX and the model load
+        folder = sessions_dir or env.flags().sessions_dir
+        if resume is not None:
+            saved_session_path(folder, resume)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1)
     from rich.console import Console
 
-    from mlxkv import env
     from mlxkv.chat import ChatSession, fingerprint_of, load_session
-    from mlxkv.chat.store import session_path
     from mlxkv.engine.sampling import SamplingParams
     from mlxkv.models import ModelLoadError, load
 
     console = Console(highlight=False)
     try:
-        folder = sessions_dir or env.flags().sessions_dir
-        if resume is not None:
-            session_path(folder, resume)  # a bad name fails before the model loads
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                 stop=tuple(stop or ()))
         loaded = load(model, dequantize=dequantize, chat_template=chat_template)

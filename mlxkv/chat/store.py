@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+from mlxkv.chat.paths import SUFFIX, list_sessions, saved_session_path, session_path
 from mlxkv.chat.session import ChatSession
 from mlxkv.kv import load_prompt_cache, save_prompt_cache
 
 #: Version of the ``mlxkv_chat`` record; a file of another version is refused.
 FORMAT_VERSION = 1
 METADATA_KEY = "mlxkv_chat"
-SUFFIX = ".safetensors"
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}")
 # Config keys that say how the weights are stored, not which model they are (--dequantize removes them).
 _STORAGE_KEYS = ("quantization", "quantization_config", "torch_dtype")
 
@@ -37,24 +35,6 @@ def model_fingerprint(config: dict, model_name: str, vocab_size: int) -> str:
 def fingerprint_of(loaded: Any) -> str:
     """:func:`model_fingerprint` of a :class:`mlxkv.models.LoadedModel`."""
     return model_fingerprint(loaded.config, loaded.path.name, int(getattr(loaded.tokenizer, "vocab_size", 0) or 0))
-
-
-def session_path(folder: str | Path, name: str) -> Path:
-    """The file of session ``name`` in ``folder``.
-
-    Raises:
-        ValueError: ``name`` is not 1-100 letters, digits, ``_``, ``.`` or ``-`` (not starting with ``.``/``-``).
-    """
-    if not _NAME.fullmatch(name or ""):
-        raise ValueError(f"bad session name {name!r}: use 1-100 letters, digits, '_', '.' or '-' "
-                         "(starting with a letter, digit or '_')")
-    return Path(folder).expanduser() / f"{name}{SUFFIX}"
-
-
-def list_sessions(folder: str | Path) -> list[str]:
-    """Names of the sessions saved in ``folder`` (sorted)."""
-    path = Path(folder).expanduser()
-    return sorted(p.name[: -len(SUFFIX)] for p in path.glob(f"*{SUFFIX}")) if path.is_dir() else []
 
 
 def save_session(session: ChatSession, folder: str | Path, name: str, fingerprint: str, model_name: str = "") -> Path:
@@ -83,10 +63,7 @@ def load_session(session: ChatSession, folder: str | Path, name: str, fingerprin
         ValueError: no such session, a file that is not a chat session, or one saved for another model or
             another ``kv_bits`` (the cache's layout is the saved one).
     """
-    path = session_path(folder, name)
-    if not path.is_file():
-        saved = ", ".join(list_sessions(folder)) or "none"
-        raise ValueError(f"no saved session {name!r} in {path.parent} (saved: {saved})")
+    path = saved_session_path(folder, name)
     try:
         caches, metadata = load_prompt_cache(str(path), return_metadata=True)
         record: Any = json.loads(metadata[METADATA_KEY])
@@ -111,4 +88,4 @@ def load_session(session: ChatSession, folder: str | Path, name: str, fingerprin
     session.restore(messages, tokens, caches)
 
 
-__all__ = ["FORMAT_VERSION", "model_fingerprint", "fingerprint_of", "session_path", "list_sessions", "save_session", "load_session"]
+__all__ = ["FORMAT_VERSION", "model_fingerprint", "fingerprint_of", "save_session", "load_session"]
