@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from mlxkv.cli import options
+from mlxkv.cli import shared_options as options
 
 HELP = """commands:
   /help            this list
@@ -30,7 +30,8 @@ HELP = """commands:
 def chat(
     model: Optional[str] = options.MODEL,
     dequantize: bool = options.DEQUANTIZE,
-    system: Optional[str] = typer.Option(None, help="System message of the conversation."),
+    system: Optional[str] = typer.Option(None, metavar="TEXT", rich_help_panel="Model",
+                                         help="System message of the conversation."),
     max_tokens: int = options.MAX_TOKENS,
     temp: float = options.TEMP,
     top_p: float = options.TOP_P,
@@ -39,16 +40,17 @@ def chat(
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
-    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=2,
+    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=2, rich_help_panel="KV cache",
                                               help="Most tokens of context; older turns are dropped past it "
                                                    "(default: the model's context length)."),
     kv_bits: Optional[int] = options.KV_BITS,
     kv_group_size: int = options.KV_GROUP_SIZE,
-    resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", help="Continue saved session NAME."),
-    sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR",
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", rich_help_panel="Sessions",
+                                         help="Continue saved session NAME."),
+    sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",
                                                help="Folder of saved sessions (default: MLXKV_SESSIONS_DIR, "
                                                     "else ~/.cache/mlxkv/sessions)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Tracebacks on errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", rich_help_panel="Output", help="Tracebacks on errors."),
 ) -> None:
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
     options.check_kv_group_size(kv_group_size)

@@ -7,8 +7,14 @@ from typing import Optional
 
 import typer
 
-from mlxkv.cli import options
-from mlxkv.cli.options import check_block_size, check_kv_backend, kv_config
+from mlxkv.cli.options import (
+    check_block_size,
+    check_kv_backend,
+    check_kv_bits,
+    check_min_p,
+    check_top_p,
+    kv_config,
+)
 
 app = typer.Typer(
     name="mlxkv",
@@ -43,23 +49,28 @@ def _read_prompt(prompt: str) -> str:
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
-    model: Optional[str] = options.MODEL,
-    dequantize: bool = options.DEQUANTIZE,
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Hugging Face repo id, local folder or GGUF file "
+                                             "(default: the embedded demo model)."),
+    dequantize: bool = typer.Option(False, "--dequantize",
+                                    help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
     system: Optional[str] = typer.Option(None, help="System message (chat mode)."),
-    max_tokens: int = options.MAX_TOKENS,
-    temp: float = options.TEMP,
-    top_p: float = options.TOP_P,
-    top_k: int = options.TOP_K,
-    min_p: float = options.MIN_P,
-    seed: Optional[int] = options.SEED,
-    stop: Optional[list[str]] = options.STOP,
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, help="Nucleus sampling mass (0<x<=1)."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens; 0 disables."),
+    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, help="Min-p filter (0<=x<1); 0 disables."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--raw",
                                         help="Apply the chat template (default: when the tokenizer has one)."),
-    chat_template: Optional[str] = options.CHAT_TEMPLATE,
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="A Jinja chat template file used instead of the model's."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1,
                                               help="Cap on cached tokens per layer (rotating past it)."),
-    kv_bits: Optional[int] = options.KV_BITS,
-    kv_group_size: int = options.KV_GROUP_SIZE,
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits,
+                                          help="Quantize the KV cache to 4 or 8 bits."),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization."),
     kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend,
                                    help="KV storage: dense buffers or paged blocks with prefix caching."),
     kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size,
@@ -76,7 +87,8 @@ def generate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print speed and memory figures; tracebacks on errors."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
-    options.check_kv_group_size(kv_group_size)
+    if kv_group_size not in (32, 64, 128):
+        raise typer.BadParameter(f"{kv_group_size} is not one of 32, 64, 128.", param_hint="--kv-group-size")
     if json_object and json_schema is not None:
         raise typer.BadParameter("--json and --json-schema exclude each other.", param_hint="--json")
     structured = json_object or json_schema is not None

@@ -43,30 +43,6 @@ def check_min_p(value: float) -> float:
     return value
 
 
-# Options that ``generate`` and ``chat`` share (one definition each; Typer reads them as parameter defaults).
-MODEL = typer.Option(None, "--model", "-m", help="Hugging Face repo id, local folder or GGUF file "
-                                                   "(default: the embedded demo model).")
-DEQUANTIZE = typer.Option(False, "--dequantize",
-                          help="Run quantized weights unquantized (float32 on CPU: much faster there).")
-MAX_TOKENS = typer.Option(128, "--max-tokens", "-n", min=1, help="Most tokens to generate.")
-TEMP = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 is greedy.")
-TOP_P = typer.Option(1.0, "--top-p", callback=check_top_p, help="Nucleus sampling mass (0<x<=1).")
-TOP_K = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens; 0 disables.")
-MIN_P = typer.Option(0.0, "--min-p", callback=check_min_p, help="Min-p filter (0<=x<1); 0 disables.")
-SEED = typer.Option(None, help="Random seed for sampling.")
-STOP = typer.Option(None, "--stop", help="Stop string (repeatable).")
-CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="A Jinja chat template file used instead of the model's.")
-KV_BITS = typer.Option(None, "--kv-bits", callback=check_kv_bits, help="Quantize the KV cache to 4 or 8 bits.")
-KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", min=1, help="Group size for KV quantization.")
-
-
-def check_kv_group_size(value: int) -> int:
-    """The group size check ``generate`` and ``chat`` make after parsing (one of 32, 64, 128)."""
-    if value not in (32, 64, 128):
-        raise typer.BadParameter(f"{value} is not one of 32, 64, 128.", param_hint="--kv-group-size")
-    return value
-
-
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
               disk_cache_dir: str | None = None, disk_cache_bytes: int = 0) -> Any:
@@ -111,6 +87,5 @@ def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, re
         raise typer.BadParameter(str(exc), param_hint=hint) from None
 
 
-__all__ = ["MODEL", "DEQUANTIZE", "MAX_TOKENS", "TEMP", "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "CHAT_TEMPLATE",
-           "KV_BITS", "KV_GROUP_SIZE", "check_kv_group_size", "one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_block_size",
+__all__ = ["one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_block_size",
            "check_top_p", "check_min_p", "kv_config", "sampling_defaults"]
