@@ -84,7 +84,7 @@ def chat(
             if system is not None:
                 session.set_system(system)
             console.print(f"resumed session {resume}: {len(session.messages)} messages, "
-                          f"{session.context_tokens} tokens cached", markup=False)
+                          f"{session.context_tokens} tokens cached", markup=False, soft_wrap=True)
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:
         if verbose:
             import traceback
@@ -92,7 +92,8 @@ def chat(
             traceback.print_exc()
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1)
-    console.print(f"mlxkv chat with {loaded.name}: /help lists the commands, Ctrl-D leaves.", markup=False)
+    console.print(f"mlxkv chat with {loaded.name}: /help lists the commands, Ctrl-D leaves.", markup=False,
+                  soft_wrap=True)
     repl.run(_line_reader(folder), verbose)
 
 

@@ -35,13 +35,17 @@ def test_chat_answers_as_serve_does_for_the_same_conversation(tmp_path):
             answers.append(reply.choices[0].message.content)
             messages.append({"role": "assistant", "content": answers[-1]})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXKV_SESSIONS_DIR": str(tmp_path)}
-    lines = "\n".join([*QUESTIONS, "/stats"]) + "\n"
+    lines = "\n".join([QUESTIONS[0], "/stats", QUESTIONS[1], "/stats"]) + "\n"
     done = subprocess.run([sys.executable, "-m", "mlxkv", "chat", "-m", str(GGUF), "--dequantize", "-n", str(TOKENS),
                            "--system", SYSTEM], input=lines, capture_output=True, text=True, env=env, timeout=300,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert all(answers) and f"\n{answers[0]}\n{answers[1]}\n" in done.stdout, (answers, done.stdout)
-    found = re.search(r"last turn: (\d+) prompt tokens, (\d+) cached, (\d+) prefilled", done.stdout)
-    assert found, done.stdout
-    prompt, cached, prefilled = map(int, found.groups())
-    assert cached > 40 and prefilled == prompt - cached < 20  # the second turn prefilled only the new question
+    assert all(answers), answers
+    for answer in answers:
+        assert f"\n{answer}\ncontext: " in done.stdout, (answers, done.stdout)
+    stats = re.findall(r"context: (\d+) tokens.*\nlast turn: (\d+) prompt tokens, (\d+) cached, (\d+) prefilled",
+                       done.stdout)
+    assert len(stats) == 2, done.stdout
+    (first_context, _, _, _), (_, prompt, cached, prefilled) = [tuple(map(int, s)) for s in stats]
+    assert cached == first_context  # the whole first turn (prompt and answer) came from the cache
+    assert prefilled == prompt - cached < 20  # the new question and the template's markers only
