@@ -7,23 +7,19 @@ from typing import Optional
 
 import typer
 
+from mlxkv.cli import shared_options as options
 from mlxkv.cli.options import (
     FLAG,
     KV_PANEL,
     MODEL_PANEL,
     OUTPUT_PANEL,
-    SAMPLING_PANEL,
     SPECULATIVE_PANEL,
     check_block_size,
     check_kv_backend,
-    check_kv_bits,
-    check_kv_group_size,
-    check_min_p,
-    check_top_p,
     kv_config,
     with_revision,
 )
-from mlxkv.cli.validate import check_file_option, check_utf8, read_prompt, refuse_unused
+from mlxkv.cli.validate import check_utf8, read_prompt, refuse_unused
 
 app = typer.Typer(
     name="mlxkv",
@@ -90,47 +86,30 @@ def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
 def generate(
     ctx: typer.Context,
     prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
-                                        help="Hugging Face repo id (owner/name or owner/name@revision), local folder "
-                                             "or GGUF file (default: the embedded demo model)."),
-    revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL_PANEL,
-                                           help="Branch, tag or commit of a Hugging Face repo id."),
-    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
-                                    help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
+    model: Optional[str] = options.MODEL,
+    revision: Optional[str] = options.REVISION,
+    dequantize: bool = options.DEQUANTIZE,
     chat: bool = typer.Option(False, "--chat", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                               help="Apply the chat template (the default when the tokenizer has one)."),
     raw: bool = typer.Option(False, "--raw", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                              help="Encode the prompt as it is."),
     system: Optional[str] = typer.Option(None, callback=check_utf8, metavar="TEXT", rich_help_panel=MODEL_PANEL,
                                          help="System message (chat mode)."),
-    chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE", callback=check_file_option,
-                                                rich_help_panel=MODEL_PANEL,
-                                                help="A Jinja chat template file used instead of the model's."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, rich_help_panel=SAMPLING_PANEL,
-                                   help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, min=0.0, rich_help_panel=SAMPLING_PANEL,
-                               help="Sampling temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, rich_help_panel=SAMPLING_PANEL,
-                                help="Nucleus sampling mass (0<x<=1)."),
-    top_k: int = typer.Option(0, "--top-k", min=0, rich_help_panel=SAMPLING_PANEL,
-                              help="Keep the k most likely tokens; 0 disables."),
-    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, rich_help_panel=SAMPLING_PANEL,
-                                help="Min-p filter (0<=x<1); 0 disables."),
-    seed: Optional[int] = typer.Option(None, rich_help_panel=SAMPLING_PANEL,
-                                       help="Random seed for sampling (with --temp above 0)."),
-    stop: Optional[list[str]] = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8,
-                                             rich_help_panel=SAMPLING_PANEL, help="Stop string (repeatable)."),
+    chat_template: Optional[str] = options.CHAT_TEMPLATE,
+    max_tokens: int = options.MAX_TOKENS,
+    temp: float = options.TEMP,
+    top_p: float = options.TOP_P,
+    top_k: int = options.TOP_K,
+    min_p: float = options.MIN_P,
+    seed: Optional[int] = options.SEED,
+    stop: Optional[list[str]] = options.STOP,
     kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend, metavar="[dense|paged]",
                                    rich_help_panel=KV_PANEL,
                                    help="KV storage: dense buffers or paged blocks with prefix caching."),
     max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
                                               help="Cap on cached tokens per layer, rotating past it (dense; > 4)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]",
-                                          rich_help_panel=KV_PANEL,
-                                          help="Quantize the KV cache to 4 or 8 bits (dense)."),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
-                                      rich_help_panel=KV_PANEL,
-                                      help="Group size for KV quantization (with --kv-bits)."),
+    kv_bits: Optional[int] = options.KV_BITS,
+    kv_group_size: int = options.KV_GROUP_SIZE,
     kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
@@ -145,8 +124,7 @@ def generate(
                                      help="Constrain the output to a JSON object."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
-                                 help="Print speed and memory figures; tracebacks on errors."),
+    verbose: bool = options.VERBOSE,
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
@@ -271,6 +249,7 @@ def convert(
 
 
 from mlxkv.cli.cache import cache_app  # noqa: E402  (registered after generate: help lists generate first)
+from mlxkv.cli.chat import chat  # noqa: E402
 from mlxkv.cli.serve import serve  # noqa: E402
 
 from mlxkv.cli.models import models_app  # noqa: E402
@@ -278,6 +257,7 @@ from mlxkv.cli.models import models_app  # noqa: E402
 app.command()(serve)
 app.add_typer(models_app, name="models", help="List the models on this machine (Hugging Face cache, GGUF files "
                                               "used before) with sizes; rm deletes one.")
+app.command()(chat)
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
 
 

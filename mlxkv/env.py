@@ -117,6 +117,16 @@ def models_file() -> str:
     return os.path.expanduser(value or "~/.cache/mlxkv/models.json")
 
 
+#: Where ``mlxkv chat`` keeps saved sessions unless ``MLXKV_SESSIONS_DIR`` or ``--sessions-dir`` says otherwise.
+DEFAULT_SESSIONS_DIR = "~/.cache/mlxkv/sessions"
+
+
+def sessions_dir() -> str:
+    """``MLXKV_SESSIONS_DIR``: the folder of ``mlxkv chat``'s saved sessions (default ``~/.cache/mlxkv/sessions``)."""
+    value = os.environ.get("MLXKV_SESSIONS_DIR", "").strip()
+    return value or DEFAULT_SESSIONS_DIR
+
+
 @dataclass(frozen=True, slots=True)
 class Flags:
     """Every flag's value, parsed once (see the module doc)."""
@@ -131,6 +141,7 @@ class Flags:
     mla_split_kv: bool
     cpu_ops: bool
     api_key: str | None
+    sessions_dir: str
 
 
 def _read() -> Flags:
@@ -138,7 +149,8 @@ def _read() -> Flags:
                  paged_kernel=paged_kernel(), paged_decode_splits=paged_decode_splits(),
                  cascade_min_group_size=cascade_min_group_size(),
                  cascade_min_shared_pages=cascade_min_shared_pages(), mla_absorbed=mla_absorbed(),
-                 mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), api_key=api_key())
+                 mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), api_key=api_key(),
+                 sessions_dir=sessions_dir())
 
 
 _flags: Flags | None = None

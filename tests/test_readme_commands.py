@@ -3,7 +3,9 @@
 Each line runs under ``bash`` (``set -eo pipefail``: every command of a ``;`` list or a pipeline must succeed)
 with the installed ``mlxkv`` entry point first on PATH, offline, in a sandbox folder. Changes made to a line:
 ``pip install`` and ``python -m pytest`` commands are dropped (the rest of their line runs), ``mlxkv generate``
-gets ``-n 4`` when it has no ``-n`` / ``--max-tokens``, and the README's port 8080 becomes a free loopback port.
+and ``mlxkv chat`` get ``-n 4`` when they have no ``-n`` / ``--max-tokens``, and the README's port 8080 becomes a
+free loopback port. ``mlxkv chat`` lines read :data:`CHAT_INPUT` on standard input (a message, then ``/save trip``,
+so a later ``--resume trip`` line finds that session).
 
 Models named by the lines (``-m``, ``--model``, ``--draft-model``) are mapped to tiny test models:
 
@@ -46,6 +48,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 README_PORT = "8080"
 MAX_TOKENS = "4"
 TIMEOUT_S = 180
+#: What ``mlxkv chat`` lines read from standard input.
+CHAT_INPUT = "What is a tuple?\n/save trip\n"
 
 #: README placeholder folder -> (test architecture, weight seed) placed under that relative name.
 LOCAL_PLACEHOLDERS = {
@@ -115,9 +119,9 @@ def _is_setup(command: str) -> bool:
 
 
 def _with_max_tokens(command: str) -> str:
-    """``mlxkv generate`` without ``-n`` / ``--max-tokens`` gets ``-n 4`` (short runs); others unchanged."""
+    """``mlxkv generate`` / ``chat`` without ``-n`` / ``--max-tokens`` get ``-n 4`` (short runs); others unchanged."""
     argv = words(command)
-    if argv[:2] != ["mlxkv", "generate"]:
+    if argv[:2] not in (["mlxkv", "generate"], ["mlxkv", "chat"]):
         return command
     if any(w in ("-n", "--max-tokens") or w.startswith("--max-tokens=") for w in argv):
         return command
@@ -192,9 +196,10 @@ class Sandbox:
     def run(self, line: str) -> subprocess.CompletedProcess:
         """Run the README line (as :func:`runnable` rewrites it) under bash; never raises on a failure."""
         script = f"set -eo pipefail\n{runnable(line)}"
+        chat = any(words(text)[:2] == ["mlxkv", "chat"] for text, _ in shell_parts(line))
         try:
             return subprocess.run(["bash", "-c", script], cwd=self.cwd, env=self.env, capture_output=True,
-                                  text=True, timeout=TIMEOUT_S)
+                                  text=True, timeout=TIMEOUT_S, input=CHAT_INPUT if chat else None)
         except subprocess.TimeoutExpired as exc:
             return subprocess.CompletedProcess(exc.cmd, 124, exc.stdout or "", f"timed out: {exc.stderr or ''}")
 
@@ -300,6 +305,8 @@ def test_readme_line_runs(line, sandbox):
     assert proc.returncode == 0, _describe(proc, line)
     if any(words(text)[:2] == ["mlxkv", "generate"] for text, _ in shell_parts(line)):
         assert proc.stdout.strip(), _describe(proc, line)
+    if any(words(text)[:2] == ["mlxkv", "chat"] for text, _ in shell_parts(line)):
+        assert "saved session trip" in proc.stdout, _describe(proc, line)
 
 
 @pytest.mark.parametrize("line", SERVE_LINES)

@@ -32,6 +32,8 @@ _EXPORTS = {
     "RetentionConfig": "mlxkv.kv.blocks.retention",
     "RewindError": "mlxkv.kv.layouts",
     "make_caches": "mlxkv.kv.layouts",
+    "save_prompt_cache": "mlxkv.kv.layouts",
+    "load_prompt_cache": "mlxkv.kv.layouts",
     "layer_kind": "mlxkv.kv.layouts",
     "can_drop_tokens": "mlxkv.kv.layouts",
     "each_layer_cache": "mlxkv.kv.layouts",

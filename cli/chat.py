@@ -1,0 +1,238 @@
+"""``mlxkv chat``: talk to a model in the terminal; the KV cache persists across turns (:mod:`mlxkv.chat`).
+
+Thin: parse options, load the model, then a read-answer loop (prompt_toolkit line editing and history on a
+terminal, plain lines from a pipe) whose ``/commands`` call the library. MLX is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from mlxkv.cli import shared_options as options
+from mlxkv.cli.options import FLAG, with_revision
+from mlxkv.cli.validate import check_utf8, refuse_unused
+
+HELP = """commands:
+  /help            this list
+  /reset           start a new conversation (the system message stays)
+  /system TEXT     set the system message (/system alone removes it)
+  /save NAME       save the conversation and its KV cache as session NAME
+  /load NAME       continue saved session NAME
+  /sessions        list the saved sessions
+  /stats           context and KV cache size, the last turn's prefill and decode figures
+  /exit, /quit     leave (Ctrl-D too); Ctrl-C stops an answer"""
+
+
+def chat(
+    ctx: typer.Context,
+    model: Optional[str] = options.MODEL,
+    revision: Optional[str] = options.REVISION,
+    dequantize: bool = options.DEQUANTIZE,
+    system: Optional[str] = typer.Option(None, metavar="TEXT", callback=check_utf8, rich_help_panel="Model",
+                                         help="System message of the conversation."),
+    max_tokens: int = options.MAX_TOKENS,
+    temp: float = options.TEMP,
+    top_p: float = options.TOP_P,
+    top_k: int = options.TOP_K,
+    min_p: float = options.MIN_P,
+    seed: Optional[int] = options.SEED,
+    stop: Optional[list[str]] = options.STOP,
+    chat_template: Optional[str] = options.CHAT_TEMPLATE,
+    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=2, rich_help_panel="KV cache",
+                                              help="Most tokens of context; older turns are dropped past it "
+                                                   "(default: the model's context length)."),
+    kv_bits: Optional[int] = options.KV_BITS,
+    kv_group_size: int = options.KV_GROUP_SIZE,
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", rich_help_panel="Sessions",
+                                         help="Continue saved session NAME."),
+    sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",
+                                               help="Folder of saved sessions (default: MLXKV_SESSIONS_DIR, "
+                                                    "else ~/.cache/mlxkv/sessions)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel="Output",
+                                 help="Tracebacks on errors."),
+) -> None:
+    """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
+    refuse_unused(ctx, [("seed", "--seed", temp > 0), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
+    model = with_revision(model, revision)
+    from mlxkv import env
+    from mlxkv.chat.paths import saved_session_path
+
+    try:  # a bad flag, a bad session name or a missing session fails before MLX and the model load
+        folder = sessions_dir or env.flags().sessions_dir
+        if resume is not None:
+            saved_session_path(folder, resume)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1)
+    from rich.console import Console
+
+    from mlxkv.chat import ChatSession, fingerprint_of, load_session
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.models import ModelLoadError, load
+
+    console = Console(highlight=False)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                stop=tuple(stop or ()))
+        loaded = load(model, dequantize=dequantize, chat_template=chat_template)
+        session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
+                              model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
+                              kv_group_size=kv_group_size)
+        repl = _Repl(console, session, params, folder, fingerprint_of(loaded), loaded.name)
+        if resume is not None:
+            load_session(session, folder, resume, repl.fingerprint)
+            if system is not None:
+                session.set_system(system)
+            console.print(f"resumed session {resume}: {len(session.messages)} messages, "
+                          f"{session.context_tokens} tokens cached", markup=False, soft_wrap=True)
+    except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1)
+    console.print(f"mlxkv chat with {loaded.name}: /help lists the commands, Ctrl-D leaves.", markup=False,
+                  soft_wrap=True)
+    repl.run(_line_reader(folder), verbose)
+
+
+class _StopFlag:
+    """Ctrl-C while an answer streams: set a flag the turn checks between tokens instead of raising
+    KeyboardInterrupt inside a forward (which could leave layers at different lengths)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: Any = None
+
+    def __enter__(self) -> Callable[[], bool]:
+        self.event.clear()
+        self._previous = signal.signal(signal.SIGINT, lambda *_: self.event.set())
+        return self.event.is_set
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def _line_reader(folder: str) -> Callable[[], str]:
+    """A function returning the next input line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C):
+    prompt_toolkit with a history file on a terminal, plain lines from a pipe."""
+    if not sys.stdin.isatty():
+        def read_pipe() -> str:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line.rstrip("\n")
+
+        return read_pipe
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    history_file = Path(folder).expanduser() / ".history"
+    try:
+        history_file.parent.mkdir(parents=True, exist_ok=True)
+        history: Any = FileHistory(str(history_file))
+    except OSError:  # an unwritable folder costs the history, not the chat
+        history = InMemoryHistory()
+    prompt = PromptSession(history=history)
+    return lambda: prompt.prompt(">>> ")
+
+
+class _Repl:
+    """The read-answer loop and its commands over one :class:`mlxkv.chat.ChatSession`."""
+
+    def __init__(self, console: Any, session: Any, params: Any, folder: str, fingerprint: str, model_name: str):
+        self.console, self.session, self.params = console, session, params
+        self.folder, self.fingerprint, self.model_name = folder, fingerprint, model_name
+        self.commands: dict[str, Callable[[str], None]] = {
+            "/help": lambda _: self.say(HELP), "/reset": self.reset, "/system": self.system, "/save": self.save,
+            "/load": self.load, "/sessions": self.sessions, "/stats": self.stats,
+        }
+
+    def say(self, text: str, style: str | None = None) -> None:
+        self.console.print(text, markup=False, style=style, soft_wrap=True)
+
+    def run(self, read: Callable[[], str], verbose: bool) -> None:
+        while True:
+            try:
+                line = read().strip()
+            except KeyboardInterrupt:
+                continue  # Ctrl-C at the prompt clears the line
+            except EOFError:
+                self.console.print()
+                return
+            if not line:
+                continue
+            if line in ("/exit", "/quit", "/bye"):
+                return
+            try:
+                if line.startswith("/"):
+                    name, _, arg = line.partition(" ")
+                    command = self.commands.get(name)
+                    if command is None:
+                        self.say(f"unknown command {name}: /help lists the commands", "yellow")
+                    else:
+                        command(arg.strip())
+                else:
+                    self.answer(line)
+            except ValueError as exc:
+                if verbose:
+                    self.console.print_exception()
+                self.say(f"error: {exc}", "red")
+
+    def answer(self, text: str) -> None:
+        with _StopFlag() as stopped:
+            turn = self.session.turn(text, self.params, stop_requested=stopped)
+            try:
+                out = self.console.file
+                for piece in turn:  # raw text: rich's rendering per token would cost more than the token
+                    out.write(piece)
+                    out.flush()
+            finally:
+                turn.close()
+            self.console.print()
+            if stopped():
+                self.say("[stopped]", "dim")
+        if self.session.last.dropped_turns:
+            self.say(f"[{self.session.last.dropped_turns} earliest turn(s) dropped to fit the context]", "dim")
+
+    def reset(self, _: str) -> None:
+        self.session.reset(self.session.system)
+        self.say("new conversation")
+
+    def system(self, text: str) -> None:
+        self.session.set_system(text or None)
+        self.say("system message set" if text else "system message removed")
+
+    def save(self, name: str) -> None:
+        from mlxkv.chat import save_session
+
+        path = save_session(self.session, self.folder, name, self.fingerprint, self.model_name)
+        self.say(f"saved session {name} ({self.session.context_tokens} tokens) to {path}")
+
+    def load(self, name: str) -> None:
+        from mlxkv.chat import load_session
+
+        load_session(self.session, self.folder, name, self.fingerprint)
+        self.say(f"loaded session {name}: {len(self.session.messages)} messages, "
+                 f"{self.session.context_tokens} tokens cached")
+
+    def sessions(self, _: str) -> None:
+        from mlxkv.chat import list_sessions
+
+        names = list_sessions(self.folder)
+        self.say(", ".join(names) if names else f"no saved sessions in {self.folder}")
+
+    def stats(self, _: str) -> None:
+        s, last = self.session, self.session.last
+        limit = f" (limit {s.limit})" if s.limit else ""
+        self.say(f"context: {s.context_tokens} tokens{limit}, KV cache {s.kv_bytes / 1e6:.2f} MB")
+        self.say(f"last turn: {last.prompt_tokens} prompt tokens, {last.cached_tokens} cached, "
+                 f"{last.prefill_tokens} prefilled ({last.prefill_tps:.1f} tok/s), "
+                 f"{last.generation_tokens} generated ({last.decode_tps:.1f} tok/s)")

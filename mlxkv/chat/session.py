@@ -1,0 +1,237 @@
+"""ChatSession: a conversation whose KV cache lives from one turn to the next.
+
+Each turn renders the whole conversation with the chat template, reuses the longest common token prefix with what
+the cache holds (:mod:`mlxkv.chat.turns`) and prefills only the rest, then decodes the answer into the same cache.
+
+Long conversations: the context is capped at the model's limit (``max_position_embeddings``) or ``max_kv_size``
+when that is smaller. A turn whose prompt and answer would not fit drops whole turns from the front (the system
+message stays) and re-prefills what follows the system message; the caches are always full-attention caches, so
+the model attends to every token it keeps and the conversation it sees is one the template could have rendered.
+A single message too long for the context is refused (``ValueError``); an answer is cut where the context ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from mlxkv.chat.turns import Message, fit_conversation, plan_turn
+from mlxkv.engine.output import TextStream
+from mlxkv.engine.prefill import prefill
+from mlxkv.engine.sampling import SamplingParams, mlx_seed
+from mlxkv.kv import RewindError, each_layer_cache, make_caches
+
+
+@dataclass
+class TurnStats:
+    """Figures of the last turn, for ``/stats``."""
+
+    prompt_tokens: int = 0  # the whole rendered conversation
+    cached_tokens: int = 0  # of those, reused from the cache
+    prefill_tokens: int = 0  # of those, run through the model this turn
+    prefill_seconds: float = 0.0
+    generation_tokens: int = 0
+    generation_seconds: float = 0.0  # first token to last (the first token's time is in prefill_seconds)
+    dropped_turns: int = 0  # turns dropped from the front to make room
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # Tokens after the first over the time after the first token (the first came with the prefill).
+        n = self.generation_tokens - 1
+        return n / self.generation_seconds if n > 0 and self.generation_seconds else 0.0
+
+
+class ChatSession:
+    """One conversation with a model, its messages and the KV cache of their tokens.
+
+    Args:
+        model: the mlx-lm model (``mlxkv.models.load``'s, attention hook installed).
+        tokenizer: mlx-lm's ``TokenizerWrapper``; it must have a chat template.
+        system: the system message, if any.
+        max_kv_size: most tokens of context (``None``: the model's limit only).
+        model_limit: the model's context length (``None``: unknown, only ``max_kv_size`` applies).
+        kv_bits, kv_group_size: quantized K/V (see :func:`mlxkv.kv.make_caches`).
+        prefill_step_size: prompt tokens per prefill forward.
+
+    Raises:
+        ValueError: no chat template, or a bad cache option.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, max_kv_size: int | None = None,
+                 model_limit: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
+                 prefill_step_size: int = 2048):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
+        if max_kv_size is not None and max_kv_size < 2:
+            raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        limits = [n for n in (max_kv_size, model_limit) if n]
+        self.limit = min(limits) if limits else None
+        self.prefill_step_size = prefill_step_size
+        self.messages: list[Message] = []
+        self.tokens: list[int] = []  # the tokens whose K/V the caches hold, in order
+        self.caches = self._new_caches()
+        self.last = TurnStats()
+        self.reset(system)
+
+    # -- conversation state ---------------------------------------------------------------------------------
+    def reset(self, system: str | None = None) -> None:
+        """Start a new conversation (with ``system`` as its system message); the cache is emptied (its buffers
+        stay allocated for the next turn)."""
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self._trim_to(0)
+
+    @property
+    def system(self) -> str | None:
+        """The system message of the conversation, if any."""
+        first = self.messages[0] if self.messages else None
+        return first["content"] if first and first["role"] == "system" else None
+
+    def set_system(self, text: str | None) -> None:
+        """Replace (or with ``None``/empty remove) the system message, keeping the rest of the conversation."""
+        rest = self.messages[1:] if self.system is not None else self.messages
+        self.messages = ([{"role": "system", "content": text}] if text else []) + rest
+
+    def restore(self, messages: list[Message], tokens: list[int], caches: list) -> None:
+        """Take over a saved conversation: its messages, and caches holding exactly ``tokens``.
+
+        Raises:
+            ValueError: the caches are not this model's number of layers or do not hold ``len(tokens)`` tokens.
+        """
+        if len(caches) != len(self.caches):
+            raise ValueError(f"the saved cache has {len(caches)} layers, this model {len(self.caches)}")
+        offsets = {getattr(c, "offset", len(tokens)) for c in each_layer_cache(caches)}
+        if offsets != {len(tokens)}:
+            raise ValueError(f"the saved cache holds {sorted(offsets)} tokens per layer, its record {len(tokens)}")
+        self.messages, self.tokens, self.caches = [dict(m) for m in messages], list(tokens), caches
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the KV cache holds."""
+        return len(self.tokens)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache's buffers."""
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in each_layer_cache(self.caches))
+
+    def render(self, messages: Sequence[Message]) -> list[int]:
+        """The prompt tokens of ``messages`` (the template's rendering, with the generation prompt)."""
+        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+
+    # -- a turn ---------------------------------------------------------------------------------------------
+    def turn(self, text: str, params: SamplingParams, *, stop_requested: Callable[[], bool] = lambda: False
+             ) -> Iterator[str]:
+        """Answer the user message ``text``, yielding the answer's text as it is produced.
+
+        The answer (cut short, if ``stop_requested`` turned true between tokens or the consumer closed the
+        iterator) joins the conversation when the iterator ends; a turn that fails with an exception leaves the
+        conversation as it was.
+
+        Raises:
+            ValueError: an empty message, or one too long for the context.
+        """
+        if not text.strip():
+            raise ValueError("the message is empty")
+        candidate = [*self.messages, {"role": "user", "content": text}]
+        limit = self.limit
+        if limit is None:
+            messages, prompt, dropped = candidate, self.render(candidate), 0
+        else:
+            messages, prompt, dropped = fit_conversation(candidate, self.render, limit, params.max_tokens)
+            if len(prompt) >= limit:
+                raise ValueError(f"the message is too long: the conversation needs {len(prompt)} tokens and the "
+                                 f"context holds {limit} (--max-kv-size or the model's limit)")
+        max_new = params.max_tokens if limit is None else min(params.max_tokens, limit - len(prompt))
+        stats = self.last = TurnStats(prompt_tokens=len(prompt), dropped_turns=dropped)
+        previous, self.messages = self.messages, messages
+        pieces: list[str] = []
+        failed = False
+        try:
+            for piece in self._generate(prompt, params, max_new, stats, stop_requested):
+                pieces.append(piece)
+                yield piece
+        except Exception:  # a failed turn leaves the conversation as it was (the cache keeps what is valid)
+            failed, self.messages = True, previous
+            raise
+        finally:
+            if not failed:
+                self.messages.append({"role": "assistant", "content": "".join(pieces)})
+            self._sync()
+
+    def _generate(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,
+                  stop_requested: Callable[[], bool]) -> Iterator[str]:
+        plan = plan_turn(self.tokens, prompt)
+        keep = self._trim_to(plan.keep)
+        new = prompt[keep:]
+        stats.cached_tokens, stats.prefill_tokens = keep, len(new)
+        if params.seed is not None:
+            mx.random.seed(mlx_seed(params.seed))
+        sampler = params.make_sampler()
+        stream = TextStream(self.tokenizer, params.stop, max_new)
+
+        def pick(logits: mx.array) -> mx.array:  # (1, vocab) -> (1,)
+            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+        start = time.perf_counter()
+        logits = prefill(self.model, self.caches, mx.array(new, dtype=mx.uint32),
+                         step_size=self.prefill_step_size)[None]  # (1, vocab)
+        self.tokens.extend(new)
+        y = pick(logits)  # (1,)
+        mx.eval(y)
+        stats.prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        for n in range(max_new):
+            # The dense in-place order (mlxkv.kv.layouts): build step n+1, read token n, then schedule n+1.
+            more = n + 1 < max_new
+            token = int(y.item())
+            next_y = None
+            if more:
+                next_y = pick(self.model(y.reshape(1, 1), cache=self.caches)[:, -1, :])  # (1,)
+                self.tokens.append(token)  # the forward just built appends its K/V
+                mx.async_eval(next_y)
+            stats.generation_tokens += 1
+            stats.generation_seconds = time.perf_counter() - start
+            piece, finish = stream.feed(token)
+            if piece:
+                yield piece
+            if finish is not None or stop_requested():
+                return
+            y = next_y
+
+    def _trim_to(self, keep: int) -> int:
+        """Bring the caches back to their first ``keep`` tokens; returns the tokens kept (0 when some layer
+        cannot rewind that far, e.g. a sliding window: the caches then start over)."""
+        try:
+            for c in each_layer_cache(self.caches):
+                if c.offset > keep:
+                    want = c.offset - keep
+                    removed = c.trim(want)
+                    assert removed == want, f"{type(c).__name__} trimmed {removed} of {want} tokens"
+        except RewindError:
+            self.caches, keep = self._new_caches(), 0
+        del self.tokens[keep:]
+        return keep
+
+    def _sync(self) -> None:
+        """Make every layer hold exactly ``self.tokens`` after a turn that ended early (an error mid-forward
+        may leave later layers one step behind); the record follows the shortest layer."""
+        offsets = [c.offset for c in each_layer_cache(self.caches) if hasattr(c, "offset")]
+        if offsets and (min(offsets) != len(self.tokens) or max(offsets) != len(self.tokens)):
+            self._trim_to(min(min(offsets), len(self.tokens)))
+
+    def _new_caches(self) -> list:
+        # Full-attention layouts (no max_kv_size): the length cap is enforced by dropping turns, see module doc.
+        return make_caches(self.model, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+
+
+__all__ = ["ChatSession", "TurnStats"]

@@ -1,0 +1,51 @@
+"""``mlxkv chat`` with the real SmolLM2-135M-Instruct: a two-turn conversation answers exactly what ``mlxkv serve``
+answers through the official openai client for the same messages (greedy), although chat's second turn
+prefills only the new message over the cached first turn. Skipped without ``MLXKV_TEST_GGUF``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testkit.serve_process import serve_process
+
+GGUF_ENV = "MLXKV_TEST_GGUF"
+GGUF = Path(os.environ.get(GGUF_ENV, "")).expanduser()
+pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF_ENV} does not name a GGUF file (see "
+                                                             "tests/test_real_model.py)")
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = "You are a helpful assistant."
+QUESTIONS = ("What is the capital of France?", "And what is it famous for?")
+TOKENS = 16
+
+
+def test_chat_answers_as_serve_does_for_the_same_conversation(tmp_path):
+    with serve_process("-m", str(GGUF), "--dequantize", "--max-sequences", "1", "--log-level", "warning") as client:
+        messages = [{"role": "system", "content": SYSTEM}]
+        answers = []
+        for q in QUESTIONS:
+            messages.append({"role": "user", "content": q})
+            reply = client.chat.completions.create(model="default", messages=messages, max_tokens=TOKENS,
+                                                   temperature=0)
+            answers.append(reply.choices[0].message.content)
+            messages.append({"role": "assistant", "content": answers[-1]})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLXKV_SESSIONS_DIR": str(tmp_path)}
+    lines = "\n".join([QUESTIONS[0], "/stats", QUESTIONS[1], "/stats"]) + "\n"
+    done = subprocess.run([sys.executable, "-m", "mlxkv", "chat", "-m", str(GGUF), "--dequantize", "-n", str(TOKENS),
+                           "--system", SYSTEM], input=lines, capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert all(answers), answers
+    for answer in answers:
+        assert f"\n{answer}\ncontext: " in done.stdout, (answers, done.stdout)
+    stats = re.findall(r"context: (\d+) tokens.*\nlast turn: (\d+) prompt tokens, (\d+) cached, (\d+) prefilled",
+                       done.stdout)
+    assert len(stats) == 2, done.stdout
+    (first_context, _, _, _), (_, prompt, cached, prefilled) = [tuple(map(int, s)) for s in stats]
+    assert cached == first_context  # the whole first turn (prompt and answer) came from the cache
+    assert prefilled == prompt - cached < 20  # the new question and the template's markers only

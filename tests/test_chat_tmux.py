@@ -1,0 +1,114 @@
+"""``mlxkv chat`` in a real terminal (tmux send-keys / capture-pane) with the embedded demo model: the second
+turn prefills only the new tokens, ``/save`` then ``--resume`` continues as the live session does, Ctrl-C stops
+an answer without leaving, a conversation past ``--max-kv-size`` keeps answering, Ctrl-D leaves."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from testkit.terminal import TMUX, Terminal
+
+pytestmark = pytest.mark.skipif(TMUX is None, reason="tmux is not installed (apt-get install tmux)")
+ROOT = Path(__file__).resolve().parent.parent
+STATS = re.compile(r"context: (\d+) tokens.*KV cache ([\d.]+) MB\nlast turn: (\d+) prompt tokens, (\d+) cached, "
+                   r"(\d+) prefilled \(([\d.]+) tok/s\), (\d+) generated \(([\d.]+) tok/s\)")
+
+
+@pytest.fixture
+def chat(tmp_path):
+    """Start ``mlxkv chat ARGS`` in a terminal (sessions under tmp_path); every terminal is closed afterwards."""
+    terminals = []
+    env = {"PYTHONPATH": str(ROOT), "MLXKV_SESSIONS_DIR": str(tmp_path / "sessions"), "HOME": str(tmp_path)}
+    for name in ("LD_PRELOAD",):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+
+    def start(*args: str) -> Terminal:
+        term = Terminal(["chat", *args], env, ROOT)
+        terminals.append(term)
+        term.wait_for(r"^>>>$", timeout=120)
+        return term
+
+    yield start
+    for term in terminals:
+        term.close()
+
+
+def _stats(term: Terminal) -> dict[str, float]:
+    found = STATS.search(term.send("/stats"))
+    assert found, term.screen()
+    keys = ("context", "kv_mb", "prompt", "cached", "prefilled", "prefill_tps", "generated", "decode_tps")
+    return dict(zip(keys, (float(g) for g in found.groups())))
+
+
+def test_the_second_turn_prefills_only_the_new_tokens(chat):
+    term = chat("-n", "12", "--system", "Be brief.")
+    assert term.send("Hello, who are you?")
+    first = _stats(term)
+    assert first["cached"] == 0 and first["prefilled"] == first["prompt"] and first["generated"] == 12
+    assert first["context"] == first["prompt"] + 11  # the last answer token is sampled, not yet run
+    assert term.send("Tell me about the sea.")
+    second = _stats(term)
+    assert second["cached"] == first["context"]  # the whole first turn comes from the cache
+    assert second["prefilled"] == second["prompt"] - first["context"] < 20  # the new message and its markers
+    assert second["kv_mb"] > 0 and second["prefill_tps"] > 0 and second["decode_tps"] > 0
+    assert term.send("/frobnicate now") == "unknown command /frobnicate: /help lists the commands"
+    assert "/save NAME" in term.send("/help")
+    term.key("C-d")
+    assert term.exit_status() == 0
+
+
+def test_save_then_resume_continues_as_the_live_session(chat):
+    live = chat("-n", "12")
+    live.send("Hello, who are you?")
+    saved = live.send("/save first")
+    assert re.fullmatch(r"saved session first \(\d+ tokens\) to .*first\.safetensors", saved), saved
+    tokens = _stats(live)["context"]
+    live_answer = live.send("Tell me about the sea.")
+    assert live_answer
+    resumed = chat("-n", "12", "--resume", "first")
+    assert f"resumed session first: 2 messages, {int(tokens)} tokens cached" in resumed.screen()
+    assert resumed.send("Tell me about the sea.") == live_answer
+    assert _stats(resumed)["cached"] == tokens  # the resumed turn prefilled none of the history
+    assert "saved with" not in resumed.send("/load first")
+    assert resumed.send("/load nothing").startswith("error: no saved session 'nothing'")
+
+
+def test_ctrl_c_stops_the_answer_and_the_next_turn_works(chat):
+    term = chat("-n", "900")
+    term.type("Write a very long story about everything.")
+    # Some lines of answer streamed (the demo model writes ~900 tokens in several seconds), then Ctrl-C.
+    term.wait_for(r"^>>> Write a very long story about everything\.\n(.*\n){3}", timeout=60)
+    term.key("C-c")
+    term.wait_for(r"^\[stopped\]\n>>>\Z", timeout=30)
+    stats = _stats(term)
+    assert 0 < stats["generated"] < 900
+    term.type("Hello")  # the next turn answers, over the stopped turn's cache
+    term.wait_for(r"^>>> Hello\n(.*\n){3}", timeout=60)
+    term.key("C-c")
+    term.wait_for(r"^\[stopped\]\n>>>\Z", timeout=30)
+    again = _stats(term)
+    assert again["cached"] == stats["context"] and 0 < again["generated"] < 900
+    term.key("C-c")  # at the prompt: a fresh prompt, the command stays
+    term.wait_for(r"^>>>\n>>>\Z", timeout=30)
+    assert term.send("/stats")
+    term.key("C-d")
+    assert term.exit_status() == 0
+
+
+def test_a_conversation_past_max_kv_size_keeps_answering(chat):
+    term = chat("-n", "12", "--max-kv-size", "96", "--system", "Be brief.")
+    dropped = 0
+    for i in range(7):
+        out = term.send(f"Question number {i}: what comes next?")
+        assert out.strip(), term.screen()
+        dropped += "earliest turn(s) dropped to fit the context" in out
+        stats = _stats(term)
+        assert stats["context"] <= 96
+    assert dropped >= 2
+    term.key("C-d")
+    assert term.exit_status() == 0
