@@ -9,6 +9,7 @@ import pytest
 
 from mlxkv.config import DEFAULT_SECONDARY_DISK_BYTES, KvCacheConfig
 from mlxkv.kv.store import CachePool
+from testkit.pool_runs import prefill_and_release
 
 B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(42)]  # 10 full usable blocks
@@ -21,16 +22,6 @@ def pool_for(model, num_blocks=12, **secondary):
     return CachePool(model, max_sequences=2, backend="paged", kv_config=config, num_blocks=num_blocks)
 
 
-def run(pool, tokens):
-    """Open (the backend restores from its tier), prefill the uncached rest, release; (last logits, cached)."""
-    seq = pool.open(prompt=tokens)
-    cached = seq.num_cached
-    out = pool.model(mx.array(tokens[cached:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
-    mx.eval(out)
-    seq.commit()
-    pool.release(seq.id)
-    pool.check_invariants()
-    return out, cached
 
 
 def test_config_fields_are_validated():
@@ -46,18 +37,18 @@ def test_config_fields_are_validated():
 def test_no_tier_without_config(model):
     pool = pool_for(model)
     assert pool.paged.tier is None
-    run(pool, PROMPT)
+    prefill_and_release(pool, PROMPT)
     s = pool.paged.tier_stats()
     assert s["enabled"] is False and s["prompt_tokens"] == len(PROMPT) and s["secondary"] is None
 
 
 def test_restart_gets_a_disk_hit_with_never_evicted_logits(model, tmp_path):
-    reference, cached = run(pool_for(model, num_blocks=64), PROMPT)  # cold, never evicted
+    reference, cached = prefill_and_release(pool_for(model, num_blocks=64), PROMPT)  # cold, never evicted
     assert cached == 0
     disk = {"secondary_disk_dir": str(tmp_path), "secondary_disk_bytes": 1 << 22}
     first = pool_for(model, **disk)
     assert first.paged.tier is not None and first.paged.tier.tier.disk is not None
-    cold, cached = run(first, PROMPT)
+    cold, cached = prefill_and_release(first, PROMPT)
     assert cached == 0 and mx.array_equal(cold, reference).item()
     assert first.paged.flush_cached() >= 10  # evict everything: offloaded to disk (by the write-behind thread)
     assert first.flush_tier(10)["lost"] == 0
@@ -65,13 +56,13 @@ def test_restart_gets_a_disk_hit_with_never_evicted_logits(model, tmp_path):
     assert first.paged.tier_stats()["secondary"]["disk"]["blocks"] >= 10
 
     restarted = pool_for(model, **disk)  # a new process: fresh pool and pages, same folder
-    logits, cached = run(restarted, PROMPT)
+    logits, cached = prefill_and_release(restarted, PROMPT)
     assert cached == 40  # every usable full block came from disk on the first request
     assert mx.array_equal(logits, reference).item()
     s = restarted.paged.tier_stats()
     assert s["enabled"] and s["primary_hit_blocks"] == 0 and s["secondary_hit_blocks"] == 10
     assert s["secondary"]["hits_disk"] == 10
-    again, cached = run(restarted, PROMPT)  # now a primary hit (plus the partial last block)
+    again, cached = prefill_and_release(restarted, PROMPT)  # now a primary hit (plus the partial last block)
     assert cached == 41  # one-token forward: float32 rounding differs from the multi-token reference
     assert mx.abs(again - reference).max().item() <= 1e-5 * max(1.0, mx.abs(reference).max().item())
     s = restarted.paged.tier_stats()
@@ -79,12 +70,12 @@ def test_restart_gets_a_disk_hit_with_never_evicted_logits(model, tmp_path):
 
 
 def test_memory_tier_by_config_restores_after_eviction(model):
-    reference, _ = run(pool_for(model, num_blocks=64), PROMPT)
+    reference, _ = prefill_and_release(pool_for(model, num_blocks=64), PROMPT)
     pool = pool_for(model, secondary_memory_bytes=1 << 22)
     assert pool.paged.tier.tier.disk is None
-    run(pool, PROMPT)
-    run(pool, OTHER)  # evicts PROMPT's blocks into host memory
+    prefill_and_release(pool, PROMPT)
+    prefill_and_release(pool, OTHER)  # evicts PROMPT's blocks into host memory
     assert pool.paged.manager.find_prefix_hit(PROMPT).num_full_blocks < 10
-    logits, cached = run(pool, PROMPT)
+    logits, cached = prefill_and_release(pool, PROMPT)
     assert cached == 40 and mx.array_equal(logits, reference).item()
     assert pool.paged.tier_stats()["secondary"]["hits_memory"] >= 1

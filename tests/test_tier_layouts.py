@@ -11,6 +11,7 @@ from mlxkv.config import KvCacheConfig
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 from mlxkv.kv.store import CachePool
 from mlxkv.kv.tier.restore_plan import plan_restore
+from testkit.pool_runs import prefill_and_release
 
 B = 4
 PROMPT = [(7 * i + 3) % 200 + 10 for i in range(42)]  # 10 full usable blocks
@@ -33,27 +34,18 @@ def pool_for(model, folder):
     return CachePool(model, max_sequences=2, backend="paged", kv_config=config, num_blocks=96)
 
 
-def run(pool, tokens):
-    seq = pool.open(prompt=tokens)
-    cached = seq.num_cached
-    out = pool.model(mx.array(tokens[cached:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
-    mx.eval(out)
-    seq.commit()
-    pool.release(seq.id)
-    pool.check_invariants()
-    return out, cached
 
 
 def test_windowed_groups_restore_their_window_after_a_restart(arch_model, tmp_path):
     first = pool_for(arch_model, tmp_path)
     specs = first.paged.specs
     assert any(not s.is_full for s in specs) and any(s.is_full for s in specs)
-    reference, cached = run(first, PROMPT)  # cold: the whole prompt forwarded
+    reference, cached = prefill_and_release(first, PROMPT)  # cold: the whole prompt forwarded
     assert cached == 0
     assert first.flush_tier(10)["lost"] == 0
 
     restarted = pool_for(arch_model, tmp_path)
-    logits, cached = run(restarted, PROMPT)
+    logits, cached = prefill_and_release(restarted, PROMPT)
     assert cached == 40
     # 2 tokens forwarded over restored K/V vs 42 over computed K/V: equal up to float32 summation order
     assert mx.abs(logits - reference).max().item() <= 1e-5 * max(1.0, mx.abs(reference).max().item())

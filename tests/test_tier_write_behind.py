@@ -16,6 +16,7 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv.store import CachePool
 from mlxkv.kv.tier.format import TierBlock
 from mlxkv.kv.tier.write_behind import WriteBehind
+from testkit.pool_runs import prefill_and_release
 
 B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(42)]  # 10 full usable blocks
@@ -27,19 +28,11 @@ def pool_for(model, folder, num_blocks=64, **kw):
     return CachePool(model, max_sequences=2, backend="paged", kv_config=config, num_blocks=num_blocks)
 
 
-def run(pool, tokens):
-    seq = pool.open(prompt=tokens)
-    cached = seq.num_cached
-    out = pool.model(mx.array(tokens[cached:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
-    mx.eval(out)
-    seq.commit()
-    pool.release(seq.id)
-    return out, cached
 
 
 def test_cached_blocks_are_written_behind_and_a_restart_hits_them(model, tmp_path):
     first = pool_for(model, tmp_path)
-    reference, cached = run(first, PROMPT)
+    reference, cached = prefill_and_release(first, PROMPT)
     assert cached == 0
     bridge = first.paged.tier
     assert bridge.writer is not None and bridge.due_in() is not None  # blocks are pending
@@ -52,21 +45,21 @@ def test_cached_blocks_are_written_behind_and_a_restart_hits_them(model, tmp_pat
     assert s["disk"]["blocks"] == 10 and s["writes"] == 10 and s["drops"]["queue_full"] == 0
 
     restarted = pool_for(model, tmp_path)
-    logits, cached = run(restarted, PROMPT)
+    logits, cached = prefill_and_release(restarted, PROMPT)
     assert cached == 40 and mx.array_equal(logits, reference).item()
     assert restarted.block_stats()["tier"]["secondary"]["hits_disk"] == 10
 
 
 def test_blocks_below_the_priority_threshold_are_not_written(model, tmp_path):
     pool = pool_for(model, tmp_path, secondary_offload_min_priority=50)  # default retention is 35
-    run(pool, PROMPT)
+    prefill_and_release(pool, PROMPT)
     assert pool.flush_tier(10) == {"written": 0, "lost": 0, "on_disk": 0, "seconds": pytest.approx(0, abs=5)}
     assert not list(tmp_path.glob("*.mlxkvblk"))
 
 
 def test_write_interval_zero_turns_write_behind_off(model, tmp_path):
     pool = pool_for(model, tmp_path, secondary_write_interval_s=0)
-    run(pool, PROMPT)
+    prefill_and_release(pool, PROMPT)
     assert pool.paged.tier.writer is None and pool.tier_due_in() is None
     with pytest.raises(ValueError, match="secondary_write_interval_s"):
         KvCacheConfig(backend="paged", secondary_write_interval_s=-1)
@@ -81,7 +74,7 @@ def test_engine_stop_flushes_the_tier_and_the_restart_is_warm(model, tmp_path):
     assert engine.last_flush["written"] >= 10 and engine.last_flush["lost"] == 0
     assert len(list(tmp_path.glob("*.mlxkvblk"))) >= 10
     restarted = pool_for(model, tmp_path)
-    assert run(restarted, PROMPT)[1] == 40
+    assert prefill_and_release(restarted, PROMPT)[1] == 40
 
 
 def test_the_idle_engine_writes_behind_after_the_interval(model, tmp_path):
