@@ -156,6 +156,7 @@ class Emulator:
         argv = [str(self.binaries[key]), str(run_dir), *map(str, call.grid), *map(str, call.threadgroup),
                 *map(str, sizes)]
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}  # the program frees nothing before exit
+        env.pop("LD_PRELOAD", None)  # a preloaded BLAS would come before ASan's runtime, which refuses to start
         res = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
         if res.returncode != 0:
             raise EmulatorError(f"{call.spec.name} exited {res.returncode}: {res.stderr[-3000:]}")
