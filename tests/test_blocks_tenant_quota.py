@@ -135,3 +135,48 @@ def test_the_share_is_validated():
     assert TenantQuota(1.0, 10).limit == 10 and KvCacheConfig().primary_tenant_share == 1.0
     m = KVCacheManager.from_config(KvCacheConfig(backend="paged", primary_tenant_share=0.3), 11)
     assert m.pool.quota.limit == 3
+
+
+# ---- through a real server ----------------------------------------------------------------------------------
+B_QUESTION = "Explain, in a few words, what a Python generator is and when one would use it instead of a list."
+
+
+@pytest.fixture(params=[0.5, 1.0], ids=["quota", "no-quota"])
+def small_server(request, test_model_dir):
+    from mlxkv.server.runner import ServerThread, build
+
+    kv = KvCacheConfig(backend="paged", kv_cache_budget=320 << 10, primary_tenant_share=request.param)
+    config = RunConfig(model=str(test_model_dir("llama")), kv=kv, speculative=SpeculativeConfig(),
+                       engine=EngineConfig(max_sequences=1))
+    with ServerThread(build(config, model_name="m").app) as srv:
+        yield srv, request.param
+
+
+def ask(server, text: str, salt: str) -> tuple[int, int]:
+    """(prompt tokens, cached prompt tokens) of one greedy chat request."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=1,
+                                           temperature=0, extra_body={"cache_salt": salt})
+    return reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_flooding_tenant_leaves_another_tenants_prefix_cached_only_under_the_quota(small_server):
+    server, share = small_server
+    blocks = httpx.get(server.url + "/v1/cache/stats", timeout=30).json()["kv_blocks"]
+    total, bs = blocks["total"], blocks["block_size"]
+    prompt_tokens, cached = ask(server, B_QUESTION, "tenant-b")
+    assert cached == 0 and 4 * prompt_tokens < total * bs  # b's prompt takes well under a quarter of the pool
+    assert ask(server, B_QUESTION, "tenant-b")[1] > 0
+    flooded = 0
+    for i in range(100):  # tenant a: distinct prompts until they have cached twice the pool
+        n, _ = ask(server, f"Request {i}: " + " ".join(f"word{i}x{j}" for j in range(12)), "tenant-a")
+        flooded += n
+        if flooded > 2 * total * bs:
+            break
+    stats = httpx.get(server.url + "/v1/cache/stats", timeout=30).json()
+    assert stats["evictions"] > 0
+    hit = ask(server, B_QUESTION, "tenant-b")[1]
+    if share < 1:
+        assert hit >= (prompt_tokens - 1) // bs * bs  # every full block of b's prompt survived the flood
+    else:
+        assert hit == 0  # plain LRU: the flood evicted b's older prefix
