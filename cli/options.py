@@ -85,6 +85,7 @@ _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir
              "secondary_memory_bytes": "--host-cache-size", "kv_cache_budget": "--kv-cache-budget",
              "block_size": "--kv-block-size", "max_kv_size": "--max-kv-size", "kv_bits": "--kv-bits",
              "kv_group_size": "--kv-group-size", "secondary_tenant_share": "--kv-tenant-share",
+             "primary_tenant_share": "--kv-tenant-share",
              "layout": "--cache-layout", "backend": "--kv-backend"}
 
 
@@ -117,6 +118,7 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
                              kv_group_size=kv_group_size, layout=layout, kv_cache_budget=budget or "auto",
                              secondary_memory_bytes=host_cache_bytes, secondary_disk_dir=disk_cache_dir,
                              secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share,
+                             primary_tenant_share=tenant_share,
                              secondary_write_interval_s=disk_write_interval_s)
     except ValueError as exc:
         raise typer.BadParameter(_flag_names(str(exc))) from None

@@ -88,8 +88,8 @@ def serve(
                                             help="Key a /v1/cache/reset of every tenant's blocks needs (a reset "
                                                  "with cache_salt drops only that tenant's); default: no key."),
     kv_tenant_share: float = typer.Option(0.5, "--kv-tenant-share", min=0.01, max=1.0, rich_help_panel=KV_PANEL,
-                                          help="Share of the disk KV tier one tenant (cache_salt) keeps while "
-                                               "others need room (1 = no quota)."),
+                                          help="Share of the KV block pool and of the disk tier one tenant "
+                                               "(cache_salt) keeps while others need room (1 = no quota)."),
     log_level: str = typer.Option("info", "--log-level", callback=check_log_level, rich_help_panel=SERVER_PANEL,
                                   metavar="[critical|error|warning|info|debug|trace]", help="uvicorn log level."),
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01, rich_help_panel=SERVER_PANEL,

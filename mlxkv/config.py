@@ -44,6 +44,9 @@ class KvCacheConfig:
         means DEFAULT_SECONDARY_DISK_BYTES, 16 GiB).
     secondary_tenant_share: share of the disk tier one tenant (cache salt) keeps while others need room, in
         (0, 1] (1: no quota); a tenant alone may still fill it.
+    primary_tenant_share: paged only: share of the KV block pool one tenant may hold cached before its free
+        cached blocks are evicted ahead of the other tenants', in (0, 1] (1: no quota); a tenant alone may
+        still fill the pool.
     secondary_write_interval_s: paged with a disk tier: cached blocks are written to disk behind the engine at
         most this many seconds after they are cached (what a crash can lose); 0 = only evicted blocks go to disk.
     """
@@ -65,6 +68,7 @@ class KvCacheConfig:
     secondary_disk_dir: str | None = None
     secondary_disk_bytes: int = 0
     secondary_tenant_share: float = 0.5
+    primary_tenant_share: float = 1.0
     secondary_write_interval_s: float = 2.0
     layout: str = "mlxkv"
 
@@ -115,9 +119,10 @@ class KvCacheConfig:
             raise ValueError(f"secondary_write_interval_s={w!r}: expected seconds in 0..3600 (0 = off)")
         if self.secondary_disk_bytes and d is None:
             raise ValueError("secondary_disk_bytes needs secondary_disk_dir (the folder for the disk tier)")
-        t = self.secondary_tenant_share
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
-            raise ValueError(f"secondary_tenant_share={t!r}: expected a number in (0, 1] (1 = no per-tenant quota)")
+        for name in ("secondary_tenant_share", "primary_tenant_share"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+                raise ValueError(f"{name}={t!r}: expected a number in (0, 1] (1 = no per-tenant quota)")
 
     @property
     def secondary_enabled(self) -> bool:

@@ -44,6 +44,7 @@ class KVCacheBlock:
     parent: BlockRef | None = None  # ref of the chain predecessor when cached (None: first block)
     anchor: BlockRef | None = None  # sliding/chunked groups: ref of the full-attention block at the same
     #                                    index of the sequence that filled it (pins the whole prefix)
+    tenant: Hashable = None  # cache salt of the chain's first block (None: unsalted), for the pool's quota
     generation: int = 0  # bumped on every cache / uncache; see BlockRef
     # --- retention: BlockPool only (set_retention; read by eviction policies) --------------------------
     priority: int = DEFAULT_PRIORITY  # 0..100, higher is kept longer

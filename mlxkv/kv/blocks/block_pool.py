@@ -25,7 +25,9 @@ from mlxkv.kv.blocks.events import (
 )
 from mlxkv.kv.blocks.eviction import EvictionPolicy, make_eviction_policy
 from mlxkv.kv.blocks.free_queue import UNCACHED_BUCKET, BucketedFreeQueue
+from mlxkv.kv.blocks.hashing import salt_of
 from mlxkv.kv.blocks.retention import merge_retention
+from mlxkv.kv.blocks.tenant_quota import TenantQuota
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -53,6 +55,8 @@ class BlockPool:
         eviction_policy: "lru" (default), "priority", "lfu" or an EvictionPolicy.
         events: event buffer (a fresh 4096-event one by default).
         clock: monotonic seconds, for retention expiry (injectable for tests).
+        tenant_share: share of the usable blocks one tenant (cache salt) may hold cached before its free
+            cached blocks are evicted ahead of the others', in (0, 1] (1: no quota; see tenant_quota.py).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class BlockPool:
         eviction_policy: str | EvictionPolicy | None = "lru",
         events: KVEventBuffer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tenant_share: float = 1.0,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: expected >= 2 (the null block plus one usable block)")
@@ -85,6 +90,7 @@ class BlockPool:
         self._expiry_heap: list[tuple[float, int, int]] = []  # (expiry, block_id, free_stamp) of free blocks
         self._evict_hooks: list[Callable[[KVCacheBlock], None]] = []
         self.num_evictions = 0
+        self.quota = TenantQuota(tenant_share, num_blocks - 1)
 
     # ---- sizes ---------------------------------------------------------------------------------------
     @property
@@ -129,7 +135,12 @@ class BlockPool:
             out.append(block)
             nxt += 1
         rest = []
-        for _ in range(n - len(out)):
+        if self.quota.over and n > len(out):  # over-quota tenants' cached blocks before the global head
+            for block in self.quota.victims(self._free, n - len(out) - self._free.count(UNCACHED_BUCKET)):
+                self._free.remove(block)
+                self._evict(block)
+                rest.append(block)
+        for _ in range(n - len(out) - len(rest)):
             block = self._free.popleft()
             if block.cached:
                 self._evict(block)
@@ -208,6 +219,14 @@ class BlockPool:
         block.hit_count = 0
         key = (group_id, parent_ref, extra_keys, block.token_ids[0])
         self._by_parent.setdefault(key, {})[block.block_id] = block
+        # a chain's tenant is its first block's salt; later blocks take it from the parent (held by the same
+        # sequence, so resolvable), a windowed block whose parent is unknown from its anchor
+        if parent_ref is None:
+            block.tenant = salt_of(extra_keys)
+        else:
+            source = self.resolve(parent_ref) or self.resolve(anchor)
+            block.tenant = source.tenant if source is not None else salt_of(extra_keys)
+        self.quota.add(block)
 
     def cache_full_block(
         self,
@@ -261,6 +280,8 @@ class BlockPool:
                 del self._by_hash[hkey]
             if emit:
                 self.events.append(BlockRemoved((block.block_hash,), block.group_id))
+        self.quota.remove(block)
+        block.tenant = None
         block.cached = False
         block.block_hash = None
         block.token_ids = ()
@@ -360,6 +381,10 @@ class BlockPool:
             evictions=self.num_evictions,
         )
 
+    def cached_by_tenant(self) -> dict:
+        """Cached blocks (held or free) per tenant: cache salt, None for unsalted requests."""
+        return self.quota.counts()
+
     def eviction_order(self) -> list[KVCacheBlock]:
         """Free blocks in the order allocations would take them (tests and cache inspection)."""
         self._expire_priorities()
@@ -379,3 +404,4 @@ class BlockPool:
             for block in same.values():
                 assert block.cached and block.block_hash == block_hash and block.group_id == group_id
                 assert len(block.token_ids) == self.block_size
+        self.quota.check([b for b in self.blocks if b.cached])

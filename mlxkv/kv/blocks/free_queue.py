@@ -95,6 +95,17 @@ class BucketedFreeQueue:
         for key in list(self._keys):
             yield from self._queues[key]
 
+    def cached_blocks(self) -> Iterator[KVCacheBlock]:
+        """The free blocks holding cached content (every bucket but UNCACHED_BUCKET), in eviction order."""
+        for key in list(self._keys):
+            if key != UNCACHED_BUCKET:
+                yield from self._queues[key]
+
+    def count(self, bucket: int) -> int:
+        """Number of free blocks in ``bucket``."""
+        queue = self._queues.get(bucket)
+        return 0 if queue is None else len(queue)
+
     def bucket_sizes(self) -> dict[int, int]:
         """Number of free blocks per bucket."""
         return {key: len(self._queues[key]) for key in self._keys}

@@ -159,6 +159,14 @@ class HashContext:
         return tuple(keys)
 
 
+def salt_of(extra_keys: tuple):
+    """The cache salt among a first block's extra keys (HashContext.block_extra_keys), or None."""
+    for key in extra_keys:
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "s":
+            return key[1]
+    return None
+
+
 def extend_block_hashes(
     hash_fn: HashFn,
     tokens: Sequence[int],

@@ -58,6 +58,8 @@ class KVCacheManager:
         eviction_policy: "priority" (default; LRU among equal retention priorities) | "lru" | "lfu".
         event_capacity: KV events kept in the ring buffer.
         clock: monotonic seconds for retention expiry.
+        tenant_share: per-tenant (cache salt) quota on the pool's cached blocks, in (0, 1] (1: none); see
+            tenant_quota.py.
     """
 
     def __init__(
@@ -73,12 +75,13 @@ class KVCacheManager:
         eviction_policy: str | EvictionPolicy = "priority",
         event_capacity: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        tenant_share: float = 1.0,
     ) -> None:
         self.block_size = block_size
         self.specs = list(groups) if groups else [KVCacheGroupSpec("full")]
         self.pool = BlockPool(
             num_blocks, block_size, enable_caching=enable_block_reuse, eviction_policy=eviction_policy,
-            events=KVEventBuffer(event_capacity), clock=clock,
+            events=KVEventBuffer(event_capacity), clock=clock, tenant_share=tenant_share,
         )
         self.hash_fn = make_hash_fn(hash_algo)
         if hash_algo in ("sha256", "xxhash"):  # slow per block: remember recent prefixes' hashes
@@ -100,7 +103,7 @@ class KVCacheManager:
         return cls(
             num_blocks, config.block_size, groups, enable_block_reuse=config.enable_block_reuse,
             enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
-            hash_algo=config.hash_algo, **kw,
+            hash_algo=config.hash_algo, tenant_share=config.primary_tenant_share, **kw,
         )
 
     @property

@@ -134,7 +134,7 @@ class PagedBackend:
             num_blocks, config.block_size, self.specs,
             enable_block_reuse=config.enable_block_reuse and not self.recurrent,
             enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
-            hash_algo=config.hash_algo,
+            hash_algo=config.hash_algo, tenant_share=config.primary_tenant_share,
         )
         self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
         self.sequences: dict[int, PagedSequence] = {}

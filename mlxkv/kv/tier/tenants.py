@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 
-from mlxkv.kv.blocks.hashing import encode_key
+from mlxkv.kv.blocks.hashing import encode_key, salt_of
+
+__all__ = ["MAX_WALK", "UNSALTED", "chain_tenant", "salt_of", "tenant_digest"]
 
 UNSALTED = ""  # the tenant of requests without a cache salt
 MAX_WALK = 1 << 16  # chain length bound (a corrupt parent link can never loop)
@@ -21,14 +23,6 @@ def tenant_digest(salt) -> str:
     if salt is None:
         return UNSALTED
     return hashlib.sha256(b"tenant\0" + encode_key((salt,))).hexdigest()
-
-
-def salt_of(extra_keys: tuple):
-    """The cache salt among a first block's extra keys, or None."""
-    for key in extra_keys:
-        if isinstance(key, tuple) and len(key) == 2 and key[0] == "s":
-            return key[1]
-    return None
 
 
 def chain_tenant(pool, block) -> str | None:
