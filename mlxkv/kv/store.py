@@ -369,10 +369,7 @@ class CachePool:
             n = pool.evict_cached(pool.stats().evictable)
             pool.reset_prefix_cache()  # refused (no event) while blocks are in use
             return n
-        from mlxkv.kv.tier.tenants import chain_tenant, tenant_digest
-
-        tenant = tenant_digest(salt)
-        return pool.evict_cached(pool.stats().evictable, where=lambda b: chain_tenant(pool, b) == tenant)
+        return pool.evict_cached(pool.stats().evictable, where=lambda b: b.tenant == salt)  # tenant: chain's salt
 
     def kv_events(self, since: int = 0) -> dict | None:
         """KV events numbered above ``since`` in their JSON form (safe from any thread; dense: None):

@@ -37,7 +37,7 @@ from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
 from mlxkv.kv.tier.host_store import Key
 from mlxkv.kv.tier.restore_plan import plan_restore
 from mlxkv.kv.tier.secondary import SecondaryTier
-from mlxkv.kv.tier.tenants import chain_tenant
+from mlxkv.kv.tier.tenants import tenant_digest
 from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
 
 log = logging.getLogger("mlxkv.kv.tier")
@@ -110,7 +110,7 @@ class TierBridge:
         self.tier.offload(TierBlock(
             block_hash=h, parent_hash=None if parent is None else parent.block_hash, group_id=block.group_id,
             layers=layers, token_ids=tuple(block.token_ids), extra_digest=extra_digest(block.extra_keys),
-            priority=priority, arrays=arrays, dtypes=dtypes, tenant=chain_tenant(self.pool, block),
+            priority=priority, arrays=arrays, dtypes=dtypes, tenant=tenant_digest(block.tenant),
         ))
 
     # ---- write-behind ----------------------------------------------------------------------------------
