@@ -2,7 +2,7 @@
 
 - :class:`CachePool` (store.py): the store of one model's sequences, dense or paged — open (with its
   prefix hit), extend, fork, preempt, resume, release, and whether more tokens fit;
-- :class:`Sequence` (store.py): one sequence's handle, with its single id, its layer caches for the model
+- :class:`Sequence` (sequence.py): one sequence's handle, with its single id, its layer caches for the model
   and the per-step protocol (``feed`` before a step, ``commit`` after it);
 - ``layouts/``: the layer caches per attention type (standard, rotating, chunked, quantized, latent), in
   mlx-lm's cache protocol plus ``attend``; ``paged/``: the same layouts over pages of one block pool;
@@ -21,8 +21,8 @@ from typing import Any
 _EXPORTS = {
     "CachePool": "mlxkv.kv.store",
     "PoolFullError": "mlxkv.kv.store",
-    "Sequence": "mlxkv.kv.store",
-    "SequenceId": "mlxkv.kv.store",
+    "Sequence": "mlxkv.kv.sequence",
+    "SequenceId": "mlxkv.kv.sequence",
     "BatchUnsupported": "mlxkv.kv.batching",
     "check_attended": "mlxkv.kv.batching",
     "make_batch_views": "mlxkv.kv.batching",
