@@ -11,26 +11,16 @@ ratios, rerun before drawing conclusions.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
+
+from bench_common import median_ms
 
 from mlxkv.kernels.cascade import cascade_attention, find_prefix_groups
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
 from mlxkv.kernels.selfcheck import max_abs_error, random_paged_case
 
 B, BS, KVH, GQA, D = 8, 16, 3, 3, 64
-
-
-def median_ms(fn, iters: int) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> int:

@@ -435,3 +435,18 @@ def timed_tokens(token_iter, n_tokens: int) -> tuple[float, float]:
     end = time.perf_counter()
     decode = (count - 1) / (end - first) if count > 1 and end > first else 0.0
     return first - start, decode
+
+
+def median_ms(fn, iters: int) -> float:
+    """Median wall time of ``fn`` (its result evaluated) in milliseconds over ``iters`` calls, after one warm-up."""
+    import statistics
+
+    import mlx.core as mx
+
+    mx.eval(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import mlx.core as mx
 from bench_common import (
     check_refused_model,
     ensure_openblas,
+    median_ms,
     print_header,
     refuse_model_arg,
 )
@@ -29,17 +28,6 @@ from mlxkv.kernels.paged_attention_ref import paged_attention_reference
 NO_MODEL = ("this benchmark times the attention function alone on random pages; set the shapes with --kv-heads, "
             "--gqa, --head-dim (scripts/bench_paged.py runs a model)")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def timed(fn, iters: int) -> float:
-    """Median wall time of ``fn`` (evaluated) in milliseconds, after one warm-up call."""
-    mx.eval(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def build(batch: int, context: int, kv_heads: int, gqa: int, head_dim: int, block_size: int, dtype):
@@ -69,11 +57,11 @@ def bench_one(batch: int, context: int, args, dtype, metal_attention) -> str:
         batch, context, args.kv_heads, args.gqa, args.head_dim, args.block_size, dtype
     )
     scale = args.head_dim**-0.5
-    t_sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale), args.iters)
-    t_ref = timed(lambda: paged_attention_reference(q, kp, vp, table, lens, max_context_len=context), args.iters)
+    t_sdpa = median_ms(lambda: mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale), args.iters)
+    t_ref = median_ms(lambda: paged_attention_reference(q, kp, vp, table, lens, max_context_len=context), args.iters)
     line = f"{batch:>3} {context:>8} {t_sdpa:>9.2f} {t_ref:>9.2f} {t_ref / t_sdpa:>9.2f}"
     if metal_attention:
-        t_metal = timed(lambda: metal_attention(q, kp, vp, table, lens, max_context_len=context), args.iters)
+        t_metal = median_ms(lambda: metal_attention(q, kp, vp, table, lens, max_context_len=context), args.iters)
         line += f" {t_metal:>9.2f} {t_metal / t_sdpa:>10.2f}"
     return line
 
