@@ -219,9 +219,11 @@ def test_batch_engine_batches_decode_preempts_and_equals_direct(model):
         pool.check_invariants()
 
 
-def test_secondary_tier_round_trips_latent_pages(model):
-    be = PagedBackend(model, KvCacheConfig(backend="paged", block_size=BS, secondary_memory_bytes=1 << 20),
-                      num_blocks=12)
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_secondary_tier_round_trips_latent_pages(model, tmp_path, where):
+    tier = dict(secondary_memory_bytes=1 << 20) if where == "memory" else dict(secondary_disk_dir=str(tmp_path),
+                                                                              secondary_disk_bytes=1 << 20)
+    be = PagedBackend(model, KvCacheConfig(backend="paged", block_size=BS, **tier), num_blocks=12)
 
     def once(tokens):
         caches, seq = be.open(tokens)
@@ -248,7 +250,8 @@ def test_secondary_tier_round_trips_latent_pages(model):
     once(OTHER)  # 11 blocks: evicts every block of prompt into the tier
     assert be.manager.find_prefix_hit(prompt).num_full_blocks == 0
     logits, cached = once(prompt)
-    assert cached == 20 and be.tier_stats()["secondary_hit_blocks"] == 5
+    st = be.tier_stats()
+    assert cached == 20 and st["secondary_hit_blocks"] == 5 and st["secondary"][f"hits_{where}"] == 5
     after = pages(prompt)
     assert all(mx.array_equal(a, b).item() for a, b in zip(after, before))
     assert close(logits, reference) and int(mx.argmax(logits).item()) == int(mx.argmax(reference).item())

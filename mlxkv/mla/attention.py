@@ -57,6 +57,10 @@ class MLAAttention(nn.Module):
     Attributes:
         mode: ``"auto"`` (choose per call by cost), ``"absorbed"`` or ``"materialised"`` (forced; for
             tests and benchmarks).
+
+    A cache with a ``latent_attend(q_lat, q_pe, latent, k_pe, scale, mask, chunk)`` method (latent pages,
+    :mod:`mlxkv.kv.paged.latent_pages`) runs the absorbed attention itself; one with ``absorbed_only`` set (the
+    batched decode view of latent pages) always gets the absorbed path, whatever :attr:`mode` says.
     """
 
     def __init__(self, attn: nn.Module, *, split_kv: bool = False, split_chunk: int = SPLIT_CHUNK):
