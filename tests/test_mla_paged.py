@@ -199,13 +199,14 @@ PROMPTS = [PROMPT[:n] for n in (3, 11, 26)] + [OTHER[:17]]
 PARAMS = SamplingParams(max_tokens=12)
 
 
-def test_batch_engine_batches_decode_preempts_and_equals_direct(model):
+def test_batch_engine_batches_decode_and_prefill_preempts_and_equals_direct(model):
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     expected = [list(direct.generate_tokens(p, PARAMS)) for p in PROMPTS]
-    for num_blocks, preempts in ((200, False), (14, True)):  # 13 blocks of 4 for 4 sequences of up to 38 tokens
+    # 14 blocks: 13 of 4 tokens for 4 sequences of up to 38 tokens
+    for num_blocks, preempts, batched_prefill in ((200, False, True), (14, True, False)):
         pool = paged_pool(model, num_blocks=num_blocks)
-        engine = BatchEngine(model, None, config=EngineConfig(max_sequences=4, prefill_chunk_size=8), pool=pool,
-                             context_length=4096).start()
+        config = EngineConfig(max_sequences=4, prefill_chunk_size=8, batched_prefill=batched_prefill)
+        engine = BatchEngine(model, None, config=config, pool=pool, context_length=4096).start()
         try:
             handles = [engine.submit(GenerationRequest(p, PARAMS)) for p in PROMPTS]
             got = [[e.token for e in h if e.kind == "token"] for h in handles]
@@ -215,6 +216,8 @@ def test_batch_engine_batches_decode_preempts_and_equals_direct(model):
         assert got == expected
         assert stats["batched_decode"] and stats["batched_steps_total"] > 0
         assert (stats["preemptions"] > 0) == preempts
+        assert stats["batched_prefill"] == batched_prefill, stats["batched_prefill_reason"]
+        assert (stats["batched_prefills_total"] > 0) == batched_prefill
         assert stats["kv_blocks"]["used"] == 0
         pool.check_invariants()
 
