@@ -35,7 +35,9 @@ def served(request, tmp_path_factory):
             result = runner.invoke(cli, ["generate", "-m", str(path), "--raw", "-n", str(MAX_TOKENS), prompt])
             assert result.exit_code == 0, result.output
             expected.append(result.stdout.removesuffix("\n"))
-        with serve_process("-m", str(path), "--max-sequences", "4") as client:
+        # V2's server also prefills requests admitted together in one forward (latent batched prefill)
+        extra = ["--batched-prefill"] if request.param == "deepseek_v2" else []
+        with serve_process("-m", str(path), "--max-sequences", "4", *extra) as client:
             yield client, expected, config
     reload_flags()
 
@@ -56,6 +58,7 @@ def test_concurrent_greedy_requests_equal_sequential_generate(served):
     s = stats(client)
     assert s["kv_backend"] == "paged" and s["batched_decode"], s
     assert s["batched_steps_total"] > 0 and s["max_batch"] > 1
+    assert s["batched_prefill"] == (config["model_type"] == "deepseek_v2"), s["batched_prefill_reason"]
     assert s["kv_blocks"]["used"] == 0 and s["kv_blocks"]["cached"] > 0
     latent_row = config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4  # float32
     assert s["kv_blocks"]["bytes_per_block"] == s["kv_blocks"]["block_size"] * latent_row  # what the budget counts
