@@ -1,6 +1,7 @@
 """Absorbed MLA on latent pages (MLXKV_MLA_ABSORBED=1, paged backend): equal to the dense absorbed path for prefill
-chunks and decode (split-KV too), prefix hits reuse all but the last token, fork, batched decode and preemption in
-the batch engine, the secondary tier round-trips latent pages, and a block's bytes are the latent rows'."""
+chunks and decode (split-KV too), prefix hits reuse all but the last token, fork, batched decode, batched prefill and
+preemption in the batch engine, speculative verification and rewinds, the secondary tier round-trips latent pages,
+and a block's bytes are the latent rows'."""
 
 from __future__ import annotations
 
@@ -259,3 +260,21 @@ def test_secondary_tier_round_trips_latent_pages(model, tmp_path, where):
     assert all(mx.array_equal(a, b).item() for a, b in zip(after, before))
     assert close(logits, reference) and int(mx.argmax(logits).item()) == int(mx.argmax(reference).item())
     be.check_invariants()
+
+
+def test_speculative_verification_on_latent_pages_equals_greedy(model):
+    """Multi-token verification steps over latent pages, then rewinds of every length through the manager."""
+    from testkit.speculative import ScriptedDrafter
+
+    from mlxkv.engine.speculative import SpeculativeEngine
+
+    reference = list(DirectEngine(model, None, pool=CachePool(model, max_sequences=1)).generate_tokens(
+        PROMPT, SamplingParams(max_tokens=16)))
+    pool = paged_pool(model, max_sequences=1)
+    rounds = []
+    engine = SpeculativeEngine(model, None, ScriptedDrafter(reference), num_draft_tokens=3, pool=pool,
+                               on_round=lambda seq, r: rounds.append(r))
+    assert list(engine.generate_tokens(PROMPT, SamplingParams(max_tokens=16))) == reference
+    assert {r.accepted for r in rounds if r.drafted == 3} == {0, 1, 2, 3}  # every rewind length
+    pool.check_invariants()
+    assert pool.paged.manager.pool.num_used_blocks == 0
