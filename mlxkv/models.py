@@ -276,5 +276,14 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
 
     apply_mla(model)  # absorbed MLA for the DeepSeek family when MLXKV_MLA_ABSORBED=1 (no-op otherwise)
     install_attention_hook(model)  # the cache decides how attention runs
+    _eval_private_arrays(model)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=spec or "mlxkv-demo")
 
+
+def _eval_private_arrays(model: Any) -> None:
+    """Evaluate the arrays modules keep outside their parameters (``_``-prefixed, e.g. DeepSeek V2's YaRN
+    ``_freqs``): left lazy, they would first be computed on the engine's thread, and MLX refuses a graph built on
+    another thread's stream ("There is no Stream(cpu, 0) in current thread")."""
+    import mlx.core as mx
+
+    mx.eval([v for _, m in model.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)])

@@ -287,6 +287,7 @@ class CachePool:
         return {
             "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
                           "evictable": p.evictable, "block_size": manager.block_size,
+                          "bytes_per_block": self.paged.bytes_per_block,
                           "capacity_tokens": self.max_sequence_tokens(),
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
             "evictions": p.evictions,

@@ -57,6 +57,10 @@ class MLAAttention(nn.Module):
     Attributes:
         mode: ``"auto"`` (choose per call by cost), ``"absorbed"`` or ``"materialised"`` (forced; for
             tests and benchmarks).
+
+    A cache with a ``latent_attend(q_lat, q_pe, latent, k_pe, scale, mask, chunk)`` method (latent pages,
+    :mod:`mlxkv.kv.paged.latent_pages`) runs the absorbed attention itself; one with ``absorbed_only`` set (the
+    batched decode view of latent pages) always gets the absorbed path, whatever :attr:`mode` says.
     """
 
     def __init__(self, attn: nn.Module, *, split_kv: bool = False, split_chunk: int = SPLIT_CHUNK):
@@ -158,10 +162,12 @@ class MLAAttention(nn.Module):
             latent, k_pe = cache.update_and_fetch(latent, k_pe)  # (B, 1, S, R), (B, 1, S, dr)
         S = latent.shape[2]
 
-        if self.use_absorbed(L, S):
+        if getattr(cache, "absorbed_only", False) or self.use_absorbed(L, S):
             self.absorbed_calls += 1
             chunk = self.split_chunk if self.split_kv else None
-            o_lat = latent_attention(self._absorb_q(q_nope), q_pe, latent, k_pe, self.scale, mask, chunk)
+            # paged latent caches attend over their pages themselves (batched decode: one call for B sequences)
+            attend = getattr(cache, "latent_attend", latent_attention)
+            o_lat = attend(self._absorb_q(q_nope), q_pe, latent, k_pe, self.scale, mask, chunk)
             out = self._unembed(o_lat)  # (B, H, L, dv)
         else:
             self.materialised_calls += 1

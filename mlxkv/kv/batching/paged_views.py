@@ -182,7 +182,8 @@ def make_paged_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
                 raise BatchUnsupported("paged sequences from different pools")
             g = layer[0].group
             groups.setdefault(g, BatchStep(layer))
-            views.append(PagedBatchView(layer, groups[g]))
+            make_view = getattr(layer[0], "batch_view", PagedBatchView)  # a layout's own view (latent pages)
+            views.append(make_view(layer, groups[g]))
         elif all(_is_state_cache(c) for c in layer):
             views.append(StateBatchView(layer))
         else:

@@ -6,7 +6,8 @@ Each layer gets a :class:`PrefillBatchView` that
   ``offset_b + i``);
 * in ``update_and_fetch`` writes only each sequence's real rows (``lengths[b]`` of them) into its own cache;
 * in ``attend`` runs each sequence's causal attention over its own cache (``cache.attend``: on paged storage the
-  in-place page-run and view paths) and pads the outputs back to ``Lmax`` rows.
+  in-place page-run and view paths) and pads the outputs back to ``Lmax`` rows; absorbed MLA on latent pages
+  comes to ``latent_attend`` instead, the same per sequence over its latent rows.
 
 The padded rows' outputs are computed and dropped; nothing of them reaches a cache. Only full-attention KV
 layers qualify (no window, chunk, recurrent state or quantized K/V: their masks or states would need more than
@@ -25,6 +26,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlxkv.kv.batching.dense_views import BatchUnsupported, KVBatchView, _pad_rows
 from mlxkv.kv.layouts.standard import KVCache
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
+from mlxkv.mla.latent import latent_attention
 
 
 def _full_attention(cache: Any) -> bool:
@@ -110,6 +112,31 @@ class PrefillBatchView(KVBatchView):
                 out = scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=row_mask, sinks=sinks)
             outs.append(_pad_rows(out, width - n))  # (1, n_q, Lmax, D_v)
         return mx.concatenate(outs, axis=0)  # (B, n_q, Lmax, D_v)
+
+
+    #: absorbed MLA (:class:`~mlxkv.mla.MLAAttention`) takes its latent path here: the materialised one would
+    #: attend the padded K/V without each row's causal mask.
+    absorbed_only = True
+
+    def latent_attend(self, q_lat: mx.array, q_pe: mx.array, latent: mx.array, k_pe: mx.array, scale: float,
+                      mask: Any = None, chunk: int | None = None) -> mx.array:
+        """Absorbed MLA: each sequence's causal latent attention over its own latent / rope-key rows; ``q_lat``
+        ``(B, H, Lmax, R)`` -> ``(B, H, Lmax, R)`` (padded query rows get zeros). ``mask`` is not used (see
+        :meth:`attend`); ``chunk``: split-KV chunk or None."""
+        assert self._fetched is not None, "latent_attend before update_and_fetch"
+        self.attended = True
+        own = self._returned is not None and latent is self._returned[0] and k_pe is self._returned[1]
+        width = q_lat.shape[2]
+        outs = []
+        for b, n in enumerate(self.lengths):
+            if own:
+                lat, pe = self._fetched[b]  # (1, 1, K_b, R), (1, 1, K_b, dr)
+            else:
+                lat, pe = (x[b : b + 1, ..., : self._lengths[b], :] for x in (latent, k_pe))
+            out = latent_attention(q_lat[b : b + 1, :, :n], q_pe[b : b + 1, :, :n], lat, pe, scale,
+                                   "causal" if n > 1 else None, chunk)  # (1, H, n, R)
+            outs.append(_pad_rows(out, width - n))  # (1, H, Lmax, R)
+        return mx.concatenate(outs, axis=0)  # (B, H, Lmax, R)
 
 
 def make_prefill_views(seq_caches: Sequence[Sequence[Any]], lengths: Sequence[int]) -> list[PrefillBatchView]:

@@ -6,6 +6,8 @@
   copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``.
 - :class:`PagedLayerCache` (layer_cache.py): mlx-lm's cache protocol for full, sliding and chunked layers;
   decode attention through ``paged_attention`` on the pages, dense SDPA otherwise.
+- :class:`~mlxkv.kv.paged.latent_pages.LatentPagedCache` (latent_pages.py): absorbed MLA's latent + rope-key rows in
+  the K/V pages of its layers, read by ``latent_attend``.
 - :class:`PagedBackend` (backend.py): groups from the model's layouts, manager, storage; what
   ``CachePool(model, backend="paged", kv_config=...)`` uses.
 

@@ -27,6 +27,8 @@ from mlxkv.kv.layouts import (
     RotatingKVCache,
     make_caches,
 )
+from mlxkv.kv.layouts.latent_cache import LatentCache
+from mlxkv.kv.paged.latent_pages import LatentPagedCache
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
@@ -41,7 +43,7 @@ def _group_key(cache: Any) -> tuple | None:
         return ("sliding", cache.max_size)
     if isinstance(cache, ChunkedKVCache):
         return ("chunked", cache.chunk_size)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, (KVCache, LatentCache)):  # absorbed MLA: latent pages, full attention
         return ("full",)
     if isinstance(cache, LayerCache):
         raise ValueError(f"the paged backend has no layout for {type(cache).__name__}; use backend='dense'")  # noqa: TRY004
@@ -64,8 +66,8 @@ def probe_block_bytes(model: Any, block_size: int) -> list[int]:
     model(mx.array([[1]], dtype=mx.uint32), cache=caches)
     out = []
     for c in caches:
-        if isinstance(c, LayerCache):
-            k, v = c.state[:2]  # (1, H, 1, D) each
+        if isinstance(c, (LayerCache, LatentCache)):
+            k, v = c.state[:2]  # (1, H, 1, D) each; latent caches: (1, 1, 1, kv_lora_rank), (1, 1, 1, rope_dim)
             out.append(block_size * (k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize))
         else:
             out.append(0)
@@ -121,6 +123,7 @@ class PagedBackend:
         self.specs = [_spec(k, layers) for k, layers in order.items()]
         self.layer_group = [None if k is None else self.group_keys.index(k) for k in keys]
         self.recurrent = any(k is None for k in keys)
+        self.layer_class = [LatentPagedCache if isinstance(c, LatentCache) else PagedLayerCache for c in template]
         self.block_size = config.block_size
         self.layer_block_bytes = probe_block_bytes(model, config.block_size)
         self.bytes_per_block = sum(self.layer_block_bytes)
@@ -174,7 +177,7 @@ class PagedBackend:
         caches = []
         for layer, c in enumerate(make_caches(self.model)):
             g = self.layer_group[layer]
-            caches.append(c if g is None else PagedLayerCache(seq, layer, g, self.specs[g]))
+            caches.append(c if g is None else self.layer_class[layer](seq, layer, g, self.specs[g]))
         return caches, seq
 
     def fork(self, parent: PagedSequence, parent_caches: list, n: int) -> list[tuple[list, PagedSequence]]:
@@ -196,7 +199,7 @@ class PagedBackend:
             caches = []
             for layer, c in enumerate(parent_caches):
                 if isinstance(c, PagedLayerCache):
-                    child = PagedLayerCache(seq, layer, c.group, c.spec)
+                    child = type(c)(seq, layer, c.group, c.spec)
                     child.offset = offset
                     caches.append(child)
                 else:
