@@ -15,7 +15,7 @@ from mlxkv.kv.blocks.block_pool import BlockPool
 from mlxkv.kv.blocks.coordinator import KVCacheCoordinator, PrefixHit
 from mlxkv.kv.blocks.hashing import HashContext, HashFn, extend_block_hashes
 from mlxkv.kv.blocks.seq_state import CopyOp, GroupTable, SequenceState
-from mlxkv.kv.blocks.snapshots import StateSnapshotIndex
+from mlxkv.kv.blocks.snapshots import StateSnapshotIndex, prefix_of
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 
@@ -48,17 +48,12 @@ class BlockTables:
             return PrefixHit(self.block_size, 0, [[] for _ in self.specs])
         hit = self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=len(tokens) - 1)
         while self.snapshots is not None and hit.num_full_blocks:  # fixed point: lengths only shrink
-            anchors = [b.ref for b in hit.blocks[self.snapshot_anchor_group]]
-            k = self.snapshots.deepest(hashes, anchors, hit.num_full_blocks)
+            k = self.snapshots.deepest(hashes, lambda n: prefix_of(tokens, ctx, n, self.block_size),
+                                       hit.num_full_blocks)
             if k == hit.num_full_blocks:
                 break
             hit = self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=k * self.block_size)
         return hit
-
-    @property
-    def snapshot_anchor_group(self) -> int:
-        """The group whose block at index k - 1 anchors a snapshot after k blocks (its block there is real)."""
-        return self.anchor_group if self.anchor_group is not None else 0
 
     def attach(self, seq: SequenceState) -> tuple[int, list[CopyOp]]:
         """Take the prefix hit of a sequence with empty tables; returns (cached tokens, copies)."""

@@ -37,7 +37,7 @@ from mlxkv.kv.blocks.seq_state import (
     SequenceState,
     SlotAllocation,
 )
-from mlxkv.kv.blocks.snapshots import StateSnapshotIndex
+from mlxkv.kv.blocks.snapshots import StateSnapshotIndex, prefix_of
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 if TYPE_CHECKING:
@@ -161,30 +161,24 @@ class KVCacheManager:
         state = None
         if self.snapshots is not None and cached:
             k = cached // self.block_size
-            state = self.snapshots.take(seq.block_hashes[k - 1], self._anchor(seq, k))
+            state = self.snapshots.take(seq.block_hashes[k - 1], lambda: prefix_of(tokens, seq.ctx, k, self.block_size))
         self._prompt_tokens += len(tokens)
         self._hit_tokens += cached
         return OpenResult(seq.seq_id, cached, copies, self.block_tables(seq.seq_id), state)
 
     # ---- recurrent-state snapshots ----------------------------------------------------------------------
-    def _anchor(self, seq: SequenceState, k: int):
-        block = seq.tables[self.tables.snapshot_anchor_group].blocks[k - 1]
-        return block.ref if block.cached else None
-
     def store_snapshot(self, seq_id: int, num_blocks: int, payload) -> bool:
         """Store ``payload``, the recurrent state of ``seq_id`` after its first ``num_blocks`` full blocks (all
         committed, hence cached), in the pool's budget; False when snapshots are off or there is no room."""
         seq = self._get(seq_id)
         if self.snapshots is None or num_blocks < 1 or seq.num_committed < num_blocks * self.block_size:
             return False
-        self.tables.cache_full_blocks(seq)
-        anchor = self._anchor(seq, num_blocks)
-        if anchor is None:
-            return False
+        self.tables.cache_full_blocks(seq)  # its block hashes
         bs, i = self.block_size, num_blocks - 1
         rule = seq.retention.block_retention(i * bs, (i + 1) * bs, seq.prompt_len, self.pool.clock())
-        return self.snapshots.put(seq.block_hashes[i], num_blocks, anchor, tuple(seq.tokens[i * bs:(i + 1) * bs]),
-                                  seq.ctx.block_extra_keys(i, bs), rule, payload)
+        return self.snapshots.put(seq.block_hashes[i], num_blocks, prefix_of(seq.tokens, seq.ctx, num_blocks, bs),
+                                  tuple(seq.tokens[i * bs:(i + 1) * bs]), seq.ctx.block_extra_keys(i, bs), rule,
+                                  payload)
 
     # ---- growing --------------------------------------------------------------------------------------
     def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:

@@ -4,9 +4,10 @@ A model with recurrent layers (mlx-lm ``ArraysCache``: conv + SSM / gated-delta 
 cached attention blocks only if it also has every recurrent layer's state at that position. A *snapshot* is that
 state after the first ``k`` full blocks of a sequence, keyed like the attention blocks: by the chained hash of
 block ``k - 1`` (salt and extra keys included), so it is valid for any prompt whose first ``k * block_size``
-tokens match. Content is checked, not trusted to the hash: a snapshot records the ref of the attention block
-it was taken after (its *anchor*, as windowed groups anchor their blocks), and a hit must have that very block
-at index ``k - 1``.
+tokens match. Content is checked, not trusted to the hash: a snapshot records the prefix it follows (its
+tokens and every block's extra keys), and a hit must match it exactly. (A ref of the attention block it
+follows would be cheaper, but a prefix is often cached twice, in blocks of two sequences that computed it
+side by side; the hit search may verify either chain.)
 
 Memory is the pool's: a snapshot holds ``blocks_per_snapshot`` pool blocks (its state bytes over one block's
 K/V bytes, rounded up). They are cached blocks of their own group (``group_id``, after the attention groups),
@@ -18,11 +19,18 @@ are immutable arrays: a hit shares them (copy-on-write by construction), nothing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mlxkv.kv.blocks.block import BlockHash, BlockRef, KVCacheBlock
+from mlxkv.kv.blocks.hashing import HashContext
+
+
+def prefix_of(tokens: Sequence[int], ctx: HashContext, num_blocks: int, block_size: int) -> tuple:
+    """The identity of a sequence's first ``num_blocks`` blocks: their tokens and each block's extra keys."""
+    return (tuple(tokens[: num_blocks * block_size]),
+            tuple(ctx.block_extra_keys(i, block_size) for i in range(num_blocks)))
 from mlxkv.kv.blocks.block_pool import BlockPool
 
 
@@ -32,7 +40,7 @@ class StateSnapshot:
 
     key: BlockHash  # chained hash of the block it follows
     num_blocks: int  # k: the state after the first k full blocks (k * block_size tokens)
-    anchor: BlockRef  # ref of the attention block at index k - 1 of the sequence that took it
+    prefix: tuple  # (tokens of the first k blocks, their extra keys per block): what it is the state after
     blocks: list[KVCacheBlock]  # pool blocks holding its budget
     refs: list[BlockRef]  # their content refs when stored (any changed: the snapshot is gone)
     payload: Any  # the recurrent layers' state arrays (opaque here)
@@ -59,14 +67,14 @@ class StateSnapshotIndex:
         pool.add_evict_hook(self._on_evict)
 
     # ---- storing ----------------------------------------------------------------------------------------
-    def put(self, key: BlockHash, num_blocks: int, anchor: BlockRef, token_ids: Sequence[int], extra_keys: tuple,
+    def put(self, key: BlockHash, num_blocks: int, prefix: tuple, token_ids: Sequence[int], extra_keys: tuple,
             retention: tuple[int, float | None], payload: Any) -> bool:
-        """Store the state after ``num_blocks`` blocks whose last block has hash ``key`` and ref ``anchor``
-        (``token_ids``/``extra_keys``: that block's, for the pool's index). A live snapshot of the same content
-        is refreshed instead. False when the pool has no free block for it (nothing is evicted then that an
+        """Store the state after the ``num_blocks`` blocks ``prefix`` (see :class:`StateSnapshot`) whose last block
+        has hash ``key`` (``token_ids``/``extra_keys``: that block's, for the pool's index). A live snapshot of
+        the same prefix is refreshed instead. False when the pool has no free block for it (nothing is evicted then that an
         allocation would not evict anyway: the pool's policy picks the victims)."""
         for snap in self._by_key.get(key, ()):
-            if snap.anchor == anchor and self._live(snap):
+            if snap.prefix == prefix and self._live(snap):
                 self._refresh(snap)
                 return True
         pool, k = self.pool, self.blocks_per_snapshot
@@ -78,7 +86,7 @@ class StateSnapshotIndex:
             pool.set_retention(block, *retention, merge=False)
             pool.cache_full_block(block, group_id=self.group_id, block_hash=key, parent_hash=None, parent_ref=None,
                                   token_ids=token_ids, extra_keys=extra_keys)
-        snap = StateSnapshot(key, num_blocks, anchor, blocks, [b.ref for b in blocks], payload)
+        snap = StateSnapshot(key, num_blocks, prefix, blocks, [b.ref for b in blocks], payload)
         self._by_key.setdefault(key, []).append(snap)
         for block in blocks:
             self._by_block[block.block_id] = snap
@@ -87,24 +95,29 @@ class StateSnapshotIndex:
         return True
 
     # ---- finding ----------------------------------------------------------------------------------------
-    def find(self, key: BlockHash, anchor: BlockRef | None) -> StateSnapshot | None:
-        """The live snapshot taken after the block with hash ``key`` and ref ``anchor``, or None."""
-        for snap in self._by_key.get(key, ()):
-            if snap.anchor == anchor and self._live(snap):
+    def find(self, key: BlockHash, prefix: Callable[[], tuple]) -> StateSnapshot | None:
+        """The live snapshot after the block with hash ``key`` whose prefix is ``prefix()`` (built only when the
+        hash matches), or None."""
+        same = self._by_key.get(key)
+        if not same:
+            return None
+        want = prefix()
+        for snap in same:
+            if snap.prefix == want and self._live(snap):
                 return snap
         return None
 
-    def deepest(self, hashes: Sequence[BlockHash], anchors: Sequence[BlockRef | None], max_blocks: int) -> int:
-        """The largest ``k <= max_blocks`` with a snapshot after block ``k - 1`` (``anchors[i]``: the ref of the
-        verified attention block at index i); 0 when there is none."""
-        for k in range(min(max_blocks, len(hashes), len(anchors)), 0, -1):
-            if self.find(hashes[k - 1], anchors[k - 1]) is not None:
+    def deepest(self, hashes: Sequence[BlockHash], prefix: Callable[[int], tuple], max_blocks: int) -> int:
+        """The largest ``k <= max_blocks`` with a snapshot after block ``k - 1`` (``prefix(k)``: the request's
+        first ``k`` blocks in :class:`StateSnapshot` form); 0 when there is none."""
+        for k in range(min(max_blocks, len(hashes)), 0, -1):
+            if self.find(hashes[k - 1], lambda: prefix(k)) is not None:
                 return k
         return 0
 
-    def take(self, key: BlockHash, anchor: BlockRef | None) -> Any:
+    def take(self, key: BlockHash, prefix: Callable[[], tuple]) -> Any:
         """The payload of a hit (counted, and its blocks moved to the back of the eviction order)."""
-        snap = self.find(key, anchor)
+        snap = self.find(key, prefix)
         assert snap is not None, "take() follows a deepest() that found this snapshot"
         self._refresh(snap)
         self.hits += 1
