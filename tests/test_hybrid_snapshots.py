@@ -210,3 +210,22 @@ def test_restored_state_is_shared_not_copied(hybrid):
     assert seq.caches[layer].state[0][1] is not snap.payload[0][0][1]  # the model assigned a new state
     pool.release(seq.id)
     pool.check_invariants()
+
+
+def test_a_tenant_reset_drops_that_tenants_snapshots_only():
+    model, _ = build_model("qwen3_next")
+    install_attention_hook(model)
+    pool = paged(model)
+    engine = DirectEngine(model, None, pool=pool)
+    prompt = SYSTEM + QUESTIONS[0]
+    for salt in ("alice", "bob"):
+        list(engine.generate_tokens(prompt, SamplingParams(max_tokens=2), salt=salt))
+    snaps = pool.paged.manager.snapshots
+    assert snaps.stats()["count"] == 2
+    pool.evict_cached(salt="alice")
+    assert snaps.stats()["count"] == 1
+    list(engine.generate_tokens(prompt, SamplingParams(max_tokens=2), salt="bob"))
+    assert engine.last_stats.cached_prompt_tokens == 32  # bob's snapshot survived alice's reset
+    list(engine.generate_tokens(prompt, SamplingParams(max_tokens=2), salt="alice"))
+    assert engine.last_stats.cached_prompt_tokens == 0
+    pool.check_invariants()

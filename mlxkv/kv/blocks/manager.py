@@ -177,8 +177,8 @@ class KVCacheManager:
         bs, i = self.block_size, num_blocks - 1
         rule = seq.retention.block_retention(i * bs, (i + 1) * bs, seq.prompt_len, self.pool.clock())
         return self.snapshots.put(seq.block_hashes[i], num_blocks, prefix_of(seq.tokens, seq.ctx, num_blocks, bs),
-                                  tuple(seq.tokens[i * bs:(i + 1) * bs]), seq.ctx.block_extra_keys(i, bs), rule,
-                                  payload)
+                                  tuple(seq.tokens[i * bs:(i + 1) * bs]), seq.ctx.block_extra_keys(0, bs), rule,
+                                  payload)  # block 0's extra keys carry the salt: the snapshot's tenant
 
     # ---- growing --------------------------------------------------------------------------------------
     def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:

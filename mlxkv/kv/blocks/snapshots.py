@@ -70,8 +70,9 @@ class StateSnapshotIndex:
     def put(self, key: BlockHash, num_blocks: int, prefix: tuple, token_ids: Sequence[int], extra_keys: tuple,
             retention: tuple[int, float | None], payload: Any) -> bool:
         """Store the state after the ``num_blocks`` blocks ``prefix`` (see :class:`StateSnapshot`) whose last block
-        has hash ``key`` (``token_ids``/``extra_keys``: that block's, for the pool's index). A live snapshot of
-        the same prefix is refreshed instead. False when the pool has no free block for it (nothing is evicted then that an
+        has hash ``key`` (``token_ids``: that block's, ``extra_keys``: the first block's, whose salt makes the
+        snapshot's tenant, for the pool's index and quota). A live snapshot of the same prefix is refreshed
+        instead. False when the pool has no free block for it (nothing is evicted then that an
         allocation would not evict anyway: the pool's policy picks the victims)."""
         for snap in self._by_key.get(key, ()):
             if snap.prefix == prefix and self._live(snap):
