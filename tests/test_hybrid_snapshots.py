@@ -229,3 +229,28 @@ def test_a_tenant_reset_drops_that_tenants_snapshots_only():
     list(engine.generate_tokens(prompt, SamplingParams(max_tokens=2), salt="alice"))
     assert engine.last_stats.cached_prompt_tokens == 0
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_decoding_on_a_hit_stays_exact(arch):
+    """Speculative rounds (scripted drafts: every rewind length, replays of the recurrent layers) commit only
+    verified tokens, so the snapshots they leave are exact: a repeat and a next turn resume from them."""
+    from testkit.speculative import ScriptedDrafter
+
+    from mlxkv.engine.speculative import SpeculativeEngine
+
+    model, _ = build_model(arch)
+    install_attention_hook(model)
+    pool = paged(model, max_sequences=1)
+    prompt = SYSTEM + QUESTIONS[0]
+    params = SamplingParams(max_tokens=20)
+    expected = reference(model, prompt, params)
+    engine = SpeculativeEngine(model, None, ScriptedDrafter(expected), num_draft_tokens=3, pool=pool)
+    assert list(engine.generate_tokens(prompt, params)) == expected
+    assert list(engine.generate_tokens(prompt, params)) == expected
+    assert engine.last_stats.cached_prompt_tokens == 32 and engine.last_stats.replay_forwards > 0
+    turn2 = prompt + expected + QUESTIONS[1]
+    engine.drafter = ScriptedDrafter(reference(model, turn2, params))
+    assert list(engine.generate_tokens(turn2, params)) == reference(model, turn2, params)
+    assert engine.last_stats.cached_prompt_tokens >= 32
+    pool.check_invariants()
