@@ -2,9 +2,6 @@
 repeated and shared-prefix prompts are prefix hits (state snapshots), with the same greedy text as the first
 time; the cache stats show the snapshots; a disk tier is refused with a clear error for such a model."""
 
-import subprocess
-import sys
-
 import httpx
 
 from testkit.serve_process import serve_process
@@ -27,6 +24,7 @@ def test_serve_hybrid_reuses_prefixes_exactly(test_model_dir):
         again = [completion(client, SYSTEM + q) for q in QUESTIONS]
         base = str(client.base_url).rstrip("/").removesuffix("/v1")
         stats = httpx.get(f"{base}/v1/cache/stats", timeout=30).json()
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
     assert [t for t, _, _ in again] == [t for t, _, _ in first]  # greedy text with reuse == without
     n0, n1 = first[0][1], first[1][1]
     assert first[0][2] == 0
@@ -37,11 +35,16 @@ def test_serve_hybrid_reuses_prefixes_exactly(test_model_dir):
     snaps = stats["state_snapshots"]
     assert stats["prefix_cache"]["enabled"] and snaps["enabled"] and snaps["hits"] == 3 and snaps["count"] > 0
     assert snaps["bytes_each"] == 4 * (3 * 128 + 4 * 16 * 16)
+    assert "mlxkv_state_snapshot_hits_total 3.0" in metrics
 
 
 def test_serve_hybrid_refuses_the_disk_tier(test_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
     folder = test_model_dir("qwen3_next")
-    proc = subprocess.run([sys.executable, "-m", "mlxkv", "serve", "-m", str(folder), "--kv-disk-cache",
-                           str(tmp_path / "tier"), "--port", "0"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "recurrent-state snapshots" in proc.stdout + proc.stderr
+    result = CliRunner().invoke(app, ["serve", "-m", str(folder), "--kv-disk-cache", str(tmp_path / "tier"),
+                                      "--port", "0"])
+    assert result.exit_code == 1
+    assert "error: the secondary KV tier does not hold recurrent-state snapshots" in result.output

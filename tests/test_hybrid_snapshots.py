@@ -254,3 +254,14 @@ def test_speculative_decoding_on_a_hit_stays_exact(arch):
     assert list(engine.generate_tokens(turn2, params)) == reference(model, turn2, params)
     assert engine.last_stats.cached_prompt_tokens >= 32
     pool.check_invariants()
+
+
+def test_a_recurrent_layer_without_readable_state_warns_and_keeps_prefix_caching_off(monkeypatch, caplog):
+    import mlxkv.kv.paged.backend as backend_module
+
+    model, _ = build_model("qwen3_next")
+    monkeypatch.setattr(backend_module, "can_snapshot", lambda cache: False)
+    with caplog.at_level("WARNING", logger="mlxkv.kv.paged.backend"):
+        pool = paged(model)
+    assert "prefix caching is off for this model" in caplog.text and "ArraysCache" in caplog.text
+    assert not pool.prefix_caching and pool.block_stats()["state_snapshots"] == {"enabled": False}
