@@ -4,6 +4,8 @@ boundary with a snapshot, snapshots live in the pool's budget and leave it by it
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from testkit.archs import build_model
 
 from mlxkv.config import KvCacheConfig
@@ -265,3 +267,35 @@ def test_a_recurrent_layer_without_readable_state_warns_and_keeps_prefix_caching
         pool = paged(model)
     assert "prefix caching is off for this model" in caplog.text and "ArraysCache" in caplog.text
     assert not pool.prefix_caching and pool.block_stats()["state_snapshots"] == {"enabled": False}
+
+
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 6, 6, 6, 6]]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 9), st.integers(0, 3),
+                          st.sampled_from([None, "a"])), min_size=1, max_size=25))
+def test_random_workloads_never_restore_a_wrong_state(ops):
+    """Random prompts sharing prefixes, salts, snapshots at random depths, in a pool small enough to evict: a hit's
+    state is always the one stored for exactly its prefix (the payload here *is* that prefix), the hit ends at a
+    block boundary where the payload was stored, and the pool's invariants hold."""
+    m = KVCacheManager(24, 4, state_snapshot_blocks=2)
+    for p1, p2, tail, k, salt in ops:
+        prompt = PREFIXES[p1] + PREFIXES[p2][:4] + list(range(100, 100 + tail))
+        res = m.open(prompt, salt=salt)
+        if res.num_cached_tokens:
+            assert res.num_cached_tokens % 4 == 0
+            assert res.state == (salt, tuple(prompt[:res.num_cached_tokens]))
+        else:
+            assert res.state is None
+        if m.allocate_slots(res.seq_id) is None:  # no room: give up on this one
+            m.free(res.seq_id)
+            continue
+        m.commit(res.seq_id)
+        k = min(k, len(prompt) // 4)
+        if k:
+            m.store_snapshot(res.seq_id, k, payload=(salt, tuple(prompt[:4 * k])))
+        m.check_invariants()
+        m.free(res.seq_id)
+        m.check_invariants()
+        assert m.pool.num_free_blocks == m.pool.num_usable_blocks
