@@ -112,6 +112,10 @@ def generate(
     kv_group_size: int = options.KV_GROUP_SIZE,
     kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
+    state_snapshot_interval: int = typer.Option(
+        0, "--state-snapshot-interval", min=0, metavar="BLOCKS", rich_help_panel=KV_PANEL,
+        help="Models with recurrent layers (paged): also snapshot their state every this many KV blocks of a "
+             "prompt, so prompts sharing a prefix resume deeper (0: at prompt and sequence ends only)."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
                                               help="Speculative decoding with this draft model (same vocabulary)."),
     prompt_lookup: bool = typer.Option(False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
@@ -133,7 +137,8 @@ def generate(
                         ("num_draft_tokens", "--num-draft-tokens", bool(draft_model) or prompt_lookup),
                         ("ngram_size", "--ngram-size", prompt_lookup),
                         ("kv_group_size", "--kv-group-size", kv_bits is not None),
-                        ("kv_block_size", "--kv-block-size", kv_backend == "paged")])
+                        ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
+                        ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])
     model = with_revision(model, revision)
     if json_object and json_schema is not None:
         raise typer.BadParameter("--json and --json-schema exclude each other.", param_hint="--json")
@@ -167,7 +172,7 @@ def generate(
     from mlxkv.cli.models import remember_gguf
 
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size)
+                   kv_group_size=kv_group_size, state_snapshot_interval=state_snapshot_interval)
     if draft_model:
         try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
             resolve_model_path(draft_model)

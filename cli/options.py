@@ -86,13 +86,14 @@ _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir
              "block_size": "--kv-block-size", "max_kv_size": "--max-kv-size", "kv_bits": "--kv-bits",
              "kv_group_size": "--kv-group-size", "secondary_tenant_share": "--kv-tenant-share",
              "primary_tenant_share": "--kv-tenant-share",
-             "layout": "--cache-layout", "backend": "--kv-backend"}
+             "layout": "--cache-layout", "backend": "--kv-backend",
+             "state_snapshot_interval": "--state-snapshot-interval"}
 
 
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
               disk_cache_dir: str | None = None, disk_cache_bytes: int = 0, tenant_share: float = 0.5,
-              disk_write_interval_s: float = 2.0) -> Any:
+              disk_write_interval_s: float = 2.0, state_snapshot_interval: int = 0) -> Any:
     """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
 
     Raises:
@@ -119,7 +120,8 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
                              secondary_memory_bytes=host_cache_bytes, secondary_disk_dir=disk_cache_dir,
                              secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share,
                              primary_tenant_share=tenant_share,
-                             secondary_write_interval_s=disk_write_interval_s)
+                             secondary_write_interval_s=disk_write_interval_s,
+                             state_snapshot_interval=state_snapshot_interval)
     except ValueError as exc:
         raise typer.BadParameter(_flag_names(str(exc))) from None
 

@@ -100,6 +100,10 @@ def serve(
                                    help="KV storage: paged (block pool with prefix caching) or dense buffers."),
     kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
+    state_snapshot_interval: int = typer.Option(
+        0, "--state-snapshot-interval", min=0, metavar="BLOCKS", rich_help_panel=KV_PANEL,
+        help="Models with recurrent layers (paged): also snapshot their state every this many KV blocks of a "
+             "prompt, so prompts sharing a prefix resume deeper (0: at prompt and sequence ends only)."),
     kv_cache_budget: Optional[int] = typer.Option(
         None, "--kv-cache-budget", parser=parse_size, metavar="SIZE", rich_help_panel=KV_PANEL,
         help="Memory for KV blocks (paged; default: max-sequences full contexts, at most half the free memory). "
@@ -151,7 +155,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine."""
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
-                        ("kv_block_size", "--kv-block-size", kv_backend == "paged")])
+                        ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
+                        ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])
     model = with_revision(model, revision)
     from mlxkv import env
     from mlxkv.server.compat import parse_origins
@@ -166,7 +171,8 @@ def serve(
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                    host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
-                   tenant_share=kv_tenant_share, disk_write_interval_s=kv_disk_write_interval)
+                   tenant_share=kv_tenant_share, disk_write_interval_s=kv_disk_write_interval,
+                   state_snapshot_interval=state_snapshot_interval)
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)

@@ -82,6 +82,7 @@ WHY = {
     "ngram_size": "applies to --prompt-lookup only",
     "kv_group_size": "applies to a quantized KV cache only: add --kv-bits 4 or 8",
     "kv_block_size": "applies to the paged backend only: add --kv-backend paged",
+    "state_snapshot_interval": "applies to the paged backend only: add --kv-backend paged",
 }
 
 

@@ -49,6 +49,9 @@ class KvCacheConfig:
         still fill the pool.
     secondary_write_interval_s: paged with a disk tier: cached blocks are written to disk behind the engine at
         most this many seconds after they are cached (what a crash can lose); 0 = only evicted blocks go to disk.
+    state_snapshot_interval: paged models with recurrent layers: also snapshot the recurrent state every this
+        many blocks of a prompt (0 = only at the end of each prompt and of each sequence); see
+        mlxkv/kv/paged/state_snapshots.py.
     """
 
     backend: str = "dense"
@@ -71,6 +74,7 @@ class KvCacheConfig:
     primary_tenant_share: float = 1.0
     secondary_write_interval_s: float = 2.0
     layout: str = "mlxkv"
+    state_snapshot_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in KV_LAYOUTS:
@@ -123,6 +127,10 @@ class KvCacheConfig:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
                 raise ValueError(f"{name}={t!r}: expected a number in (0, 1] (1 = no per-tenant quota)")
+        i = self.state_snapshot_interval
+        if not _is_int(i) or i < 0:
+            raise ValueError(f"state_snapshot_interval={i!r}: expected an integer number of blocks >= 0 "
+                             "(0 = prompt and sequence ends only)")
 
     @property
     def secondary_enabled(self) -> bool:

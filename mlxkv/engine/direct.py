@@ -107,7 +107,7 @@ class DirectEngine:
             start = time.perf_counter()
             cached = stats.cached_prompt_tokens = seq.num_cached  # < len(prompt): the last token is recomputed
             logits = prefill(self.model, caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size)[None]  # (1, vocab)
+                             step_size=self.prefill_step_size, seq=seq, start=cached)[None]  # (1, vocab)
             if processors:
                 logits = processors.process(logits)
             y = pick(logits)  # (1,)

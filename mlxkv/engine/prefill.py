@@ -49,7 +49,8 @@ def padded_prefill_enabled(model: Any, caches: list) -> bool:
     return PADDED_PREFILL_DEFAULT if override is None else True
 
 
-def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -> mx.array:
+def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048, seq: Any = None,
+            start: int = 0) -> mx.array:
     """Run the prompt ``tokens`` (1-D) through ``model``, filling ``caches``.
 
     Args:
@@ -57,6 +58,9 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -
         caches: one cache per layer (``make_caches`` or mlx-lm's), empty or holding a prefix.
         tokens: the prompt token ids, shape ``(n,)``.
         step_size: tokens per forward; the last chunk holds the rest.
+        seq: the pool's handle of the sequence (optional): chunks end where it asks
+            (:meth:`~mlxkv.kv.sequence.Sequence.prefill_chunk`: recurrent-state snapshots) and it is committed
+            after each; ``start``: the sequence position of ``tokens[0]`` (its cached prefix).
 
     Returns:
         The last prompt token's logits, shape ``(vocab,)``.
@@ -75,7 +79,8 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -
     pad_enabled = padded_prefill_enabled(model, caches)
     pos = 0
     while pos < body.size:
-        chunk = body[pos:pos + step_size]  # (L,)
+        n = step_size if seq is None else seq.prefill_chunk(start + pos, step_size)
+        chunk = body[pos:pos + n]  # (L,)
         real = chunk.size
         final = pos + real == body.size
         pad = -real % PAD_TILE if final and pad_enabled else 0
@@ -87,5 +92,7 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048) -
             assert removed == pad, f"{type(c).__name__} dropped {removed} of {pad} pad tokens"
         mx.eval(cache_arrays(caches))
         pos += real
+        if seq is not None:
+            seq.commit()  # these positions are verified (paged: a snapshot due here is taken)
     logits = model(tokens[-1:][None], cache=caches)  # (1, 1, vocab)
     return logits[0, -1]  # (vocab,)

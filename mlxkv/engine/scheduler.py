@@ -260,7 +260,7 @@ class Scheduler:
                     self.totals["prefills_joined_decode"] += 1
                     self._start_decoding(task)  # its first decode step, with the running batch, feeds that token
                 elif n > 0:
-                    n = self._room_for_chunk(task, n)
+                    n = self._room_for_chunk(task, task.seq.prefill_chunk(task.done, n))
                     if n == 0:
                         continue  # preempted: it waits for blocks
                     budget -= n

@@ -130,7 +130,7 @@ class SpeculativeEngine(DirectEngine):
             start = time.perf_counter()
             cached = stats.cached_prompt_tokens = seq.num_cached  # paged prefix hit (< len(prompt)); dense: 0
             logits = prefill(self.model, seq.caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size)  # (V,)
+                             step_size=self.prefill_step_size, seq=seq, start=cached)  # (V,)
             y = params.make_sampler()((logits - mx.logsumexp(logits, keepdims=True))[None]).item()
             seq.commit()  # paged: the prompt is verified; its full blocks become cached
             self.drafter.begin(prompt, params, vocab_size=logits.shape[-1], max_draft=self.num_draft_tokens)

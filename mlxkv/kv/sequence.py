@@ -51,6 +51,12 @@ class Sequence:
         """Positions written and verified (paged; dense: the first cache's offset)."""
         return self.paged.num_committed if self.paged is not None else self.offset
 
+    def prefill_chunk(self, start: int, n: int) -> int:
+        """How many of the ``n`` prompt tokens from ``start`` the next prefill forward may take: fewer where a
+        recurrent-state snapshot is due inside them (paged models with recurrent layers; else ``n``)."""
+        stop = self.paged.next_stop(start) if self.paged is not None else None
+        return n if stop is None else max(1, min(n, stop - start))
+
     def feed(self, token_ids: list[int]) -> None:
         """Announce the tokens the next model step appends (paged: allocates their slots; dense: no-op)."""
         if self.paged is not None:

@@ -249,7 +249,8 @@ class CachePool:
     # ---- what the pool holds --------------------------------------------------------------------------------
     @property
     def prefix_caching(self) -> bool:
-        """Whether verified blocks are kept for later prefix hits (paged, and a model without recurrent layers)."""
+        """Whether verified blocks are kept for later prefix hits (paged; a model with recurrent layers through
+        state snapshots, unless its layers expose no state)."""
         return self.paged is not None and self.paged.manager.pool.enable_caching
 
     def evict_cached(self, salt: str | None = None) -> int:
@@ -293,6 +294,7 @@ class CachePool:
             "evictions": p.evictions,
             "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
             "tier": self.paged.tier_stats(),
+            "state_snapshots": self.paged.snapshot_stats(),
         }
 
     # ---- secondary tier's write-behind (paged with a disk tier; otherwise no-ops) --------------------------

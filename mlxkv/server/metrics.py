@@ -72,6 +72,12 @@ class _EngineCollector(Collector):
         for priority, count in sorted(blocks.get("cached_by_priority", {}).items(), key=lambda kv: int(kv[0])):
             by_priority.add_metric([str(priority)], float(count))
         yield by_priority
+        snaps = s.get("state_snapshots") or {}
+        if snaps.get("enabled"):  # models with recurrent layers (paged)
+            yield GaugeMetricFamily("mlxkv_state_snapshots", "Recurrent-state snapshots stored in the KV block pool.",
+                                    value=float(snaps.get("count", 0)))
+            yield CounterMetricFamily("mlxkv_state_snapshot_hits", "Prefix hits resumed from a recurrent-state "
+                                      "snapshot.", value=float(snaps.get("hits", 0)))
 
 
 class ServerMetrics(EngineObserver):

@@ -14,6 +14,14 @@ The set covers each attention/cache kind mlx-lm builds with ``make_prompt_cache`
                    state) + layer 1 full attention (``KVCache``)
 =================  =====================================================================
 
+:data:`EXTRA_ARCHITECTURES` holds architectures that only some tests need (not in ``ARCH_NAMES``, so the
+suites parametrized over every architecture keep their size):
+
+=================  =====================================================================
+``nemotron_h``     Mamba-2 hybrid, pattern ``M*-M``: layers 0 and 3 Mamba-2 (``ArraysCache``: conv +
+                   SSM state), layer 1 full attention (``KVCache``), layer 2 MLP (no cache)
+=================  =====================================================================
+
 ``build_model`` instantiates one in memory with deterministic random weights.
 """
 
@@ -176,6 +184,31 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     },
 }
 
+EXTRA_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "nemotron_h": {
+        **_COMMON,
+        "model_type": "nemotron_h",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": "M*-M",
+        "tie_word_embeddings": False,
+    },
+}
+
 #: Architecture names, in a stable order, for ``pytest.mark.parametrize``.
 ARCH_NAMES: list[str] = list(ARCHITECTURES)
 
@@ -186,9 +219,10 @@ def get_config(arch: str) -> dict[str, Any]:
     Raises:
         ValueError: if ``arch`` is not one of ``ARCH_NAMES``.
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown test architecture {arch!r}; valid: {', '.join(ARCH_NAMES)}")
-    return copy.deepcopy(ARCHITECTURES[arch])
+    known = {**ARCHITECTURES, **EXTRA_ARCHITECTURES}
+    if arch not in known:
+        raise ValueError(f"unknown test architecture {arch!r}; valid: {', '.join(known)}")
+    return copy.deepcopy(known[arch])
 
 
 def _init_weights(model: nn.Module, seed: int) -> None:

@@ -15,6 +15,7 @@ from mlxkv.kv.blocks.block_pool import BlockPool
 from mlxkv.kv.blocks.coordinator import KVCacheCoordinator, PrefixHit
 from mlxkv.kv.blocks.hashing import HashContext, HashFn, extend_block_hashes
 from mlxkv.kv.blocks.seq_state import CopyOp, GroupTable, SequenceState
+from mlxkv.kv.blocks.snapshots import StateSnapshotIndex, prefix_of
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 
@@ -27,13 +28,14 @@ class BlockTables:
 
     def __init__(
         self, pool: BlockPool, specs: Sequence[KVCacheGroupSpec], hash_fn: HashFn, *, enable_block_reuse: bool,
-        enable_partial_reuse: bool, copy_on_partial_reuse: bool,
+        enable_partial_reuse: bool, copy_on_partial_reuse: bool, snapshots: StateSnapshotIndex | None = None,
     ) -> None:
         self.pool, self.specs, self.hash_fn = pool, list(specs), hash_fn
         self.block_size = pool.block_size
         self.enable_block_reuse = enable_block_reuse
         self.enable_partial_reuse = enable_partial_reuse and enable_block_reuse
         self.copy_on_partial_reuse = copy_on_partial_reuse
+        self.snapshots = snapshots  # recurrent layers: a hit also needs their state (snapshots.py)
         self.coordinator = KVCacheCoordinator(pool, self.specs, self.enable_partial_reuse)
         full = [g for g, spec in enumerate(self.specs) if spec.is_full]
         self.anchor_group = self.coordinator.anchor_group
@@ -44,7 +46,14 @@ class BlockTables:
         """Longest usable hit; the last token is always left to compute (its logits are needed)."""
         if not self.enable_block_reuse:
             return PrefixHit(self.block_size, 0, [[] for _ in self.specs])
-        return self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=len(tokens) - 1)
+        hit = self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=len(tokens) - 1)
+        while self.snapshots is not None and hit.num_full_blocks:  # fixed point: lengths only shrink
+            k = self.snapshots.deepest(hashes, lambda n: prefix_of(tokens, ctx, n, self.block_size),
+                                       hit.num_full_blocks)
+            if k == hit.num_full_blocks:
+                break
+            hit = self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=k * self.block_size)
+        return hit
 
     def attach(self, seq: SequenceState) -> tuple[int, list[CopyOp]]:
         """Take the prefix hit of a sequence with empty tables; returns (cached tokens, copies)."""

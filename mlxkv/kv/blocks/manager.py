@@ -37,6 +37,7 @@ from mlxkv.kv.blocks.seq_state import (
     SequenceState,
     SlotAllocation,
 )
+from mlxkv.kv.blocks.snapshots import StateSnapshotIndex, prefix_of
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class KVCacheManager:
         clock: monotonic seconds for retention expiry.
         tenant_share: per-tenant (cache salt) quota on the pool's cached blocks, in (0, 1] (1: none); see
             tenant_quota.py.
+        state_snapshot_blocks: models with recurrent layers: pool blocks one recurrent-state snapshot costs;
+            > 0 turns snapshots on (a prefix hit then ends where a snapshot exists; no partial reuse, since
+            snapshots sit at block boundaries). See snapshots.py.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class KVCacheManager:
         event_capacity: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         tenant_share: float = 1.0,
+        state_snapshot_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.specs = list(groups) if groups else [KVCacheGroupSpec("full")]
@@ -86,9 +91,12 @@ class KVCacheManager:
         self.hash_fn = make_hash_fn(hash_algo)
         if hash_algo in ("sha256", "xxhash"):  # slow per block: remember recent prefixes' hashes
             self.hash_fn = MemoizedHash(self.hash_fn)
+        self.snapshots = (StateSnapshotIndex(self.pool, len(self.specs), state_snapshot_blocks)
+                          if state_snapshot_blocks and enable_block_reuse else None)
         self.tables = BlockTables(
             self.pool, self.specs, self.hash_fn, enable_block_reuse=enable_block_reuse,
-            enable_partial_reuse=enable_partial_reuse, copy_on_partial_reuse=copy_on_partial_reuse,
+            enable_partial_reuse=enable_partial_reuse and self.snapshots is None,
+            copy_on_partial_reuse=copy_on_partial_reuse, snapshots=self.snapshots,
         )
         self._seqs: dict[int, SequenceState] = {}
         self._ids = itertools.count(1)
@@ -150,9 +158,27 @@ class KVCacheManager:
         )
         self._seqs[seq.seq_id] = seq
         cached, copies = self.tables.attach(seq)
+        state = None
+        if self.snapshots is not None and cached:
+            k = cached // self.block_size
+            state = self.snapshots.take(seq.block_hashes[k - 1], lambda: prefix_of(tokens, seq.ctx, k, self.block_size))
         self._prompt_tokens += len(tokens)
         self._hit_tokens += cached
-        return OpenResult(seq.seq_id, cached, copies, self.block_tables(seq.seq_id))
+        return OpenResult(seq.seq_id, cached, copies, self.block_tables(seq.seq_id), state)
+
+    # ---- recurrent-state snapshots ----------------------------------------------------------------------
+    def store_snapshot(self, seq_id: int, num_blocks: int, payload) -> bool:
+        """Store ``payload``, the recurrent state of ``seq_id`` after its first ``num_blocks`` full blocks (all
+        committed, hence cached), in the pool's budget; False when snapshots are off or there is no room."""
+        seq = self._get(seq_id)
+        if self.snapshots is None or num_blocks < 1 or seq.num_committed < num_blocks * self.block_size:
+            return False
+        self.tables.cache_full_blocks(seq)  # its block hashes
+        bs, i = self.block_size, num_blocks - 1
+        rule = seq.retention.block_retention(i * bs, (i + 1) * bs, seq.prompt_len, self.pool.clock())
+        return self.snapshots.put(seq.block_hashes[i], num_blocks, prefix_of(seq.tokens, seq.ctx, num_blocks, bs),
+                                  tuple(seq.tokens[i * bs:(i + 1) * bs]), seq.ctx.block_extra_keys(0, bs), rule,
+                                  payload)  # block 0's extra keys carry the salt: the snapshot's tenant
 
     # ---- growing --------------------------------------------------------------------------------------
     def can_allocate(self, seq_id: int, num_new_tokens: int) -> bool:
@@ -308,6 +334,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests): each ref count equals the tables holding the block."""
         self.pool.check_invariants()
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
         held: dict[int, int] = {}
         for seq in self._seqs.values():
             for spec, table in zip(self.specs, seq.tables):

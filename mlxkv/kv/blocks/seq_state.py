@@ -30,6 +30,7 @@ class OpenResult:
     num_cached_tokens: int
     copies: list[CopyOp]
     block_tables: list[list[int]]
+    state: object = None  # recurrent-state snapshot payload at num_cached_tokens (models with recurrent layers)
 
 
 @dataclass(slots=True)

@@ -5,13 +5,18 @@ form the "full" group, sliding-window layers a "sliding" group per window, Llama
 "chunked" group per chunk size (:class:`~mlxkv.kv.blocks.KVCacheGroupSpec`). Recurrent layers (ArraysCache)
 keep mlx-lm's placeholders, created fresh per sequence.
 
-Prefix caching is off for models with recurrent layers: their state after a prefix is a running summary
-the model keeps outside the KV blocks, so a hit on the attention blocks could not restore it — the sequence
-would have to recompute the prefix anyway to rebuild the recurrent state.
+Models with recurrent layers get prefix caching through recurrent-state snapshots at block boundaries
+(:mod:`mlxkv.kv.blocks.snapshots`, :mod:`mlxkv.kv.paged.state_snapshots`): a hit ends where the attention
+blocks and a snapshot both exist, and the snapshot is restored into the sequence's fresh recurrent caches.
+A snapshot costs ``blocks_per_snapshot`` pool blocks (its state bytes over one block's bytes, rounded up).
+Where a recurrent layer's state cannot be read (no ``state`` setter), prefix caching is off and a warning
+says so; the secondary tier holds no snapshots and is refused for such models.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +37,9 @@ from mlxkv.kv.paged.latent_pages import LatentPagedCache
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
+from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state_bytes, restore
+
+log = logging.getLogger(__name__)
 
 
 def _group_key(cache: Any) -> tuple | None:
@@ -122,22 +130,37 @@ class PagedBackend:
         self.group_keys = list(order)
         self.specs = [_spec(k, layers) for k, layers in order.items()]
         self.layer_group = [None if k is None else self.group_keys.index(k) for k in keys]
-        self.recurrent = any(k is None for k in keys)
+        self.recurrent_layers = [i for i, k in enumerate(keys) if k is None]
+        self.recurrent = bool(self.recurrent_layers)
         self.layer_class = [LatentPagedCache if isinstance(c, LatentCache) else PagedLayerCache for c in template]
         self.block_size = config.block_size
         self.layer_block_bytes = probe_block_bytes(model, config.block_size)
         self.bytes_per_block = sum(self.layer_block_bytes)
+        self.snapshot_bytes = self.blocks_per_snapshot = 0  # recurrent-state snapshots (module docstring)
+        reuse = config.enable_block_reuse
+        if self.recurrent and reuse:
+            if config.secondary_enabled:
+                raise ValueError("the secondary KV tier does not hold recurrent-state snapshots yet: models with "
+                                 "recurrent layers run without --host-cache-size / --kv-disk-cache")
+            if all(can_snapshot(template[i]) for i in self.recurrent_layers):
+                self.snapshot_bytes = probe_state_bytes(model, make_caches(model), self.recurrent_layers)
+                self.blocks_per_snapshot = max(1, math.ceil(self.snapshot_bytes / self.bytes_per_block))
+            else:
+                names = sorted({type(template[i]).__name__ for i in self.recurrent_layers})
+                log.warning("prefix caching is off for this model: its recurrent layers (%s) expose no state to "
+                            "snapshot, so a prefix hit could not restore them", ", ".join(names))
+                reuse = False
         if num_blocks is None:
             if config.kv_cache_budget == "auto" and free_bytes is None:
                 free_bytes = free_memory_bytes()
             num_blocks = num_blocks_for_budget(config, self.bytes_per_block, free_bytes)
         # one block id = one page in every layer, so a block costs bytes_per_block whichever group holds it
-        # recurrent state cannot be restored from KV blocks: no prefix reuse then (module docstring)
         self.manager = KVCacheManager(
             num_blocks, config.block_size, self.specs,
-            enable_block_reuse=config.enable_block_reuse and not self.recurrent,
+            enable_block_reuse=reuse,
             enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
             hash_algo=config.hash_algo, tenant_share=config.primary_tenant_share,
+            state_snapshot_blocks=self.blocks_per_snapshot,
         )
         self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
         self.sequences: dict[int, PagedSequence] = {}
@@ -178,7 +201,17 @@ class PagedBackend:
         for layer, c in enumerate(make_caches(self.model)):
             g = self.layer_group[layer]
             caches.append(c if g is None else self.layer_class[layer](seq, layer, g, self.specs[g]))
+        if res.state is not None:
+            restore(caches, self.recurrent_layers, res.state)  # the paged layers start at num_cached already
+        self._record(seq, caches, len(prompt), res.num_cached_tokens)
         return caches, seq
+
+    def _record(self, seq: PagedSequence, caches: list, prompt_len: int, start: int) -> None:
+        """Attach the snapshot recorder of a sequence (models with recurrent layers and snapshots on)."""
+        if self.manager.snapshots is not None:
+            seq.recorder = SnapshotRecorder(self.manager, seq.seq_id, caches, self.recurrent_layers,
+                                            prompt_len=prompt_len, start=start, block_size=self.block_size,
+                                            interval=self.config.state_snapshot_interval)
 
     def fork(self, parent: PagedSequence, parent_caches: list, n: int) -> list[tuple[list, PagedSequence]]:
         """``n`` children sharing every block of ``parent`` (ref counts, no K/V copied); a shared partial
@@ -204,6 +237,8 @@ class PagedBackend:
                     caches.append(child)
                 else:
                     caches.append(copy.deepcopy(c))
+            if parent.recorder is not None:  # the parent's snapshots are the children's: record from here on
+                self._record(seq, caches, parent.recorder.prompt_end + 1, parent.num_committed)
             children.append((caches, seq))
         return children
 
@@ -221,6 +256,17 @@ class PagedBackend:
         st = self.manager.stats()
         return {"enabled": False, "prompt_tokens": st.prompt_tokens, "primary_hit_tokens": st.hit_tokens,
                 "secondary_hit_blocks": 0, "secondary": None}
+
+    def snapshot_stats(self) -> dict | None:
+        """Recurrent-state snapshots for stats (None for models without recurrent layers): bytes each, the
+        blocks each costs, how many are stored and the hits they served."""
+        snaps = self.manager.snapshots
+        if not self.recurrent:
+            return None
+        if snaps is None:
+            return {"enabled": False}
+        return {"enabled": True, "bytes_each": self.snapshot_bytes, "interval_blocks": self.config.state_snapshot_interval,
+                **snaps.stats()}
 
     def flush_cached(self) -> int:
         """Evict every cached block no sequence holds (offloading it to the secondary tier, when attached

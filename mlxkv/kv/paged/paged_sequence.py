@@ -49,6 +49,7 @@ class PagedSequence:
         self.layer_block_bytes = layer_block_bytes
         self.released = False
         self._step: SequenceStep | None = None  # this step's metadata (a new one once the slots change)
+        self.recorder = None  # models with recurrent layers: takes state snapshots (state_snapshots.py)
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -103,6 +104,13 @@ class PagedSequence:
         """After a model step: mark written tokens verified (default: all); full blocks become cached."""
         self.manager.commit(self.seq_id, num_tokens)
         self._changed()
+        if self.recorder is not None:
+            self.recorder.on_commit(self.num_committed, self.num_tokens)
+
+    def next_stop(self, start: int) -> int | None:
+        """The first position after ``start`` where a prefill chunk must end (a recurrent-state snapshot is
+        taken there); None when there is none."""
+        return None if self.recorder is None else self.recorder.next_stop(start)
 
     def trim_to(self, target: int) -> int:
         """Drop positions from ``target`` on (the manager may stop short for windowed groups); returns the
@@ -148,6 +156,9 @@ class PagedSequence:
     def release(self) -> None:
         """Free every block (tail first; verified content stays cached). Idempotent."""
         if not self.released:
+            if self.recorder is not None:
+                self.recorder.on_release()
+                self.recorder = None
             self.manager.free(self.seq_id)
             self.released = True
             self._changed()

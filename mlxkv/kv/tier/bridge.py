@@ -17,8 +17,8 @@ them and a crash loses at most the last interval's blocks.
 
 Every layout is covered: full-attention groups restore every block of the hit, sliding-window and chunked
 groups only the blocks of their window at the hit's end (restore_plan.py), linked and anchored as the
-block manager's hit search checks them. Models with recurrent layers keep no prefix cache, so the bridge stays
-inactive for them.
+block manager's hit search checks them. Models with recurrent layers are refused by the paged backend when a
+tier is asked for: the tier holds no recurrent-state snapshots (kv/blocks/snapshots.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""``mlxkv serve`` on a recurrent hybrid (the qwen3_next test model), through the official ``openai`` client:
+repeated and shared-prefix prompts are prefix hits (state snapshots), with the same greedy text as the first
+time; the cache stats show the snapshots; a disk tier is refused with a clear error for such a model."""
+
+import httpx
+
+from testkit.serve_process import serve_process
+
+SYSTEM = "You are a terse assistant who answers in one word. " * 4
+QUESTIONS = ["What colour is the sky?", "What is two plus two?"]
+
+
+def completion(client, prompt):
+    reply = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0)
+    details = reply.usage.prompt_tokens_details
+    return reply.choices[0].text, reply.usage.prompt_tokens, details.cached_tokens if details else 0
+
+
+def test_serve_hybrid_reuses_prefixes_exactly(test_model_dir):
+    folder = test_model_dir("qwen3_next")
+    with serve_process("-m", str(folder), "--kv-block-size", "16", "--state-snapshot-interval", "2",
+                       "--log-level", "warning") as client:
+        first = [completion(client, SYSTEM + q) for q in QUESTIONS]
+        again = [completion(client, SYSTEM + q) for q in QUESTIONS]
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")
+        stats = httpx.get(f"{base}/v1/cache/stats", timeout=30).json()
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    assert [t for t, _, _ in again] == [t for t, _, _ in first]  # greedy text with reuse == without
+    n0, n1 = first[0][1], first[1][1]
+    assert first[0][2] == 0
+    # the second question shares the system prompt: a hit at the deepest multiple of 2 blocks (32 tokens) in it
+    assert first[1][2] > 0 and first[1][2] % 32 == 0
+    # the repeats: a hit at each prompt's last block boundary before its last token
+    assert [c for _, _, c in again] == [(n0 - 1) // 16 * 16, (n1 - 1) // 16 * 16]
+    snaps = stats["state_snapshots"]
+    assert stats["prefix_cache"]["enabled"] and snaps["enabled"] and snaps["hits"] == 3 and snaps["count"] > 0
+    assert snaps["bytes_each"] == 4 * (3 * 128 + 4 * 16 * 16)
+    assert "mlxkv_state_snapshot_hits_total 3.0" in metrics
+
+
+def test_serve_hybrid_refuses_the_disk_tier(test_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    folder = test_model_dir("qwen3_next")
+    result = CliRunner().invoke(app, ["serve", "-m", str(folder), "--kv-disk-cache", str(tmp_path / "tier"),
+                                      "--port", "0"])
+    assert result.exit_code == 1
+    assert "error: the secondary KV tier does not hold recurrent-state snapshots" in result.output
