@@ -25,11 +25,13 @@ from mlxkv.kv.layouts import (
     KVCache,
     LayerCache,
     RotatingKVCache,
+    check_kv_group_size,
     make_caches,
 )
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
+from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantize_rows
 
 
 def _group_key(cache: Any) -> tuple | None:
@@ -58,18 +60,29 @@ def _spec(key: tuple, layers: list[int]) -> KVCacheGroupSpec:
     return KVCacheGroupSpec("full", layer_ids=tuple(layers))
 
 
-def probe_block_bytes(model: Any, block_size: int) -> list[int]:
-    """Bytes one block takes in each layer (0 for recurrent layers), from one probe token through dense caches."""
+def probe_block_bytes(model: Any, block_size: int, kv_bits: int | None = None, kv_group_size: int = 64) -> list[int]:
+    """Bytes one block takes in each layer (0 for recurrent layers), from one probe token through dense caches;
+    with ``kv_bits``, the bytes of its quantized planes (packed values, scales, biases).
+
+    Raises:
+        ValueError: ``kv_group_size`` does not divide a layer's head_dim (with ``kv_bits``)."""
     caches = make_caches(model)
     model(mx.array([[1]], dtype=mx.uint32), cache=caches)
     out = []
     for c in caches:
         if isinstance(c, LayerCache):
             k, v = c.state[:2]  # (1, H, 1, D) each
-            out.append(block_size * (k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize))
+            out.append(block_size * sum(x.shape[1] * _row_bytes(x[0, 0], kv_bits, kv_group_size) for x in (k, v)))
         else:
             out.append(0)
     return out
+
+
+def _row_bytes(row: mx.array, kv_bits: int | None, kv_group_size: int) -> int:
+    """Bytes one head's row ``(1, D)`` takes as stored: as is, or as quantized planes."""
+    if kv_bits is None:
+        return row.nbytes
+    return sum(p.nbytes for p in quantize_rows(row, kv_bits, kv_group_size))
 
 
 def free_memory_bytes() -> int:
@@ -97,16 +110,17 @@ class PagedBackend:
     ``open`` restores a prompt's blocks from it before taking the prefix hit (``self.tier``; None without).
 
     Raises:
-        ValueError: a layer layout the paged backend cannot hold (sink tokens, quantized, CacheList).
+        ValueError: a layer layout the paged backend cannot hold (sink tokens, CacheList), or ``kv_bits`` with a
+            ``kv_group_size`` that does not divide head_dim.
     """
 
     def __init__(self, model: Any, config: KvCacheConfig, *, num_blocks: int | None = None,
                  free_bytes: int | None = None, model_path: str | None = None):
-        if config.kv_bits is not None:
-            raise ValueError("the paged backend stores K/V unquantized: use kv_bits=None or backend='dense'")
         if config.max_kv_size is not None:
             raise ValueError("max_kv_size applies to the dense backend only; the paged backend is bounded by "
                              "kv_cache_budget / max_tokens")
+        if config.kv_bits is not None:
+            check_kv_group_size(model, config.kv_group_size)  # one line at start, as the dense backend's
         self.model = model
         self.config = config
         template = make_caches(model)
@@ -122,7 +136,7 @@ class PagedBackend:
         self.layer_group = [None if k is None else self.group_keys.index(k) for k in keys]
         self.recurrent = any(k is None for k in keys)
         self.block_size = config.block_size
-        self.layer_block_bytes = probe_block_bytes(model, config.block_size)
+        self.layer_block_bytes = probe_block_bytes(model, config.block_size, config.kv_bits, config.kv_group_size)
         self.bytes_per_block = sum(self.layer_block_bytes)
         if num_blocks is None:
             if config.kv_cache_budget == "auto" and free_bytes is None:
@@ -136,7 +150,11 @@ class PagedBackend:
             enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
             hash_algo=config.hash_algo, tenant_share=config.primary_tenant_share,
         )
-        self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
+        if config.kv_bits is None:
+            self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
+        else:  # quantized pages (kv_bits, groups of kv_group_size along head_dim): quantized_pages.py
+            self.storage = QuantizedPagedStorage(num_blocks, config.block_size, len(keys), bits=config.kv_bits,
+                                                 group_size=config.kv_group_size)
         self.sequences: dict[int, PagedSequence] = {}
         self.tier = None
         if config.secondary_enabled:
