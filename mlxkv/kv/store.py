@@ -287,12 +287,20 @@ class CachePool:
         return {
             "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
                           "evictable": p.evictable, "block_size": manager.block_size,
-                          "capacity_tokens": self.max_sequence_tokens(),
+                          "capacity_tokens": self.max_sequence_tokens(), **self._kv_quantization(),
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
             "evictions": p.evictions,
             "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
             "tier": self.paged.tier_stats(),
         }
+
+    def _kv_quantization(self) -> dict:
+        """How the pages store K/V: ``kv_bits`` (None: unquantized) and ``kv_group_size`` (None then too), and
+        ``bytes_per_block`` (every layer's share of one block, as the budget counts it)."""
+        storage = self.paged.storage
+        return {"kv_bits": storage.bits if storage.quantized else None,
+                "kv_group_size": storage.group_size if storage.quantized else None,
+                "bytes_per_block": self.paged.bytes_per_block}
 
     # ---- secondary tier's write-behind (paged with a disk tier; otherwise no-ops) --------------------------
     def _bridge(self) -> Any:
