@@ -67,3 +67,17 @@ def test_serve_kv_bits_group_size_not_dividing_head_dim_is_one_line_at_start(wid
         assert result.stderr.strip().splitlines() == [
             "error: --kv-bits: the model's head_dim 32 is not divisible by the KV quantization group size 64; use "
             "--kv-group-size 32"], command
+
+
+def test_generate_paged_kv_bits_8_prints_the_dense_kv_bits_8_text(wide_llama):
+    """``mlxkv generate --kv-backend paged --kv-bits 8`` (the CLI, in process): the dense --kv-bits 8 tokens."""
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    base = ["generate", "Once upon a time", "-m", str(wide_llama), "--raw", "--max-tokens", "12", "--temp", "0",
+            "--kv-bits", "8", "--kv-group-size", "32"]
+    paged = CliRunner().invoke(app, [*base, "--kv-backend", "paged"])
+    dense = CliRunner().invoke(app, [*base, "--kv-backend", "dense"])
+    assert paged.exit_code == 0 and dense.exit_code == 0, paged.output + dense.output
+    assert paged.stdout == dense.stdout and len(paged.stdout.strip()) > 3
