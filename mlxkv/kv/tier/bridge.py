@@ -177,8 +177,8 @@ class TierBridge:
             layers = self._layers(g)
             per_layer: list[tuple[np.ndarray, str]] = []
             for layer in layers:
-                for rows in self.storage.tier_rows(layer, ids):  # (n, bs, kv_heads, D) each
-                    per_layer.append(to_host(rows))
+                for kv in self.storage.tier_rows(layer, ids):  # (n, bs, kv_heads, D) each
+                    per_layer.append(to_host(kv))
             for i, (b, parent_hash, prio) in enumerate(rows):
                 out.append(TierBlock(
                     block_hash=b.block_hash, parent_hash=parent_hash, group_id=g, layers=layers,
