@@ -13,6 +13,7 @@
 
     python scripts/bench_kv_bits.py                                  # the reference model (SmolLM2-135M Q4_1)
     python scripts/bench_kv_bits.py --seq-len 512 --max-tokens 16 --rounds 1    # a quick run
+    python scripts/bench_kv_bits.py --fit-only --kv-cache-budget 4GiB            # the fit alone (seconds)
     python scripts/bench_kv_bits.py --model path/to/model --kv-cache-budget 1GiB --json out.json
 """
 
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fit-only", action="store_true", help="only the fit (no servers, no decoding)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
     blas = ensure_openblas()
@@ -120,6 +122,10 @@ def main() -> None:
             ratio = row["sequences"] / base if base else float("nan")
             print(f"  {label(row['kv_bits']):>12}: {row['bytes_per_block']:>8} B/block  {row['blocks']:>6} blocks  "
                   f"{row['sequences']:>5} sequences  ({ratio:.2f}x)")
+        if args.fit_only:
+            if args.json:
+                Path(args.json).write_text(json.dumps({"fit": fits, "args": vars(args)}, indent=2))
+            return
         extra = ["--dequantize"] if Path(spec).is_file() and not args.keep_quantized else []
         servers = {}
         try:
