@@ -32,8 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_common import add_model_args, ensure_openblas, load_bench_model, model_spec, print_header  # noqa: E402
-from bench_serve import free_port, http_client, start_server, stop_server, write_model  # noqa: E402
+from bench_common import (
+    add_model_args,
+    ensure_openblas,
+    load_bench_model,
+    model_spec,
+    print_header,
+)
+from bench_serve import free_port, http_client, start_server, stop_server, write_model
 
 CONFIGS = (None, 8, 4)  # kv_bits: unquantized, 8-bit, 4-bit pages
 WORDS = ("river", "lantern", "orbit", "maple", "signal", "harbor", "copper", "meadow", "quartz", "ember")
@@ -66,9 +72,9 @@ def stream(url: str, prompt: str, max_tokens: int, http) -> tuple[int, float, fl
     with http.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if any(c.get("text") for c in json.loads(line[6:]).get("choices") or []):
-                    times.append(time.perf_counter())
+            done = not line.startswith("data: ") or line == "data: [DONE]"
+            if not done and any(c.get("text") for c in json.loads(line[6:]).get("choices") or []):
+                times.append(time.perf_counter())
     return len(times), times[0], times[-1]
 
 

@@ -101,7 +101,7 @@ def test_block_bytes_count_the_quantized_planes():
     assert per_block[None] / per_block[8] == pytest.approx(128 / 40)
     assert per_block[None] / per_block[4] == pytest.approx(128 / 24)
     be = PagedBackend(model, kv(8), num_blocks=8)
-    caches, seq = be.open(PROMPT[:5])
+    caches, _ = be.open(PROMPT[:5])
     step(model, caches, PROMPT[:5])
     assert isinstance(be.storage, QuantizedPagedStorage)
     assert be.storage.nbytes() == 8 * be.bytes_per_block  # every layer written: the pool is exactly the budget's
@@ -227,7 +227,7 @@ def test_tier_offloads_and_restores_quantized_planes_bit_for_bit(tmp_path, where
     be.check_invariants()
 
 
-class _no_tier:  # noqa: N801 - a stand-in bridge for the never-evicted reference run
+class _no_tier:
     def restore(self, tokens):
         return 0
 

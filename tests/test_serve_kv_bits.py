@@ -55,7 +55,7 @@ def test_serve_kv_bits_group_size_not_dividing_head_dim_is_one_line_at_start(wid
     from typer.testing import CliRunner
 
     from mlxkv.cli.main import app
-    import mlxkv.server.shutdown as shutdown
+    from mlxkv.server import shutdown
 
     def never(*args, **kwargs):
         raise AssertionError("the server started")
@@ -64,9 +64,9 @@ def test_serve_kv_bits_group_size_not_dividing_head_dim_is_one_line_at_start(wid
     for command in (["serve", "--port", str(free_port())], ["generate", "Hi", "--raw", "--kv-backend", "paged"]):
         result = CliRunner().invoke(app, [*command, "-m", str(wide_llama), "--kv-bits", "8", "--kv-group-size", "64"])
         assert result.exit_code == 1 and result.stdout == "", result.output
-        assert result.stderr.strip().splitlines() == [
+        assert result.stderr.strip().splitlines() == [(
             "error: --kv-bits: the model's head_dim 32 is not divisible by the KV quantization group size 64; use "
-            "--kv-group-size 32"], command
+            "--kv-group-size 32")], command
 
 
 def test_generate_paged_kv_bits_8_prints_the_dense_kv_bits_8_text(wide_llama):
