@@ -255,3 +255,43 @@ def test_disk_tier_of_other_bits_is_never_loaded_and_a_restart_with_the_same_bit
     assert cached == 20
     assert same(prefix_planes(restarted, TIER_PROMPT), evicted)
     assert restarted.tier.tier.disk.fingerprint["digest"] != fingerprint_model(model)["digest"]
+
+
+def test_batched_decode_attends_a_shared_prefix_once_on_quantized_pages(monkeypatch):
+    """Three sequences sharing a system prompt through the prefix cache decode in one batch: the shared quantized
+    pages are attended once (quantized_shared_prefix_attention, in place), and every row's logits equal that
+    sequence decoded alone over a dense quantized cache (the same planes; float32 rounding of the merged softmax)."""
+    from mlxkv.kv.batching import paged_views
+    from mlxkv.kv.batching import make_batch_views
+
+    calls = []
+    real = paged_views.quantized_shared_prefix_attention
+    monkeypatch.setattr(paged_views, "quantized_shared_prefix_attention",
+                        lambda *a, **k: calls.append([g.shared_pages for g in a[6]]) or real(*a, **k))
+    model = model_for("llama")
+    pool = paged_pool(model, 8, num_blocks=120)
+    system = [(5 * i) % 900 + 10 for i in range(30)]
+    seqs, dense, tokens = [], [], []
+    for k in range(3):
+        prompt = system + [100 + k, 200 + k, 300 + k][: k + 1]
+        seq = pool.open(prompt=prompt)
+        step(model, seq.caches, prompt[seq.num_cached:])
+        seq.commit()
+        seqs.append(seq)
+        dense.append(make_caches(model, kv_bits=8, kv_group_size=GROUP))
+        tokens.append(int(mx.argmax(step(model, dense[-1], prompt)).item()))
+    assert all(s.num_cached >= 28 for s in seqs[1:])
+    for _ in range(6):
+        for seq, t in zip(seqs, tokens, strict=True):
+            seq.feed([t])
+        batched = model(mx.array(tokens)[:, None], cache=make_batch_views([s.caches for s in seqs]))[:, -1]
+        for seq in seqs:
+            seq.commit()
+        singles = [step(model, d, [t]) for t, d in zip(tokens, dense, strict=True)]
+        for b, single in enumerate(singles):
+            assert close(batched[b], single), (b, mx.abs(batched[b] - single).max().item())
+        tokens = [int(mx.argmax(x).item()) for x in singles]
+    assert len(calls) == 6 * len(model.layers) and all(c == [7] for c in calls)
+    for seq in seqs:
+        pool.release(seq.id)
+    pool.check_invariants()

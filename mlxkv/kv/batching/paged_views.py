@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.kernels.cascade import worth_cascading
 from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
+from mlxkv.kernels.quantized_views_ref import quantized_shared_prefix_attention
 from mlxkv.kv.batching.dense_views import (
     BatchUnsupported,
     KVBatchView,
@@ -138,9 +139,21 @@ class PagedBatchView(KVBatchView):
 
     def _attend_quantized(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
                           sinks: mx.array | None) -> mx.array:
-        """Quantized pages: every sequence's rows gathered right-padded (what ``update_and_fetch`` returned, or the
-        model's own tensors) and attended at once with ``mx.quantized_matmul``, padding masked out (on the reference
-        path for now: no Metal kernel reads quantized pages)."""
+        """Quantized pages: where the kernel would be the reference (CPU), sequences sharing whole prefix pages attend
+        to them once, in place (:mod:`mlxkv.kernels.quantized_views_ref`); otherwise every sequence's rows gathered
+        right-padded (what ``update_and_fetch`` returned, or the model's own tensors) and attended at once with
+        ``mx.quantized_matmul``, padding masked out (no Metal kernel reads quantized pages)."""
+        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        first = self.caches[0]
+        if (own and mask is None and sinks is None and first.window is None and first.chunk_size is None
+                and reference_on_views()):
+            offsets = [c.offset for c in self.caches]
+            groups = self.step.prefix_groups(offsets, self.storage.block_size)
+            if groups:  # shared prefix pages attended once, in place (the padded gather never computed)
+                return quantized_shared_prefix_attention(
+                    queries, self.storage.k_rows[first.layer], self.storage.v_rows[first.layer], self.step.tables(),
+                    self.step.host_tables(), offsets, groups, scale=scale, bits=self.storage.bits,
+                    group_size=self.storage.group_size, block_size=self.storage.block_size)  # (B, n_q, 1, D)
         width = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
         lengths = mx.array(self._lengths, dtype=mx.int32)  # (B,)
         valid = (mx.arange(width, dtype=mx.int32)[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, Lmax)
