@@ -284,15 +284,17 @@ class CachePool:
         manager = self.paged.manager
         m = manager.stats()
         p = m.pool
-        return {
+        stats = {
             "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
                           "evictable": p.evictable, "block_size": manager.block_size,
-                          "capacity_tokens": self.max_sequence_tokens(), **self._kv_quantization(),
+                          "capacity_tokens": self.max_sequence_tokens(),
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
             "evictions": p.evictions,
             "manager": {"prompt_tokens": m.prompt_tokens, "hit_tokens": m.hit_tokens, "running": m.running},
             "tier": self.paged.tier_stats(),
         }
+        stats["kv_blocks"].update(self._kv_quantization())
+        return stats
 
     def _kv_quantization(self) -> dict:
         """How the pages store K/V: ``kv_bits`` (None: unquantized) and ``kv_group_size`` (None then too), and

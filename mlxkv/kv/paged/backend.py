@@ -31,7 +31,7 @@ from mlxkv.kv.layouts import (
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
-from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantize_rows
+from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantized_block_bytes
 
 
 def _group_key(cache: Any) -> tuple | None:
@@ -60,29 +60,18 @@ def _spec(key: tuple, layers: list[int]) -> KVCacheGroupSpec:
     return KVCacheGroupSpec("full", layer_ids=tuple(layers))
 
 
-def probe_block_bytes(model: Any, block_size: int, kv_bits: int | None = None, kv_group_size: int = 64) -> list[int]:
-    """Bytes one block takes in each layer (0 for recurrent layers), from one probe token through dense caches;
-    with ``kv_bits``, the bytes of its quantized planes (packed values, scales, biases).
-
-    Raises:
-        ValueError: ``kv_group_size`` does not divide a layer's head_dim (with ``kv_bits``)."""
+def probe_block_bytes(model: Any, block_size: int) -> list[int]:
+    """Bytes one block takes in each layer (0 for recurrent layers), from one probe token through dense caches."""
     caches = make_caches(model)
     model(mx.array([[1]], dtype=mx.uint32), cache=caches)
     out = []
     for c in caches:
         if isinstance(c, LayerCache):
             k, v = c.state[:2]  # (1, H, 1, D) each
-            out.append(block_size * sum(x.shape[1] * _row_bytes(x[0, 0], kv_bits, kv_group_size) for x in (k, v)))
+            out.append(block_size * (k.shape[1] * k.shape[3] * k.itemsize + v.shape[1] * v.shape[3] * v.itemsize))
         else:
             out.append(0)
     return out
-
-
-def _row_bytes(row: mx.array, kv_bits: int | None, kv_group_size: int) -> int:
-    """Bytes one head's row ``(1, D)`` takes as stored: as is, or as quantized planes."""
-    if kv_bits is None:
-        return row.nbytes
-    return sum(p.nbytes for p in quantize_rows(row, kv_bits, kv_group_size))
 
 
 def free_memory_bytes() -> int:
@@ -136,7 +125,8 @@ class PagedBackend:
         self.layer_group = [None if k is None else self.group_keys.index(k) for k in keys]
         self.recurrent = any(k is None for k in keys)
         self.block_size = config.block_size
-        self.layer_block_bytes = probe_block_bytes(model, config.block_size, config.kv_bits, config.kv_group_size)
+        self.layer_block_bytes = (probe_block_bytes(model, config.block_size) if config.kv_bits is None else
+                                  quantized_block_bytes(model, config.block_size, config.kv_bits, config.kv_group_size))
         self.bytes_per_block = sum(self.layer_block_bytes)
         if num_blocks is None:
             if config.kv_cache_budget == "auto" and free_bytes is None:

@@ -19,6 +19,8 @@ axis, the packed words reinterpreted (``view``, bit for bit) as the scales' dtyp
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from mlxkv.kernels.geometry import page_runs
@@ -44,6 +46,27 @@ def quantize_rows(x: mx.array, bits: int, group_size: int) -> Planes:
         raise ValueError(f"--kv-bits: the model's head_dim {D} is not divisible by the KV quantization group size "
                          f"{group_size}; {hint}")
     return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def quantized_block_bytes(model: Any, block_size: int, bits: int, group_size: int) -> list[int]:
+    """Bytes one block of quantized pages takes in each layer (its planes: packed values, scales, biases; 0 for
+    recurrent layers), from one probe token through dense caches (as ``backend.probe_block_bytes``).
+
+    Raises:
+        ValueError: ``group_size`` does not divide a layer's head_dim."""
+    from mlxkv.kv.layouts import LayerCache, make_caches
+
+    caches = make_caches(model)
+    model(mx.array([[1]], dtype=mx.uint32), cache=caches)
+    out = []
+    for c in caches:
+        if isinstance(c, LayerCache):
+            rows = c.state[:2]  # (1, H, 1, D) each
+            out.append(block_size * sum(x.shape[1] * sum(p.nbytes for p in quantize_rows(x[0, 0], bits, group_size))
+                                        for x in rows))  # H heads x one row's planes
+        else:
+            out.append(0)
+    return out
 
 
 class QuantizedPagedStorage(PagedStorage):
