@@ -116,6 +116,13 @@ def test_group_size_must_divide_head_dim():
         PagedBackend(model_for("llama"), KvCacheConfig(backend="paged", kv_bits=8, kv_group_size=64), num_blocks=8)
 
 
+def test_mla_models_refuse_quantized_pages():
+    from testkit.archs import build_model
+
+    with pytest.raises(ValueError, match="kv_bits is not supported for multi-head latent attention"):
+        PagedBackend(build_model("deepseek_v3")[0], kv(8), num_blocks=8)
+
+
 def dense_quantized_tokens(model, prompt, n, bits=8):
     pool = CachePool(model, kv_bits=bits, kv_group_size=GROUP)
     return list(DirectEngine(model, None, pool=pool).generate_tokens(prompt, SamplingParams(max_tokens=n)))

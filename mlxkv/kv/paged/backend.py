@@ -108,8 +108,9 @@ class PagedBackend:
         if config.max_kv_size is not None:
             raise ValueError("max_kv_size applies to the dense backend only; the paged backend is bounded by "
                              "kv_cache_budget / max_tokens")
-        if config.kv_bits is not None:
-            check_kv_group_size(model, config.kv_group_size)  # one line at start, as the dense backend's
+        if config.kv_bits is not None:  # one line at start, as the dense backend's: MLA refused, group size checked
+            make_caches(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+            check_kv_group_size(model, config.kv_group_size)
         self.model = model
         self.config = config
         template = make_caches(model)
