@@ -109,7 +109,7 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
     if backend == "dense" and paged_only:
         raise typer.BadParameter("applies to the paged backend only: add --kv-backend paged",
                                  param_hint=", ".join(paged_only))
-    dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size), ("--kv-bits", kv_bits),
+    dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size),
                                            ("--cache-layout", layout != "mlxkv")) if value]
     if backend == "paged" and dense_only:
         raise typer.BadParameter("applies to the dense backend only: add --kv-backend dense",

@@ -128,7 +128,7 @@ def serve(
                                               help="Cap on cached tokens per layer, rotating past it (dense)."),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]",
                                           rich_help_panel=KV_PANEL,
-                                          help="Quantize the KV cache to 4 or 8 bits (dense)."),
+                                          help="Quantize the KV cache to 4 or 8 bits (paged pages or dense)."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
                                       rich_help_panel=KV_PANEL,
                                       help="Group size for KV quantization (with --kv-bits)."),

@@ -40,7 +40,7 @@ SEED = typer.Option(None, rich_help_panel=SAMPLING_PANEL, help="Random seed for 
 STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8, rich_help_panel=SAMPLING_PANEL,
                     help="Stop string (repeatable).")
 KV_BITS = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]", rich_help_panel=KV_PANEL,
-                       help="Quantize the KV cache to 4 or 8 bits (dense).")
+                       help="Quantize the KV cache to 4 or 8 bits (paged pages or dense).")
 KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
                              rich_help_panel=KV_PANEL, help="Group size for KV quantization (with --kv-bits).")
 VERBOSE = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,

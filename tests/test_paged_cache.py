@@ -148,8 +148,8 @@ def test_paged_options_are_validated():
     model, _ = build_model("llama")
     with pytest.raises(ValueError, match="backend"):
         CachePool(model, backend="nope")
-    with pytest.raises(ValueError, match="kv_bits"):
-        paged_pool(model, kv_bits=4)
+    with pytest.raises(ValueError, match="head_dim 16 is not divisible by the KV quantization group size 64"):
+        paged_pool(model, kv_bits=4)  # quantized pages need a group size dividing head_dim
     with pytest.raises(ValueError, match="prompt"):
         paged_pool(model).open()
 

@@ -15,6 +15,10 @@ KV writes use MLX's scatter in every mode: a custom Metal kernel cannot write in
 buffer, so it would rewrite the whole pool, while the scatter is O(rows) when the pool is donated
 (see :mod:`mlxkv.kernels.kv_write_ref`).
 
+Quantized KV pages (``--kv-bits``, :mod:`mlxkv.kv.paged.quantized_pages`) have no kernel variant yet: the paged
+layer caches and batch views never hand them to :meth:`KernelDispatch.paged_attention` (which reads unquantized
+pages only) and attend them on the pure-MLX path with ``mx.quantized_matmul``, on Metal too.
+
 The factories and the Metal probe are constructor arguments of :class:`KernelDispatch`, so tests
 inject a deliberately wrong kernel and pretend Metal is present to exercise the fallback on CPU.
 """

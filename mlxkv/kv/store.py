@@ -285,7 +285,7 @@ class CachePool:
         manager = self.paged.manager
         m = manager.stats()
         p = m.pool
-        return {
+        stats = {
             "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
                           "evictable": p.evictable, "block_size": manager.block_size,
                           "bytes_per_block": self.paged.bytes_per_block,
@@ -296,6 +296,16 @@ class CachePool:
             "tier": self.paged.tier_stats(),
             "state_snapshots": self.paged.snapshot_stats(),
         }
+        stats["kv_blocks"].update(self._kv_quantization())
+        return stats
+
+    def _kv_quantization(self) -> dict:
+        """How the pages store K/V: ``kv_bits`` (None: unquantized) and ``kv_group_size`` (None then too), and
+        ``bytes_per_block`` (every layer's share of one block, as the budget counts it)."""
+        storage = self.paged.storage
+        return {"kv_bits": storage.bits if storage.quantized else None,
+                "kv_group_size": storage.group_size if storage.quantized else None,
+                "bytes_per_block": self.paged.bytes_per_block}
 
     # ---- secondary tier's write-behind (paged with a disk tier; otherwise no-ops) --------------------------
     def _bridge(self) -> Any:

@@ -24,12 +24,14 @@ import mlx.core as mx
 from mlxkv.kernels import paged_attention, reference_on_views
 from mlxkv.kernels.cascade import worth_cascading
 from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
+from mlxkv.kernels.quantized_views_ref import quantized_shared_prefix_attention
 from mlxkv.kv.batching.dense_views import (
     BatchUnsupported,
     KVBatchView,
     StateBatchView,
     _is_state_cache,
 )
+from mlxkv.kv.layouts.dense_attention import attend as dense_attend
 from mlxkv.kv.paged.layer_cache import MAX_VIEW_RUNS, PagedLayerCache
 from mlxkv.kv.paged.step_context import BatchStep
 
@@ -86,13 +88,19 @@ class PagedBatchView(KVBatchView):
         rows of other pages, finite, never attended). One gather per array whatever B, built lazily: the paged
         attention paths never compute it (building B per-sequence gathers cost ~2-3 ms a step on the CPU)."""
         pages, rows, width = self.step.row_pages(spans, self.storage.block_size)  # (B, P), (B, Lmax) or None
-        out = []
-        for p in self.storage.pages(self.caches[0].layer):  # (n_kv, NB, bs, D)
+
+        def padded(p: mx.array) -> mx.array:  # (n_kv, NB, bs, D) -> (B, n_kv, Lmax, D)
             H, D = p.shape[0], p.shape[-1]
             g = mx.take(p, pages, axis=1)  # (n_kv, B, P, bs, D)
             g = g.reshape(H, len(self.caches), -1, D).transpose(1, 0, 2, 3)  # (B, n_kv, P * bs, D)
-            out.append(g[:, :, :width] if rows is None else mx.take_along_axis(g, rows[:, None, :, None], axis=2))
-        return out[0], out[1]
+            return g[:, :, :width] if rows is None else mx.take_along_axis(g, rows[:, None, :, None], axis=2)
+
+        layer = self.caches[0].layer
+        if self.storage.quantized:  # each plane gathered alike: (packed, scales, biases) tuples
+            k, v = self.storage.planes(layer)
+            return tuple(padded(p) for p in k), tuple(padded(p) for p in v)
+        kp, vp = self.storage.pages(layer)
+        return padded(kp), padded(vp)
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
@@ -101,6 +109,8 @@ class PagedBatchView(KVBatchView):
         assert self._fetched is not None, "attend before update_and_fetch"
         self.attended = True
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        if self.storage.quantized:
+            return self._attend_quantized(queries, keys, values, scale, mask, sinks)
         first = self.caches[0]
         kp, vp = self.storage.pages(first.layer)  # (n_kv, NB, bs, D) each
         if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
@@ -126,6 +136,32 @@ class PagedBatchView(KVBatchView):
             m = m[..., :n] if isinstance(m, mx.array) else m
             outs.append(self.caches[b].attend(queries[b:b + 1], k, v, scale=scale, mask=m, sinks=sinks))
         return mx.concatenate(outs, axis=0)  # (B, n_q, 1, D_v)
+
+    def _attend_quantized(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
+                          sinks: mx.array | None) -> mx.array:
+        """Quantized pages: where the kernel would be the reference (CPU), sequences sharing whole prefix pages attend
+        to them once, in place (:mod:`mlxkv.kernels.quantized_views_ref`); otherwise every sequence's rows gathered
+        right-padded (what ``update_and_fetch`` returned, or the model's own tensors) and attended at once with
+        ``mx.quantized_matmul``, padding masked out (no Metal kernel reads quantized pages)."""
+        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        first = self.caches[0]
+        if (own and mask is None and sinks is None and first.window is None and first.chunk_size is None
+                and reference_on_views()):
+            offsets = [c.offset for c in self.caches]
+            groups = self.step.prefix_groups(offsets, self.storage.block_size)
+            if groups:  # shared prefix pages attended once, in place (the padded gather never computed)
+                return quantized_shared_prefix_attention(
+                    queries, self.storage.k_rows[first.layer], self.storage.v_rows[first.layer], self.step.tables(),
+                    self.step.host_tables(), offsets, groups, scale=scale, bits=self.storage.bits,
+                    group_size=self.storage.group_size, block_size=self.storage.block_size)  # (B, n_q, 1, D)
+        width = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+        lengths = mx.array(self._lengths, dtype=mx.int32)  # (B,)
+        valid = (mx.arange(width, dtype=mx.int32)[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, Lmax)
+        if isinstance(mask, mx.array):
+            valid = valid & mask if mask.dtype == mx.bool_ else mx.where(valid, mask, -mx.inf)
+        storage = self.storage
+        return dense_attend(queries, keys, values, scale, valid, sinks, bits=storage.bits,
+                            group_size=storage.group_size)  # (B, n_q, 1, D_v)
 
     def _shared_prefix(self, queries: mx.array, kp: mx.array, vp: mx.array, offsets: list[int], scale: float,
                        sinks: mx.array | None) -> mx.array | None:

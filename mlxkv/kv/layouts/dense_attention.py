@@ -42,10 +42,11 @@ def quantized_attend(queries: mx.array, keys: tuple, values: tuple, scale: float
     n_kv = keys[0].shape[1]
     n_rep = n_q // n_kv
     K = keys[0].shape[2]
-    q = (queries * scale).reshape(B, n_kv, n_rep, L, D)  # (B, n_kv, rep, L, D)
-    k = tuple(mx.expand_dims(p, 2) for p in keys)  # (B, n_kv, 1, K, w)
-    v = tuple(mx.expand_dims(p, 2) for p in values)
-    scores = mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits)  # (B, n_kv, rep, L, K)
+    # A kv head's rep * L query rows in one matrix: one matmul per (batch, kv head) with no broadcast batch axis,
+    # which MLX's CPU quantized matmul runs faster (measured 8 sequences x 3 kv heads, decode: ~10-30% per call).
+    q = (queries * scale).reshape(B, n_kv, n_rep * L, D)  # (B, n_kv, rep * L, D): row r * L + i
+    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)  # (B, n_kv, rep * L, K)
+    scores = scores.reshape(B, n_kv, n_rep, L, K)  # (B, n_kv, rep, L, K)
     if isinstance(mask, str):
         assert mask == "causal", f"unknown mask kind {mask!r}"
         mask = mx.arange(K - L, K)[:, None] >= mx.arange(K)[None]  # (L, K)
@@ -64,5 +65,6 @@ def quantized_attend(queries: mx.array, keys: tuple, values: tuple, scale: float
         probs = mx.softmax(scores, axis=-1, precise=True)[..., 1:]  # the sink takes mass, emits nothing
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(probs, *v, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, rep, L, Dv)
+    probs = probs.reshape(B, n_kv, n_rep * L, K)  # (B, n_kv, rep * L, K)
+    out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, rep * L, Dv)
     return out.reshape(B, n_q, L, -1)

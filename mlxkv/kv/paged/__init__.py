@@ -1,7 +1,8 @@
 """Paged K/V storage: mlxkv's layer layouts over pages of one shared block pool.
 
 - :class:`PagedStorage` (page_arrays.py): per-layer page arrays ``[kv_heads, num_blocks, block_size, D]``,
-  allocated at the first write; writes through ``kv_write``.
+  allocated at the first write; writes through ``kv_write``. :class:`QuantizedPagedStorage` (quantized_pages.py):
+  the same pages as ``mx.quantize`` planes (``kv_bits`` 4 or 8), read with ``mx.quantized_matmul``.
 - :class:`PagedSequence` (paged_sequence.py): one sequence against the block manager — slots, block tables,
   copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``.
 - :class:`PagedLayerCache` (layer_cache.py): mlx-lm's cache protocol for full, sliding and chunked layers;
@@ -23,6 +24,7 @@ from mlxkv.kv.paged.backend import PagedBackend, probe_block_bytes
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedPoolExhausted, PagedSequence
+from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage
 
 __all__ = ["PagedBackend", "PagedLayerCache", "PagedPoolExhausted", "PagedSequence",
-           "PagedStorage", "probe_block_bytes"]
+           "PagedStorage", "QuantizedPagedStorage", "probe_block_bytes"]

@@ -30,6 +30,7 @@ from mlxkv.kv.layouts import (
     KVCache,
     LayerCache,
     RotatingKVCache,
+    check_kv_group_size,
     make_caches,
 )
 from mlxkv.kv.layouts.latent_cache import LatentCache
@@ -37,6 +38,7 @@ from mlxkv.kv.paged.latent_pages import LatentPagedCache
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
+from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantized_block_bytes
 from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state_bytes, restore
 
 log = logging.getLogger(__name__)
@@ -107,16 +109,18 @@ class PagedBackend:
     ``open`` restores a prompt's blocks from it before taking the prefix hit (``self.tier``; None without).
 
     Raises:
-        ValueError: a layer layout the paged backend cannot hold (sink tokens, quantized, CacheList).
+        ValueError: a layer layout the paged backend cannot hold (sink tokens, CacheList), or ``kv_bits`` with a
+            ``kv_group_size`` that does not divide head_dim.
     """
 
     def __init__(self, model: Any, config: KvCacheConfig, *, num_blocks: int | None = None,
                  free_bytes: int | None = None, model_path: str | None = None):
-        if config.kv_bits is not None:
-            raise ValueError("the paged backend stores K/V unquantized: use kv_bits=None or backend='dense'")
         if config.max_kv_size is not None:
             raise ValueError("max_kv_size applies to the dense backend only; the paged backend is bounded by "
                              "kv_cache_budget / max_tokens")
+        if config.kv_bits is not None:  # one line at start, as the dense backend's: MLA refused, group size checked
+            make_caches(model, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size)
+            check_kv_group_size(model, config.kv_group_size)
         self.model = model
         self.config = config
         template = make_caches(model)
@@ -134,7 +138,8 @@ class PagedBackend:
         self.recurrent = bool(self.recurrent_layers)
         self.layer_class = [LatentPagedCache if isinstance(c, LatentCache) else PagedLayerCache for c in template]
         self.block_size = config.block_size
-        self.layer_block_bytes = probe_block_bytes(model, config.block_size)
+        self.layer_block_bytes = (probe_block_bytes(model, config.block_size) if config.kv_bits is None else
+                                  quantized_block_bytes(model, config.block_size, config.kv_bits, config.kv_group_size))
         self.bytes_per_block = sum(self.layer_block_bytes)
         self.snapshot_bytes = self.blocks_per_snapshot = 0  # recurrent-state snapshots (module docstring)
         reuse = config.enable_block_reuse
@@ -162,7 +167,11 @@ class PagedBackend:
             hash_algo=config.hash_algo, tenant_share=config.primary_tenant_share,
             state_snapshot_blocks=self.blocks_per_snapshot,
         )
-        self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
+        if config.kv_bits is None:
+            self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
+        else:  # quantized pages (kv_bits, groups of kv_group_size along head_dim): quantized_pages.py
+            self.storage = QuantizedPagedStorage(num_blocks, config.block_size, len(keys), bits=config.kv_bits,
+                                                 group_size=config.kv_group_size)
         self.sequences: dict[int, PagedSequence] = {}
         self.tier = None
         if config.secondary_enabled:

@@ -17,6 +17,11 @@ MLX's SDPA on the same view: 4 heads over 4K rows ~0.6 vs ~1.2 ms per layer, 14 
 SDPA's fallback handles grouped queries poorly there.) Anything else — masks given as arrays, tensors the model
 derived (MLA) — goes to dense SDPA on the given tensors.
 
+Quantized pages (:mod:`mlxkv.kv.paged.quantized_pages`): ``update_and_fetch`` returns mlx-lm's quantized
+``(packed, scales, biases)`` tuples (views of consecutive pages, else gathers of the planes) and ``attend`` runs
+:func:`mlxkv.kv.layouts.dense_attention.quantized_attend` on them (``mx.quantized_matmul``, as mlx-lm's quantized
+attention), for every step, mask and layout; the paged-attention kernels read unquantized pages only.
+
 On the reference path a write whose slots are known on the host and form one or two in-page runs (every decode
 row) is a static slice update of the stored rows, exactly a dense cache's append.
 """
@@ -139,6 +144,9 @@ class PagedLayerCache:
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         self._returned = None
         storage = self.seq.storage
+        if storage.quantized:  # quantized planes (views or gathers of the pages): mx.quantized_matmul, any mask
+            return dense_attend(queries, keys, values, scale, mask, sinks, bits=storage.bits,
+                                group_size=storage.group_size)
         on_views = own and reference_on_views()
         decode = queries.shape[2] == 1
         k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
@@ -226,7 +234,8 @@ class PagedLayerCache:
     def arrays(self) -> list[mx.array]:
         """The layer's page arrays (for ``mx.eval`` between prefill chunks)."""
         s = self.seq.storage
-        return [a for a in (s.k_rows[self.layer], s.v_rows[self.layer]) if a is not None]
+        stored = [a for a in (s.k_rows[self.layer], s.v_rows[self.layer]) if a is not None]
+        return [p for a in stored for p in a] if s.quantized else stored  # quantized: three planes apiece
 
     @property
     def state(self) -> tuple:

@@ -41,6 +41,8 @@ class PagedStorage:
         num_layers: model layers (recurrent layers simply never write).
     """
 
+    quantized = False  # the quantized twin: mlxkv.kv.paged.quantized_pages.QuantizedPagedStorage
+
     def __init__(self, num_blocks: int, block_size: int, num_layers: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -131,6 +133,19 @@ class PagedStorage:
     def nbytes(self) -> int:
         """Bytes of the allocated page arrays (the whole pool share of every layer written so far)."""
         return sum(a.nbytes for a in self.arrays())
+
+    # -- the secondary tier's form (the quantized twin packs its planes into the same two arrays) ----------
+    def tier_rows(self, layer: int, block_ids: mx.array) -> list[mx.array]:
+        """Blocks ``block_ids`` ``(n,)`` of a layer as ``[k, v]``, each ``(n, bs, kv_heads, D)`` (token-major)."""
+        return [pages[:, block_ids].transpose(1, 2, 0, 3) for pages in self.pages(layer)]
+
+    def tier_shapes(self, layer: int) -> list[tuple[int, int, mx.Dtype]]:
+        """``(kv_heads, width, dtype)`` of the layer's K and V in :meth:`tier_rows` form."""
+        return [(r.shape[1], r.shape[3], r.dtype) for r in (self.k_rows[layer], self.v_rows[layer])]
+
+    def write_tier(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+        """Write rows in :meth:`tier_rows` form, ``(T, kv_heads, width)``, at ``slots``."""
+        self.write(layer, slots, k, v)
 
 
 def is_view(runs: list[tuple[int, int]]) -> bool:

@@ -103,8 +103,8 @@ class TierBridge:
         parent = self.pool.resolve(block.parent)
         arrays, dtypes = [], []
         for layer in layers:
-            for pages in self.storage.pages(layer):  # (kv_heads, NB, bs, D) each
-                a, d = to_host(mx.contiguous(pages[:, block.block_id].transpose(1, 0, 2)))  # (bs, kv_heads, D), token-major
+            for rows in self.storage.tier_rows(layer, mx.array([block.block_id], dtype=mx.int32)):  # (1, bs, H, D)
+                a, d = to_host(mx.contiguous(rows[0]))  # (bs, kv_heads, D), token-major
                 arrays.append(a)
                 dtypes.append(d)
         self.tier.offload(TierBlock(
@@ -177,8 +177,8 @@ class TierBridge:
             layers = self._layers(g)
             per_layer: list[tuple[np.ndarray, str]] = []
             for layer in layers:
-                for pages in self.storage.pages(layer):  # (kv_heads, NB, bs, D) each
-                    per_layer.append(to_host(pages[:, ids].transpose(1, 2, 0, 3)))  # (n, bs, kv_heads, D)
+                for kv in self.storage.tier_rows(layer, ids):  # (n, bs, kv_heads, D) each
+                    per_layer.append(to_host(kv))
             for i, (b, parent_hash, prio) in enumerate(rows):
                 out.append(TierBlock(
                     block_hash=b.block_hash, parent_hash=parent_hash, group_id=g, layers=layers,
@@ -216,11 +216,11 @@ class TierBridge:
         if not tb.matches(tokens, extra_digest(extra)) or tb.layers != self._layers(group):
             return False
         for j, layer in enumerate(tb.layers):
-            for a, d, rows in ((tb.arrays[2 * j], tb.dtypes[2 * j], self.storage.k_rows),
-                               (tb.arrays[2 * j + 1], tb.dtypes[2 * j + 1], self.storage.v_rows)):
-                p = rows[layer]  # (1, kv_heads, NB * bs, D) or None
-                if a.shape[0] != self.block_size or (p is not None and ((p.shape[1], p.shape[3]) != a.shape[1:]
-                                                              or str(p.dtype).split(".")[-1] != d)):
+            # (kv_heads, width, dtype) of K and V as the tier holds them; None before the layer's first write
+            shapes = self.storage.tier_shapes(layer) if self.storage.allocated(layer) else [None, None]
+            for a, d, shape in zip(tb.arrays[2 * j:2 * j + 2], tb.dtypes[2 * j:2 * j + 2], shapes):
+                if a.shape[0] != self.block_size or (shape is not None and (
+                        shape[:2] != a.shape[1:] or str(shape[2]).split(".")[-1] != d)):
                     return False
         return True
 
@@ -300,7 +300,7 @@ class TierBridge:
             slots = (mx.array(ids, dtype=mx.int32)[:, None] * self.block_size + mx.arange(self.block_size, dtype=mx.int32)).reshape(-1)
             k = to_mx(np.concatenate(ks), dk)  # (n*bs, kv_heads, D_k)
             v = to_mx(np.concatenate(vs), dv)  # (n*bs, kv_heads, D_v)
-            self.storage.write(layer, slots, k, v)
+            self.storage.write_tier(layer, slots, k, v)
         if by_layer:
             mx.eval(self.storage.arrays())
 
@@ -329,7 +329,7 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
         ValueError: a disk tier with ``hash_algo='builtin'`` (its hashes differ between processes).
     """
     from mlxkv.kv.tier.disk_store import DiskStore
-    from mlxkv.kv.tier.fingerprint import fingerprint_model
+    from mlxkv.kv.tier.fingerprint import fingerprint_model, with_kv_quantization
     from mlxkv.kv.tier.host_store import HostMemoryStore
 
     use_disk = disk_dir is not None and disk_bytes > 0
@@ -341,7 +341,10 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
     disk = None
     if use_disk:
         share = backend.config.secondary_tenant_share
-        disk = DiskStore(disk_dir, fingerprint_model(backend.model, model_path), disk_bytes,
+        fingerprint = fingerprint_model(backend.model, model_path)
+        if backend.storage.quantized:  # the tier holds the quantized form: only these bits may load it
+            fingerprint = with_kv_quantization(fingerprint, backend.storage.bits, backend.storage.group_size)
+        disk = DiskStore(disk_dir, fingerprint, disk_bytes,
                          block_size=backend.block_size,
                          tenant_quota_bytes=None if share >= 1 else int(disk_bytes * share))
     tier = SecondaryTier(backend.config.secondary_offload_min_priority, memory=memory, disk=disk)

@@ -71,3 +71,10 @@ def fingerprint_model(model: Any, path: str | Path | None = None) -> dict:
     args = getattr(model, "args", None)
     arch = getattr(args, "model_type", None) or getattr(model, "model_type", None) or type(model).__module__
     return make_fingerprint(str(arch), "sample", h.hexdigest())
+
+
+def with_kv_quantization(fingerprint: dict, bits: int, group_size: int) -> dict:
+    """``fingerprint`` for K/V stored quantized (``bits``, groups of ``group_size``): a tier folder written with
+    other bits, another group size or unquantized pages has another digest, so it is never loaded as this one."""
+    return make_fingerprint(fingerprint["architecture"], fingerprint["weights_kind"],
+                            f"{fingerprint['weights_id']}+kv{bits}g{group_size}")
