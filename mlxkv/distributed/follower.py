@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -128,6 +129,10 @@ def serve_follower(run: Any, group: Any, mode: str, timeout_s: float) -> int:
     from mlxkv.models import load
 
     rank = group.rank()
+    # A terminal's Ctrl-C (or mlx.launch's SIGTERM) reaches every rank: rank 0 drains its requests and then sends
+    # stop; a follower leaving first would fail rank 0's last steps. A lost rank 0 is caught by the watchdog.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watchdog = Watchdog(rank, timeout_s)
     try:
         loaded = load(run.model, progress=False, dequantize=run.dequantize, chat_template=run.chat_template,
