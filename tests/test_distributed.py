@@ -19,8 +19,8 @@ import urllib.request
 
 import pytest
 
-from testkit.launch_process import launch_available, launch_serve
-from testkit.serve_process import serve_process
+from testkit.launch_process import launch_available, start_launch
+from testkit.run_config import run_config
 
 pytestmark = pytest.mark.skipif(launch_available() is not None, reason=str(launch_available()))
 
@@ -50,22 +50,34 @@ def llama_dir(test_model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    """Greedy texts (and the single process's block bytes) from one ``mlxkv serve`` process."""
-    with serve_process("-m", llama_dir, "--log-level", "warning") as client:
-        texts = _complete_all(client, PROMPTS)
-        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi there"}],
-                                              max_tokens=16, temperature=0).choices[0].message.content
-        url = str(client.base_url).rstrip("/").removesuffix("/v1")
-        blocks = _stats(url)["kv_blocks"]
-    return {"texts": texts, "chat": chat, "blocks": blocks}
+def started(llama_dir):
+    """The launch, started first: its ranks boot while the reference runs."""
+    launched = start_launch(2, "-m", llama_dir, "--kv-cache-budget", BUDGET, "--distributed-timeout", "30",
+                            "--log-level", "warning")
+    yield launched
+    launched.stop()
 
 
 @pytest.fixture(scope="module")
-def launch(llama_dir):
-    with launch_serve(2, "-m", llama_dir, "--kv-cache-budget", BUDGET, "--distributed-timeout", "30",
-                      "--log-level", "warning") as launched:
-        yield launched
+def reference(started, llama_dir):
+    """Greedy texts and the block bytes of one server process (in this process, on loopback), default options."""
+    import openai
+
+    from mlxkv.server.runner import ServerThread, build
+
+    parts = build(run_config(llama_dir, kv_backend="paged"))
+    with ServerThread(parts.app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        texts = _complete_all(client, PROMPTS)
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi there"}],
+                                              max_tokens=16, temperature=0).choices[0].message.content
+        bytes_per_block = parts.engine.pool.paged.bytes_per_block
+    return {"texts": texts, "chat": chat, "bytes_per_block": bytes_per_block}
+
+
+@pytest.fixture(scope="module")
+def launch(started, reference):
+    return started.wait_ready()
 
 
 def test_concurrent_greedy_requests_equal_one_process(launch, reference):
@@ -79,13 +91,8 @@ def test_concurrent_greedy_requests_equal_one_process(launch, reference):
     assert stats["failed_total"] == 0
 
 
-def test_each_rank_holds_half_the_kv_bytes(launch, llama_dir):
-    from mlxkv.config import KvCacheConfig
-    from mlxkv.kv import CachePool
-    from mlxkv.models import load
-
-    single = CachePool(load(llama_dir).model, backend="paged", kv_config=KvCacheConfig(backend="paged"),
-                       num_blocks=4).paged.bytes_per_block
+def test_each_rank_holds_half_the_kv_bytes(launch, reference):
+    single = reference["bytes_per_block"]
     dist = _stats(launch.url)["distributed"]
     assert dist == {"mode": "tensor", "world_size": 2, "rank": 0, "bytes_per_block_per_rank": single // 2}
     assert f"KV blocks of {single // 2} bytes" in launch.log()  # rank 1's own pool, as it reported it
@@ -96,9 +103,10 @@ def test_each_rank_holds_half_the_kv_bytes(launch, llama_dir):
 def test_prefix_hit_across_ranks(launch, reference):
     prompt = PROMPTS[0]
     before = _stats(launch.url)["prefix_cache"]["hits"]
-    first = _complete_all(launch.client, [prompt])
-    again = _complete_all(launch.client, [prompt])
-    assert first == again == reference["texts"][:1]
+    first = _complete_all(launch.client, [prompt], max_tokens=8)
+    again = _complete_all(launch.client, [prompt], max_tokens=8)
+    assert first == again
+    assert reference["texts"][0].startswith(first[0])
     assert _stats(launch.url)["prefix_cache"]["hits"] > before
 
 

@@ -32,7 +32,8 @@ def launch_available() -> str | None:
 
 @dataclass
 class Launch:
-    """A running launch: the official client of rank 0's server, the ``mlx.launch`` process and its output."""
+    """A launch of ``mlxkv serve --distributed``: the official client of rank 0's server, the ``mlx.launch``
+    process (in its own process group) and its output."""
 
     client: object
     url: str
@@ -44,43 +45,57 @@ class Launch:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def wait_ready(self, timeout: float = 240) -> "Launch":
+        """Return once rank 0's ``/v1/models`` answers (fails the test with the launch's output otherwise)."""
+        import openai
 
-@contextlib.contextmanager
-def launch_serve(n: int, *args: str, start_timeout: float = 180) -> Iterator[Launch]:
-    """``mlx.launch -n N --backend ring -- python -m mlxkv serve --distributed tensor ARGS --port P``; yields once
-    ``/v1/models`` answers; stops every rank afterwards (its own process group: mlx.launch leaves its ranks running
-    when it is terminated alone)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.log()
+            try:
+                self.client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the distributed server did not come up:\n" + self.log()
+                time.sleep(0.3)
+        self.ranks = {int(r): int(p) for r, p in re.findall(r"rank (\d+) of \d+ ready \(pid (\d+)", self.log())}
+        return self
+
+    def stop(self) -> None:
+        """Stop every rank (the whole process group: mlx.launch terminated alone leaves its ranks running)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(0.5)  # rank 0 drains and tells the others to stop
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # any rank still there
+        self.proc.wait(timeout=30)
+        os.unlink(self.log_path)
+
+
+def start_launch(n: int, *args: str) -> Launch:
+    """Start ``mlx.launch -n N --backend ring -- python -m mlxkv serve --distributed tensor ARGS --port P`` (not
+    waiting for it: see :meth:`Launch.wait_ready`)."""
     import openai
 
     port, ring = free_port(), free_port()
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    cmd = ["mlx.launch", "-n", str(n), "--backend", "ring", "--starting-port", str(ring), "--",
-           sys.executable, "-m", "mlxkv", "serve", "--distributed", "tensor", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
+        cmd = ["mlx.launch", "-n", str(n), "--backend", "ring", "--starting-port", str(ring), "--",
+               sys.executable, "-m", "mlxkv", "serve", "--distributed", "tensor", *args, "--port", str(port)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
-    launch = Launch(client, url, proc, log.name)
+    return Launch(client, url, proc, log.name)
+
+
+@contextlib.contextmanager
+def launch_serve(n: int, *args: str) -> Iterator[Launch]:
+    """:func:`start_launch`, ready; stopped afterwards."""
+    launch = start_launch(n, *args)
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            assert proc.poll() is None, launch.log()
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline, "the distributed server did not come up:\n" + launch.log()
-                time.sleep(0.3)
-        launch.ranks = {int(r): int(p) for r, p in re.findall(r"rank (\d+) of \d+ ready \(pid (\d+)", launch.log())}
-        yield launch
+        yield launch.wait_ready()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # any rank still there
-        log.close()
-        os.unlink(log.name)
+        launch.stop()
