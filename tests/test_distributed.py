@@ -49,8 +49,26 @@ def llama_dir(test_model_dir) -> str:
     return str(test_model_dir("llama"))
 
 
+GENERATE = ["generate", "the quick brown fox", "--temp", "0", "--max-tokens", "12"]
+
+
 @pytest.fixture(scope="module")
-def started(llama_dir):
+def generating(llama_dir):
+    """``mlxkv generate --distributed tensor`` under mlx.launch, started with the server launch (both boot while
+    the reference runs)."""
+    from testkit.serve_process import free_port
+
+    proc = subprocess.Popen(["mlx.launch", "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+                             sys.executable, "-m", "mlxkv", *GENERATE, "-m", llama_dir, "--distributed", "tensor"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    yield proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def started(llama_dir, generating):
     """The launch, started first: its ranks boot while the reference runs."""
     launched = start_launch(2, "-m", llama_dir, "--kv-cache-budget", BUDGET, "--distributed-timeout", "30",
                             "--log-level", "warning")
@@ -122,6 +140,15 @@ def test_killing_a_rank_ends_the_launch(launch):
     assert "mlxkv: rank 0: the distributed group failed" in log, log
     with pytest.raises(Exception):
         launch.client.models.list()
+
+
+def test_generate_under_mlx_launch_equals_one_process(generating, llama_dir):
+    single = subprocess.run([sys.executable, "-m", "mlxkv", *GENERATE, "-m", llama_dir], capture_output=True,
+                            text=True, timeout=120)
+    out, err = generating.communicate(timeout=240)
+    assert single.returncode == 0 and generating.returncode == 0, err
+    assert single.stdout.strip()
+    assert out == single.stdout  # printed once (rank 0), the same greedy text
 
 
 def test_distributed_needs_mlx_launch(llama_dir):
