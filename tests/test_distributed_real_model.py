@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(launch_available() is not None, reason=str(launch_available())),
 ]
 QUESTIONS = ["What is the capital of France?", "Name a primary color."]
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 def _answers(client) -> list[list[tuple[str, float, list]]]:
