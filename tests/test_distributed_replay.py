@@ -63,6 +63,10 @@ class _LoopbackChannel:
     def share(inputs, shape):
         return inputs
 
+    @staticmethod
+    def gather_memory():
+        return []
+
     def send(self, message: dict) -> None:
         self.sent += 1
         follower = self.replayer
@@ -73,6 +77,7 @@ class _LoopbackChannel:
         assert _tables(follower.pool) == _tables(self.leader_pool)
         assert follower.pool.block_stats()["kv_blocks"] == self.leader_pool.block_stats()["kv_blocks"]
         follower.journal.now = message["now"]
+        assert "gather" in message  # a real channel gathers every rank's memory then (not in one process)
         then = message["then"]
         self.kinds.append(then[0])
         if then[0] != "stop":
@@ -99,7 +104,7 @@ def test_replayed_journal_keeps_every_block_the_same(llama):
     journal = Journal()
     plans = Plans(channel, journal, leader_pool)
     pool = LeaderPool(leader_pool, journal, on_idle=plans.heartbeat, on_stop=plans.stop, heartbeat_s=1.0,
-                      extra_stats={})
+                      extra_stats=dict)
     engine = LeaderEngine(llama.model, None, config=config, pool=pool, context_length=4096, plans=plans).start()
     try:
         params = SamplingParams(max_tokens=24, temp=0.0)

@@ -59,6 +59,18 @@ class PlanChannel:
         self.bytes += n
         return pickle.loads(bytes(memoryview(data)))
 
+    def gather_memory(self) -> list[dict]:
+        """Every rank's MLX memory (all ranks call it at the same point of the plan): one dict per rank."""
+        mine = mx.array([[mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()]], dtype=mx.int64)
+        try:
+            every = mx.distributed.all_gather(mine, group=self.group)  # (N, 3)
+            mx.eval(every)
+        except RuntimeError as exc:
+            fatal(self.rank, f"the distributed group failed ({exc})")
+        self.watchdog.beat()
+        return [{"rank": r, "mlx_active_bytes": a, "mlx_peak_bytes": p, "mlx_cache_bytes": c}
+                for r, (a, p, c) in enumerate(every.tolist())]
+
     def share(self, inputs: mx.array | None, shape: tuple[int, ...]) -> mx.array:
         """The leader's ``inputs`` (uint32 token ids of ``shape``) on every rank, lazily: the sum is part of the
         graph that uses it (followers pass None)."""

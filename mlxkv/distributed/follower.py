@@ -50,6 +50,8 @@ class Replayer:
                 fatal(self.channel.rank, f"this rank's pool diverged from rank 0's ({free} free blocks, rank 0 has "
                                          f"{message['free']})")
             self.journal.now = message["now"]
+            if message.get("gather"):
+                self.channel.gather_memory()
             then = message["then"]
             if then[0] == "stop":
                 return

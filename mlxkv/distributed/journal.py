@@ -92,11 +92,11 @@ class LeaderPool:
         on_idle: called from :meth:`persist_tier` (between engine steps) to keep the followers' watchdogs fed.
         on_stop: called from :meth:`flush_tier` (the engine thread's last act): the followers stop.
         heartbeat_s: the engine's idle wait (:meth:`tier_due_in`), so that ``on_idle`` runs while idle.
-        extra_stats: added to :meth:`block_stats` (the distributed figures).
+        extra_stats: returns what :meth:`block_stats` adds (the distributed figures).
     """
 
     def __init__(self, pool: Any, journal: Journal, *, on_idle: Callable[[], None], on_stop: Callable[[], None],
-                 heartbeat_s: float, extra_stats: dict):
+                 heartbeat_s: float, extra_stats: Callable[[], dict]):
         if pool.is_paged and pool.paged.tier is not None:
             raise ValueError("the secondary KV tier (--host-cache-size, --kv-disk-cache) is not supported with "
                              "--distributed yet")
@@ -184,4 +184,4 @@ class LeaderPool:
         self._on_stop()
 
     def block_stats(self) -> dict:
-        return {**self._pool.block_stats(), "distributed": dict(self._extra_stats)}
+        return {**self._pool.block_stats(), "distributed": self._extra_stats()}

@@ -20,7 +20,8 @@ from mlxkv.distributed.watchdog import Watchdog
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.runner import ModelRunner
 
-#: Seconds between the leader's no-op messages while idle (the followers' watchdogs see it alive).
+#: Seconds between the leader's no-op messages while idle (the followers' watchdogs see it alive), and at least
+#: between two gatherings of every rank's memory figures for the stats.
 HEARTBEAT_S = 1.0
 
 
@@ -32,6 +33,8 @@ class Plans:
         self.journal = journal
         self.pool = pool  # the inner pool: its free block count lets followers check they replayed alike
         self.last_sent = time.monotonic()
+        self.last_gathered = 0.0
+        self.ranks: list[dict] = []  # every rank's memory figures, as of the last gathering
         self.stopped = False
 
     def send(self, *op: Any) -> None:
@@ -42,8 +45,11 @@ class Plans:
         ops = self.journal.take()
         free = self.pool.free_capacity() if self.pool is not None else 0
         now = time.monotonic()
-        self.channel.send({"ops": ops, "free": free, "now": now, "then": op})
+        gather = op[0] != "stop" and now - self.last_gathered >= HEARTBEAT_S
+        self.channel.send({"ops": ops, "free": free, "now": now, "then": op, "gather": gather})
         self.journal.now = self.last_sent = now  # what follows reads this time, on the followers too
+        if gather:  # every rank answers right after this message, before its forward
+            self.ranks, self.last_gathered = self.channel.gather_memory(), now
 
     def heartbeat(self) -> None:
         if time.monotonic() - self.last_sent >= HEARTBEAT_S:
@@ -128,7 +134,7 @@ class Leader:
         stats = {"mode": self.mode, "world_size": self.group.size(), "rank": 0,
                  "bytes_per_block_per_rank": pool.paged.bytes_per_block if pool.is_paged else None}
         return LeaderPool(pool, self.plans.journal, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
-                          heartbeat_s=HEARTBEAT_S, extra_stats=stats)
+                          heartbeat_s=HEARTBEAT_S, extra_stats=lambda: {**stats, "ranks": self.plans.ranks})
 
     def engine(self, *args: Any, **kwargs: Any) -> LeaderEngine:
         return LeaderEngine(*args, plans=self.plans, **kwargs)
