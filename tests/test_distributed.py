@@ -115,6 +115,10 @@ def test_each_rank_holds_half_the_kv_bytes(launch, reference):
     ranks = dist.pop("ranks")
     assert dist == {"mode": "tensor", "world_size": 2, "rank": 0, "bytes_per_block_per_rank": single // 2}
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["mlx_active_bytes"] > 0 for r in ranks), ranks
+    with urllib.request.urlopen(f"{launch.url}/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    assert f"mlxkv_kv_block_bytes_per_rank {float(single // 2)}" in metrics
+    assert 'mlxkv_rank_mlx_active_bytes{rank="1"}' in metrics
     assert f"KV blocks of {single // 2} bytes" in launch.log()  # rank 1's own pool, as it reported it
     blocks = _stats(launch.url)["kv_blocks"]
     assert blocks["total"] == int(BUDGET) // (single // 2) - 1  # the budget is per rank (block 0 is the null block)
