@@ -36,7 +36,7 @@ class Replayer:
         self.channel = channel
         self.journal = Journal()
         use_plan_clock(pool, self.journal)
-        self.runner = ModelRunner(model, batched=True, batched_prefill=True, totals=collections_totals())
+        self.runner = ModelRunner(model, batched=True, batched_prefill=True, totals=_runner_totals())
         self.forwards = 0
 
     def run(self) -> None:
@@ -112,7 +112,7 @@ class Replayer:
             raise AssertionError(f"unknown step {kind!r} from rank 0")
 
 
-def collections_totals() -> dict[str, int]:
+def _runner_totals() -> dict[str, int]:
     """Counters the runner adds to (a follower reports none of them)."""
     return {"batched_steps": 0, "unbatched_steps": 0, "batched_prefills": 0}
 
