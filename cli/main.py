@@ -167,10 +167,6 @@ def generate(
         from mlxkv.prompt import encode_prompt
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
-    from mlxkv.cli.models import remember_gguf
-
-    kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size)
     from mlxkv.distributed.generate import GenerateRanks
 
     try:
@@ -178,6 +174,10 @@ def generate(
     except ValueError as exc:
         _fail(str(exc), verbose)
     ranks.quiet_followers()
+    from mlxkv.cli.models import remember_gguf
+
+    kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
+                   kv_group_size=kv_group_size)
     if draft_model:
         try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
             resolve_model_path(draft_model)
