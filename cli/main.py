@@ -129,6 +129,9 @@ def generate(
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
     verbose: bool = options.VERBOSE,
+    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor]", rich_help_panel=MODEL_PANEL,
+                                    help="Under mlx.launch: tensor-parallel over the launched ranks (rank 0 prints). "
+                                         "See docs/distributed.md."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
@@ -169,6 +172,13 @@ def generate(
         from mlxkv.prompt import encode_prompt
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
+    from mlxkv.distributed.generate import GenerateRanks
+
+    try:
+        ranks = GenerateRanks(distributed)
+    except ValueError as exc:
+        _fail(str(exc), verbose)
+    ranks.quiet_followers()
     from mlxkv.cli.models import remember_gguf
 
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
@@ -184,8 +194,9 @@ def generate(
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags(),
                         chat_template=chat_template)
         params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                seed=seed, stop=tuple(stop or ()))
+                                seed=ranks.seed(seed, temp > 0), stop=tuple(stop or ()))
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
+        ranks.shard(loaded)
         remember_gguf(loaded)
         _quiet_length_warning(loaded.tokenizer)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None)
@@ -214,7 +225,7 @@ def generate(
     if fmt is not None and not complete:
         _fail("the JSON output is incomplete: generation stopped at --max-tokens or a --stop string before the "
               "document was closed", verbose)
-    if verbose:
+    if verbose and ranks.rank == 0:
         s = engine.last_stats
         typer.echo(
             f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s | "

@@ -152,6 +152,13 @@ def serve(
         None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
         help='JSON object of extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
              "(a request's chat_template_kwargs keys win)."),
+    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor]", rich_help_panel=SERVER_PANEL,
+                                    help="Under mlx.launch: tensor-parallel over the launched ranks (rank 0 serves "
+                                         "HTTP; each rank holds its share of the weights and KV heads). See "
+                                         "docs/distributed.md."),
+    distributed_timeout: float = typer.Option(
+        60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
+        help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
 ) -> None:
     """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine."""
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
@@ -176,6 +183,21 @@ def serve(
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)
+    from mlxkv.config import EngineConfig, RunConfig
+
+    try:
+        engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
+                              prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
+        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
+                        chat_template=chat_template, tool_parser=tool_parser)
+        group = _distributed_group(distributed, tier=bool(host_cache_size or kv_disk_cache))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    if group is not None and group.rank() > 0:  # a follower: no HTTP, rank 0's plans replayed
+        from mlxkv.distributed.follower import serve_follower
+
+        raise typer.Exit(code=serve_follower(run, group, distributed, distributed_timeout))
     from mlxkv.cli.listen import ListenError, bind, bound_port, url
 
     try:
@@ -184,7 +206,6 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     try:
-        from mlxkv.config import EngineConfig, RunConfig
         from mlxkv.models import ModelLoadError
         from mlxkv.server.runner import build, set_switch_interval
         from mlxkv.server.shutdown import serve_until_signalled
@@ -195,13 +216,15 @@ def serve(
     if host not in _LOOPBACK and key is None:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
     try:
-        engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
-                              prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
-        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
-                        chat_template=chat_template, tool_parser=tool_parser)
+        leader = None
+        if group is not None:
+            from mlxkv.distributed.leader import Leader
+
+            leader = Leader(group, distributed, distributed_timeout)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
-                      admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key)
+                      admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
+                      distributed=leader)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         typer.echo(f"error: {exc}", err=True)
@@ -211,7 +234,8 @@ def serve(
     remember_gguf(parts.loaded)
     set_switch_interval(switch_interval_ms / 1000)
     typer.echo(f"mlxkv serve: {parts.loaded.name} on {url(host, bound_port(sock))} "
-               f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV)", err=True)
+               f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV"
+               + (f", {distributed} parallel over {group.size()} ranks" if group is not None else "") + ")", err=True)
     started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock), log_level=log_level,
                                     sockets=[sock])
     flushed = parts.engine.last_flush
@@ -226,3 +250,16 @@ def serve(
     mx.clear_streams()  # MLX asks each thread that used it to clean up, else the process may abort at exit
     if not started:
         raise typer.Exit(code=3)  # uvicorn's startup-failure code (it logged why)
+
+
+def _distributed_group(mode: str, *, tier: bool):
+    """The ``mx.distributed`` group for ``--distributed MODE`` (None when off; refused under mlx.launch then)."""
+    from mlxkv.distributed.group import check_mode, check_undistributed, start_group
+
+    if check_mode(mode) == "off":
+        check_undistributed()
+        return None
+    if tier:
+        raise ValueError("the secondary KV tier (--host-cache-size, --kv-disk-cache) is not supported with "
+                         "--distributed yet")
+    return start_group(mode)

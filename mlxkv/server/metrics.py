@@ -55,6 +55,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator:
         s = self._stats()
+        yield from _rank_metrics(s.get("distributed"))
         for key, name, doc in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=float(s.get(key, 0) or 0))
         blocks = s.get("kv_blocks", {})
@@ -112,3 +113,21 @@ class ServerMetrics(EngineObserver):
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _rank_metrics(dist: dict | None) -> Iterator:
+    """Per-rank figures of a distributed server (``--distributed``; nothing otherwise)."""
+    if not dist:
+        return
+    yield GaugeMetricFamily("mlxkv_distributed_ranks", "Ranks of the distributed launch.",
+                            value=float(dist["world_size"]))
+    if dist.get("bytes_per_block_per_rank"):
+        yield GaugeMetricFamily("mlxkv_kv_block_bytes_per_rank", "Bytes of one KV block on each rank (its KV heads).",
+                                value=float(dist["bytes_per_block_per_rank"]))
+    for key, name, doc in (("mlx_active_bytes", "mlxkv_rank_mlx_active_bytes", "MLX active memory of each rank."),
+                           ("mlx_peak_bytes", "mlxkv_rank_mlx_peak_bytes", "MLX peak memory of each rank.")):
+        family = GaugeMetricFamily(name, doc, labels=["rank"])
+        for rank in dist.get("ranks", []):
+            family.add_metric([str(rank["rank"])], float(rank[key]))
+        yield family
+

@@ -30,11 +30,12 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
           keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
-          metrics_key: str | None = None) -> ServerParts:
+          metrics_key: str | None = None, distributed: Any = None) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
-    ``metrics_key``: see :func:`mlxkv.server.app.create_app`).
+    ``metrics_key``: see :func:`mlxkv.server.app.create_app`). ``distributed``: rank 0's
+    :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model, builds the pool and engine).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -47,9 +48,13 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     loaded = load(run.model, progress=True, dequantize=run.dequantize, chat_template=run.chat_template,
                   tool_parser=run.tool_parser)
     context = context_length_of(loaded.config)
-    pool = build_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
+    make_pool, make_engine = build_pool, BatchEngine
+    if distributed is not None:
+        distributed.shard(loaded)
+        make_pool, make_engine = distributed.pool, distributed.engine
+    pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
     metrics = ServerMetrics()
-    engine = BatchEngine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
+    engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
                          observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,

@@ -1,0 +1,159 @@
+"""Rank 0 of ``mlxkv serve --distributed``: HTTP, the scheduler and the block manager, sending each forward's plan.
+
+:class:`Leader` plugs into :func:`mlxkv.server.runner.build`: it shards the loaded model, wraps the pool in a
+:class:`~mlxkv.distributed.journal.LeaderPool` and builds a :class:`LeaderEngine`, whose runner sends the journal
+and the forward it is about to run before running it (:class:`LeaderRunner`). Every scheduling decision (admission,
+deadlines, preemption, prefix hits, forks) is made here only; followers replay the outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlxkv.distributed.channel import PlanChannel
+from mlxkv.distributed.group import agree_num_blocks, shard_model
+from mlxkv.distributed.journal import Journal, LeaderPool
+from mlxkv.distributed.watchdog import Watchdog
+from mlxkv.engine.batch import BatchEngine
+from mlxkv.engine.runner import ModelRunner
+
+#: Seconds between the leader's no-op messages while idle (the followers' watchdogs see it alive), and at least
+#: between two gatherings of every rank's memory figures for the stats.
+HEARTBEAT_S = 1.0
+
+
+class Plans:
+    """The journal and the channel together: :meth:`send` ships what happened since the last send, then ``op``."""
+
+    def __init__(self, channel: PlanChannel, journal: Journal, pool: Any = None):
+        self.channel = channel
+        self.journal = journal
+        self.pool = pool  # the inner pool: its free block count lets followers check they replayed alike
+        self.last_sent = time.monotonic()
+        self.last_gathered = 0.0
+        self.ranks: list[dict] = []  # every rank's memory figures, as of the last gathering
+        self.stopped = False
+
+    def send(self, *op: Any) -> None:
+        if self.stopped:
+            return
+        if not self.channel.sent:
+            self.channel.watchdog.start()
+        ops = self.journal.take()
+        free = self.pool.free_capacity() if self.pool is not None else 0
+        now = time.monotonic()
+        gather = op[0] != "stop" and now - self.last_gathered >= HEARTBEAT_S
+        self.channel.send({"ops": ops, "free": free, "now": now, "then": op, "gather": gather})
+        self.journal.now = self.last_sent = now  # what follows reads this time, on the followers too
+        if gather:  # every rank answers right after this message, before its forward
+            self.ranks, self.last_gathered = self.channel.gather_memory(), now
+
+    def heartbeat(self) -> None:
+        if time.monotonic() - self.last_sent >= HEARTBEAT_S:
+            self.send("noop")
+
+    def stop(self) -> None:
+        self.send("stop")
+        self.stopped = True
+        self.channel.watchdog.stop()
+
+
+class LeaderRunner(ModelRunner):
+    """The model runner of rank 0: each forward is announced to the followers before it runs."""
+
+    def __init__(self, plans: Plans, model: Any, **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self.plans = plans
+
+    def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool) -> mx.array | None:
+        self.plans.send("prefill", seq.id.value, list(tokens), want_logits)
+        return super().prefill(seq, tokens, want_logits)
+
+    def prefill_together(self, seqs: Sequence[Any], chunks: Sequence[Sequence[int]]) -> mx.array:
+        self.plans.send("prefill_together", [s.id.value for s in seqs], [list(c) for c in chunks])
+        return super().prefill_together(seqs, chunks)
+
+    def forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
+        shape = tuple(inputs.shape)
+        self.plans.send("forward", [s.id.value for s in seqs], shape, self.batched)
+        return super().forward(seqs, self.plans.channel.share(inputs, shape))  # (B, vocab)
+
+
+class LeaderEngine(BatchEngine):
+    """A :class:`~mlxkv.engine.batch.BatchEngine` on rank 0: its runner announces forwards and its start-up batch
+    probes run on every rank (each rank probes its own pool, journaling paused)."""
+
+    def __init__(self, *args: Any, plans: Plans, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.plans = plans
+        sched = self._scheduler
+        sched.runner = LeaderRunner(plans, self.model, batched=sched.runner.batched,
+                                    batched_prefill=sched.runner.batched_prefill, totals=sched.totals)
+
+    def _decide_batching(self) -> tuple[bool, str]:
+        if self.config.batched_decode is False or self.config.max_sequences < 2:
+            return super()._decide_batching()  # no probe: nothing runs
+        self.plans.send("probe_decode")
+        with self.plans.journal.paused():
+            return super()._decide_batching()
+
+    def _decide_prefill_batching(self, batched_decode: bool) -> tuple[bool, str]:
+        if not self.config.batched_prefill or not batched_decode:
+            return super()._decide_prefill_batching(batched_decode)
+        self.plans.send("probe_prefill")
+        with self.plans.journal.paused():
+            return super()._decide_prefill_batching(batched_decode)
+
+
+class Leader:
+    """The hook :func:`mlxkv.server.runner.build` calls on rank 0 (shard, wrap the pool, make the engine).
+
+    Args:
+        group: the ``mx.distributed`` group (this is rank 0); mode: ``"tensor"``; timeout_s: the watchdog's.
+    """
+
+    def __init__(self, group: Any, mode: str, timeout_s: float):
+        assert group.rank() == 0, "the leader is rank 0"
+        self.group = group
+        self.mode = mode
+        self.watchdog = Watchdog(0, timeout_s)  # started by the first plan: loading the model may take long
+        self.plans = Plans(PlanChannel(group, self.watchdog), Journal())
+
+    def shard(self, loaded: Any) -> None:
+        """Shard the loaded model over the group (before its pool is built)."""
+        shard_model(loaded.model, self.group, self.mode)
+
+    def pool(self, model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None) -> LeaderPool:
+        """Rank 0's pool (:func:`build_rank_pool`), journaled."""
+        pool = build_rank_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens,
+                               group=self.group)
+        self.plans.pool = pool
+        stats = {"mode": self.mode, "world_size": self.group.size(), "rank": 0,
+                 "bytes_per_block_per_rank": pool.paged.bytes_per_block if pool.is_paged else None}
+        return LeaderPool(pool, self.plans.journal, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
+                          heartbeat_s=HEARTBEAT_S, extra_stats=lambda: {**stats, "ranks": self.plans.ranks})
+
+    def engine(self, *args: Any, **kwargs: Any) -> LeaderEngine:
+        return LeaderEngine(*args, plans=self.plans, **kwargs)
+
+
+def agree_pool(pool: Any, rebuild: Any, group: Any) -> Any:
+    """``pool``, or ``rebuild(n)`` with the smallest block count of all ranks when it holds more (paged)."""
+    if not pool.is_paged:
+        return pool
+    n = agree_num_blocks(pool.paged.num_blocks, pool.paged.bytes_per_block, group)
+    return pool if n == pool.paged.num_blocks else rebuild(n)
+
+
+def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None, group: Any) -> Any:
+    """This rank's pool (its shard of the KV heads), sized as :func:`mlxkv.engine.build.build_pool` sizes it from
+    this machine's memory and budget, then agreed with the other ranks (:func:`agree_pool`)."""
+    from mlxkv.engine.build import build_pool
+    from mlxkv.kv import CachePool
+
+    pool = build_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens)
+    return agree_pool(pool, lambda n: CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv,
+                                                num_blocks=n), group)
