@@ -46,7 +46,8 @@ def compaction_plan(scores: mx.array, budget: int) -> tuple[mx.array, mx.array, 
     kept = mx.zeros((R,), dtype=mx.bool_)
     kept[order[:budget]] = True
     big = 2 * R
-    holes = mx.argsort(mx.where(~kept & (slot < budget), slot, big + slot))[:E]  # real holes first, then slots >= budget
+    spare = mx.where(slot >= budget, big + slot, 2 * big + slot)  # slots past the budget: safe to overwrite
+    holes = mx.argsort(mx.where(~kept & (slot < budget), slot, spare))[:E]  # real holes first, then spare slots
     movers = mx.argsort(mx.where(kept & (slot >= budget), slot, big + slot))[:E]  # survivors above budget first
     evicted = mx.argsort(mx.where(kept, big + slot, slot))[:E]
     return holes, movers, evicted
