@@ -234,3 +234,13 @@ def test_the_paged_backend_and_other_caps_refuse_the_policies():
     with pytest.raises(ValueError, match="room is needed"):
         KvOverflowConfig(policy="offload", budget=10, sinks=4, recent=6)
     assert KvOverflowConfig(policy="h2o", budget=100).recent_tokens == 50
+
+
+def test_the_engine_builder_gives_dense_sequences_the_policy(models):
+    from mlxkv.engine.build import build_pool
+
+    pool = build_pool(models("llama"), KvCacheConfig(overflow=overflow("h2o", 32)), max_sequences=2,
+                      context_tokens=None)
+    seq = pool.open(4)
+    assert [type(c).__name__ for c in seq.caches] == ["OverflowKVCache"] * 2
+    assert seq.caches[0].budget == 32 and seq.caches[0].recent == 16
