@@ -26,9 +26,9 @@ def masked_scores(queries: mx.array, keys: mx.array, scale: float, mask=None) ->
     B, n_q, L, D = queries.shape
     n_kv, K = keys.shape[1], keys.shape[2]
     rep = n_q // n_kv
-    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rep, L, D)  # (B, n_kv, rep, L, D)
-    k = mx.expand_dims(keys.astype(mx.float32), 2)  # (B, n_kv, 1, K, D)
-    scores = q @ k.swapaxes(-1, -2)  # (B, n_kv, rep, L, K)
+    # one (rep * L, D) x (D, K) product per KV head: a broadcast over rep runs several times slower on CPU BLAS
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rep * L, D)  # (B, n_kv, rep * L, D)
+    scores = (q @ keys.astype(mx.float32).swapaxes(-1, -2)).reshape(B, n_kv, rep, L, K)  # (B, n_kv, rep, L, K)
     if isinstance(mask, str):
         assert mask == "causal", f"unknown mask kind {mask!r}"
         mask = mx.arange(K - L, K)[:, None] >= mx.arange(K)[None]  # (L, K)

@@ -77,12 +77,18 @@ class OffloadTier:
     def proxy_scores(self, queries: mx.array, scale: float) -> mx.array:
         """Estimated logits of ``queries (B, n_q, L, D)`` over the offloaded rows: ``(B, n_kv, rep, L, M)``."""
         B, n_q, L, D = queries.shape
-        n_kv = self._proxy[0].shape[1]
-        q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, L, D)  # (B, n_kv, rep, L, D)
-        planes = tuple(mx.expand_dims(p, 2) for p in self._proxy)  # (B, n_kv, 1, M, w)
-        if len(planes) == 1:
-            return q @ planes[0].astype(mx.float32).swapaxes(-1, -2)  # (B, n_kv, rep, L, M)
-        return mx.quantized_matmul(q, *planes, transpose=True, group_size=_proxy_group(D), bits=PROXY_BITS)
+        n_kv, M = self._proxy[0].shape[1], self._proxy[0].shape[2]
+        rep = n_q // n_kv
+        q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, rep * L, D)  # (B, n_kv, rep * L, D)
+        if len(self._proxy) == 1:
+            k = self._proxy[0].astype(mx.float32)  # (B, n_kv, M, D)
+        elif mx.default_device() == mx.cpu:
+            # MLX's CPU quantized matmul is many times slower than BLAS: a transient float copy of the proxy is cheaper
+            k = mx.dequantize(*self._proxy, group_size=_proxy_group(D), bits=PROXY_BITS)  # (B, n_kv, M, D)
+        else:
+            s = mx.quantized_matmul(q, *self._proxy, transpose=True, group_size=_proxy_group(D), bits=PROXY_BITS)
+            return s.reshape(B, n_kv, rep, L, M)
+        return (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, rep, L, M)  # (B, n_kv, rep, L, M)
 
     def select(self, queries: mx.array, resident_scores: mx.array, scale: float, sinks: mx.array | None,
                threshold: float, limit: int) -> np.ndarray:
