@@ -244,3 +244,16 @@ def test_the_engine_builder_gives_dense_sequences_the_policy(models):
     seq = pool.open(4)
     assert [type(c).__name__ for c in seq.caches] == ["OverflowKVCache"] * 2
     assert seq.caches[0].budget == 32 and seq.caches[0].recent == 16
+
+
+def test_forked_sequences_continue_alike_with_their_own_host_rows(models):
+    model = models("llama")
+    pool = CachePool(model, max_sequences=3, overflow=overflow("offload", 16, recent=4))
+    parent = pool.open(30)
+    model(mx.array(PROMPT[:30])[None], cache=parent.caches)
+    model(mx.array([[5]]), cache=parent.caches)  # over budget: host rows exist before the fork
+    kids = pool.fork(parent.id, 2)
+    a, b = (model(mx.array([[7]]), cache=k.caches)[0, -1] for k in kids)
+    assert mx.array_equal(a, b).item()
+    tiers = [overflow_layers(s.caches)[0].tier for s in (parent, *kids)]
+    assert len({id(t) for t in tiers}) == 3 and len(tiers[0]) < len(tiers[1]) == len(tiers[2])

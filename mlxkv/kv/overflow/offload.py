@@ -33,7 +33,7 @@ class OffloadTier:
         self._v: np.ndarray | None = None  # (B, n_kv, M, Dv) exact values
         self._mass: np.ndarray | None = None  # (n_kv, M) accumulated mass when offloaded
         self._proxy: tuple | None = None  # resident proxy planes, each (B, n_kv, M, w)
-        self._dtype = None
+        self._dtype = "float32"  # the rows' MLX dtype, by name (an mx.Dtype does not deep-copy: pool.fork copies us)
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])
@@ -61,7 +61,7 @@ class OffloadTier:
         """Offload rows: ``positions (E,)``, ``k``/``v`` ``(B, n_kv, E, D)``, ``mass (n_kv, E)`` (evaluated here)."""
         proxy = self._encode(k)
         mx.eval(positions, k, v, mass, *proxy)
-        self._dtype = k.dtype
+        self._dtype = str(k.dtype).rpartition(".")[2]
         # float32 host copies: NumPy has no bfloat16; the exact rows come back in their own dtype
         host = [np.array(x.astype(mx.float32)) for x in (k, v, mass)]
         self.positions = np.concatenate([self.positions, np.array(positions).astype(np.int64)])
@@ -110,8 +110,9 @@ class OffloadTier:
     def take(self, rows: np.ndarray) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Remove ``rows`` (tier indices) and return them: ``positions (n,)``, ``k``/``v`` ``(B, n_kv, n, D)``,
         ``mass (n_kv, n)`` as MLX arrays."""
+        dtype = getattr(mx, self._dtype)
         out = (mx.array(self.positions[rows].astype(np.int32)),
-               mx.array(self._k[:, :, rows]).astype(self._dtype), mx.array(self._v[:, :, rows]).astype(self._dtype),
+               mx.array(self._k[:, :, rows]).astype(dtype), mx.array(self._v[:, :, rows]).astype(dtype),
                mx.array(self._mass[:, rows]))
         stay = np.ones(len(self), bool)
         stay[rows] = False
