@@ -24,7 +24,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import add_model_args, bench_model, describe, ensure_openblas, print_header
+from bench_common import (
+    add_model_args,
+    bench_model,
+    describe,
+    ensure_openblas,
+    print_header,
+)
 
 FACTS = [("The secret passphrase is", " violet harbor 7391."),
          ("The name of the captain's cat is", " Professor Marmalade."),

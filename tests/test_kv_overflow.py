@@ -9,7 +9,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 import pytest
-import testkit.cache_runs as cache_runs
+from testkit import cache_runs
 from testkit.archs import ARCH_NAMES, build_model
 
 from mlxkv.config import KvCacheConfig, KvOverflowConfig
