@@ -97,3 +97,14 @@ def test_serve_refuses_overflow_on_the_paged_backend():
                            "64", "--port", "1"], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--kv-backend dense" in " ".join(proc.stderr.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--kv-overflow", "h2o", "--kv-overflow-budget", "64", "--max-kv-size", "64"], "both cap the context"),
+    (["--kv-overflow", "offload", "--kv-overflow-budget", "64", "--kv-bits", "8"], "full-precision"),
+    (["--kv-overflow", "window"], "needs --kv-overflow-budget"),
+])
+def test_chat_refuses_bad_combinations_before_loading(args, fragment):
+    result = runner.invoke(app, ["chat", *args], input="")
+    assert result.exit_code == 2
+    assert fragment in " ".join(result.output.replace("│", " ").split())
