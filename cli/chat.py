@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from mlxkv.cli import shared_options as options
-from mlxkv.cli.options import FLAG, with_revision
+from mlxkv.cli.options import FLAG, overflow_config, with_revision
 from mlxkv.cli.validate import check_utf8, refuse_unused
 
 HELP = """commands:
@@ -49,6 +49,10 @@ def chat(
                                                    "(default: the model's context length)."),
     kv_bits: Optional[int] = options.KV_BITS,
     kv_group_size: int = options.KV_GROUP_SIZE,
+    kv_overflow: str = options.KV_OVERFLOW,
+    kv_overflow_budget: Optional[int] = options.KV_OVERFLOW_BUDGET,
+    kv_overflow_sinks: Optional[int] = options.KV_OVERFLOW_SINKS,
+    kv_overflow_recent: Optional[int] = options.KV_OVERFLOW_RECENT,
     resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", rich_help_panel="Sessions",
                                          help="Continue saved session NAME."),
     sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",
@@ -60,6 +64,12 @@ def chat(
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
     refuse_unused(ctx, [("seed", "--seed", temp > 0), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
     model = with_revision(model, revision)
+    overflow = overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent)
+    if overflow.enabled and max_kv_size is not None:
+        raise typer.BadParameter("--max-kv-size and --kv-overflow both cap the context: use --kv-overflow-budget",
+                                 param_hint="--max-kv-size")
+    if kv_bits is not None and overflow.policy in ("h2o", "offload"):
+        raise typer.BadParameter(f"--kv-overflow {overflow.policy} keeps full-precision K/V", param_hint="--kv-bits")
     from mlxkv import env
     from mlxkv.chat.paths import saved_session_path
 
@@ -83,7 +93,7 @@ def chat(
         loaded = load(model, dequantize=dequantize, chat_template=chat_template)
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
-                              kv_group_size=kv_group_size)
+                              kv_group_size=kv_group_size, overflow=overflow)
         repl = _Repl(console, session, params, folder, fingerprint_of(loaded), loaded.name)
         if resume is not None:
             load_session(session, folder, resume, repl.fingerprint)

@@ -17,6 +17,7 @@ from mlxkv.cli.options import (
     check_block_size,
     check_kv_backend,
     kv_config,
+    overflow_config,
     with_revision,
 )
 from mlxkv.cli.validate import check_utf8, read_prompt, refuse_unused
@@ -110,6 +111,10 @@ def generate(
                                               help="Cap on cached tokens per layer, rotating past it (dense; > 4)."),
     kv_bits: Optional[int] = options.KV_BITS,
     kv_group_size: int = options.KV_GROUP_SIZE,
+    kv_overflow: str = options.KV_OVERFLOW,
+    kv_overflow_budget: Optional[int] = options.KV_OVERFLOW_BUDGET,
+    kv_overflow_sinks: Optional[int] = options.KV_OVERFLOW_SINKS,
+    kv_overflow_recent: Optional[int] = options.KV_OVERFLOW_RECENT,
     kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
                                       help="Tokens per KV block (paged; a power of two 1..256)."),
     state_snapshot_interval: int = typer.Option(
@@ -182,7 +187,8 @@ def generate(
     from mlxkv.cli.models import remember_gguf
 
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size, state_snapshot_interval=state_snapshot_interval)
+                   kv_group_size=kv_group_size, state_snapshot_interval=state_snapshot_interval,
+                   overflow=overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent))
     if draft_model:
         try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
             resolve_model_path(draft_model)

@@ -24,6 +24,7 @@ def one_of(*choices: Any) -> Callable[[Any], Any]:
 check_kv_bits = one_of(4, 8)
 check_kv_backend = one_of("dense", "paged")
 check_cache_layout = one_of("mlxkv", "mlx-lm")
+check_kv_overflow = one_of("preempt", "window", "h2o", "offload")
 check_kv_group_size = one_of(32, 64, 128)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 check_log_level = one_of(*LOG_LEVELS)
@@ -87,13 +88,15 @@ _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir
              "kv_group_size": "--kv-group-size", "secondary_tenant_share": "--kv-tenant-share",
              "primary_tenant_share": "--kv-tenant-share",
              "layout": "--cache-layout", "backend": "--kv-backend",
-             "state_snapshot_interval": "--state-snapshot-interval"}
+             "state_snapshot_interval": "--state-snapshot-interval", "kv_overflow": "--kv-overflow",
+             "kv_overflow_budget": "--kv-overflow-budget", "kv_overflow_sinks": "--kv-overflow-sinks",
+             "kv_overflow_recent": "--kv-overflow-recent"}
 
 
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
               disk_cache_dir: str | None = None, disk_cache_bytes: int = 0, tenant_share: float = 0.5,
-              disk_write_interval_s: float = 2.0, state_snapshot_interval: int = 0) -> Any:
+              disk_write_interval_s: float = 2.0, state_snapshot_interval: int = 0, overflow: Any = None) -> Any:
     """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
 
     Raises:
@@ -109,8 +112,9 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
     if backend == "dense" and paged_only:
         raise typer.BadParameter("applies to the paged backend only: add --kv-backend paged",
                                  param_hint=", ".join(paged_only))
-    dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size),
-                                           ("--cache-layout", layout != "mlxkv")) if value]
+    overflow = overflow or overflow_config()
+    dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size), ("--cache-layout", layout != "mlxkv"),
+                                           ("--kv-overflow", overflow.enabled)) if value]
     if backend == "paged" and dense_only:
         raise typer.BadParameter("applies to the dense backend only: add --kv-backend dense",
                                  param_hint=", ".join(dense_only))
@@ -121,7 +125,25 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
                              secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share,
                              primary_tenant_share=tenant_share,
                              secondary_write_interval_s=disk_write_interval_s,
-                             state_snapshot_interval=state_snapshot_interval)
+                             state_snapshot_interval=state_snapshot_interval, overflow=overflow)
+    except ValueError as exc:
+        raise typer.BadParameter(_flag_names(str(exc))) from None
+
+
+def overflow_config(policy: str = "preempt", budget: int | None = None, sinks: int | None = None,
+                    recent: int | None = None) -> Any:
+    """The ``--kv-overflow`` options as a :class:`mlxkv.config.KvOverflowConfig` (``None``: not given).
+
+    Raises:
+        typer.BadParameter: a size without a policy that uses it, a policy without its budget, sizes that leave
+            no room, named as the user typed them.
+    """
+    from mlxkv.config import KvOverflowConfig
+
+    if policy == "preempt" and sinks is not None:
+        raise typer.BadParameter("applies to --kv-overflow window, h2o or offload", param_hint="--kv-overflow-sinks")
+    try:
+        return KvOverflowConfig(policy=policy, budget=budget, sinks=4 if sinks is None else sinks, recent=recent)
     except ValueError as exc:
         raise typer.BadParameter(_flag_names(str(exc))) from None
 

@@ -25,10 +25,12 @@ from mlxkv.cli.options import (
     check_min_p,
     check_top_p,
     kv_config,
+    overflow_config,
     parse_size,
     sampling_defaults,
     with_revision,
 )
+from mlxkv.cli import shared_options
 from mlxkv.cli.validate import check_file_option, check_folder_option, refuse_unused
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -132,6 +134,10 @@ def serve(
     kv_group_size: int = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
                                       rich_help_panel=KV_PANEL,
                                       help="Group size for KV quantization (with --kv-bits)."),
+    kv_overflow: str = shared_options.KV_OVERFLOW,
+    kv_overflow_budget: Optional[int] = shared_options.KV_OVERFLOW_BUDGET,
+    kv_overflow_sinks: Optional[int] = shared_options.KV_OVERFLOW_SINKS,
+    kv_overflow_recent: Optional[int] = shared_options.KV_OVERFLOW_RECENT,
     layout: str = typer.Option("mlxkv", "--cache-layout", callback=check_cache_layout, metavar="[mlxkv|mlx-lm]",
                                rich_help_panel=KV_PANEL,
                                help="KV cache layouts: mlxkv or mlx-lm's own (dense; for comparison)."),
@@ -179,7 +185,8 @@ def serve(
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                    host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
                    tenant_share=kv_tenant_share, disk_write_interval_s=kv_disk_write_interval,
-                   state_snapshot_interval=state_snapshot_interval)
+                   state_snapshot_interval=state_snapshot_interval,
+                   overflow=overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent))
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)

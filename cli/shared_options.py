@@ -13,6 +13,7 @@ from mlxkv.cli.options import (
     SAMPLING_PANEL,
     check_kv_bits,
     check_kv_group_size,
+    check_kv_overflow,
     check_min_p,
     check_top_p,
 )
@@ -43,8 +44,19 @@ KV_BITS = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]
                        help="Quantize the KV cache to 4 or 8 bits (paged pages or dense).")
 KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
                              rich_help_panel=KV_PANEL, help="Group size for KV quantization (with --kv-bits).")
+KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=check_kv_overflow,
+                           metavar="[preempt|window|h2o|offload]", rich_help_panel=KV_PANEL,
+                           help="Past --kv-overflow-budget tokens: preempt (no cap), window (sinks + recent), h2o "
+                                "(+ most-attended tokens), offload (h2o, evicted rows to host memory and back; dense).")
+KV_OVERFLOW_BUDGET = typer.Option(None, "--kv-overflow-budget", min=2, metavar="TOKENS", rich_help_panel=KV_PANEL,
+                                  help="Tokens kept per sequence and layer by --kv-overflow window|h2o|offload.")
+KV_OVERFLOW_SINKS = typer.Option(None, "--kv-overflow-sinks", min=0, metavar="TOKENS", rich_help_panel=KV_PANEL,
+                                 help="First tokens always kept by --kv-overflow (default 4).")
+KV_OVERFLOW_RECENT = typer.Option(None, "--kv-overflow-recent", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
+                                  help="Last tokens always kept by --kv-overflow h2o|offload (default: half the budget).")
 VERBOSE = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
                        help="Print speed and memory figures; tracebacks on errors.")
 
 __all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "MAX_TOKENS", "TEMP", "TOP_P", "TOP_K", "MIN_P", "SEED",
-           "STOP", "KV_BITS", "KV_GROUP_SIZE", "VERBOSE"]
+           "STOP", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
+           "KV_OVERFLOW_RECENT", "VERBOSE"]

@@ -23,6 +23,69 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+KV_OVERFLOW_POLICIES = ("preempt", "window", "h2o", "offload")
+
+
+@dataclass(slots=True)
+class KvOverflowConfig:
+    """What a sequence does when its context outgrows a per-sequence KV budget (dense backend).
+
+    policy: "preempt" (no per-sequence cap: the whole context is cached; a full paged pool preempts), "window"
+        (the first ``sinks`` tokens and the last ``budget - sinks``: StreamingLLM), "h2o" (sinks, the last
+        ``recent`` tokens and the rest of the budget by accumulated attention mass; evicted rows are dropped) or
+        "offload" (as h2o, but evicted rows move to host memory and come back when their estimated attention
+        share passes ``restore_threshold``).
+    budget: tokens kept per sequence and layer (window, h2o, offload); None for preempt.
+    sinks: the first tokens always kept.
+    recent: h2o / offload: the last tokens always kept (None: half the budget, H2O's split).
+    restore_threshold: offload: estimated attention share (0..1) at which a host row comes back.
+    """
+
+    policy: str = "preempt"
+    budget: int | None = None
+    sinks: int = 4
+    recent: int | None = None
+    restore_threshold: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.policy not in KV_OVERFLOW_POLICIES:
+            raise ValueError(f"kv_overflow={self.policy!r}: expected one of {', '.join(KV_OVERFLOW_POLICIES)}")
+        if self.policy == "preempt":
+            if self.budget is not None or self.recent is not None:
+                raise ValueError("kv_overflow_budget and kv_overflow_recent apply to kv_overflow window, h2o or "
+                                 "offload (preempt caches the whole context)")
+            return
+        if not _is_int(self.budget):
+            raise ValueError(f"kv_overflow={self.policy} needs kv_overflow_budget (tokens kept per sequence)")
+        if not _is_int(self.sinks) or self.sinks < 0:
+            raise ValueError(f"kv_overflow_sinks={self.sinks!r}: expected an integer >= 0")
+        if self.policy == "window":
+            if self.recent is not None:
+                raise ValueError("kv_overflow_recent applies to h2o and offload (window keeps the last "
+                                 "kv_overflow_budget - kv_overflow_sinks tokens)")
+            if self.budget <= self.sinks:
+                raise ValueError(f"kv_overflow_budget={self.budget} must be larger than kv_overflow_sinks={self.sinks}")
+            return
+        if self.recent is not None and (not _is_int(self.recent) or self.recent < 1):
+            raise ValueError(f"kv_overflow_recent={self.recent!r}: expected an integer >= 1")
+        if self.budget <= self.sinks + self.recent_tokens:
+            raise ValueError(f"kv_overflow_budget={self.budget} must be larger than kv_overflow_sinks + "
+                             f"kv_overflow_recent ({self.sinks} + {self.recent_tokens}): room is needed for heavy hitters")
+        t = self.restore_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
+            raise ValueError(f"kv_overflow_restore_threshold={t!r}: expected a number in (0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        """True for a per-sequence cap (window, h2o, offload)."""
+        return self.policy != "preempt"
+
+    @property
+    def recent_tokens(self) -> int:
+        """The recent tokens h2o / offload protect (``recent``, else half the budget)."""
+        return self.recent if self.recent is not None else max(1, (self.budget or 0) // 2)
+
+
 @dataclass(slots=True)
 class KvCacheConfig:
     """How KV memory is laid out, sized and reused.
@@ -52,6 +115,7 @@ class KvCacheConfig:
     state_snapshot_interval: paged models with recurrent layers: also snapshot the recurrent state every this
         many blocks of a prompt (0 = only at the end of each prompt and of each sequence); see
         mlxkv/kv/paged/state_snapshots.py.
+    overflow: dense only: the per-sequence budget policy (:class:`KvOverflowConfig`; default preempt, no cap).
     """
 
     backend: str = "dense"
@@ -75,6 +139,7 @@ class KvCacheConfig:
     secondary_write_interval_s: float = 2.0
     layout: str = "mlxkv"
     state_snapshot_interval: int = 0
+    overflow: KvOverflowConfig = field(default_factory=KvOverflowConfig)
 
     def __post_init__(self) -> None:
         if self.layout not in KV_LAYOUTS:
@@ -131,6 +196,17 @@ class KvCacheConfig:
         if not _is_int(i) or i < 0:
             raise ValueError(f"state_snapshot_interval={i!r}: expected an integer number of blocks >= 0 "
                              "(0 = prompt and sequence ends only)")
+        if self.overflow.enabled:
+            policy = f"kv_overflow={self.overflow.policy}"
+            if self.backend == "paged":
+                raise ValueError(f"{policy} applies to the dense backend only (backend='dense'); the paged "
+                                 "backend preempts")
+            if self.max_kv_size is not None:
+                raise ValueError(f"{policy} and max_kv_size both cap the context: use kv_overflow_budget only")
+            if self.layout != "mlxkv":
+                raise ValueError(f"{policy} needs layout='mlxkv' (mlx-lm's caches have no overflow policies)")
+            if self.kv_bits is not None and self.overflow.policy != "window":
+                raise ValueError(f"{policy} keeps full-precision K/V: it does not combine with kv_bits")
 
     @property
     def secondary_enabled(self) -> bool:

@@ -59,6 +59,8 @@ class ChatSession:
         model_limit: the model's context length (``None``: unknown, only ``max_kv_size`` applies).
         kv_bits, kv_group_size: quantized K/V (see :func:`mlxkv.kv.make_caches`).
         prefill_step_size: prompt tokens per prefill forward.
+        overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of full-attention layers
+            (see :func:`mlxkv.kv.make_caches`); the context may then outgrow the budget up to the model's limit.
 
     Raises:
         ValueError: no chat template, or a bad cache option.
@@ -66,7 +68,7 @@ class ChatSession:
 
     def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, max_kv_size: int | None = None,
                  model_limit: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, overflow: Any = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
         if max_kv_size is not None and max_kv_size < 2:
@@ -74,6 +76,7 @@ class ChatSession:
         self.model = model
         self.tokenizer = tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.overflow = overflow
         limits = [n for n in (max_kv_size, model_limit) if n]
         self.limit = min(limits) if limits else None
         self.prefill_step_size = prefill_step_size
@@ -231,7 +234,7 @@ class ChatSession:
 
     def _new_caches(self) -> list:
         # Full-attention layouts (no max_kv_size): the length cap is enforced by dropping turns, see module doc.
-        return make_caches(self.model, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+        return make_caches(self.model, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, overflow=self.overflow)
 
 
 __all__ = ["ChatSession", "TurnStats"]

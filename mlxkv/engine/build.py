@@ -25,7 +25,7 @@ def build_pool(model: Any, kv: KvCacheConfig, *, max_sequences: int, context_tok
     """
     if kv.backend == "dense":
         return CachePool(model, max_sequences=max_sequences, layout=kv.layout, max_kv_size=kv.max_kv_size,
-                         kv_bits=kv.kv_bits, kv_group_size=kv.kv_group_size)
+                         kv_bits=kv.kv_bits, kv_group_size=kv.kv_group_size, overflow=kv.overflow)
     if kv.max_kv_size is not None or kv.layout != "mlxkv":
         raise ValueError("--max-kv-size and --cache-layout apply to the dense backend: add --kv-backend dense")
     num_blocks = None

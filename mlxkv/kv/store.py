@@ -47,12 +47,13 @@ class CachePool:
         num_blocks: paged backend: pool size in blocks, overriding the budget.
         model_path: paged backend: the model's folder, for the secondary KV tier's model fingerprint
             (``kv_config.secondary_*``); optional.
+        overflow: dense ``mlxkv`` layout: a :class:`mlxkv.config.KvOverflowConfig` (per-sequence budget policy).
     """
 
     def __init__(self, model: Any, *, max_sequences: int = 16, layout: str = "mlxkv",
                  max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
                  cache_factory: CacheFactory | None = None, backend: str = "dense", kv_config: Any = None,
-                 num_blocks: int | None = None, model_path: str | None = None):
+                 num_blocks: int | None = None, model_path: str | None = None, overflow: Any = None):
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         if layout not in LAYOUTS:
@@ -83,8 +84,11 @@ class CachePool:
                 check_kv_group_size(model, kv_group_size)
 
             build = make_caches if layout == "mlxkv" else mlx_lm_caches
+            extra = {"overflow": overflow} if overflow is not None and overflow.enabled else {}
+            if extra and (layout != "mlxkv" or backend == "paged"):
+                raise ValueError("--kv-overflow window|h2o|offload needs the dense backend and the mlxkv layout")
             cache_factory = functools.partial(build, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                              kv_group_size=kv_group_size)
+                                              kv_group_size=kv_group_size, **extra)
         self._factory = cache_factory
         self._ids = itertools.count(1)
         self._sequences: dict[SequenceId, Sequence] = {}

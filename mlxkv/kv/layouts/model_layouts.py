@@ -47,7 +47,7 @@ def _model_caches(model: Any) -> list:
 
 
 def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None = None,
-                kv_group_size: int = 64, max_rewind: int = DEFAULT_MAX_REWIND) -> list:
+                kv_group_size: int = 64, max_rewind: int = DEFAULT_MAX_REWIND, overflow: Any = None) -> list:
     """mlxkv layer caches for ``model``, one per layer, in the layout its attention needs.
 
     Args:
@@ -57,6 +57,8 @@ def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None 
         kv_bits: 4 or 8 to store K/V quantized (``None``: the activations' dtype).
         kv_group_size: quantization group along head_dim (32, 64 or 128).
         max_rewind: tokens rotating and chunked layers can always rewind exactly.
+        overflow: a :class:`mlxkv.config.KvOverflowConfig`: full-attention layers get its policy's layout
+            (:func:`mlxkv.kv.overflow.overflow_layer_cache`); ``None`` or preempt: the plain layout.
 
     Returns:
         A list like ``model.make_cache()``'s, with mlxkv caches in place of mlx-lm's attention caches.
@@ -64,12 +66,17 @@ def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None 
     Raises:
         ValueError: bad ``max_kv_size`` / ``kv_bits`` / ``kv_group_size``, or ``kv_bits`` on an MLA model.
     """
+    from mlxkv.kv.overflow import overflow_layer_cache
     from mlxkv.mla import make_mla_caches, mla_layer_indices
 
     if mla_layer_indices(model):  # absorbed MLA (MLXKV_MLA_ABSORBED=1): the layers cache latents
-        if max_kv_size is not None or kv_bits is not None:
-            raise ValueError("absorbed MLA (MLXKV_MLA_ABSORBED=1) supports neither max_kv_size nor kv_bits")
+        if max_kv_size is not None or kv_bits is not None or (overflow is not None and overflow.enabled):
+            raise ValueError("absorbed MLA (MLXKV_MLA_ABSORBED=1) supports neither max_kv_size, kv_bits nor "
+                             "--kv-overflow")
         return make_mla_caches(model)
+    if overflow is not None and overflow.policy in ("h2o", "offload") and _is_mla(model):
+        raise ValueError(f"--kv-overflow {overflow.policy} ranks cached keys, and this multi-head latent attention "
+                         "model caches latents: use --kv-overflow window")
     if max_kv_size is not None and max_kv_size <= MAX_KV_KEEP:
         raise ValueError(f"max_kv_size must be > {MAX_KV_KEEP} (the sink tokens kept), got {max_kv_size}")
     if kv_bits is not None:
@@ -92,6 +99,9 @@ def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None 
         if isinstance(c, mlx_cache.CacheList):
             return mlx_cache.CacheList(*(convert(m) for m in c.caches))
         if isinstance(c, (mlx_cache.KVCache, mlx_cache.ConcatenateKVCache, mlx_cache.QuantizedKVCache)):
+            bounded = overflow_layer_cache(overflow, kv_bits, kv_group_size, max_rewind) if overflow else None
+            if bounded is not None:
+                return bounded
             if max_kv_size is not None:
                 return build(RotatingKVCache, max_kv_size, keep=MAX_KV_KEEP, max_rewind=max_rewind)
             if isinstance(c, mlx_cache.QuantizedKVCache) and kv_bits is None:
