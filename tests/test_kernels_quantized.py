@@ -215,3 +215,75 @@ def test_variants_cover_bits_group_sizes_and_both_address_spaces():
         (D, gs, b) for D in metal_quantized.metal.HEAD_DIMS for gs in (32, 64, 128) if D % gs == 0 for b in (4, 8)}
     assert {v.arg_infos()["context_lens"].space for v in quantized} == {"constant", "device"}
     assert all(x["D"] % x["GS"] == 0 and x["HT"] * x["D"] // x["LPK"] <= 8 for x in t)
+
+
+# -- wiring: the paged layer caches and batch views call the kernel where it may run ------------------------
+@pytest.fixture
+def spy_kernel(monkeypatch):
+    """The process-wide dispatcher on a pretend Metal device whose quantized "kernel" is the reference recording
+    each launch's (batch, pool blocks); the self-check passes it."""
+    from mlxkv.kernels.dispatch import DEFAULT_DISPATCH
+
+    launches: list[tuple[int, int]] = []
+
+    class Spy(ReferenceQuantizedPagedAttention):
+        def partials(self, queries, k_planes, *args, **kwargs):
+            launches.append((queries.shape[0], k_planes[0].shape[1]))
+            return super().partials(queries, k_planes, *args, **kwargs)
+
+    monkeypatch.setattr(DEFAULT_DISPATCH, "metal_available", lambda: True)
+    monkeypatch.setattr(DEFAULT_DISPATCH, "mode", lambda: "auto")
+    monkeypatch.setattr(DEFAULT_DISPATCH, "quantized_attention_factory", lambda *key: Spy(key[5], key[6]))
+    monkeypatch.setattr(DEFAULT_DISPATCH, "_attention", {})
+    return launches
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_paged_layer_cache_decode_goes_through_the_quantized_kernel(spy_kernel, bits):
+    from test_paged_quantized import GROUP, PROMPT, close as logits_close, model_for, paged_pool, step
+
+    model = model_for("llama")
+    pool = paged_pool(model, bits, num_blocks=160)
+    seq = pool.open(prompt=PROMPT[:21])
+    dense = make_caches_quantized(model, bits, GROUP)
+    lp, ld = step(model, seq.caches, PROMPT[:21]), step(model, dense, PROMPT[:21])
+    seq.commit()
+    assert not [n for n in spy_kernel if n[1] == 160]  # prefill runs mx.quantized_matmul
+    for _ in range(4):
+        token = int(mx.argmax(ld).item())
+        assert int(mx.argmax(lp).item()) == token
+        seq.feed([token])
+        lp, ld = step(model, seq.caches, [token]), step(model, dense, [token])
+        seq.commit()
+        assert logits_close(lp, ld), mx.abs(lp - ld).max().item()
+    layers = len(seq.caches)
+    assert [n for n in spy_kernel if n[1] == 160] == [(1, 160)] * (4 * layers)  # every decode step, every layer
+    pool.release(seq.id)
+
+
+def test_batched_decode_views_go_through_the_quantized_kernel(spy_kernel):
+    from test_paged_quantized import dense_quantized_tokens, model_for, paged_pool
+
+    from mlxkv.engine.batch import BatchEngine, EngineConfig
+    from mlxkv.engine.request import GenerationRequest
+    from mlxkv.engine.sampling import SamplingParams
+
+    model = model_for("llama")
+    prompts = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((5, 13, 22))]
+    expected = [dense_quantized_tokens(model, p, 6) for p in prompts]
+    pool = paged_pool(model, 8, num_blocks=64, max_sequences=4)
+    engine = BatchEngine(model, None, config=EngineConfig(max_sequences=4, prefill_chunk_size=8), pool=pool,
+                         context_length=4096).start()
+    try:
+        handles = [engine.submit(GenerationRequest(p, SamplingParams(max_tokens=6))) for p in prompts]
+        got = [[e.token for e in h if e.kind == "token"] for h in handles]
+    finally:
+        engine.stop()
+    assert got == expected
+    assert any(b > 1 and n == 64 for b, n in spy_kernel)  # a batched decode step read the pool's planes
+
+
+def make_caches_quantized(model, bits: int, group: int):
+    from mlxkv.kv.layouts import make_caches
+
+    return make_caches(model, kv_bits=bits, kv_group_size=group)
