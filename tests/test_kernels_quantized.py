@@ -240,7 +240,8 @@ def spy_kernel(monkeypatch):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_paged_layer_cache_decode_goes_through_the_quantized_kernel(spy_kernel, bits):
-    from test_paged_quantized import GROUP, PROMPT, close as logits_close, model_for, paged_pool, step
+    from test_paged_quantized import GROUP, PROMPT, model_for, paged_pool, step
+    from test_paged_quantized import close as logits_close
 
     model = model_for("llama")
     pool = paged_pool(model, bits, num_blocks=160)

@@ -67,7 +67,7 @@ def test_report_has_quantized_rows_and_flags_a_wrong_quantized_kernel(monkeypatc
            if v.call.template["D"] == 64 and v.call.template["BS"] == 16 and v.call.template["G"] == 1
            and v.call.inputs["context_lens"].shape[0] == 1][:2]
     monkeypatch.setattr(variants, "quantized_attention_variants", lambda: few)
-    monkeypatch.setattr(variants, "emulation_classes", lambda: [])
+    monkeypatch.setattr(variants, "emulation_classes", list)
     script = load_script()
     lines = []
     ok = script.metal_report(True, factory=lambda *key: REFERENCE, ctx=64, out=lines.append,

@@ -20,7 +20,13 @@ import mlx.core as mx
 
 from mlxkv import env
 
-from .geometry import SplitPlan, check_paged_inputs, default_scale, host_max_context_len, plan_splits
+from .geometry import (
+    SplitPlan,
+    check_paged_inputs,
+    default_scale,
+    host_max_context_len,
+    plan_splits,
+)
 from .paged_attention_ref import REFERENCE
 
 Planes = tuple  # (packed uint32, scales, biases), each (kv_heads, num_blocks, block_size, width)

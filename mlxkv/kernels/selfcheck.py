@@ -10,6 +10,7 @@ import mlx.core as mx
 from .geometry import TOLERANCES
 from .metal_specs import MAX_CONSTANT_ARRAY_SIZE
 from .paged_attention_ref import REFERENCE, run_paged_attention
+from .quantized_paged_ref import ReferenceQuantizedPagedAttention, run_quantized_paged_attention
 
 
 # The self-check's second batch: enough sequences that context_lens is passed in device memory.
@@ -151,8 +152,6 @@ def check_quantized_attention_impl(
     """:func:`check_attention_impl` for a quantized-pages implementation: the same two batches (constant and
     device ``context_lens``) and split counts, the pages quantized, against
     :class:`~mlxkv.kernels.quantized_paged_ref.ReferenceQuantizedPagedAttention`; ``(ok, max err)``."""
-    from .quantized_paged_ref import ReferenceQuantizedPagedAttention, run_quantized_paged_attention
-
     reference = ReferenceQuantizedPagedAttention(bits, group_size)
     ok, worst = True, 0.0
     for n, batch in enumerate(self_check_batches(block_size, window, chunk_size)):
