@@ -6,7 +6,7 @@ dense attention (anywhere else). Exit status 0 only if everything matches.
 
 --static (any machine with g++): compile kernel bodies against tests/metal_shim/metal_shim.h in the
 signature of every variant the factories emit; a FILE named like a shipped kernel
-(paged_attention.metal, paged_merge.metal) is checked with that kernel's
+(paged_attention.metal, paged_merge.metal, paged_attention_quantized.metal) is checked with that kernel's
 signatures; default: the shipped bodies.
 
 On Metal: a markdown report to paste into an issue. One row per attention variant the factories
