@@ -6,14 +6,16 @@ dense attention (anywhere else). Exit status 0 only if everything matches.
 
 --static (any machine with g++): compile kernel bodies against tests/metal_shim/metal_shim.h in the
 signature of every variant the factories emit; a FILE named like a shipped kernel
-(paged_attention.metal, paged_merge.metal) is checked with that kernel's
+(paged_attention.metal, paged_merge.metal, paged_attention_quantized.metal) is checked with that kernel's
 signatures; default: the shipped bodies.
 
 On Metal: a markdown report to paste into an issue. One row per attention variant the factories
 emit (mlxkv.kernels.variants; --quick: one per emulator class): compile ok, max error vs the
 pure-MLX reference over full / sinks / window / chunk and 1-3 splits, and milliseconds of the
-kernel, the reference and dense SDPA at a 2K context; then cascade through the kernel pair.
-Elsewhere: the references against dense attention.
+kernel, the reference and dense SDPA at a 2K context; then cascade through the kernel pair; then one
+row per quantized-pages variant (4/8 bits, group sizes 32/64/128; --quick: one per bits and group size):
+max error vs the quantized reference, and milliseconds of the kernel and of mx.quantized_matmul
+attention over the same rows. Elsewhere: the references against dense attention.
 """
 
 from __future__ import annotations
@@ -138,14 +140,71 @@ def report_rows(chosen, factory, ctx: int):
                f"{t_r:.3f} | {t_s:.3f} | {t_k / t_s:.2f}x |"), good
 
 
-def metal_report(quick: bool, factory=None, ctx: int = 2048, out=print) -> bool:
+def quantized_report_rows(chosen, factory, ctx: int):
+    """One markdown row per quantized-pages variant: compile, max error vs the quantized reference, kernel ms and
+    ms of ``mx.quantized_matmul`` attention over the same rows gathered densely. Yields (row, ok)."""
+    from mlxkv.kernels.quantized_paged_ref import ReferenceQuantizedPagedAttention, run_quantized_paged_attention
+    from mlxkv.kernels.selfcheck import quantize_case
+    from mlxkv.kv.layouts.dense_attention import attend
+
+    for v in chosen:
+        t = v.call.template
+        dtype, D, bs, kvh, G, bits, gs = t["T"], t["D"], t["BS"], t["KVH"], t["G"], t["BITS"], t["GS"]
+        batch = v.call.inputs["context_lens"].shape[0]
+        label = f"{str(dtype).split('.')[-1]} D={D} bits={bits} gs={gs} bs={bs} G={G} B={batch}"
+        impl = factory(dtype, D, bs, kvh, G, bits, gs)
+        if impl is None:
+            yield f"| {label} | not covered | | | |", False
+            continue
+        reference = ReferenceQuantizedPagedAttention(bits, gs)
+        case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
+                                 context_lens=_lens(batch, ctx, bs), sinks=True, seed=batch + G)
+        args, q = quantize_case(case, bits, gs), dict(bits=bits, group_size=gs)
+        errs, good = [], True
+        try:
+            for kw in ({"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3}, {"window": ctx // 3}):
+                want = run_quantized_paged_attention(reference, *args, **q, **kw)
+                got = run_quantized_paged_attention(impl, *args, **q, **kw)
+                good &= close(got, want, dtype)
+                errs.append(max_abs_error(got, want))
+        except Exception as exc:  # a compile or launch failure is a result to report
+            yield f"| {label} | FAILED: {type(exc).__name__}: {str(exc)[:80]} |  | | |", False
+            continue
+        speed = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
+                                  context_lens=[ctx] * batch, seed=1)
+        sargs = quantize_case(speed, bits, gs)
+        pages = -(-ctx // bs)
+        rows = [tuple(mx.contiguous(mx.take(p, speed.block_tables[:, :pages], axis=1)
+                                    .reshape(kvh, batch, pages * bs, -1)[:, :, :ctx].transpose(1, 0, 2, 3))
+                      for p in planes) for planes in sargs[1:3]]  # (B, kvh, ctx, w) each
+        t_k = timed_ms(partial(run_quantized_paged_attention, impl, *sargs, **q, scale=D**-0.5))
+        t_q = timed_ms(partial(attend, speed.queries, *rows, D**-0.5, None, None, **q))
+        verdict = "ok" if good else "MISMATCH"
+        yield (f"| {label} | ok | {max(errs):.1e} (tol {TOLERANCES[dtype]:.0e}) {verdict} | {t_k:.3f} | "
+               f"{t_q:.3f} |"), good
+
+
+def quantized_quick(chosen: list) -> list:
+    """One variant per (bits, group size): the first at batch 1."""
+    out = {}
+    for v in chosen:
+        t = v.call.template
+        if v.call.inputs["context_lens"].shape[0] == 1:
+            out.setdefault((t["BITS"], t["GS"]), v)
+    return list(out.values())
+
+
+def metal_report(quick: bool, factory=None, ctx: int = 2048, out=print, quantized_factory=None) -> bool:
     """The markdown report a maintainer pastes into an issue: every attention variant the factories emit
     (``--quick``: one per emulator class), compile / max error / ms vs the reference and dense SDPA, then
-    cascade through the kernel pair. ``factory`` defaults to the Metal factory (tests pass another)."""
+    cascade through the kernel pair, then the quantized-pages variants. The factories default to the Metal ones
+    (tests pass others; with ``factory`` given and no ``quantized_factory`` the quantized rows are left out)."""
     import platform
 
-    from mlxkv.kernels import metal, variants
+    from mlxkv.kernels import metal, metal_quantized, variants
 
+    if factory is None and quantized_factory is None:
+        quantized_factory = metal_quantized.quantized_paged_attention_kernel
     factory = factory or metal.paged_attention_kernel
     chosen = variants.emulation_classes() if quick else variants.attention_variants()
     info = mx.metal.device_info() if mx.metal.is_available() else {}
@@ -173,6 +232,15 @@ def metal_report(quick: bool, factory=None, ctx: int = 2048, out=print) -> bool:
     ok &= good
     out(f"\ncascade float16 (3 sequences, 10 shared pages): max error {max_abs_error(got, want):.1e} "
         f"{'ok' if good else 'MISMATCH'}")
+    if quantized_factory is not None:
+        chosen = variants.quantized_attention_variants()
+        chosen = quantized_quick(chosen) if quick else chosen
+        out(f"\n{len(chosen)} quantized-pages variants; context {ctx}\n")
+        out("| variant | compile | max error vs reference | kernel ms | quantized_matmul ms |")
+        out("| --- | --- | --- | --- | --- |")
+        for row, good in quantized_report_rows(chosen, quantized_factory, ctx):
+            ok &= good
+            out(row)
     return ok
 
 

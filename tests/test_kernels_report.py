@@ -54,3 +54,30 @@ def test_report_flags_a_wrong_kernel_and_an_uncovered_one(monkeypatch):
     assert not ok and sum("MISMATCH" in ln for ln in lines) == 3  # two variants and the cascade
     ok, lines, _ = run_report(monkeypatch, lambda *key: None)
     assert not ok and sum("not covered" in ln for ln in lines) == 2
+
+
+def test_report_has_quantized_rows_and_flags_a_wrong_quantized_kernel(monkeypatch):
+    from mlxkv.kernels.quantized_paged_ref import ReferenceQuantizedPagedAttention
+
+    class SkewedQuantized(ReferenceQuantizedPagedAttention):
+        def partials(self, *args, scale, **kwargs):
+            return super().partials(*args, scale=scale * 1.5, **kwargs)
+
+    few = [v for v in variants.quantized_attention_variants()
+           if v.call.template["D"] == 64 and v.call.template["BS"] == 16 and v.call.template["G"] == 1
+           and v.call.inputs["context_lens"].shape[0] == 1][:2]
+    monkeypatch.setattr(variants, "quantized_attention_variants", lambda: few)
+    monkeypatch.setattr(variants, "emulation_classes", list)
+    script = load_script()
+    lines = []
+    ok = script.metal_report(True, factory=lambda *key: REFERENCE, ctx=64, out=lines.append,
+                             quantized_factory=lambda *key: ReferenceQuantizedPagedAttention(key[5], key[6]))
+    rows = [ln for ln in lines if "bits=" in ln]
+    assert ok and len(rows) == len(few) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "ok" and cells[2].endswith("ok") and all(float(c) > 0 for c in cells[3:5])
+    lines = []
+    ok = script.metal_report(True, factory=lambda *key: REFERENCE, ctx=64, out=lines.append,
+                             quantized_factory=lambda *key: SkewedQuantized(key[5], key[6]))
+    assert not ok and sum("MISMATCH" in ln for ln in lines if "bits=" in ln) == 2

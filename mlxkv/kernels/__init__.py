@@ -33,7 +33,7 @@ Modules
 (reference twin, split-K + log-sum-exp merge) · ``page_views_ref`` (shared prefixes as page views) ·
 ``kv_write_ref`` (MLX's scatter) · ``cascade`` (shared-prefix attention) · ``metal_specs`` / ``metal``
 (Metal sources, factories) · ``variants`` (every launch the factories emit, for the checks) ·
-``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
+``quantized_paged_ref`` / ``metal_quantized`` (decode over quantized pages) · ``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
 """
 
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
@@ -41,11 +41,13 @@ from .dispatch import (
     KernelDispatch,
     kv_write,
     paged_attention,
+    quantized_paged_attention,
     reference_on_views,
 )
 from .geometry import TOLERANCES, SplitPlan, plan_splits
 from .kv_write_ref import kv_write_reference
 from .paged_attention_ref import merge_partials, paged_attention_reference
+from .quantized_paged_ref import quantized_paged_attention_reference
 
 __all__ = [
     "KernelDispatch",
@@ -59,6 +61,8 @@ __all__ = [
     "merge_partials",
     "paged_attention",
     "paged_attention_reference",
+    "quantized_paged_attention",
+    "quantized_paged_attention_reference",
     "reference_on_views",
     "plan_splits",
 ]

@@ -15,9 +15,13 @@ KV writes use MLX's scatter in every mode: a custom Metal kernel cannot write in
 buffer, so it would rewrite the whole pool, while the scatter is O(rows) when the pool is donated
 (see :mod:`mlxkv.kernels.kv_write_ref`).
 
-Quantized KV pages (``--kv-bits``, :mod:`mlxkv.kv.paged.quantized_pages`) have no kernel variant yet: the paged
-layer caches and batch views never hand them to :meth:`KernelDispatch.paged_attention` (which reads unquantized
-pages only) and attend them on the pure-MLX path with ``mx.quantized_matmul``, on Metal too.
+Quantized KV pages (``--kv-bits``, :mod:`mlxkv.kv.paged.quantized_pages`) go through
+:meth:`KernelDispatch.quantized_paged_attention`: a Metal variant (``paged_attention_quantized.metal``) reads the
+packed planes and dequantizes in-kernel, chosen and self-checked exactly as above per
+:class:`QuantizedAttentionClass` (the shape class plus bits and group size) against
+:mod:`mlxkv.kernels.quantized_paged_ref`. The paged layer caches and batch views call it only where the kernel may
+run (``metal`` mode, or ``auto`` on a Metal device); elsewhere they attend the planes on the pure-MLX path with
+``mx.quantized_matmul``. The quantized variant has been checked by the static check and the CPU emulator only.
 
 The factories and the Metal probe are constructor arguments of :class:`KernelDispatch`, so tests
 inject a deliberately wrong kernel and pretend Metal is present to exercise the fallback on CPU.
@@ -33,12 +37,18 @@ import mlx.core as mx
 
 from mlxkv import env
 
-from . import metal
+from . import metal, metal_quantized
 from .cascade import PrefixGroup, cascade_attention
 from .geometry import check_paged_inputs, check_table_contents
 from .kv_write_ref import check_kv_write_inputs, kv_write_reference
 from .paged_attention_ref import REFERENCE, run_paged_attention
-from .selfcheck import check_attention_impl
+from .quantized_paged_ref import (
+    Planes,
+    ReferenceQuantizedPagedAttention,
+    check_quantized_inputs,
+    run_quantized_paged_attention,
+)
+from .selfcheck import check_attention_impl, check_quantized_attention_impl
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +65,22 @@ class AttentionClass:
     sinks: bool
 
 
+@dataclass(frozen=True, slots=True)
+class QuantizedAttentionClass:
+    """What the quantized-pages kernel and its self-check depend on: the shape class and the quantization."""
+
+    attention: AttentionClass
+    bits: int
+    group_size: int
+
+
 class KernelDispatch:
     """Chooses and caches the implementation per shape class; not thread-safe (engine-owned).
 
     Args:
         attention_factory: ``(dtype, head_dim, block_size, kv_heads, gqa) -> impl | None``.
+        quantized_attention_factory: ``(dtype, head_dim, block_size, kv_heads, gqa, bits, group_size) -> impl |
+            None`` (quantized pages).
         metal_available: ``() -> bool``.
         mode: ``() -> "auto" | "metal" | "reference"``.
     """
@@ -68,10 +89,12 @@ class KernelDispatch:
         self,
         *,
         attention_factory: Callable = metal.paged_attention_kernel,
+        quantized_attention_factory: Callable = metal_quantized.quantized_paged_attention_kernel,
         metal_available: Callable[[], bool] = mx.metal.is_available,
         mode: Callable[[], str] = lambda: env.flags().paged_kernel,
     ):
         self.attention_factory = attention_factory
+        self.quantized_attention_factory = quantized_attention_factory
         self.metal_available = metal_available
         self.mode = mode
         self._attention: dict[tuple[str, AttentionClass], object] = {}
@@ -97,27 +120,57 @@ class KernelDispatch:
         return self._attention[key]
 
     def _choose_attention(self, mode: str, cls: AttentionClass):
+        return self._choose(
+            mode, cls, "paged-attention", REFERENCE,
+            lambda: self.attention_factory(cls.dtype, cls.head_dim, cls.block_size, cls.kv_heads, cls.gqa),
+            lambda impl: check_attention_impl(
+                impl, dtype=cls.dtype, head_dim=cls.head_dim, block_size=cls.block_size,
+                kv_heads=cls.kv_heads, gqa=cls.gqa, window=cls.window, chunk_size=cls.chunk_size,
+                sinks=cls.sinks,
+            ),
+        )
+
+    def quantized_attention_impl(self, qcls: QuantizedAttentionClass):
+        """The implementation for one quantized shape class (chosen, self-checked and cached on first use)."""
+        mode = self.mode()
+        reference = ReferenceQuantizedPagedAttention(qcls.bits, qcls.group_size)
+        if mode == "reference":
+            return reference
+        key = (mode, qcls)
+        if key not in self._attention:
+            cls = qcls.attention
+            self._attention[key] = self._choose(
+                mode, qcls, "quantized paged-attention", reference,
+                lambda: self.quantized_attention_factory(cls.dtype, cls.head_dim, cls.block_size, cls.kv_heads,
+                                                         cls.gqa, qcls.bits, qcls.group_size),
+                lambda impl: check_quantized_attention_impl(
+                    impl, dtype=cls.dtype, head_dim=cls.head_dim, block_size=cls.block_size,
+                    kv_heads=cls.kv_heads, gqa=cls.gqa, bits=qcls.bits, group_size=qcls.group_size,
+                    window=cls.window, chunk_size=cls.chunk_size, sinks=cls.sinks,
+                ),
+            )
+        return self._attention[key]
+
+    def _choose(self, mode: str, cls, what: str, reference, build: Callable, check: Callable):
+        """The kernel ``build()`` returns if it passes ``check``; else ``reference`` (auto, with a warning on a
+        mismatch) or ``RuntimeError`` (metal)."""
         if mode == "metal":
-            self._require_metal("paged attention")
+            self._require_metal(what.replace("-", " "))
         elif not self.metal_available():
-            return REFERENCE
-        impl = self.attention_factory(cls.dtype, cls.head_dim, cls.block_size, cls.kv_heads, cls.gqa)
+            return reference
+        impl = build()
         if impl is None:
             if mode == "metal":
-                raise RuntimeError(f"MLXKV_PAGED_KERNEL=metal: no Metal paged-attention kernel for {cls}")
-            return REFERENCE
-        ok, err = check_attention_impl(
-            impl, dtype=cls.dtype, head_dim=cls.head_dim, block_size=cls.block_size,
-            kv_heads=cls.kv_heads, gqa=cls.gqa, window=cls.window, chunk_size=cls.chunk_size,
-            sinks=cls.sinks,
-        )
+                raise RuntimeError(f"MLXKV_PAGED_KERNEL=metal: no Metal {what} kernel for {cls}")
+            return reference
+        ok, err = check(impl)
         if ok:
             return impl
-        message = f"Metal paged-attention kernel disagrees with the reference for {cls} (max abs error {err:.3g})"
+        message = f"Metal {what} kernel disagrees with the reference for {cls} (max abs error {err:.3g})"
         if mode == "metal":
             raise RuntimeError(message)
-        warnings.warn(message + "; using the pure-MLX reference for this shape class", RuntimeWarning, stacklevel=4)
-        return REFERENCE
+        warnings.warn(message + "; using the pure-MLX reference for this shape class", RuntimeWarning, stacklevel=5)
+        return reference
 
     def reference_on_views(self) -> bool:
         """Whether a decode step over *physically consecutive* pages should run dense SDPA on a zero-copy
@@ -175,6 +228,43 @@ class KernelDispatch:
             num_splits=num_splits, max_context_len=max_context_len,
         )
 
+    def quantized_paged_attention(
+        self,
+        queries: mx.array,
+        k_planes: Planes,
+        v_planes: Planes,
+        block_tables: mx.array,
+        context_lens: mx.array,
+        *,
+        bits: int,
+        group_size: int,
+        scale: float | None = None,
+        window: int | None = None,
+        chunk_size: int | None = None,
+        sinks: mx.array | None = None,
+        num_splits: int | None = None,
+        max_context_len: int | None = None,
+    ) -> mx.array:
+        """Paged decode attention over quantized pages (arguments as
+        :func:`~mlxkv.kernels.quantized_paged_ref.quantized_paged_attention_reference`).
+
+        Raises ``ValueError`` for planes that do not follow the layout, a table entry outside the pool or a
+        context longer than its table row."""
+        D = check_quantized_inputs(queries, k_planes, v_planes, bits=bits, group_size=group_size)
+        KVH, num_blocks, bs, _ = k_planes[1].shape
+        self._check_tables(block_tables, context_lens, num_blocks, bs)
+        dtype = k_planes[1].dtype  # the scales' dtype: the activations' (the kernel reads queries as it)
+        if queries.dtype != dtype or queries.shape[1] % KVH:
+            impl = ReferenceQuantizedPagedAttention(bits, group_size)
+        else:
+            cls = AttentionClass(dtype, D, bs, KVH, queries.shape[1] // KVH, window, chunk_size, sinks is not None)
+            impl = self.quantized_attention_impl(QuantizedAttentionClass(cls, bits, group_size))
+        return run_quantized_paged_attention(
+            impl, queries, k_planes, v_planes, block_tables, context_lens, bits=bits, group_size=group_size,
+            scale=scale, window=window, chunk_size=chunk_size, sinks=sinks, num_splits=num_splits,
+            max_context_len=max_context_len,
+        )
+
     def _check_tables(self, block_tables: mx.array, context_lens: mx.array, num_blocks: int, bs: int) -> None:
         """Refuse inconsistent tables before any launch, once per distinct pair of arrays (one sync a step)."""
         last = self._checked
@@ -197,6 +287,11 @@ DEFAULT_DISPATCH = KernelDispatch()
 def paged_attention(*args, **kwargs) -> mx.array:
     """:meth:`KernelDispatch.paged_attention` on the process-wide dispatcher."""
     return DEFAULT_DISPATCH.paged_attention(*args, **kwargs)
+
+
+def quantized_paged_attention(*args, **kwargs) -> mx.array:
+    """:meth:`KernelDispatch.quantized_paged_attention` on the process-wide dispatcher."""
+    return DEFAULT_DISPATCH.quantized_paged_attention(*args, **kwargs)
 
 
 def reference_on_views() -> bool:

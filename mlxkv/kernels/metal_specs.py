@@ -81,7 +81,16 @@ PAGED_MERGE = KernelSpec(
     output_names=("out",),
     template_params=(("T", "typename"), ("D", "int"), ("HAS_SINKS", "bool")),
 )
-ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE)
+PAGED_ATTENTION_QUANTIZED = KernelSpec(
+    name="mlxkv_paged_attention_quantized",
+    source_file="paged_attention_quantized.metal",
+    input_names=("queries", "k_packed", "k_scales", "k_biases", "v_packed", "v_scales", "v_biases",
+                 "block_tables", "context_lens", "params", "scale"),
+    output_names=("o_part", "lse"),
+    template_params=(("T", "typename"), ("D", "int"), ("BS", "int"), ("KVH", "int"), ("G", "int"),
+                     ("HT", "int"), ("LPK", "int"), ("NSG", "int"), ("BITS", "int"), ("GS", "int")),
+)
+ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, PAGED_ATTENTION_QUANTIZED)
 
 
 def read_source(filename: str) -> str:

@@ -10,6 +10,7 @@ import mlx.core as mx
 from .geometry import TOLERANCES
 from .metal_specs import MAX_CONSTANT_ARRAY_SIZE
 from .paged_attention_ref import REFERENCE, run_paged_attention
+from .quantized_paged_ref import ReferenceQuantizedPagedAttention, run_quantized_paged_attention
 
 
 # The self-check's second batch: enough sequences that context_lens is passed in device memory.
@@ -78,6 +79,18 @@ def close(a: mx.array, b: mx.array, dtype: mx.Dtype) -> bool:
                                                    atol=tol, rtol=tol).item())
 
 
+def self_check_batches(block_size: int, window: int | None, chunk_size: int | None) -> tuple[list[int], list[int]]:
+    """Context lengths of the self-check's two batches: a few sequences (``context_lens`` in constant memory) and
+    at least ``SELF_CHECK_LARGE_BATCH`` (device memory); lengths not multiples of the block, past a window or chunk."""
+    lens = [1, block_size + 1, 3 * block_size + 5]
+    if window is not None:
+        lens.append(window + 2 * block_size + 3)
+    if chunk_size is not None:
+        lens.append(chunk_size + block_size // 2 + 1)
+    large = lens + [2, block_size, 2 * block_size + 3, 5, 4 * block_size][: max(0, SELF_CHECK_LARGE_BATCH - len(lens))]
+    return lens, large
+
+
 def check_attention_impl(
     impl,
     *,
@@ -97,14 +110,8 @@ def check_attention_impl(
     memory below 8 elements and in device memory from 8, so the kernel is compiled twice), each
     with 1 and 2 splits. Exceptions from ``impl`` count as a mismatch (err = inf).
     """
-    lens = [1, block_size + 1, 3 * block_size + 5]
-    if window is not None:
-        lens.append(window + 2 * block_size + 3)
-    if chunk_size is not None:
-        lens.append(chunk_size + block_size // 2 + 1)
-    large = lens + [2, block_size, 2 * block_size + 3, 5, 4 * block_size][: max(0, SELF_CHECK_LARGE_BATCH - len(lens))]
     ok, worst = True, 0.0
-    for n, batch in enumerate((lens, large)):
+    for n, batch in enumerate(self_check_batches(block_size, window, chunk_size)):
         case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
                                  gqa=gqa, context_lens=batch, sinks=sinks, seed=seed + n)
         for splits in (1, 2):
@@ -112,6 +119,51 @@ def check_attention_impl(
             want = run_paged_attention(REFERENCE, *case.args(), **kw)
             try:
                 got = run_paged_attention(impl, *case.args(), **kw)
+                mx.eval(got)
+            except Exception:  # a kernel that fails to compile or run is a failed self-check
+                return False, float("inf")
+            ok = ok and close(got, want, dtype)
+            worst = max(worst, max_abs_error(got, want))
+    return ok, worst
+
+
+def quantize_case(case: PagedCase, bits: int, group_size: int) -> tuple[mx.array, ...]:
+    """``case``'s arguments with its pages as ``mx.quantize`` planes (each row on its own, groups along D)."""
+    k = tuple(mx.quantize(case.k_pages, group_size=group_size, bits=bits))  # (KVH, NB, bs, w) each
+    v = tuple(mx.quantize(case.v_pages, group_size=group_size, bits=bits))
+    return case.queries, k, v, case.block_tables, case.context_lens
+
+
+def check_quantized_attention_impl(
+    impl,
+    *,
+    dtype: mx.Dtype,
+    head_dim: int,
+    block_size: int,
+    kv_heads: int,
+    gqa: int,
+    bits: int,
+    group_size: int,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: bool = False,
+    seed: int = 0,
+) -> tuple[bool, float]:
+    """:func:`check_attention_impl` for a quantized-pages implementation: the same two batches (constant and
+    device ``context_lens``) and split counts, the pages quantized, against
+    :class:`~mlxkv.kernels.quantized_paged_ref.ReferenceQuantizedPagedAttention`; ``(ok, max err)``."""
+    reference = ReferenceQuantizedPagedAttention(bits, group_size)
+    ok, worst = True, 0.0
+    for n, batch in enumerate(self_check_batches(block_size, window, chunk_size)):
+        case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
+                                 gqa=gqa, context_lens=batch, sinks=sinks, seed=seed + n)
+        args = quantize_case(case, bits, group_size)
+        for splits in (1, 2):
+            kw = dict(bits=bits, group_size=group_size, window=window, chunk_size=chunk_size, sinks=case.sinks,
+                      num_splits=splits)
+            want = run_quantized_paged_attention(reference, *args, **kw)
+            try:
+                got = run_quantized_paged_attention(impl, *args, **kw)
                 mx.eval(got)
             except Exception:  # a kernel that fails to compile or run is a failed self-check
                 return False, float("inf")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import metal
+from . import metal, metal_quantized
 from .geometry import plan_splits
 from .metal_specs import MAX_CONSTANT_ARRAY_SIZE, ArgInfo, KernelSpec
 
@@ -100,6 +100,35 @@ def attention_variants(batches: tuple[int, ...] = BATCHES) -> list[Variant]:
     return out
 
 
+def quantized_attention_variants(batches: tuple[int, ...] = BATCHES) -> list[Variant]:
+    """Every (bits, group size, head_dim) quantized-pages launch, the dtypes taking turns, at GQA 1 and the largest,
+    both ``context_lens`` address spaces; block sizes at their extremes at the default head_dim 64. The quantized body
+    differs from the unquantized one only in its K/V reads, whose shape depends on D, BITS and GS."""
+    out = []
+    kv_heads, pages = 2, 3
+    combos = [(D, gs, bits) for D in metal.HEAD_DIMS for gs in metal_quantized.QUANTIZED_GROUP_SIZES
+              if D % gs == 0 for bits in metal_quantized.QUANTIZED_BITS]
+    for n, (D, gs, bits) in enumerate(combos):
+        dtype = metal.SUPPORTED_DTYPES[n % len(metal.SUPPORTED_DTYPES)]
+        sizes = block_size_values() if D == 64 else [16]
+        for bs in sizes:
+            for g in sorted({1, metal.max_gqa(D)}):
+                assert metal_quantized.supports_quantized_attention(dtype, D, bs, g, bits, gs)
+                impl = metal_quantized.MetalQuantizedPagedAttention(dtype, D, bs, kv_heads, g, bits, gs)
+                for B in batches:
+                    shape = (kv_heads, B * pages + 1, bs)
+                    planes = (_zeros((*shape, D * bits // 32), mx.uint32), _zeros((*shape, D // gs), dtype),
+                              _zeros((*shape, D // gs), dtype))
+                    call = impl.partials_call(
+                        _zeros((B, kv_heads * g, 1, D), dtype), planes, planes,
+                        _zeros((B, pages), mx.int32), _zeros((B,), mx.int32),
+                        plan_splits(pages * bs, bs, num_splits=2), scale=D**-0.5, window=None, chunk_size=None,
+                    )
+                    label = f"quantized {dtype} D={D} bits={bits} gs={gs} bs={bs} gqa={g} B={B} nsg={call.template['NSG']}"
+                    out.append(Variant(label, call))
+    return out
+
+
 def merge_variants() -> list[Variant]:
     """Every (dtype, head_dim, sinks, heads) merge launch; small heads put sinks and lse in constant space."""
     out = []
@@ -117,7 +146,7 @@ def merge_variants() -> list[Variant]:
 
 def all_variants() -> list[Variant]:
     """Every variant of every kernel, in spec order."""
-    return attention_variants() + merge_variants()
+    return attention_variants() + merge_variants() + quantized_attention_variants()
 
 
 def emulation_classes() -> list[Variant]:

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.kernels.metal import KernelCall, MetalPagedAttention
+from mlxkv.kernels.metal_quantized import MetalQuantizedPagedAttention
 from mlxkv.kernels.metal_specs import ArgInfo, METAL_ATTRIBUTES, TYPE_NAMES, render_kernel
 
 SHIM = Path(__file__).parent
@@ -45,7 +46,8 @@ ATTRIBUTE_VALUES = {  # C++ expressions in the launch loop below
     "threads_per_simdgroup": "32u",
     "thread_execution_width": "32u",
 }
-NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32}
+NP_TYPES = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
+            mx.uint32: np.uint32}
 
 
 def to_bytes(a: mx.array) -> bytes:
@@ -167,6 +169,22 @@ class Emulator:
 
 class EmulatedAttention(MetalPagedAttention):
     """The Metal pair with launches going to the CPU emulator instead of mx.fast.metal_kernel."""
+
+    def __init__(self, emulator, *args):
+        super().__init__(*args)
+        self.emulator = emulator
+
+    def partials(self, *args, **kwargs):
+        o_part, lse = self.emulator.launch(self.partials_call(*args, **kwargs))
+        return o_part, lse
+
+    def merge(self, *args):
+        (out,) = self.emulator.launch(self.merge_call(*args))
+        return out
+
+
+class EmulatedQuantizedAttention(MetalQuantizedPagedAttention):
+    """The quantized Metal pair with launches going to the CPU emulator."""
 
     def __init__(self, emulator, *args):
         super().__init__(*args)

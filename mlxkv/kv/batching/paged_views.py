@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.kernels import paged_attention, reference_on_views
+from mlxkv.kernels import paged_attention, quantized_paged_attention, reference_on_views
 from mlxkv.kernels.cascade import worth_cascading
 from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kernels.quantized_views_ref import quantized_shared_prefix_attention
@@ -142,9 +142,18 @@ class PagedBatchView(KVBatchView):
         """Quantized pages: where the kernel would be the reference (CPU), sequences sharing whole prefix pages attend
         to them once, in place (:mod:`mlxkv.kernels.quantized_views_ref`); otherwise every sequence's rows gathered
         right-padded (what ``update_and_fetch`` returned, or the model's own tensors) and attended at once with
-        ``mx.quantized_matmul``, padding masked out (no Metal kernel reads quantized pages)."""
+        ``mx.quantized_matmul``, padding masked out. Where the kernel may run (Metal), this step's own rows go
+        through ``quantized_paged_attention`` on the page planes instead."""
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         first = self.caches[0]
+        same_dim = keys[0].shape == values[0].shape and queries.shape[-1] * self.storage.bits == keys[0].shape[-1] * 32
+        if own and mask is None and same_dim and not reference_on_views():  # the kernel may run (Metal)
+            offsets = [c.offset for c in self.caches]
+            return quantized_paged_attention(
+                queries, *self.storage.planes(first.layer), self.step.tables(), mx.array(offsets, dtype=mx.int32),
+                bits=self.storage.bits, group_size=self.storage.group_size, scale=scale, window=first.window,
+                chunk_size=first.chunk_size, sinks=sinks, max_context_len=max(offsets),
+            )  # (B, n_q, 1, D)
         if (own and mask is None and sinks is None and first.window is None and first.chunk_size is None
                 and reference_on_views()):
             offsets = [c.offset for c in self.caches]

@@ -20,7 +20,8 @@ derived (MLA) — goes to dense SDPA on the given tensors.
 Quantized pages (:mod:`mlxkv.kv.paged.quantized_pages`): ``update_and_fetch`` returns mlx-lm's quantized
 ``(packed, scales, biases)`` tuples (views of consecutive pages, else gathers of the planes) and ``attend`` runs
 :func:`mlxkv.kv.layouts.dense_attention.quantized_attend` on them (``mx.quantized_matmul``, as mlx-lm's quantized
-attention), for every step, mask and layout; the paged-attention kernels read unquantized pages only.
+attention), for every step, mask and layout — except a decode step where the kernel may run (Metal), which goes
+through ``quantized_paged_attention`` on the page planes.
 
 On the reference path a write whose slots are known on the host and form one or two in-page runs (every decode
 row) is a static slice update of the stored rows, exactly a dense cache's append.
@@ -32,7 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.kernels import paged_attention, reference_on_views
+from mlxkv.kernels import paged_attention, quantized_paged_attention, reference_on_views
 from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.kernels.page_views_ref import runs_attention
 from mlxkv.kv.blocks import KVCacheGroupSpec
@@ -144,7 +145,16 @@ class PagedLayerCache:
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         self._returned = None
         storage = self.seq.storage
-        if storage.quantized:  # quantized planes (views or gathers of the pages): mx.quantized_matmul, any mask
+        if storage.quantized:  # the quantized kernel where it may run (Metal), else mx.quantized_matmul, any mask
+            if (own and queries.shape[2] == 1 and queries.shape[0] == 1 and self._kernel_mask_ok(mask, keys[0])
+                    and not reference_on_views() and keys[0].shape == values[0].shape
+                    and queries.shape[-1] * storage.bits == keys[0].shape[-1] * 32):
+                return quantized_paged_attention(
+                    queries, *storage.planes(self.layer), self.seq.step.table(self.group)[None],
+                    mx.array([self.offset], dtype=mx.int32), bits=storage.bits, group_size=storage.group_size,
+                    scale=scale, window=self.window, chunk_size=self.chunk_size, sinks=sinks,
+                    max_context_len=self.offset,
+                )  # (1, n_q, 1, D)
             return dense_attend(queries, keys, values, scale, mask, sinks, bits=storage.bits,
                                 group_size=storage.group_size)
         on_views = own and reference_on_views()
