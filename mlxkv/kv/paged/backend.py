@@ -10,7 +10,7 @@ Models with recurrent layers get prefix caching through recurrent-state snapshot
 blocks and a snapshot both exist, and the snapshot is restored into the sequence's fresh recurrent caches.
 A snapshot costs ``blocks_per_snapshot`` pool blocks (its state bytes over one block's bytes, rounded up).
 Where a recurrent layer's state cannot be read (no ``state`` setter), prefix caching is off and a warning
-says so; the secondary tier holds no snapshots and is refused for such models.
+says so. The secondary tier offloads and restores snapshots with the blocks (:mod:`mlxkv.kv.tier.state_tier`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from mlxkv.kv.paged.latent_pages import LatentPagedCache
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
-from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state_bytes, restore
+from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state, restore, snapshot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +137,12 @@ class PagedBackend:
         self.layer_block_bytes = probe_block_bytes(model, config.block_size)
         self.bytes_per_block = sum(self.layer_block_bytes)
         self.snapshot_bytes = self.blocks_per_snapshot = 0  # recurrent-state snapshots (module docstring)
+        self.snapshot_probe: list | None = None  # one snapshot's arrays: the layout every snapshot has
         reuse = config.enable_block_reuse
         if self.recurrent and reuse:
-            if config.secondary_enabled:
-                raise ValueError("the secondary KV tier does not hold recurrent-state snapshots yet: models with "
-                                 "recurrent layers run without --host-cache-size / --kv-disk-cache")
             if all(can_snapshot(template[i]) for i in self.recurrent_layers):
-                self.snapshot_bytes = probe_state_bytes(model, make_caches(model), self.recurrent_layers)
+                self.snapshot_probe = probe_state(model, make_caches(model), self.recurrent_layers)
+                self.snapshot_bytes = snapshot_bytes(self.snapshot_probe)
                 self.blocks_per_snapshot = max(1, math.ceil(self.snapshot_bytes / self.bytes_per_block))
             else:
                 names = sorted({type(template[i]).__name__ for i in self.recurrent_layers})

@@ -66,13 +66,18 @@ def snapshot_bytes(payload: list) -> int:
     return _nbytes(payload)
 
 
-def probe_state_bytes(model: Any, caches: list, layers: list[int]) -> int:
-    """Bytes one snapshot of ``layers`` takes, from one probe token through the fresh ``caches`` (conv and SSM
-    states have a fixed size whatever the sequence length)."""
+def probe_state(model: Any, caches: list, layers: list[int]) -> list:
+    """A snapshot of ``layers`` after one probe token through the fresh ``caches``: its size and layout are
+    every snapshot's (conv and SSM states have a fixed shape whatever the sequence length)."""
     model(mx.array([[1]], dtype=mx.uint32), cache=caches)
     payload = capture(caches, layers)
     mx.eval(payload)
-    return snapshot_bytes(payload)
+    return payload
+
+
+def probe_state_bytes(model: Any, caches: list, layers: list[int]) -> int:
+    """Bytes one snapshot of ``layers`` takes (see :func:`probe_state`)."""
+    return snapshot_bytes(probe_state(model, caches, layers))
 
 
 def can_snapshot(cache: Any) -> bool:

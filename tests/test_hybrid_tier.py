@@ -1,0 +1,66 @@
+"""Recurrent-state snapshots in the secondary tier (qwen3_next, nemotron_h; random weights): evicted to host
+memory and restored with their blocks, written to disk and found again by a fresh pool on the same folder (a
+restart); greedy output with the tier's hit equals output without reuse."""
+
+import pytest
+from testkit.archs import build_model
+
+from mlxkv.config import KvCacheConfig
+from mlxkv.engine.direct import DirectEngine
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.kv.layouts import install_attention_hook
+from mlxkv.kv.store import CachePool
+from mlxkv.kv.tier.disk_store import read_header_file
+from mlxkv.kv.tier.seal import open_seal
+
+BS = 4
+PARAMS = SamplingParams(max_tokens=6)
+PROMPT = [(5 * i + 7) % 900 + 10 for i in range(33)]  # 8 full blocks + 1: a repeat resumes at 32
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h"])
+def model(request):
+    m, _ = build_model(request.param)
+    install_attention_hook(m)
+    return m
+
+
+def pool_with_tier(model, **tier):
+    cfg = KvCacheConfig(backend="paged", block_size=BS, secondary_write_interval_s=3600, **tier)
+    return CachePool(model, backend="paged", num_blocks=120, max_sequences=2, kv_config=cfg)
+
+
+def reference(model):
+    return list(DirectEngine(model, None, pool=CachePool(model, max_sequences=1)).generate_tokens(PROMPT, PARAMS))
+
+
+def test_evicted_snapshot_comes_back_from_host_memory(model):
+    expected = reference(model)
+    pool = pool_with_tier(model, secondary_memory_bytes=1 << 24)
+    engine = DirectEngine(model, None, pool=pool)
+    assert list(engine.generate_tokens(PROMPT, PARAMS)) == expected
+    assert pool.evict_cached() > 0  # blocks and snapshots leave the pool for the host tier
+    assert pool.block_stats()["state_snapshots"]["count"] == 0
+    assert list(engine.generate_tokens(PROMPT, PARAMS)) == expected
+    assert engine.last_stats.cached_prompt_tokens == 32
+    stats = pool.block_stats()
+    assert stats["tier"]["secondary"]["hits_memory"] >= 9  # 8 attention blocks and the snapshot at 32
+    assert stats["state_snapshots"]["hits"] == 1
+    pool.check_invariants()
+
+
+def test_snapshots_survive_a_restart_on_the_disk_tier(model, tmp_path):
+    expected = reference(model)
+    tier = {"secondary_disk_dir": str(tmp_path), "secondary_disk_bytes": 1 << 24}
+    first = pool_with_tier(model, **tier)
+    assert list(DirectEngine(model, None, pool=first).generate_tokens(PROMPT, PARAMS)) == expected
+    assert first.flush_tier(30)["lost"] == 0
+    seal = open_seal(tmp_path, create=False)
+    kinds = [read_header_file(p, seal)[0].kind for p in tmp_path.glob("*.mlxkvblk")]
+    assert kinds.count("state") >= 2  # the prompt's end (32) and the finished sequence's last boundary (36)
+    second = pool_with_tier(model, **tier)  # a fresh pool on the same folder: a restart
+    engine = DirectEngine(model, None, pool=second)
+    assert list(engine.generate_tokens(PROMPT, PARAMS)) == expected
+    assert engine.last_stats.cached_prompt_tokens == 32
+    assert second.block_stats()["tier"]["secondary"]["hits_disk"] >= 9
+    second.check_invariants()
