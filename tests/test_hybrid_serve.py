@@ -1,10 +1,12 @@
 """``mlxkv serve`` on a recurrent hybrid (the qwen3_next test model), through the official ``openai`` client:
 repeated and shared-prefix prompts are prefix hits (state snapshots), with the same greedy text as the first
-time; the cache stats show the snapshots; a disk tier is refused with a clear error for such a model."""
+time; the cache stats show the snapshots; after a graceful restart on the same disk tier folder the repeated prompt
+hits from disk with the same text."""
 
 import httpx
 
 from testkit.serve_process import serve_process
+from testkit.serve_signals import server
 
 SYSTEM = "You are a terse assistant who answers in one word. " * 4
 QUESTIONS = ["What colour is the sky?", "What is two plus two?"]
@@ -38,13 +40,22 @@ def test_serve_hybrid_reuses_prefixes_exactly(test_model_dir):
     assert "mlxkv_state_snapshot_hits_total 3.0" in metrics
 
 
-def test_serve_hybrid_refuses_the_disk_tier(test_model_dir, tmp_path):
-    from typer.testing import CliRunner
-
-    from mlxkv.cli.main import app
-
+def test_serve_hybrid_restart_hits_the_disk_tier(test_model_dir, tmp_path):
     folder = test_model_dir("qwen3_next")
-    result = CliRunner().invoke(app, ["serve", "-m", str(folder), "--kv-disk-cache", str(tmp_path / "tier"),
-                                      "--port", "0"])
-    assert result.exit_code == 1
-    assert "error: the secondary KV tier does not hold recurrent-state snapshots" in result.output
+    # a write interval longer than the test: only the flush at the graceful stop writes blocks and snapshots
+    args = ("-m", str(folder), "--kv-block-size", "16", "--kv-disk-cache", str(tmp_path),
+            "--kv-disk-write-interval", "3600")
+    prompt = SYSTEM + QUESTIONS[0]
+    with server(*args) as s:
+        first = completion(s.client, prompt)
+        rc, log = s.stop()
+    assert rc == 0 and "Traceback" not in log, log
+    with server(*args) as s:  # a restart on the same folder
+        again = completion(s.client, prompt)
+        stats = httpx.get(f"http://127.0.0.1:{s.port}/v1/cache/stats", timeout=30).json()
+        assert s.stop()[0] == 0
+    text, n, cached = again
+    assert first[2] == 0 and cached == (n - 1) // 16 * 16  # all but the last block's tokens, from disk
+    assert text == first[0]  # greedy text with the disk hit == without reuse
+    assert stats["tier"]["secondary"]["hits_disk"] >= cached // 16 + 1  # the attention blocks and the snapshot
+    assert stats["state_snapshots"]["hits"] == 1
