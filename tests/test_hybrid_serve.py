@@ -59,3 +59,31 @@ def test_serve_hybrid_restart_hits_the_disk_tier(test_model_dir, tmp_path):
     assert text == first[0]  # greedy text with the disk hit == without reuse
     assert stats["tier"]["secondary"]["hits_disk"] >= cached // 16 + 1  # the attention blocks and the snapshot
     assert stats["state_snapshots"]["hits"] == 1
+
+
+def test_serve_hybrid_snapshots_each_chat_message_end(test_model_dir):
+    from transformers import AutoTokenizer
+
+    folder = test_model_dir("qwen3_next")
+    system = {"role": "system", "content": SYSTEM}
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    def ids(messages, more):
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=more, tokenize=False),
+                          add_special_tokens=False)
+
+    prompt, head = ids([system, {"role": "user", "content": QUESTIONS[1]}], True), ids([system], False)
+    system_end = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), len(head))
+
+    with serve_process("-m", str(folder), "--kv-block-size", "16", "--log-level", "warning") as client:
+        def chat(question, **extra):
+            r = client.chat.completions.create(model="m", messages=[system, {"role": "user", "content": question}],
+                                               max_tokens=8, temperature=0, **extra)
+            details = r.usage.prompt_tokens_details
+            return r.choices[0].message.content, details.cached_tokens if details else 0
+
+        first = chat(QUESTIONS[0] * 4)  # long enough that its prompt-end snapshot lies past what the two share
+        second = chat(QUESTIONS[1])  # another user, the same system prompt: no --state-snapshot-interval
+        fresh = chat(QUESTIONS[1], extra_body={"cache_salt": "alone"})  # the same request without any reuse
+    assert first[1] == 0 and fresh[1] == 0
+    assert system_end >= 32 and second[1] == system_end // 16 * 16  # the last block boundary in the system message
+    assert second[0] == fresh[0]  # greedy text with the snapshot hit == without reuse

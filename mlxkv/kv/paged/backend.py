@@ -176,7 +176,7 @@ class PagedBackend:
         return self.storage.num_blocks
 
     def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
-             priority: int = 0, spans: tuple = ()) -> tuple[list, PagedSequence]:
+             priority: int = 0, spans: tuple = (), snapshot_at: tuple = ()) -> tuple[list, PagedSequence]:
         """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
 
         Args:
@@ -184,6 +184,8 @@ class PagedBackend:
             retention: the manager's ``RetentionConfig`` for its blocks (the prefix-hit blocks included).
             priority: preemption rank (higher is preempted later).
             spans: ``(start, end, key)`` token ranges whose blocks get ``key`` in their hash (per-range salts).
+            snapshot_at: prompt positions (chat message ends) where recurrent layers' state is also snapshot,
+                at the last block boundary at or before each.
 
         Returns:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
@@ -202,15 +204,15 @@ class PagedBackend:
             caches.append(c if g is None else self.layer_class[layer](seq, layer, g, self.specs[g]))
         if res.state is not None:
             restore(caches, self.recurrent_layers, res.state)  # the paged layers start at num_cached already
-        self._record(seq, caches, len(prompt), res.num_cached_tokens)
+        self._record(seq, caches, len(prompt), res.num_cached_tokens, snapshot_at)
         return caches, seq
 
-    def _record(self, seq: PagedSequence, caches: list, prompt_len: int, start: int) -> None:
+    def _record(self, seq: PagedSequence, caches: list, prompt_len: int, start: int, marks: tuple = ()) -> None:
         """Attach the snapshot recorder of a sequence (models with recurrent layers and snapshots on)."""
         if self.manager.snapshots is not None:
             seq.recorder = SnapshotRecorder(self.manager, seq.seq_id, caches, self.recurrent_layers,
                                             prompt_len=prompt_len, start=start, block_size=self.block_size,
-                                            interval=self.config.state_snapshot_interval)
+                                            interval=self.config.state_snapshot_interval, marks=marks)
 
     def fork(self, parent: PagedSequence, parent_caches: list, n: int) -> list[tuple[list, PagedSequence]]:
         """``n`` children sharing every block of ``parent`` (ref counts, no K/V copied); a shared partial
