@@ -64,3 +64,26 @@ def test_snapshots_survive_a_restart_on_the_disk_tier(model, tmp_path):
     assert engine.last_stats.cached_prompt_tokens == 32
     assert second.block_stats()["tier"]["secondary"]["hits_disk"] >= 9
     second.check_invariants()
+
+
+@pytest.mark.parametrize("damage", ["shape", "prefix"])
+def test_a_snapshot_record_that_does_not_fit_is_recomputed(model, damage):
+    import numpy as np
+
+    expected = reference(model)
+    pool = pool_with_tier(model, secondary_memory_bytes=1 << 24)
+    engine = DirectEngine(model, None, pool=pool)
+    list(engine.generate_tokens(PROMPT, PARAMS))
+    pool.evict_cached()
+    memory = pool.paged.tier.tier.memory
+    states = [tb for tb in memory._blocks.values() if tb.kind == "state"]
+    assert states
+    for tb in states:
+        if damage == "shape":  # another model's layout
+            tb.arrays[0] = np.zeros((1, *tb.arrays[0].shape), dtype=tb.arrays[0].dtype)
+        else:  # the state of another prefix under the same key (a hash collision)
+            tb.token_ids = (0, *tb.token_ids[1:])
+    assert list(engine.generate_tokens(PROMPT, PARAMS)) == expected
+    assert engine.last_stats.cached_prompt_tokens == 0
+    assert pool.block_stats()["state_snapshots"]["hits"] == 0
+    pool.check_invariants()
