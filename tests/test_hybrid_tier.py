@@ -87,3 +87,19 @@ def test_a_snapshot_record_that_does_not_fit_is_recomputed(model, damage):
     assert engine.last_stats.cached_prompt_tokens == 0
     assert pool.block_stats()["state_snapshots"]["hits"] == 0
     pool.check_invariants()
+
+
+def test_a_snapshot_evicted_alone_comes_back_beside_pool_blocks(model):
+    expected = reference(model)
+    pool = pool_with_tier(model, secondary_memory_bytes=1 << 24)
+    engine = DirectEngine(model, None, pool=pool)
+    list(engine.generate_tokens(PROMPT, PARAMS))
+    manager = pool.paged.manager
+    group = manager.snapshots.group_id
+    assert manager.pool.evict_cached(len(manager.pool.blocks), where=lambda b: b.group_id == group) > 0
+    assert manager.find_prefix_hit(PROMPT).num_full_blocks == 0  # attention blocks cached, no snapshot left
+    assert list(engine.generate_tokens(PROMPT, PARAMS)) == expected
+    assert engine.last_stats.cached_prompt_tokens == 32
+    stats = pool.block_stats()
+    assert stats["tier"]["secondary"]["hits_memory"] == 1  # the snapshot alone: the 8 blocks never left
+    pool.check_invariants()
