@@ -3,6 +3,7 @@ repeated and shared-prefix prompts are prefix hits (state snapshots), with the s
 time; the cache stats show the snapshots; after a graceful restart on the same disk tier folder the repeated prompt
 hits from disk with the same text."""
 
+import anthropic
 import httpx
 
 from testkit.serve_process import serve_process
@@ -65,25 +66,43 @@ def test_serve_hybrid_snapshots_each_chat_message_end(test_model_dir):
     from transformers import AutoTokenizer
 
     folder = test_model_dir("qwen3_next")
-    system = {"role": "system", "content": SYSTEM}
     tok = AutoTokenizer.from_pretrained(str(folder))
-    def ids(messages, more):
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=more, tokenize=False),
-                          add_special_tokens=False)
+    systems = [SYSTEM, "You are a patient teacher who explains with examples. " * 4]
 
-    prompt, head = ids([system, {"role": "user", "content": QUESTIONS[1]}], True), ids([system], False)
-    system_end = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), len(head))
+    def system_boundary(system):  # the last block boundary at or before the system message's end
+        def ids(messages, more):
+            return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=more, tokenize=False),
+                              add_special_tokens=False)
 
+        head = ids([{"role": "system", "content": system}], False)
+        prompt = ids([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}], True)
+        end = next((i for i, (a, b) in enumerate(zip(head, prompt)) if a != b), len(head))
+        assert end >= 32
+        return end // 16 * 16
+
+    long_question = QUESTIONS[0] * 4  # its prompt-end snapshot lies past what two users share
     with serve_process("-m", str(folder), "--kv-block-size", "16", "--log-level", "warning") as client:
-        def chat(question, **extra):
-            r = client.chat.completions.create(model="m", messages=[system, {"role": "user", "content": question}],
-                                               max_tokens=8, temperature=0, **extra)
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")
+        claude = anthropic.Anthropic(base_url=base, api_key="none")
+
+        def chat(system, question, **extra):
+            r = client.chat.completions.create(
+                model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+                max_tokens=8, temperature=0, **extra)
             details = r.usage.prompt_tokens_details
             return r.choices[0].message.content, details.cached_tokens if details else 0
 
-        first = chat(QUESTIONS[0] * 4)  # long enough that its prompt-end snapshot lies past what the two share
-        second = chat(QUESTIONS[1])  # another user, the same system prompt: no --state-snapshot-interval
-        fresh = chat(QUESTIONS[1], extra_body={"cache_salt": "alone"})  # the same request without any reuse
-    assert first[1] == 0 and fresh[1] == 0
-    assert system_end >= 32 and second[1] == system_end // 16 * 16  # the last block boundary in the system message
+        def message(system, question):
+            r = claude.messages.create(model="m", system=system, max_tokens=4,
+                                       messages=[{"role": "user", "content": question}])
+            return r.usage.cache_read_input_tokens
+
+        # no --state-snapshot-interval: users sharing a system prompt hit at its end, whichever API marked it
+        first = message(systems[0], long_question)  # the Messages API marks the system message's end...
+        second = chat(systems[0], QUESTIONS[1])  # ...where another user's chat completion resumes
+        fresh = chat(systems[0], QUESTIONS[1], extra_body={"cache_salt": "alone"})  # the same, without reuse
+        third = chat(systems[1], long_question)  # and the other way round
+        fourth = message(systems[1], QUESTIONS[1])
+    assert first == 0 and fresh[1] == 0 and third[1] == 0
+    assert second[1] == system_boundary(systems[0]) and fourth == system_boundary(systems[1])
     assert second[0] == fresh[0]  # greedy text with the snapshot hit == without reuse
