@@ -191,13 +191,6 @@ def test_manager_hit_needs_both_blocks_and_a_snapshot():
     m.check_invariants()
 
 
-def test_secondary_tier_is_refused_for_recurrent_models(tmp_path):
-    model, _ = build_model("qwen3_next")
-    with pytest.raises(ValueError, match="recurrent-state snapshots"):
-        CachePool(model, backend="paged", num_blocks=64,
-                  kv_config=KvCacheConfig(backend="paged", block_size=BS, secondary_memory_bytes=1 << 20))
-
-
 def test_restored_state_is_shared_not_copied(hybrid):
     _, model = hybrid
     pool = paged(model)

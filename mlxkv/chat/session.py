@@ -213,9 +213,13 @@ class ChatSession:
 
     def _trim_to(self, keep: int) -> int:
         """Bring the caches back to their first ``keep`` tokens; returns the tokens kept (0 when some layer
-        cannot rewind that far, e.g. a sliding window: the caches then start over)."""
+        cannot rewind that far, e.g. a sliding window or a recurrent layer's state: the caches then start over)."""
         try:
             for c in each_layer_cache(self.caches):
+                if not hasattr(c, "offset"):  # recurrent state (mlx-lm ArraysCache): it holds every token, no rewind
+                    if keep < len(self.tokens):
+                        raise RewindError("a recurrent layer's state cannot be rewound")
+                    continue
                 if c.offset > keep:
                     want = c.offset - keep
                     removed = c.trim(want)

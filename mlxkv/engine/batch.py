@@ -143,6 +143,11 @@ class BatchEngine:
         return self._draining
 
     @property
+    def state_snapshots(self) -> bool:
+        """Whether requests' ``snapshot_at`` marks are used (a model with recurrent layers, paged, prefix caching)."""
+        return self.pool.state_snapshots
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

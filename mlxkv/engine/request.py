@@ -104,6 +104,9 @@ class GenerationRequest:
             Each choice follows its own copy of the grammar; EOS is allowed once its document is complete. The
             tokenizer's grammar vocabulary is built at the first constrained request if nobody built it before
             (seconds for a large vocabulary, on the engine thread: the server builds it ahead).
+        snapshot_at: prompt token positions worth a recurrent-state snapshot (the end of each chat message): a
+            model with recurrent layers on paged storage snapshots at the last block boundary at or before each,
+            so prompts sharing those messages (a system prompt) resume there. Ignored by other models.
         request_id: identifies the request in logs and events.
     """
 
@@ -116,6 +119,7 @@ class GenerationRequest:
     priority: int = 0
     logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    snapshot_at: tuple[int, ...] = ()
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:
@@ -129,6 +133,8 @@ class GenerationRequest:
             if not (isinstance(salt, str) and salt and 0 <= start < end and start < len(self.prompt)):
                 raise ValueError(f"cache_salt_ranges: ({start}, {end}, {salt!r}) is not a non-empty range starting "
                                  f"inside the {len(self.prompt)}-token prompt with a non-empty salt")
+        if any(not (isinstance(p, int) and 0 < p <= len(self.prompt)) for p in self.snapshot_at):
+            raise ValueError(f"snapshot_at: positions must be in [1, {len(self.prompt)}], got {self.snapshot_at}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

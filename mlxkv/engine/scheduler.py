@@ -180,7 +180,8 @@ class Scheduler:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
                                           salt=request.cache_salt, retention=retention_config(request.retention),
                                           spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges),
-                                          priority=-request.priority)  # the pool preempts lower values first
+                                          priority=-request.priority,  # the pool preempts lower values first
+                                          snapshot_at=request.snapshot_at)
                 job.opened.append(task.seq)
             self._owners[task.seq.id] = task
             task.done = task.seq.num_cached

@@ -37,6 +37,7 @@ class Sequence:
     paged: Any = None
     salt: str | bytes | None = None  # what it was opened with: a resume opens with the same
     spans: tuple = ()  # (start, end, key) token ranges with extra hash keys (per-range salts), likewise
+    snapshot_at: tuple = ()  # prompt positions for recurrent-state snapshots (chat message ends), likewise
     retention: Any = None
     priority: int = 0
     preempted: bool = False

@@ -101,14 +101,15 @@ class CachePool:
 
     # ---- opening and ending -------------------------------------------------------------------------------
     def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None, salt: str | bytes | None = None,
-             retention: Any = None, priority: int = 0, spans: tuple = ()) -> Sequence:
+             retention: Any = None, priority: int = 0, spans: tuple = (), snapshot_at: tuple = ()) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
 
         Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
         and takes its prefix hit (``seq.num_cached`` tokens need no compute); ``salt`` isolates caches
         (sequences with different salts never share blocks); ``retention`` (the manager's ``RetentionConfig``)
         ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later);
-        ``spans`` (``(start, end, key)`` token ranges) add ``key`` to the hash of every block they overlap.
+        ``spans`` (``(start, end, key)`` token ranges) add ``key`` to the hash of every block they overlap;
+        ``snapshot_at``: prompt positions where models with recurrent layers also snapshot their state.
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
@@ -119,7 +120,7 @@ class CachePool:
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
         seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length, salt=salt,
-                       retention=retention, priority=priority, spans=tuple(spans))
+                       retention=retention, priority=priority, spans=tuple(spans), snapshot_at=tuple(snapshot_at))
         self._attach(seq, prompt)
         self._sequences[seq.id] = seq
         return seq
@@ -132,7 +133,7 @@ class CachePool:
         if not tokens:
             raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
         seq.caches, seq.paged = self.paged.open(tokens, salt=seq.salt, retention=seq.retention,
-                                                priority=seq.priority, spans=seq.spans)
+                                                priority=seq.priority, spans=seq.spans, snapshot_at=seq.snapshot_at)
         seq.prompt_length = seq.prompt_length or len(tokens)
         self._by_manager_id[seq.paged.seq_id] = seq
 
@@ -251,6 +252,12 @@ class CachePool:
         return max_paged_tokens(self.paged.manager)
 
     # ---- what the pool holds --------------------------------------------------------------------------------
+    @property
+    def state_snapshots(self) -> bool:
+        """Whether recurrent-state snapshots are taken (paged, a model with recurrent layers, prefix caching on):
+        then positions marked at ``open(snapshot_at=...)`` are worth computing."""
+        return self.paged is not None and self.paged.manager.snapshots is not None
+
     @property
     def prefix_caching(self) -> bool:
         """Whether verified blocks are kept for later prefix hits (paged; a model with recurrent layers through

@@ -21,6 +21,7 @@ from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
 from mlxkv.server.auth import KeyProtectedPaths, bearer_auth
 from mlxkv.server.cache_routes import cache_router
+from mlxkv.server.message_ends import message_ends
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
@@ -180,9 +181,11 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                                      lambda: prompts.chat(messages, **kwargs))
         except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
+        ends = (await lanes.on_worker(lambda: message_ends(tokenizer, messages, prompt, kwargs))
+                if engine.state_snapshots and len(messages) > 1 else ())
         output = ToolOutput(tokenizer, tools, body.n, parallel=body.parallel_tool_calls is not False,
                             streaming=body.stream) if use_tools else None
-        return await _generate(request, body, prompt, chat=True, tools=output, grammar=grammar)
+        return await _generate(request, body, prompt, chat=True, tools=output, grammar=grammar, snapshot_at=ends)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -199,7 +202,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         return await _generate(request, body, prompt, chat=False, grammar=grammar)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
-                        chat: bool, tools: ToolOutput | None = None, grammar: ResponseFormat | None = None) -> Any:
+                        chat: bool, tools: ToolOutput | None = None, grammar: ResponseFormat | None = None,
+                        snapshot_at: tuple[int, ...] = ()) -> Any:
         if not prompt:
             raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
         params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
@@ -213,7 +217,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
                                      cache_salt_ranges=body.salt_ranges(len(prompt)),
                                      retention=body.retention.to_spec() if body.retention else None,
-                                     priority=body.priority, logprobs=logprobs, response_format=grammar)
+                                     priority=body.priority, logprobs=logprobs, response_format=grammar,
+                                     snapshot_at=snapshot_at)
 
         handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
         builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)

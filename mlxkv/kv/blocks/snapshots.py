@@ -64,6 +64,8 @@ class StateSnapshotIndex:
         self._by_key: dict[BlockHash, list[StateSnapshot]] = {}
         self._by_block: dict[int, StateSnapshot] = {}
         self.stored = self.hits = self.dropped = self.skipped = 0  # counters for stats
+        # called with a snapshot about to be evicted, payload still set (the secondary tier offloads it)
+        self.on_evict: Callable[[StateSnapshot, KVCacheBlock], None] | None = None
         pool.add_evict_hook(self._on_evict)
 
     # ---- storing ----------------------------------------------------------------------------------------
@@ -108,6 +110,10 @@ class StateSnapshotIndex:
                 return snap
         return None
 
+    def live(self, key: BlockHash) -> StateSnapshot | None:
+        """A live snapshot after the block with hash ``key`` (any prefix), or None."""
+        return next((s for s in self._by_key.get(key, ()) if self._live(s)), None)
+
     def deepest(self, hashes: Sequence[BlockHash], prefix: Callable[[int], tuple], max_blocks: int) -> int:
         """The largest ``k <= max_blocks`` with a snapshot after block ``k - 1`` (``prefix(k)``: the request's
         first ``k`` blocks in :class:`StateSnapshot` form); 0 when there is none."""
@@ -137,6 +143,8 @@ class StateSnapshotIndex:
         snap = self._by_block.get(block.block_id)
         if snap is None or block.group_id != self.group_id:
             return
+        if self.on_evict is not None and self._live(snap):
+            self.on_evict(snap, block)
         self._drop(snap, except_block=block)
 
     def _drop(self, snap: StateSnapshot, except_block: KVCacheBlock | None = None) -> None:

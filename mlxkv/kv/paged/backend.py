@@ -10,7 +10,7 @@ Models with recurrent layers get prefix caching through recurrent-state snapshot
 blocks and a snapshot both exist, and the snapshot is restored into the sequence's fresh recurrent caches.
 A snapshot costs ``blocks_per_snapshot`` pool blocks (its state bytes over one block's bytes, rounded up).
 Where a recurrent layer's state cannot be read (no ``state`` setter), prefix caching is off and a warning
-says so; the secondary tier holds no snapshots and is refused for such models.
+says so. The secondary tier offloads and restores snapshots with the blocks (:mod:`mlxkv.kv.tier.state_tier`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
 from mlxkv.kv.paged.paged_sequence import PagedSequence
 from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantized_block_bytes
-from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state_bytes, restore
+from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state, restore, snapshot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +142,12 @@ class PagedBackend:
                                   quantized_block_bytes(model, config.block_size, config.kv_bits, config.kv_group_size))
         self.bytes_per_block = sum(self.layer_block_bytes)
         self.snapshot_bytes = self.blocks_per_snapshot = 0  # recurrent-state snapshots (module docstring)
+        self.snapshot_probe: list | None = None  # one snapshot's arrays: the layout every snapshot has
         reuse = config.enable_block_reuse
         if self.recurrent and reuse:
-            if config.secondary_enabled:
-                raise ValueError("the secondary KV tier does not hold recurrent-state snapshots yet: models with "
-                                 "recurrent layers run without --host-cache-size / --kv-disk-cache")
             if all(can_snapshot(template[i]) for i in self.recurrent_layers):
-                self.snapshot_bytes = probe_state_bytes(model, make_caches(model), self.recurrent_layers)
+                self.snapshot_probe = probe_state(model, make_caches(model), self.recurrent_layers)
+                self.snapshot_bytes = snapshot_bytes(self.snapshot_probe)
                 self.blocks_per_snapshot = max(1, math.ceil(self.snapshot_bytes / self.bytes_per_block))
             else:
                 names = sorted({type(template[i]).__name__ for i in self.recurrent_layers})
@@ -186,7 +185,7 @@ class PagedBackend:
         return self.storage.num_blocks
 
     def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
-             priority: int = 0, spans: tuple = ()) -> tuple[list, PagedSequence]:
+             priority: int = 0, spans: tuple = (), snapshot_at: tuple = ()) -> tuple[list, PagedSequence]:
         """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
 
         Args:
@@ -194,6 +193,8 @@ class PagedBackend:
             retention: the manager's ``RetentionConfig`` for its blocks (the prefix-hit blocks included).
             priority: preemption rank (higher is preempted later).
             spans: ``(start, end, key)`` token ranges whose blocks get ``key`` in their hash (per-range salts).
+            snapshot_at: prompt positions (chat message ends) where recurrent layers' state is also snapshot,
+                at the last block boundary at or before each.
 
         Returns:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
@@ -212,15 +213,15 @@ class PagedBackend:
             caches.append(c if g is None else self.layer_class[layer](seq, layer, g, self.specs[g]))
         if res.state is not None:
             restore(caches, self.recurrent_layers, res.state)  # the paged layers start at num_cached already
-        self._record(seq, caches, len(prompt), res.num_cached_tokens)
+        self._record(seq, caches, len(prompt), res.num_cached_tokens, snapshot_at)
         return caches, seq
 
-    def _record(self, seq: PagedSequence, caches: list, prompt_len: int, start: int) -> None:
+    def _record(self, seq: PagedSequence, caches: list, prompt_len: int, start: int, marks: tuple = ()) -> None:
         """Attach the snapshot recorder of a sequence (models with recurrent layers and snapshots on)."""
         if self.manager.snapshots is not None:
             seq.recorder = SnapshotRecorder(self.manager, seq.seq_id, caches, self.recurrent_layers,
                                             prompt_len=prompt_len, start=start, block_size=self.block_size,
-                                            interval=self.config.state_snapshot_interval)
+                                            interval=self.config.state_snapshot_interval, marks=marks)
 
     def fork(self, parent: PagedSequence, parent_caches: list, n: int) -> list[tuple[list, PagedSequence]]:
         """``n`` children sharing every block of ``parent`` (ref counts, no K/V copied); a shared partial

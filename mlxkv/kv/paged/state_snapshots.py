@@ -9,10 +9,12 @@ Where snapshots are taken (all at block boundaries, the only positions a snapsho
   repeated prompt recomputes at most ``block_size`` tokens (the last token is always recomputed anyway);
 * every ``interval`` blocks of the prompt (``state_snapshot_interval``; 0: none), so prompts sharing a prefix
   (a system prompt, earlier chat turns) resume from the deepest shared multiple;
+* the last boundary at or before each given mark (the server marks where each chat message of a templated
+  prompt ends), so a shared system prompt or earlier turns resume there without an interval;
 * the end of a sequence: the last block boundary it passed (prompt or generated tokens), stored when it is
   released or preempted, so the next turn of a conversation, or the resume, starts there.
 
-Prefill chunks are cut at the first two kinds of position (:meth:`SnapshotRecorder.next_stop`): the state is
+Prefill chunks are cut at the first three kinds of position (:meth:`SnapshotRecorder.next_stop`): the state is
 only ever seen between forwards. A captured state is a copy of the layer's arrays (a batched decode step
 leaves each sequence a slice of the batch's state, which would otherwise keep the whole batch alive).
 """
@@ -66,13 +68,18 @@ def snapshot_bytes(payload: list) -> int:
     return _nbytes(payload)
 
 
-def probe_state_bytes(model: Any, caches: list, layers: list[int]) -> int:
-    """Bytes one snapshot of ``layers`` takes, from one probe token through the fresh ``caches`` (conv and SSM
-    states have a fixed size whatever the sequence length)."""
+def probe_state(model: Any, caches: list, layers: list[int]) -> list:
+    """A snapshot of ``layers`` after one probe token through the fresh ``caches``: its size and layout are
+    every snapshot's (conv and SSM states have a fixed shape whatever the sequence length)."""
     model(mx.array([[1]], dtype=mx.uint32), cache=caches)
     payload = capture(caches, layers)
     mx.eval(payload)
-    return snapshot_bytes(payload)
+    return payload
+
+
+def probe_state_bytes(model: Any, caches: list, layers: list[int]) -> int:
+    """Bytes one snapshot of ``layers`` takes (see :func:`probe_state`)."""
+    return snapshot_bytes(probe_state(model, caches, layers))
 
 
 def can_snapshot(cache: Any) -> bool:
@@ -90,28 +97,32 @@ class SnapshotRecorder:
         seq_id: the sequence's manager id; caches: its layer caches; layers: the recurrent ones.
         prompt_len: tokens it was opened with; start: tokens restored from a hit (no snapshot needed there).
         block_size: tokens per block; interval: blocks between periodic snapshots of the prompt (0: none).
+        marks: prompt positions worth a snapshot too (chat message ends): taken at the last block boundary at
+            or before each.
     """
 
     def __init__(self, manager: Any, seq_id: int, caches: list, layers: list[int], *, prompt_len: int, start: int,
-                 block_size: int, interval: int):
+                 block_size: int, interval: int, marks: tuple = ()):
         self.manager, self.seq_id, self.caches, self.layers = manager, seq_id, caches, layers
         self.block_size, self.interval = block_size, interval
         self.prompt_end = (prompt_len - 1) // block_size * block_size  # the prompt's last boundary before its last token
         self.last = start  # deepest boundary stored or known to be stored
+        self.marks = sorted({p // block_size * block_size for p in marks} - {0})  # boundaries of marked positions
         self.pending: tuple[int, list] | None = None  # (boundary, payload): the last boundary passed, not stored
 
     def _wanted(self, n: int) -> bool:
-        return n == self.prompt_end or (self.interval > 0 and n <= self.prompt_end
-                                        and n % (self.interval * self.block_size) == 0)
+        return n == self.prompt_end or n in self.marks or (self.interval > 0 and n <= self.prompt_end
+                                                           and n % (self.interval * self.block_size) == 0)
 
     def next_stop(self, start: int) -> int | None:
         """The first position after ``start`` where a prefill chunk must end for a snapshot; None: none."""
         if start >= self.prompt_end:
             return None
+        stop = self.prompt_end
         if self.interval > 0:
             step = self.interval * self.block_size
-            return min(self.prompt_end, (start // step + 1) * step)
-        return self.prompt_end
+            stop = min(stop, (start // step + 1) * step)
+        return min([stop, *(m for m in self.marks if m > start)])
 
     def on_commit(self, num_committed: int, num_tokens: int) -> None:
         """After a commit: at a block boundary with every written token verified, the recurrent caches hold

@@ -17,15 +17,15 @@ them and a crash loses at most the last interval's blocks.
 
 Every layout is covered: full-attention groups restore every block of the hit, sliding-window and chunked
 groups only the blocks of their window at the hit's end (restore_plan.py), linked and anchored as the
-block manager's hit search checks them. Models with recurrent layers are refused by the paged backend when a
-tier is asked for: the tier holds no recurrent-state snapshots (kv/blocks/snapshots.py).
+block manager's hit search checks them. Models with recurrent layers also offload, write behind and restore
+their state snapshots (state_tier.py), so a hit found across the tier has a snapshot at its end.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +37,7 @@ from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
 from mlxkv.kv.tier.host_store import Key
 from mlxkv.kv.tier.restore_plan import plan_restore
 from mlxkv.kv.tier.secondary import SecondaryTier
+from mlxkv.kv.tier.state_tier import SnapshotTier
 from mlxkv.kv.tier.tenants import tenant_digest
 from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
 
@@ -69,6 +70,9 @@ class TierBridge:
         self._pending: dict[Key, bytes | None] = {}  # cached blocks not on disk yet -> their parent hash
         if self.active:
             self.pool.add_evict_hook(self._on_evict)
+        self.states: SnapshotTier | None = None  # models with recurrent layers: their snapshots travel too
+        if self.active and backend.manager.snapshots is not None:
+            self.states = SnapshotTier(self, backend.recurrent_layers, backend.snapshot_probe)
 
     def enable_write_behind(self, interval_s: float = DEFAULT_WRITE_INTERVAL_S,
                             max_queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
@@ -88,8 +92,8 @@ class TierBridge:
     # ---- evict → offload ---------------------------------------------------------------------------
     def _on_evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
-        if not isinstance(h, bytes):
-            return  # partial block, or a process-local hash ("builtin"): not addressable across evictions
+        if not isinstance(h, bytes) or block.group_id >= len(self.backend.specs):
+            return  # partial block, a snapshot's block (offloaded by SnapshotTier), or, or a process-local hash ("builtin"): not addressable across evictions
         layers = self._layers(block.group_id)
         if not all(self.storage.allocated(layer) for layer in layers):
             return
@@ -146,7 +150,14 @@ class TierBridge:
         room = self.writer.room()
         now = self.pool.clock()
         picked: list[tuple[KVCacheBlock, bytes | None, int]] = []
+        states: list[TierBlock] = []
         for key, parent_hash in list(self._pending.items()):
+            if key[0] >= len(self.backend.specs):  # a snapshot's blocks
+                del self._pending[key]
+                tb = None if self.states is None or self.tier.on_disk(key) else self.states.copy_out(key)
+                if tb is not None:
+                    states.append(tb)
+                continue
             found = self.pool.lookup(*key)
             block = found[0] if found else None
             layers = self._layers(key[0])
@@ -161,7 +172,7 @@ class TierBridge:
             picked.append((block, parent_hash, block.effective_priority(now)))
             del self._pending[key]
         queued = 0
-        for tb in self._copy_out(picked):
+        for tb in [*self._copy_out(picked), *states]:
             if self.writer.offer(tb, wait_s=1.0 if force else 0.0):
                 queued += 1
             else:  # the queue stayed full: try again at the next sweep
@@ -239,15 +250,28 @@ class TierBridge:
         if not self.active or first >= usable:
             return 0
         ctx = HashContext(salt, tuple(extra), tuple(spans))
+        if self.states is not None:  # recurrent layers: the hit also needs a snapshot (state_tier.py)
+            return self.states.restore(tokens, ctx, first, usable)
         hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
         length, wanted = plan_restore(self.backend.specs, bs, first, usable,
                                       lambda g, i: self.tier.contains((g, hashes[i])), self.pool.num_free_blocks)
         if not wanted:
             return 0
         held = [b for chain in hit.blocks for b in chain if not b.is_null]
+        if not self.restore_blocks(tokens, ctx, hashes, hit.blocks, held, wanted):
+            return 0
+        self.secondary_hit_blocks += length - first
+        return length - first
+
+    def restore_blocks(self, tokens: list[int], ctx: HashContext, hashes: list, hit_blocks: list, held: list,
+                       wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None) -> bool:
+        """Bring the ``wanted`` ``(index, group)`` tier blocks into the pool, linked to the primary hit's
+        ``hit_blocks`` (per group), with ``held`` kept from eviction meanwhile; then ``after()`` (the snapshot
+        restore), still under that protection. Whether every block (and ``after``) came back."""
+        bs = self.block_size
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
         placed: dict[tuple[int, int], KVCacheBlock] = {
-            (g, i): b for g, chain in enumerate(hit.blocks) for i, b in enumerate(chain) if not b.is_null}
+            (g, i): b for g, chain in enumerate(hit_blocks) for i, b in enumerate(chain) if not b.is_null}
         anchor_group = self._anchor_group if self._windowed else None
         restored: list[KVCacheBlock] = []
         writes: list[tuple[int, TierBlock]] = []
@@ -275,6 +299,8 @@ class TierBridge:
                 self.pool.set_retention(block, tb.priority, None, merge=False)
                 placed[(g, i)] = block
             self._write(writes)  # before any model step reads these pages
+            if complete and after is not None:
+                complete = after()
         except BaseException:
             for block in restored:  # their pages may not hold the content: never let them be hit
                 self.pool.uncache(block)
@@ -282,10 +308,7 @@ class TierBridge:
         finally:
             self.pool.free_blocks(list(reversed(restored)))  # tail first: the chain's end is evicted first
             self.pool.free_blocks(list(reversed(held)))
-        if not complete:
-            return 0
-        self.secondary_hit_blocks += length - first
-        return length - first
+        return complete
 
     def _write(self, writes: list[tuple[int, TierBlock]]) -> None:
         """Write restored blocks into their pages: one write per layer for all of them."""

@@ -81,7 +81,8 @@ class TierBlock:
     """One full KV block of one group, off the primary pool: K/V of every layer of the group plus identity.
 
     ``arrays`` holds keys then values per layer: ``[k_l0, v_l0, k_l1, v_l1, ...]``, each ``(block_size,
-    kv_heads, D)`` on the host; ``dtypes`` their mx dtype names.
+    kv_heads, D)`` on the host; ``dtypes`` their mx dtype names. A ``kind="state"`` record is a recurrent-state
+    snapshot instead (tier/state_tier.py).
     """
 
     block_hash: bytes  # chained hash (covers the parent chain and the salt)
@@ -97,6 +98,8 @@ class TierBlock:
     seal: Seal | None = None  # set (by decode_block) on a block read from disk: the key of its tags
     tokens_tag: str | None = None  # seal.tokens_tag of the token ids, on a block read from disk
     tenant: str | None = None  # tenants.tenant_digest (None: unknown); read from disk: seal.tenant_tag of it
+    kind: str = "kv"  # "state": a recurrent-state snapshot (tier/state_tier.py): one array per ``layers`` entry
+    span: int | None = None  # "state" only: the block size its key's blocks have (its arrays have no token rows)
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +107,8 @@ class TierBlock:
 
     @property
     def block_size(self) -> int:
+        if self.span is not None:
+            return self.span
         return int(self.arrays[0].shape[0]) if self.arrays else len(self.token_ids or ())
 
     def matches(self, token_ids: tuple[int, ...], digest: str) -> bool:
@@ -159,6 +164,8 @@ def encode_block(block: TierBlock, fingerprint: dict, seal: Seal, tenant_tag: st
         "block_hash": block.block_hash.hex(), "parent_hash": _hex(block.parent_hash), "tokens_tag": tokens_tag,
         "extra_tag": extra_tag, "tenant_tag": tenant, "priority": block.priority, "created": float(block.created),
     }
+    if block.kind != "kv":
+        header["kind"] = block.kind
     hb = json.dumps(header, separators=(",", ":")).encode()
     head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)) + hb
     head += seal.tag(_HEADER, head)
@@ -232,7 +239,8 @@ def decode_block(data: bytes, seal: Seal, fingerprint_digest: str, *, block_hash
         parent_hash=None if header.parent_hash is None else bytes.fromhex(header.parent_hash),
         group_id=header.group_id, layers=tuple(header.layers), token_ids=None, extra_digest=header.extra_tag,
         priority=header.priority, arrays=arrays, dtypes=dtypes, created=header.created, seal=seal,
-        tokens_tag=header.tokens_tag, tenant=header.tenant_tag,
+        tokens_tag=header.tokens_tag, tenant=header.tenant_tag, kind=header.kind,
+        span=header.block_size if header.kind == "state" else None,
     )
     if block_hash is not None and block.block_hash != block_hash:
         raise FormatError("block hash differs from the requested one")

@@ -72,16 +72,22 @@ class TierHeader(BaseModel):
     tenant_tag: Annotated[str, Field(pattern=HEX_TAG)]  # seal.Seal.tenant_tag (per-tenant quota)
     priority: Annotated[int, Field(ge=0, le=100)]
     created: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    # "kv": keys then values per layer, ``block_size`` rows each; "state": a recurrent-state snapshot after
+    # the block ``block_hash``, one array per entry of ``layers`` (its layer), shaped as the model's caches hold it
+    kind: Literal["kv", "state"] = "kv"
 
     def consistency_error(self) -> str | None:
         """Why the array specs disagree with each other or the header (None: they agree)."""
-        if len(self.arrays) != 2 * len(self.layers):
+        state = self.kind == "state"
+        if state and len(self.arrays) != len(self.layers):
+            return f"{len(self.arrays)} state arrays for {len(self.layers)} layer entries (expected one each)"
+        if not state and len(self.arrays) != 2 * len(self.layers):
             return f"{len(self.arrays)} arrays for {len(self.layers)} layers (expected keys and values per layer)"
         offset = 0
         for i, spec in enumerate(self.arrays):
             if spec.offset != offset:
                 return f"array {i} at offset {spec.offset}, expected {offset}"
-            if spec.shape[0] != self.block_size:
+            if not state and spec.shape[0] != self.block_size:
                 return f"array {i} has {spec.shape[0]} rows, block_size is {self.block_size}"
             if spec.nbytes != math.prod(spec.shape) * ITEMSIZE[spec.dtype]:
                 return f"array {i}: {spec.nbytes} bytes do not match shape {spec.shape} of {spec.dtype}"
