@@ -13,16 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mlxkv.chat.turns import common_prefix
+
 #: Message ends looked for at most: the first ones (a system prompt) and the last ones (the latest turns).
 MAX_MARKS = 16
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def message_ends(tokenizer: Any, messages: list[dict[str, Any]], prompt: Sequence[int],
@@ -48,7 +42,7 @@ def message_ends(tokenizer: Any, messages: list[dict[str, Any]], prompt: Sequenc
                                                  **template_kwargs)
         except Exception:  # noqa: BLE001, S112 - templates raise anything on a partial conversation
             continue
-        n = _common_prefix(list(tokenizer.encode(text, add_special_tokens=False)), prompt)
+        n = common_prefix(list(tokenizer.encode(text, add_special_tokens=False)), prompt)
         if 0 < n < len(prompt):
             ends.add(n)
     return tuple(sorted(ends))
