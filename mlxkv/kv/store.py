@@ -299,7 +299,6 @@ class CachePool:
         stats = {
             "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
                           "evictable": p.evictable, "block_size": manager.block_size,
-                          "bytes_per_block": self.paged.bytes_per_block,
                           "capacity_tokens": self.max_sequence_tokens(),
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()}},
             "evictions": p.evictions,
