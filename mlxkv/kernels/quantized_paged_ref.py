@@ -102,23 +102,15 @@ class ReferenceQuantizedPagedAttention:
         return REFERENCE.merge(o_part, lse, sinks, dtype)
 
 
-def check_quantized_tables(
-    queries: mx.array,
-    k_planes: Planes,
-    v_planes: Planes,
-    block_tables: mx.array,
-    context_lens: mx.array,
-    window: int | None,
-    chunk_size: int | None,
-    sinks: mx.array | None,
-) -> tuple[int, int, int, int, int, int]:
-    """The table / option checks of unquantized pages on planes that passed :func:`check_quantized_inputs`; returns
-    :func:`~mlxkv.kernels.geometry.check_paged_inputs`'s tuple (its D: the scales' width)."""
+def check_quantized_tables(queries: mx.array, k_planes: Planes, v_planes: Planes, *rest) -> tuple[int, ...]:
+    """:func:`~mlxkv.kernels.geometry.check_paged_inputs` (the table / option checks of unquantized pages; ``rest``:
+    its arguments after the pages) on planes that passed :func:`check_quantized_inputs`; returns its tuple (its D:
+    the scales' width)."""
     scales = k_planes[1]
     # The checks run on the scales (last axis D / group_size): a lazy query-shaped array of that width stands
     # in for the queries (never evaluated).
     shape_q = mx.zeros((queries.shape[0], queries.shape[1], 1, scales.shape[-1]))  # (B, H, 1, D / gs)
-    return check_paged_inputs(shape_q, scales, v_planes[1], block_tables, context_lens, window, chunk_size, sinks)
+    return check_paged_inputs(shape_q, scales, v_planes[1], *rest)
 
 
 def run_quantized_paged_attention(
