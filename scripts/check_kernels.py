@@ -5,9 +5,10 @@ dense attention (anywhere else). Exit status 0 only if everything matches.
     PYTHONPATH=. python scripts/check_kernels.py --static [FILE.metal ...]
 
 --static (any machine with g++): compile kernel bodies against tests/metal_shim/metal_shim.h in the
-signature of every variant the factories emit; a FILE named like a shipped kernel
-(paged_attention.metal, paged_merge.metal, paged_attention_quantized.metal) is checked with that kernel's
-signatures; default: the shipped bodies.
+signature of every variant the factories emit; a FILE named like a shipped source is checked with the
+signatures of every kernel built from it: paged_attention.metal (the decode body, with each K/V row read),
+paged_attention_dense.metal / paged_attention_quantized.metal (a K/V row read, in the shipped decode body),
+paged_merge.metal; default: the shipped sources.
 
 On Metal: a markdown report to paste into an issue. One row per attention variant the factories
 emit (mlxkv.kernels.variants; --quick: one per emulator class): compile ok, max error vs the
@@ -105,6 +106,18 @@ def dense_sdpa_ms(case, batch: int, ctx: int, scale: float) -> float:
     return timed_ms(partial(mx.fast.scaled_dot_product_attention, case.queries, k, v, scale=scale))
 
 
+def max_errors(run, impl, reference, args, dtype: mx.Dtype, options) -> tuple[list[float], bool]:
+    """Max error of ``run(impl, *args, **kw)`` against ``run(reference, ...)`` per ``kw`` in ``options``, and
+    whether every one is within the dtype's tolerance (an exception from ``impl`` propagates)."""
+    errs, good = [], True
+    for kw in options:
+        want = run(reference, *args, **kw)
+        got = run(impl, *args, **kw)
+        good &= close(got, want, dtype)
+        errs.append(max_abs_error(got, want))
+    return errs, good
+
+
 def report_rows(chosen, factory, ctx: int):
     """One markdown row per attention variant: compile, max error vs the reference, speeds. Yields (row, ok)."""
     for v in chosen:
@@ -118,14 +131,10 @@ def report_rows(chosen, factory, ctx: int):
             continue
         case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
                                  context_lens=_lens(batch, ctx, bs), sinks=True, seed=batch + G)
-        errs, good = [], True
         try:
-            for kw in ({"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3},
-                       {"window": ctx // 3, "num_splits": 2}, {"chunk_size": ctx // 4 + 3}):
-                want = run_paged_attention(REFERENCE, *case.args(), **kw)
-                got = run_paged_attention(impl, *case.args(), **kw)
-                good &= close(got, want, dtype)
-                errs.append(max_abs_error(got, want))
+            errs, good = max_errors(run_paged_attention, impl, REFERENCE, case.args(), dtype, (
+                {"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3},
+                {"window": ctx // 3, "num_splits": 2}, {"chunk_size": ctx // 4 + 3}))
         except Exception as exc:  # a compile or launch failure is a result to report
             yield f"| {label} | FAILED: {type(exc).__name__}: {str(exc)[:80]} | | | | | |", False
             continue
@@ -160,13 +169,9 @@ def quantized_report_rows(chosen, factory, ctx: int):
         case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
                                  context_lens=_lens(batch, ctx, bs), sinks=True, seed=batch + G)
         args, q = quantize_case(case, bits, gs), dict(bits=bits, group_size=gs)
-        errs, good = [], True
         try:
-            for kw in ({"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3}, {"window": ctx // 3}):
-                want = run_quantized_paged_attention(reference, *args, **q, **kw)
-                got = run_quantized_paged_attention(impl, *args, **q, **kw)
-                good &= close(got, want, dtype)
-                errs.append(max_abs_error(got, want))
+            errs, good = max_errors(partial(run_quantized_paged_attention, **q), impl, reference, args, dtype, (
+                {"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3}, {"window": ctx // 3}))
         except Exception as exc:  # a compile or launch failure is a result to report
             yield f"| {label} | FAILED: {type(exc).__name__}: {str(exc)[:80]} |  | | |", False
             continue
@@ -254,16 +259,16 @@ def check_static(files: list[str]) -> bool:
     bodies = {}
     for name in files:
         path = Path(name)
-        spec = static_check.spec_for_file(path)
-        if spec is None:
-            known = ", ".join(s.source_file for s in static_check.ALL_SPECS)
-            print(f"{path}: not named like a shipped kernel ({known})")
+        found = static_check.bodies_for_file(path)
+        if not found:
+            print(f"{path}: not named like a shipped kernel source ({', '.join(static_check.shipped_names())})")
             return False
-        bodies[spec] = path.read_text(encoding="utf-8")
+        bodies.update(found)
     ok = True
     for report in static_check.check_all(bodies or None):
         ok &= report.ok
-        print(f"static {report.spec.source_file}: {report.variants} variants "
+        print(f"static {report.spec.name} ({report.spec.source_file}"
+              f"{' + ' + report.spec.kv_read_file if report.spec.kv_read_file else ''}): {report.variants} variants "
               f"{'ok' if report.ok else 'FAILED'}")
         for problem in report.problems:
             print(f"  {problem}")

@@ -36,7 +36,7 @@ def few_variants(every_variant) -> list[variants.Variant]:
     return list(chosen.values())
 
 
-@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.source_file)
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
 def test_every_variant_of_every_kernel_passes(spec: KernelSpec, every_variant):
     report = check_spec(spec, variants=every_variant)
     assert report.ok, report.problems
@@ -158,7 +158,7 @@ def test_call_graph_cycle_detection():
     assert call_graph_cycles(ci + 'edge: { sourcename: "b" targetname: "b" label: "" }\n') == ["lambda"]
 
 
-@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.source_file)
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
 def test_planted_typo_fails_in_every_kernel(spec: KernelSpec, few_variants):
     body = spec.source()
     assert "const int " in body

@@ -16,8 +16,8 @@ buffer, so it would rewrite the whole pool, while the scatter is O(rows) when th
 (see :mod:`mlxkv.kernels.kv_write_ref`).
 
 Quantized KV pages (``--kv-bits``, :mod:`mlxkv.kv.paged.quantized_pages`) go through
-:meth:`KernelDispatch.quantized_paged_attention`: a Metal variant (``paged_attention_quantized.metal``) reads the
-packed planes and dequantizes in-kernel, chosen and self-checked exactly as above per
+:meth:`KernelDispatch.quantized_paged_attention`: a Metal variant (the decode body with the row read of
+``paged_attention_quantized.metal``) reads the packed planes and dequantizes in-kernel, chosen and self-checked exactly as above per
 :class:`QuantizedAttentionClass` (the shape class plus bits and group size) against
 :mod:`mlxkv.kernels.quantized_paged_ref`. The paged layer caches and batch views call it only where the kernel may
 run (``metal`` mode, or ``auto`` on a Metal device); elsewhere they attend the planes on the pure-MLX path with
@@ -238,14 +238,10 @@ class KernelDispatch:
         *,
         bits: int,
         group_size: int,
-        scale: float | None = None,
-        window: int | None = None,
-        chunk_size: int | None = None,
-        sinks: mx.array | None = None,
-        num_splits: int | None = None,
-        max_context_len: int | None = None,
+        **options,
     ) -> mx.array:
-        """Paged decode attention over quantized pages (arguments as
+        """Paged decode attention over quantized pages (arguments, and the keyword ``options`` scale, window,
+        chunk_size, sinks, num_splits and max_context_len, as
         :func:`~mlxkv.kernels.quantized_paged_ref.quantized_paged_attention_reference`).
 
         Raises ``ValueError`` for planes that do not follow the layout, a table entry outside the pool or a
@@ -257,13 +253,12 @@ class KernelDispatch:
         if queries.dtype != dtype or queries.shape[1] % KVH:
             impl = ReferenceQuantizedPagedAttention(bits, group_size)
         else:
-            cls = AttentionClass(dtype, D, bs, KVH, queries.shape[1] // KVH, window, chunk_size, sinks is not None)
+            cls = AttentionClass(dtype, D, bs, KVH, queries.shape[1] // KVH, options.get("window"),
+                                 options.get("chunk_size"), options.get("sinks") is not None)
             impl = self.quantized_attention_impl(QuantizedAttentionClass(cls, bits, group_size))
         return run_quantized_paged_attention(
             impl, queries, k_planes, v_planes, block_tables, context_lens, bits=bits, group_size=group_size,
-            scale=scale, window=window, chunk_size=chunk_size, sinks=sinks, num_splits=num_splits,
-            max_context_len=max_context_len,
-        )
+            **options)
 
     def _check_tables(self, block_tables: mx.array, context_lens: mx.array, num_blocks: int, bs: int) -> None:
         """Refuse inconsistent tables before any launch, once per distinct pair of arrays (one sync a step)."""

@@ -124,6 +124,18 @@ class MetalPagedAttention:
         self.kv_heads, self.gqa = kv_heads, gqa
         self.max_gqa = max_gqa(head_dim)  # cascade splits groups to fit
 
+    def kernel_spec(self) -> KernelSpec:
+        """The partials kernel (looked up per call, so tests can swap the module's spec)."""
+        return PAGED_ATTENTION
+
+    def kv_inputs(self, k_pages: mx.array, v_pages: mx.array) -> dict[str, mx.array]:
+        """The kernel's K/V inputs by name: the pages as they are."""
+        return dict(k_pages=k_pages, v_pages=v_pages)
+
+    def kv_template(self) -> dict[str, object]:
+        """Template values of the K/V row read beyond the shape class (none for dense pages)."""
+        return {}
+
     def partials_call(
         self,
         queries: mx.array,
@@ -137,20 +149,23 @@ class MetalPagedAttention:
         window: int | None,
         chunk_size: int | None,
     ) -> KernelCall:
-        """The launch of the attention kernel (built without running it)."""
+        """The launch of the attention kernel (built without running it); ``k_pages`` / ``v_pages`` are
+        whatever :meth:`kv_inputs` takes."""
         B, H, _, D = queries.shape
         S = plan.num_splits
-        params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1], k_pages.shape[1]]
+        kv = self.kv_inputs(k_pages, v_pages)
+        num_blocks = next(iter(kv.values())).shape[1]  # every K/V input is page-shaped (KVH, num_blocks, ...)
+        params = [window or 0, chunk_size or 0, plan.pages_per_split, S, block_tables.shape[1], num_blocks]
         G = H // self.kv_heads
         ht = heads_per_threadgroup(G, D)
         threads = 32 * simdgroups_for(ht, D)
         return KernelCall(
-            spec=PAGED_ATTENTION,
-            inputs=dict(queries=queries, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables,
+            spec=self.kernel_spec(),
+            inputs=dict(queries=queries, **kv, block_tables=block_tables,
                         context_lens=context_lens, params=mx.array(params, dtype=mx.int32),
                         scale=mx.array(scale, dtype=mx.float32)),
             template=dict(T=self.dtype, D=D, BS=self.block_size, KVH=self.kv_heads,
-                          G=G, HT=ht, LPK=lanes_per_key(D), NSG=threads // 32),
+                          G=G, HT=ht, LPK=lanes_per_key(D), NSG=threads // 32, **self.kv_template()),
             grid=(threads, self.kv_heads * (G // ht), B * S),
             threadgroup=(threads, 1, 1),
             output_shapes=dict(o_part=(B, H, S, D), lse=(B, H, S)),

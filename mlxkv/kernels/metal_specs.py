@@ -1,6 +1,7 @@
 """What each Metal kernel looks like to ``mx.fast.metal_kernel``: names, sources, signatures.
 
-One :class:`KernelSpec` per body-only source in ``metal_kernels/``. The factories in
+One :class:`KernelSpec` per kernel over the body-only sources in ``metal_kernels/``; the two decode kernels
+share one body and differ in their K/V row read (:func:`with_kv_read`, so they cannot drift apart). The factories in
 :mod:`mlxkv.kernels.metal` build kernels from these specs, and :func:`render_kernel` writes the
 full source MLX would compile (generated signature + body), which the C++ syntax test feeds to
 ``g++ -fsyntax-only`` through a shim header because no Metal compiler exists off macOS.
@@ -60,10 +61,28 @@ class KernelSpec:
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     template_params: tuple[tuple[str, str], ...]  # (name, "typename" | "int" | "bool"), in order
+    # In metal_kernels/: the K/V row read that replaces the body's KV_ROW_READ line (kernels sharing one body).
+    kv_read_file: str | None = None
 
     def source(self) -> str:
-        """The body text."""
-        return read_source(self.source_file)
+        """The body text (with this kernel's K/V row read in place)."""
+        body = read_source(self.source_file)
+        return body if self.kv_read_file is None else with_kv_read(body, read_source(self.kv_read_file))
+
+
+# The line of a shared body that stands for the K/V row read (see paged_attention.metal).
+KV_ROW_READ = "MLXKV_KV_ROW_READ"
+
+
+def with_kv_read(body: str, kv_read: str) -> str:
+    """``body`` with its one ``KV_ROW_READ`` line replaced by ``kv_read``, indented as that line."""
+    lines = body.splitlines(keepends=True)
+    at = [n for n, line in enumerate(lines) if line.strip() == KV_ROW_READ]
+    assert len(at) == 1, f"a shared body needs exactly one {KV_ROW_READ} line, found {len(at)}"
+    line = lines[at[0]]
+    indent = line[: len(line) - len(line.lstrip())]
+    read = "".join(indent + r if r.strip() else r for r in kv_read.splitlines(keepends=True))
+    return "".join(lines[: at[0]]) + read + "".join(lines[at[0] + 1:])
 
 
 PAGED_ATTENTION = KernelSpec(
@@ -73,6 +92,7 @@ PAGED_ATTENTION = KernelSpec(
     output_names=("o_part", "lse"),
     template_params=(("T", "typename"), ("D", "int"), ("BS", "int"), ("KVH", "int"), ("G", "int"),
                      ("HT", "int"), ("LPK", "int"), ("NSG", "int")),
+    kv_read_file="paged_attention_dense.metal",
 )
 PAGED_MERGE = KernelSpec(
     name="mlxkv_paged_merge",
@@ -83,12 +103,12 @@ PAGED_MERGE = KernelSpec(
 )
 PAGED_ATTENTION_QUANTIZED = KernelSpec(
     name="mlxkv_paged_attention_quantized",
-    source_file="paged_attention_quantized.metal",
+    source_file="paged_attention.metal",  # the decode body above, with the quantized row read
     input_names=("queries", "k_packed", "k_scales", "k_biases", "v_packed", "v_scales", "v_biases",
                  "block_tables", "context_lens", "params", "scale"),
     output_names=("o_part", "lse"),
-    template_params=(("T", "typename"), ("D", "int"), ("BS", "int"), ("KVH", "int"), ("G", "int"),
-                     ("HT", "int"), ("LPK", "int"), ("NSG", "int"), ("BITS", "int"), ("GS", "int")),
+    template_params=(*PAGED_ATTENTION.template_params, ("BITS", "int"), ("GS", "int")),
+    kv_read_file="paged_attention_quantized.metal",
 )
 ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, PAGED_ATTENTION_QUANTIZED)
 

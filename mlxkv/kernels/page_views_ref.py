@@ -70,14 +70,9 @@ def shared_prefix_attention(
     KVH, _, bs, _ = k_pages.shape
     G = H // KVH
     q = queries.reshape(B, KVH, G, D).transpose(1, 0, 2, 3).astype(mx.float32) * (scale * LOG2E)  # (KVH, B, G, D)
-    shift = [0] * B
-    for group in groups:
-        for r in group.rows:
-            shift[r] = group.shared_pages
-
-    # Own pages: row b's pages from shift[b] on, gathered (the reference's whole-run gather).
-    n = max(-(-L // bs) - s for L, s in zip(host_lens, shift, strict=True))
-    page = mx.array(shift, dtype=mx.int32)[:, None] + mx.arange(n, dtype=mx.int32)  # (B, n)
+    # Own pages: gathered (the reference's whole-run gather).
+    page = own_pages(host_lens, groups, bs)  # (B, n)
+    n = page.shape[1]
     k, v = gather_head_major(k_pages, v_pages, block_tables, page)  # (KVH, B, n * bs, D) each
     pos = (page[..., None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(B, n * bs)  # (B, n * bs)
     valid = pos < mx.array(host_lens, dtype=mx.int32)[:, None]  # (B, n * bs); >= 1 true per row
@@ -130,6 +125,17 @@ def _merge(m1, l1, o1, m2, l2, o2) -> tuple[mx.array, mx.array, mx.array]:
     m = mx.maximum(m1, m2)
     a1, a2 = _exp2(m1 - m), _exp2(m2 - m)
     return m, l1 * a1 + l2 * a2, o1 * a1 + o2 * a2
+
+
+def own_pages(host_lens: list[int], groups: list[PrefixGroup], block_size: int) -> mx.array:
+    """Table positions of each row's own pages ``(B, n)``: from the end of its group's shared pages on (from 0 for
+    a row in no group), as many as the longest row needs."""
+    shift = [0] * len(host_lens)
+    for group in groups:
+        for r in group.rows:
+            shift[r] = group.shared_pages
+    n = max(-(-L // block_size) - s for L, s in zip(host_lens, shift, strict=True))
+    return mx.array(shift, dtype=mx.int32)[:, None] + mx.arange(n, dtype=mx.int32)  # (B, n)
 
 
 def _spread(x: mx.array, idx: mx.array, shape: tuple[int, ...], fill: float) -> mx.array:

@@ -209,14 +209,17 @@ def run_paged_attention(
     sinks: mx.array | None = None,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    check_inputs=check_paged_inputs,
 ) -> mx.array:
     """Validate, plan the splits, and run ``impl.partials`` then ``impl.merge``.
 
     ``impl`` is any object with the ``partials``/``merge`` interface of
-    :class:`ReferencePagedAttention` (the Metal kernel pair has it too).
+    :class:`ReferencePagedAttention` (the Metal kernel pair has it too). ``check_inputs`` (arguments and
+    result as :func:`~mlxkv.kernels.geometry.check_paged_inputs`) validates the pages in another layout
+    (quantized planes).
     """
-    check_paged_inputs(queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks)
-    D, bs = queries.shape[-1], k_pages.shape[2]
+    bs = check_inputs(queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks)[3]
+    D = queries.shape[-1]
     if num_splits is None and env.flags().paged_decode_splits is None:
         num_splits = getattr(impl, "default_num_splits", None)  # None: split by context length
     plan = plan_splits(

@@ -1,4 +1,5 @@
-"""Pure-MLX paged decode attention over *quantized* pages: the twin of ``metal_kernels/paged_attention_quantized.metal``.
+"""Pure-MLX paged decode attention over *quantized* pages: the twin of the quantized decode kernel
+(``metal_kernels/paged_attention.metal`` with the row read of ``paged_attention_quantized.metal``).
 
 The pages are MLX's affine quantization planes (:mod:`mlxkv.kv.paged.quantized_pages`), each page-shaped
 ``(kv_heads, num_blocks, block_size, width)``: packed ``uint32`` words (``32 / bits`` values per word, the lowest bits
@@ -18,16 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxkv import env
-
-from .geometry import (
-    SplitPlan,
-    check_paged_inputs,
-    default_scale,
-    host_max_context_len,
-    plan_splits,
-)
-from .paged_attention_ref import REFERENCE
+from .geometry import check_paged_inputs
+from .paged_attention_ref import REFERENCE, run_paged_attention
 
 Planes = tuple  # (packed uint32, scales, biases), each (kv_heads, num_blocks, block_size, width)
 
@@ -96,27 +89,28 @@ class ReferenceQuantizedPagedAttention:
         self.bits, self.group_size = bits, group_size
 
     def partials(
-        self,
-        queries: mx.array,
-        k_planes: Planes,
-        v_planes: Planes,
-        block_tables: mx.array,
-        context_lens: mx.array,
-        plan: SplitPlan,
-        *,
-        scale: float,
-        window: int | None,
-        chunk_size: int | None,
+        self, queries: mx.array, k_planes: Planes, v_planes: Planes, block_tables: mx.array, *args, **kwargs
     ) -> tuple[mx.array, mx.array]:
-        """Split partials ``(B, H, S, D)`` and ``(B, H, S)`` float32, as ``ReferencePagedAttention.partials``."""
+        """Split partials ``(B, H, S, D)`` and ``(B, H, S)`` float32: the table pages dequantized, then
+        ``ReferencePagedAttention.partials`` (the remaining arguments as there)."""
         k, v, tables = dequantize_table_pages(k_planes, v_planes, block_tables, bits=self.bits,
                                               group_size=self.group_size)
-        return REFERENCE.partials(queries, k, v, tables, context_lens, plan, scale=scale, window=window,
-                                  chunk_size=chunk_size)
+        return REFERENCE.partials(queries, k, v, tables, *args, **kwargs)
 
     def merge(self, o_part: mx.array, lse: mx.array, sinks: mx.array | None, dtype: mx.Dtype) -> mx.array:
         """Log-sum-exp merge into ``(B, H, 1, D)`` of ``dtype``."""
         return REFERENCE.merge(o_part, lse, sinks, dtype)
+
+
+def check_quantized_tables(queries: mx.array, k_planes: Planes, v_planes: Planes, *rest) -> tuple[int, ...]:
+    """:func:`~mlxkv.kernels.geometry.check_paged_inputs` (the table / option checks of unquantized pages; ``rest``:
+    its arguments after the pages) on planes that passed :func:`check_quantized_inputs`; returns its tuple (its D:
+    the scales' width)."""
+    scales = k_planes[1]
+    # The checks run on the scales (last axis D / group_size): a lazy query-shaped array of that width stands
+    # in for the queries (never evaluated).
+    shape_q = mx.zeros((queries.shape[0], queries.shape[1], 1, scales.shape[-1]))  # (B, H, 1, D / gs)
+    return check_paged_inputs(shape_q, scales, v_planes[1], *rest)
 
 
 def run_quantized_paged_attention(
@@ -129,30 +123,13 @@ def run_quantized_paged_attention(
     *,
     bits: int,
     group_size: int,
-    scale: float | None = None,
-    window: int | None = None,
-    chunk_size: int | None = None,
-    sinks: mx.array | None = None,
-    num_splits: int | None = None,
-    max_context_len: int | None = None,
+    **options,
 ) -> mx.array:
-    """Validate, plan the splits and run ``impl.partials`` then ``impl.merge`` (arguments as
-    :func:`quantized_paged_attention_reference`)."""
-    D = check_quantized_inputs(queries, k_planes, v_planes, bits=bits, group_size=group_size)
-    scales = k_planes[1]
-    # The table / option checks of unquantized pages, on the scales (last axis D / group_size): a lazy
-    # query-shaped array of that width stands in for the queries (never evaluated).
-    shape_q = mx.zeros((queries.shape[0], queries.shape[1], 1, scales.shape[-1]))  # (B, H, 1, D / gs)
-    check_paged_inputs(shape_q, scales, v_planes[1], block_tables, context_lens, window, chunk_size, sinks)
-    bs = scales.shape[2]
-    if num_splits is None and env.flags().paged_decode_splits is None:
-        num_splits = getattr(impl, "default_num_splits", None)
-    plan = plan_splits(host_max_context_len(context_lens, max_context_len), bs, window=window,
-                       chunk_size=chunk_size, num_splits=num_splits, max_blocks_per_seq=block_tables.shape[1])
-    scale = default_scale(D) if scale is None else float(scale)
-    o_part, lse = impl.partials(queries, k_planes, v_planes, block_tables, context_lens, plan,
-                                scale=scale, window=window, chunk_size=chunk_size)
-    return impl.merge(o_part, lse, sinks, queries.dtype)
+    """Validate the planes, then :func:`~mlxkv.kernels.paged_attention_ref.run_paged_attention` (the split plan,
+    ``impl.partials`` and ``impl.merge``; ``options`` as there)."""
+    check_quantized_inputs(queries, k_planes, v_planes, bits=bits, group_size=group_size)
+    return run_paged_attention(impl, queries, k_planes, v_planes, block_tables, context_lens,
+                               check_inputs=check_quantized_tables, **options)
 
 
 def quantized_paged_attention_reference(

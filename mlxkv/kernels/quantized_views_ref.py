@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .cascade import PrefixGroup
 from .geometry import page_runs
-from .page_views_ref import LOG2E, MAX_SHARED_RUNS, _exp2, _merge, _row_sums
+from .page_views_ref import LOG2E, MAX_SHARED_RUNS, _exp2, _merge, _row_sums, own_pages
 
 Planes = tuple  # (packed, scales, biases)
 
@@ -60,14 +60,9 @@ def quantized_shared_prefix_attention(
     def qmm(x: mx.array, planes: Planes, transpose: bool) -> mx.array:
         return mx.quantized_matmul(x, *planes, transpose=transpose, group_size=group_size, bits=bits)
 
-    shift = [0] * B
-    for group in groups:
-        for r in group.rows:
-            shift[r] = group.shared_pages
-
-    # Own pages: row b's pages from shift[b] on, their planes gathered.
-    n = max(-(-L // bs) - s for L, s in zip(host_lens, shift, strict=True))
-    page = mx.array(shift, dtype=mx.int32)[:, None] + mx.arange(n, dtype=mx.int32)  # (B, n)
+    # Own pages: their planes gathered.
+    page = own_pages(host_lens, groups, bs)  # (B, n)
+    n = page.shape[1]
     ids = mx.take_along_axis(block_tables, mx.minimum(page, block_tables.shape[1] - 1), axis=1)  # (B, n)
     k_own, v_own = (tuple(_gather_pages(p, ids, bs) for p in planes) for planes in (k_rows, v_rows))
     pos = (page[..., None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(B, 1, 1, n * bs)  # (B, 1, 1, n * bs)

@@ -110,15 +110,27 @@ def check_attention_impl(
     memory below 8 elements and in device memory from 8, so the kernel is compiled twice), each
     with 1 and 2 splits. Exceptions from ``impl`` count as a mismatch (err = inf).
     """
+    return _compare(impl, REFERENCE, run_paged_attention, PagedCase.args, dtype=dtype, head_dim=head_dim,
+                    block_size=block_size, kv_heads=kv_heads, gqa=gqa, window=window, chunk_size=chunk_size,
+                    sinks=sinks, seed=seed)
+
+
+def _compare(impl, reference, run, case_args, *, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int,
+             gqa: int, window: int | None = None, chunk_size: int | None = None, sinks: bool = False, seed: int = 0,
+             **fixed) -> tuple[bool, float]:
+    """``run(impl, *case_args(case), **kw)`` against ``run(reference, ...)`` over the self-check's two batches,
+    each with 1 and 2 splits (``fixed``: keywords every call takes); ``(ok, max err)``, an exception from ``impl``
+    counting as a mismatch (err = inf)."""
     ok, worst = True, 0.0
     for n, batch in enumerate(self_check_batches(block_size, window, chunk_size)):
         case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
                                  gqa=gqa, context_lens=batch, sinks=sinks, seed=seed + n)
+        args = case_args(case)
         for splits in (1, 2):
-            kw = dict(window=window, chunk_size=chunk_size, sinks=case.sinks, num_splits=splits)
-            want = run_paged_attention(REFERENCE, *case.args(), **kw)
+            kw = dict(**fixed, window=window, chunk_size=chunk_size, sinks=case.sinks, num_splits=splits)
+            want = run(reference, *args, **kw)
             try:
-                got = run_paged_attention(impl, *case.args(), **kw)
+                got = run(impl, *args, **kw)
                 mx.eval(got)
             except Exception:  # a kernel that fails to compile or run is a failed self-check
                 return False, float("inf")
@@ -134,39 +146,9 @@ def quantize_case(case: PagedCase, bits: int, group_size: int) -> tuple[mx.array
     return case.queries, k, v, case.block_tables, case.context_lens
 
 
-def check_quantized_attention_impl(
-    impl,
-    *,
-    dtype: mx.Dtype,
-    head_dim: int,
-    block_size: int,
-    kv_heads: int,
-    gqa: int,
-    bits: int,
-    group_size: int,
-    window: int | None = None,
-    chunk_size: int | None = None,
-    sinks: bool = False,
-    seed: int = 0,
-) -> tuple[bool, float]:
-    """:func:`check_attention_impl` for a quantized-pages implementation: the same two batches (constant and
-    device ``context_lens``) and split counts, the pages quantized, against
+def check_quantized_attention_impl(impl, *, bits: int, group_size: int, **shape) -> tuple[bool, float]:
+    """:func:`check_attention_impl` for a quantized-pages implementation (``shape``: its keywords): the same two
+    batches (constant and device ``context_lens``) and split counts, the pages quantized, against
     :class:`~mlxkv.kernels.quantized_paged_ref.ReferenceQuantizedPagedAttention`; ``(ok, max err)``."""
-    reference = ReferenceQuantizedPagedAttention(bits, group_size)
-    ok, worst = True, 0.0
-    for n, batch in enumerate(self_check_batches(block_size, window, chunk_size)):
-        case = random_paged_case(dtype=dtype, head_dim=head_dim, block_size=block_size, kv_heads=kv_heads,
-                                 gqa=gqa, context_lens=batch, sinks=sinks, seed=seed + n)
-        args = quantize_case(case, bits, group_size)
-        for splits in (1, 2):
-            kw = dict(bits=bits, group_size=group_size, window=window, chunk_size=chunk_size, sinks=case.sinks,
-                      num_splits=splits)
-            want = run_quantized_paged_attention(reference, *args, **kw)
-            try:
-                got = run_quantized_paged_attention(impl, *args, **kw)
-                mx.eval(got)
-            except Exception:  # a kernel that fails to compile or run is a failed self-check
-                return False, float("inf")
-            ok = ok and close(got, want, dtype)
-            worst = max(worst, max_abs_error(got, want))
-    return ok, worst
+    return _compare(impl, ReferenceQuantizedPagedAttention(bits, group_size), run_quantized_paged_attention,
+                    lambda case: quantize_case(case, bits, group_size), bits=bits, group_size=group_size, **shape)

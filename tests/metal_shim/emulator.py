@@ -167,8 +167,8 @@ class Emulator:
                 for n in call.spec.output_names]
 
 
-class EmulatedAttention(MetalPagedAttention):
-    """The Metal pair with launches going to the CPU emulator instead of mx.fast.metal_kernel."""
+class EmulatedLaunches:
+    """Mixin for a Metal pair: its launches go to the CPU emulator instead of mx.fast.metal_kernel."""
 
     def __init__(self, emulator, *args):
         super().__init__(*args)
@@ -183,17 +183,9 @@ class EmulatedAttention(MetalPagedAttention):
         return out
 
 
-class EmulatedQuantizedAttention(MetalQuantizedPagedAttention):
-    """The quantized Metal pair with launches going to the CPU emulator."""
+class EmulatedAttention(EmulatedLaunches, MetalPagedAttention):
+    """The Metal pair, emulated: ``EmulatedAttention(emulator, dtype, head_dim, block_size, kv_heads, gqa)``."""
 
-    def __init__(self, emulator, *args):
-        super().__init__(*args)
-        self.emulator = emulator
 
-    def partials(self, *args, **kwargs):
-        o_part, lse = self.emulator.launch(self.partials_call(*args, **kwargs))
-        return o_part, lse
-
-    def merge(self, *args):
-        (out,) = self.emulator.launch(self.merge_call(*args))
-        return out
+class EmulatedQuantizedAttention(EmulatedLaunches, MetalQuantizedPagedAttention):
+    """The quantized Metal pair, emulated (the factory's arguments after ``emulator``)."""
