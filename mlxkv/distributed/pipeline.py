@@ -111,6 +111,9 @@ def pipeline_model(model: Any, group: Any) -> range:
         layers[-1] = PipelineStage(last, group, receive=False, finish=True)
     inner.layers = layers
     _slice_layer_indices(inner, mine)
+    # read by mlxkv's prefill: a forward whose caches alone are evaluated would skip this rank's send (and the
+    # next rank would wait for it), so every forward's output is evaluated
+    model.eval_outputs = True
     mx.eval(model.parameters())
     return mine
 
