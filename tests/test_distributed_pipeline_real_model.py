@@ -56,6 +56,6 @@ def test_two_pipeline_ranks_answer_exactly_like_one_process():
             dist = json.load(r)["distributed"]
     finally:
         launch.stop()
-    assert all(len(a) == MAX_TOKENS for a in single)
-    assert launched == single
+    assert all(len(a) >= 2 for a in single), single  # real answers (one may end before MAX_TOKENS)
+    assert launched == single, (launched, single)
     assert dist["mode"] == "pipeline" and dist["bytes_per_block_per_rank"] == single_block // 2
