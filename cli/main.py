@@ -134,9 +134,10 @@ def generate(
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
     verbose: bool = options.VERBOSE,
-    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor]", rich_help_panel=MODEL_PANEL,
-                                    help="Under mlx.launch: tensor-parallel over the launched ranks (rank 0 prints). "
-                                         "See docs/distributed.md."),
+    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]",
+                                    rich_help_panel=MODEL_PANEL,
+                                    help="Under mlx.launch: tensor- or pipeline-parallel over the launched ranks "
+                                         "(rank 0 prints). See docs/distributed.md."),
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:

@@ -158,10 +158,12 @@ def serve(
         None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
         help='JSON object of extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
              "(a request's chat_template_kwargs keys win)."),
-    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor]", rich_help_panel=SERVER_PANEL,
+    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]",
+                                    rich_help_panel=SERVER_PANEL,
                                     help="Under mlx.launch: tensor-parallel over the launched ranks (rank 0 serves "
-                                         "HTTP; each rank holds its share of the weights and KV heads). See "
-                                         "docs/distributed.md."),
+                                         "HTTP; each rank holds its share of the weights and KV heads), or "
+                                         "pipeline-parallel (each rank holds a range of the layers and their KV). "
+                                         "See docs/distributed.md."),
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),

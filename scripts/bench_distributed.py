@@ -1,5 +1,6 @@
-"""Distributed serving benchmark: one ``mlxkv serve`` process vs N tensor-parallel ranks under ``mlx.launch``
-(ring backend over loopback), and ``mlx_lm.server`` under the same ``mlx.launch``, on one workload.
+"""Distributed serving benchmark: one ``mlxkv serve`` process vs N tensor- or pipeline-parallel ranks (``--mode``)
+under ``mlx.launch`` (ring backend over loopback), and ``mlx_lm.server`` under the same ``mlx.launch`` (with
+``--pipeline`` in pipeline mode, which mlx-lm 0.32 supports for deepseek_v2/v3 only), on one workload.
 
 Loopback on one machine measures correctness and memory, not speed: the ranks share this machine's cores and
 every layer adds a loopback all-reduce, so tok/s here is a floor, not what N Macs over Thunderbolt give. Reported
@@ -9,9 +10,11 @@ output tok/s for ``--requests`` concurrent completions of ``--max-tokens`` token
 
 The model (``--model``, default: the reference SmolLM2-135M-Instruct GGUF, dequantized to float32 on both
 sides; mlx_lm.server loads the float32 folder ``mlxkv.gguf.convert`` writes). Its KV heads must divide
-``--ranks`` (SmolLM2: 3 KV heads, so ``--ranks 3``).
+``--ranks`` in tensor mode (SmolLM2: 3 KV heads, so ``--ranks 3``); in pipeline mode any rank count up to its layer
+count does.
 
     python scripts/bench_distributed.py --ranks 3 --requests 4 --max-tokens 16
+    python scripts/bench_distributed.py --mode pipeline --ranks 2 --skip-mlx-lm
     python scripts/bench_distributed.py --model path/to/test-llama --ranks 2
 """
 
@@ -118,6 +121,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks of each mlx.launch (default 2)")
     parser.add_argument("--requests", type=int, default=4, help="concurrent completions (default 4)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion (default 16)")
+    parser.add_argument("--mode", choices=("tensor", "pipeline"), default="tensor",
+                        help="--distributed mode of the mlxkv launch (default tensor)")
     parser.add_argument("--skip-mlx-lm", action="store_true", help="do not run mlx_lm.server under mlx.launch")
     args = parser.parse_args()
     blas = ensure_openblas()
@@ -129,21 +134,22 @@ def main() -> None:
     dequantize = not args.keep_quantized and path.suffix == ".gguf"
     ours = [str(path)] + (["--dequantize"] if dequantize else [])
     launch = ["mlx.launch", "-n", str(args.ranks), "--backend", "ring"]
-    print(f"# bench_distributed: {path.name}, {args.ranks} ranks over loopback (ring), {args.requests} concurrent "
-          f"greedy completions x {args.max_tokens} tokens; BLAS: {blas}")
+    print(f"# bench_distributed: {path.name}, {args.mode} parallel, {args.ranks} ranks over loopback (ring), "
+          f"{args.requests} concurrent greedy completions x {args.max_tokens} tokens; BLAS: {blas}")
     print("# loopback on one machine: correctness and memory, not speed (the ranks share these cores)")
     per_token = single_bytes_per_token(str(path), dequantize)
     rows = []
     runs = [("mlxkv serve (1 process)", lambda p: [sys.executable, "-m", "mlxkv", "serve", "-m", *ours,
                                                    "--port", str(p), "--log-level", "warning"], False),
-            (f"mlxkv serve --distributed tensor ({args.ranks} ranks)",
+            (f"mlxkv serve --distributed {args.mode} ({args.ranks} ranks)",
              lambda p: [*launch, "--starting-port", str(free_port()), "--", sys.executable, "-m", "mlxkv", "serve",
-                        "-m", *ours, "--distributed", "tensor", "--port", str(p), "--log-level", "warning"], True)]
+                        "-m", *ours, "--distributed", args.mode, "--port", str(p), "--log-level", "warning"], True)]
     if not args.skip_mlx_lm:
         folder = peer_folder(path, dequantize=dequantize)
-        runs.append((f"mlx_lm.server ({args.ranks} ranks)",
+        pipeline = ["--pipeline"] if args.mode == "pipeline" else []
+        runs.append((" ".join(["mlx_lm.server", *pipeline, f"({args.ranks} ranks)"]),
                      lambda p: [*launch, "--starting-port", str(free_port()), "--", sys.executable, "-m",
-                                "mlx_lm.server", "--model", str(folder), "--port", str(p)], True))
+                                "mlx_lm.server", "--model", str(folder), *pipeline, "--port", str(p)], True))
     reference = None
     for name, cmd, distributed in runs:
         port = free_port()

@@ -141,7 +141,8 @@ def serve_follower(run: Any, group: Any, mode: str, timeout_s: float) -> int:
                       tool_parser=run.tool_parser)
         shard_model(loaded.model, group, mode)
         pool = build_rank_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences,
-                               context_tokens=context_length_of(loaded.config), group=group)
+                               context_tokens=context_length_of(loaded.config), group=group,
+                               mode=mode)
     except Exception as exc:  # noqa: BLE001 - one line, like rank 0's errors (mlx.launch then stops rank 0)
         sys.stderr.write(f"error: rank {rank}: {exc}\n")
         return 1

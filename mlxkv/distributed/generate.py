@@ -1,8 +1,10 @@
-"""``mlxkv generate --distributed tensor`` under ``mlx.launch``: every rank runs the same generation on its shard.
+"""``mlxkv generate --distributed tensor|pipeline`` under ``mlx.launch``: every rank runs the same generation on its
+shard.
 
 One sequence has no scheduler and no wall-clock decision, so every rank runs the very same code: the same prompt,
-the same pool operations, the same forwards (their collectives meet), and — tensor parallel sums each layer's
-output on every rank — the same logits, hence the same tokens. Sampling draws from one seed chosen by rank 0.
+the same pool operations, the same forwards (their collectives meet), and the same logits (tensor parallel sums
+each layer's output on every rank; pipeline parallel gathers the last rank's hidden state to every rank), hence
+the same tokens. Sampling draws from one seed chosen by rank 0.
 Only rank 0 prints the text.
 """
 

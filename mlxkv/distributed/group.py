@@ -3,28 +3,26 @@
 ``mlx.launch -n N --backend ring -- mlxkv serve --distributed tensor ...`` starts N copies of one command; each
 calls :func:`start_group` (``mx.distributed.init``) and learns its rank. Tensor parallelism shards every attention
 and MLP projection through mlx-lm's ``model.shard(group)``, so each rank keeps ``n_kv_heads / N`` KV heads and its
-KV blocks are ``1/N`` of a single process's.
+KV blocks are ``1/N`` of a single process's. Pipeline parallelism (:mod:`mlxkv.distributed.pipeline`) keeps a
+contiguous range of the layers on each rank, so its KV blocks hold only its layers.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-MODES = ("off", "tensor")
+MODES = ("off", "tensor", "pipeline")
 
 
 def check_mode(mode: str) -> str:
-    """``mode`` if valid (ValueError naming the choices otherwise; ``pipeline`` is refused with the reason)."""
-    if mode == "pipeline":
-        raise ValueError("--distributed pipeline is not supported yet (mlx-lm 0.32's llama family has no pipeline "
-                         "split, and the paged pool holds every layer): use --distributed tensor")
+    """``mode`` if valid (ValueError naming the choices otherwise)."""
     if mode not in MODES:
         raise ValueError(f"--distributed must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
 
 
 def start_group(mode: str) -> Any:
-    """The ``mx.distributed`` group of this launch for ``mode`` (``"tensor"``).
+    """The ``mx.distributed`` group of this launch for ``mode`` (``"tensor"`` or ``"pipeline"``).
 
     Raises:
         ValueError: an unknown mode, or a launch of one rank (not started by ``mlx.launch``).
@@ -37,7 +35,7 @@ def start_group(mode: str) -> Any:
     group = mx.distributed.init()
     if group.size() < 2:
         raise ValueError(f"--distributed {mode} needs several ranks: start it with mlx.launch, e.g. "
-                         "'mlx.launch -n 2 --backend ring -- mlxkv serve --distributed tensor ...'")
+                         f"'mlx.launch -n 2 --backend ring -- mlxkv serve --distributed {mode} ...'")
     return group
 
 
@@ -51,20 +49,26 @@ def check_undistributed() -> None:
 
     # mlx.launch sets these for its ring / JACCL / MPI ranks; reading them avoids initializing a group here.
     if any(os.environ.get(v) for v in ("MLX_RANK", "OMPI_COMM_WORLD_RANK")):
-        raise ValueError("started by mlx.launch without --distributed: pass --distributed tensor (every rank would "
-                         "otherwise run the whole model alone)")
+        raise ValueError("started by mlx.launch without --distributed: pass --distributed tensor or pipeline (every "
+                         "rank would otherwise run the whole model alone)")
 
 
 def shard_model(model: Any, group: Any, mode: str) -> None:
-    """Shard ``model`` over ``group`` in place (tensor parallel: mlx-lm's ``model.shard``).
+    """Shard ``model`` over ``group`` in place (tensor parallel: mlx-lm's ``model.shard``; pipeline: this rank's
+    layers, :func:`mlxkv.distributed.pipeline.pipeline_model`).
 
     Raises:
         ValueError: the architecture has no tensor-parallel sharding in mlx-lm, or its heads do not divide the
-            number of ranks.
+            number of ranks (tensor); it cannot be split by layers (pipeline).
     """
     import mlx.core as mx
 
     check_mode(mode)
+    if mode == "pipeline":
+        from mlxkv.distributed.pipeline import pipeline_model
+
+        pipeline_model(model, group)
+        return
     n = group.size()
     if not hasattr(model, "shard"):
         raise ValueError(f"mlx-lm has no tensor-parallel sharding for this architecture "
@@ -81,19 +85,21 @@ def shard_model(model: Any, group: Any, mode: str) -> None:
     mx.eval(model.parameters())  # each rank keeps only its slices
 
 
-def agree_num_blocks(num_blocks: int, bytes_per_block: int, group: Any) -> int:
+def agree_num_blocks(num_blocks: int, bytes_per_block: int, group: Any, *, same_size: bool = True) -> int:
     """The pool size in blocks every rank can hold: the smallest of the ranks' own (each rank sizes its pool from
-    its own memory and ``--kv-cache-budget``); block ids must mean the same page on every rank.
+    its own memory and ``--kv-cache-budget``); block ids must mean the same page on every rank. ``same_size``:
+    every rank's blocks must have the same size (tensor parallel; pipeline ranks may hold unequal layer counts).
 
     Raises:
-        RuntimeError: the ranks' blocks differ in size (they do not run the same model and options).
+        RuntimeError: ``same_size`` and the ranks' blocks differ in size (they do not run the same model and
+            options).
     """
     import mlx.core as mx
 
     mine = mx.array([num_blocks, bytes_per_block], dtype=mx.int64)
     every = mx.distributed.all_gather(mine[None], group=group).tolist()  # (N, 2)
     sizes = {b for _, b in every}
-    if len(sizes) > 1:
+    if same_size and len(sizes) > 1:
         raise RuntimeError(f"the ranks' KV blocks differ in size ({sorted(sizes)} bytes): every rank must run the "
                            "same model with the same options")
     return min(n for n, _ in every)

@@ -28,8 +28,9 @@ HEARTBEAT_S = 1.0
 class Plans:
     """The journal and the channel together: :meth:`send` ships what happened since the last send, then ``op``."""
 
-    def __init__(self, channel: PlanChannel, journal: Journal, pool: Any = None):
+    def __init__(self, channel: PlanChannel, journal: Journal, pool: Any = None, mode: str = "tensor"):
         self.channel = channel
+        self.mode = mode
         self.journal = journal
         self.pool = pool  # the inner pool: its free block count lets followers check they replayed alike
         self.last_sent = time.monotonic()
@@ -64,13 +65,18 @@ class Plans:
 class LeaderRunner(ModelRunner):
     """The model runner of rank 0: each forward is announced to the followers before it runs."""
 
-    def __init__(self, plans: Plans, model: Any, **kwargs: Any):
+    def __init__(self, plans: Plans, model: Any, *, always_logits: bool = False, **kwargs: Any):
         super().__init__(model, **kwargs)
         self.plans = plans
+        # pipeline: a rank's cache writes do not need the hidden state it sends on, only the logits do, so every
+        # rank evaluates every forward's logits (the last rank's output reaches all through them)
+        self.always_logits = always_logits
 
     def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool) -> mx.array | None:
-        self.plans.send("prefill", seq.id.value, list(tokens), want_logits)
-        return super().prefill(seq, tokens, want_logits)
+        run_logits = want_logits or self.always_logits
+        self.plans.send("prefill", seq.id.value, list(tokens), run_logits)
+        last = super().prefill(seq, tokens, run_logits)
+        return last if want_logits else None
 
     def prefill_together(self, seqs: Sequence[Any], chunks: Sequence[Sequence[int]]) -> mx.array:
         self.plans.send("prefill_together", [s.id.value for s in seqs], [list(c) for c in chunks])
@@ -90,7 +96,8 @@ class LeaderEngine(BatchEngine):
         super().__init__(*args, **kwargs)
         self.plans = plans
         sched = self._scheduler
-        sched.runner = LeaderRunner(plans, self.model, batched=sched.runner.batched,
+        sched.runner = LeaderRunner(plans, self.model, always_logits=plans.mode == "pipeline",
+                                    batched=sched.runner.batched,
                                     batched_prefill=sched.runner.batched_prefill, totals=sched.totals)
 
     def _decide_batching(self) -> tuple[bool, str]:
@@ -112,7 +119,8 @@ class Leader:
     """The hook :func:`mlxkv.server.runner.build` calls on rank 0 (shard, wrap the pool, make the engine).
 
     Args:
-        group: the ``mx.distributed`` group (this is rank 0); mode: ``"tensor"``; timeout_s: the watchdog's.
+        group: the ``mx.distributed`` group (this is rank 0); mode: ``"tensor"`` or ``"pipeline"``; timeout_s: the
+            watchdog's.
     """
 
     def __init__(self, group: Any, mode: str, timeout_s: float):
@@ -120,7 +128,7 @@ class Leader:
         self.group = group
         self.mode = mode
         self.watchdog = Watchdog(0, timeout_s)  # started by the first plan: loading the model may take long
-        self.plans = Plans(PlanChannel(group, self.watchdog), Journal())
+        self.plans = Plans(PlanChannel(group, self.watchdog), Journal(), mode=mode)
 
     def shard(self, loaded: Any) -> None:
         """Shard the loaded model over the group (before its pool is built)."""
@@ -129,7 +137,7 @@ class Leader:
     def pool(self, model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None) -> LeaderPool:
         """Rank 0's pool (:func:`build_rank_pool`), journaled."""
         pool = build_rank_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens,
-                               group=self.group)
+                               group=self.group, mode=self.mode)
         self.plans.pool = pool
         stats = {"mode": self.mode, "world_size": self.group.size(), "rank": 0,
                  "bytes_per_block_per_rank": pool.paged.bytes_per_block if pool.is_paged else None}
@@ -140,20 +148,22 @@ class Leader:
         return LeaderEngine(*args, plans=self.plans, **kwargs)
 
 
-def agree_pool(pool: Any, rebuild: Any, group: Any) -> Any:
+def agree_pool(pool: Any, rebuild: Any, group: Any, *, same_size: bool = True) -> Any:
     """``pool``, or ``rebuild(n)`` with the smallest block count of all ranks when it holds more (paged)."""
     if not pool.is_paged:
         return pool
-    n = agree_num_blocks(pool.paged.num_blocks, pool.paged.bytes_per_block, group)
+    n = agree_num_blocks(pool.paged.num_blocks, pool.paged.bytes_per_block, group, same_size=same_size)
     return pool if n == pool.paged.num_blocks else rebuild(n)
 
 
-def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None, group: Any) -> Any:
-    """This rank's pool (its shard of the KV heads), sized as :func:`mlxkv.engine.build.build_pool` sizes it from
-    this machine's memory and budget, then agreed with the other ranks (:func:`agree_pool`)."""
+def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None, group: Any,
+                    mode: str = "tensor") -> Any:
+    """This rank's pool (its shard of the KV heads, or its layers under ``mode="pipeline"``), sized as
+    :func:`mlxkv.engine.build.build_pool` sizes it from this machine's memory and budget, then agreed with the other
+    ranks (:func:`agree_pool`)."""
     from mlxkv.engine.build import build_pool
     from mlxkv.kv import CachePool
 
     pool = build_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens)
     return agree_pool(pool, lambda n: CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv,
-                                                num_blocks=n), group)
+                                                num_blocks=n), group, same_size=mode != "pipeline")

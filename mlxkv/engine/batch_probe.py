@@ -34,7 +34,8 @@ def probe_batched_decode(model: Any, pool: CachePool) -> tuple[bool, str]:
         for prompt in _PROMPTS:
             seq = pool.open(prompt_length=len(prompt))
             seqs.append(seq)
-            model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)
+            # the logits too: under pipeline parallelism only they need the hidden state a rank sends on
+            mx.eval(model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches))
         copies = [copy.deepcopy(s.caches) for s in seqs]
         last = mx.array([[p[-1]] for p in _PROMPTS], dtype=mx.uint32)  # (2, 1)
         views = make_batch_views([s.caches for s in seqs])
@@ -71,8 +72,9 @@ def _probe_paged(model: Any, pool: CachePool) -> tuple[bool, str]:
     def open_prefilled(prompt: list[int], salt: str):
         seq = pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt)
         seqs.append(seq)
-        model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)
-        mx.eval(cache_arrays(seq.caches))
+        logits = model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)  # (1, n, vocab)
+        # the logits too: under pipeline parallelism only they need the hidden state a rank sends on
+        mx.eval(cache_arrays(seq.caches), logits)
         seq.commit()
         seq.reserve_last()  # the pending last prompt token's slot, as the scheduler takes it
         return seq

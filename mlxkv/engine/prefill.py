@@ -86,11 +86,12 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048, s
         pad = -real % PAD_TILE if final and pad_enabled else 0
         if pad:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], pad)])  # (L + pad,) any valid id will do
-        model(chunk[None], cache=caches)
+        out = model(chunk[None], cache=caches)  # (1, L + pad, vocab)
         for c in each_layer_cache(caches) if pad else ():
             removed = c.trim(pad)
             assert removed == pad, f"{type(c).__name__} dropped {removed} of {pad} pad tokens"
-        mx.eval(cache_arrays(caches))
+        # a pipeline-parallel rank's caches do not need the hidden state it sends on: its outputs do
+        mx.eval(cache_arrays(caches), *([out] if getattr(model, "eval_outputs", False) else []))
         pos += real
         if seq is not None:
             seq.commit()  # these positions are verified (paged: a snapshot due here is taken)

@@ -76,15 +76,15 @@ class Launch:
         os.unlink(self.log_path)
 
 
-def start_launch(n: int, *args: str) -> Launch:
-    """Start ``mlx.launch -n N --backend ring -- python -m mlxkv serve --distributed tensor ARGS --port P`` (not
+def start_launch(n: int, *args: str, mode: str = "tensor") -> Launch:
+    """Start ``mlx.launch -n N --backend ring -- python -m mlxkv serve --distributed MODE ARGS --port P`` (not
     waiting for it: see :meth:`Launch.wait_ready`)."""
     import openai
 
     port, ring = free_port(), free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
         cmd = ["mlx.launch", "-n", str(n), "--backend", "ring", "--starting-port", str(ring), "--",
-               sys.executable, "-m", "mlxkv", "serve", "--distributed", "tensor", *args, "--port", str(port)]
+               sys.executable, "-m", "mlxkv", "serve", "--distributed", mode, *args, "--port", str(port)]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
