@@ -132,3 +132,23 @@ def test_the_queue_is_bounded_coalesced_and_flushed():
     finally:
         tier.gate.set()
         assert writer.close() == 0
+
+
+def test_a_block_evicted_before_its_file_is_written_is_restored_from_the_queue(model, tmp_path):
+    """Eviction hands a block to the writer; a restore in the meantime reads it from the queue (or from the
+    writer's hands), not from a file that does not exist yet."""
+    pool = pool_for(model, tmp_path, num_blocks=12)
+    tier = pool.paged.tier.tier
+    gate, store = threading.Event(), tier.store_on_disk
+    tier.store_on_disk = lambda block: gate.wait(10) and store(block)
+    try:
+        reference, cached = prefill_and_release(pool, PROMPT)
+        other = [(11 * i + 5) % 900 + 10 for i in range(42)]  # 11 blocks: every free block, so PROMPT's are evicted
+        prefill_and_release(pool, other)
+        assert pool.paged.manager.find_prefix_hit(PROMPT).num_full_blocks == 0
+        assert not list(tmp_path.glob("*.mlxkvblk"))  # nothing written yet: the writer waits at the gate
+        logits, cached = prefill_and_release(pool, PROMPT)
+        assert cached == 40 and mx.array_equal(logits, reference).item()
+        assert pool.block_stats()["tier"]["secondary"]["hits_disk"] == 10
+    finally:
+        gate.set()

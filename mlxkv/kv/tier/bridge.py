@@ -93,7 +93,7 @@ class TierBridge:
     def _on_evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         if not isinstance(h, bytes) or block.group_id >= len(self.backend.specs):
-            return  # partial block, a snapshot's block (offloaded by SnapshotTier), or, or a process-local hash ("builtin"): not addressable across evictions
+            return  # partial block, a snapshot's block (offloaded by SnapshotTier), or a process-local hash ("builtin"): not addressable across evictions
         layers = self._layers(block.group_id)
         if not all(self.storage.allocated(layer) for layer in layers):
             return

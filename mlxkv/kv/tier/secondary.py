@@ -110,10 +110,7 @@ class SecondaryTier:
     def contains(self, key: Key) -> bool:
         if self.memory is not None and key in self.memory:
             return True
-        if self.disk is None:
-            return False
-        with self.disk_lock:
-            return key in self.disk
+        return self.on_disk(key)  # on disk, or queued for it
 
     def take(self, key: Key) -> TierBlock | None:
         """The block for ``key`` to restore into the primary pool (verified), or None. Counts the lookup."""
@@ -122,8 +119,10 @@ class SecondaryTier:
             self.counters.hits_memory += 1
             return self.memory.pop(key)
         if self.disk is not None:
-            with self.disk_lock:
-                block = self.disk.get(key)
+            block = self.writer.get(key) if self.writer is not None else None  # evicted, not written yet
+            if block is None:
+                with self.disk_lock:
+                    block = self.disk.get(key)
             if block is not None:
                 self.counters.hits_disk += 1
                 return block

@@ -41,7 +41,7 @@ class WriteBehind:
         self.max_bytes = max_bytes
         self._queue: OrderedDict[Key, TierBlock] = OrderedDict()  # guarded by _cond
         self._queued_bytes = 0
-        self._busy = False  # the writer holds a block taken from the queue
+        self._writing: TierBlock | None = None  # the block the writer took from the queue and is writing
         self._closed = False
         self._cond = threading.Condition()
         self.coalesced = 0  # offers of a block already queued
@@ -51,8 +51,16 @@ class WriteBehind:
 
     # ---- engine side ---------------------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
+        return self.get(key) is not None
+
+    def get(self, key: Key) -> TierBlock | None:
+        """The block queued (or being written) under ``key``, or None: until its file exists, a restore reads it
+        from here."""
         with self._cond:
-            return key in self._queue
+            block = self._queue.get(key)
+            if block is None and self._writing is not None and block_key(self._writing) == key:
+                block = self._writing
+            return block
 
     def room(self) -> int:
         """Bytes that can be queued now."""
@@ -83,13 +91,13 @@ class WriteBehind:
     def pending(self) -> tuple[int, int]:
         """``(blocks, bytes)`` queued or being written."""
         with self._cond:
-            return len(self._queue) + self._busy, self._queued_bytes
+            return len(self._queue) + (self._writing is not None), self._queued_bytes
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued block is written; False when ``timeout`` seconds pass first."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._writing is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -116,13 +124,13 @@ class WriteBehind:
                 if self._closed:
                     return
                 _, block = self._queue.popitem(last=False)
-                self._busy = True
+                self._writing = block
             try:
                 self.tier.store_on_disk(block)
             except Exception:  # noqa: BLE001 - a failed write loses one block, never the writer
                 log.exception("secondary KV tier: writing a block failed")
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._writing = None
                     self._queued_bytes -= block.nbytes
                     self._cond.notify_all()
