@@ -14,7 +14,12 @@ import os
 import sys
 from typing import Any
 
-from mlxkv.distributed.group import check_mode, check_undistributed, shard_model, start_group
+from mlxkv.distributed.group import (
+    check_mode,
+    check_undistributed,
+    shard_model,
+    start_group,
+)
 
 
 class GenerateRanks:

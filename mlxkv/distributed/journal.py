@@ -11,7 +11,8 @@ block pool reads the leader's clock (:class:`Journal`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 #: Sequence-handle methods that change the pool's state (replayed by followers, in order).
 SEQUENCE_OPS = ("feed", "feed_placeholder", "name_token", "reserve", "reserve_last", "commit", "rewind_to")
@@ -61,7 +62,7 @@ def use_plan_clock(pool: Any, journal: Journal) -> None:
 class LeaderSequence:
     """A pool sequence whose slot-changing calls are journaled; everything else reads through to it."""
 
-    __slots__ = ("_seq", "_journal")
+    __slots__ = ("_journal", "_seq")
 
     def __init__(self, seq: Any, journal: Journal):
         object.__setattr__(self, "_seq", seq)

@@ -9,7 +9,8 @@ deadlines, preemption, prefix hits, forks) is made here only; followers replay t
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 

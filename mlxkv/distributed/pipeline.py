@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 
 def split_layers(n_layers: int, n_ranks: int) -> list[range]:

@@ -42,7 +42,7 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mlxkv-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._last = time.monotonic()
         self._thread.start()
         return self

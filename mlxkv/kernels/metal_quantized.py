@@ -49,7 +49,7 @@ class MetalQuantizedPagedAttention(metal.MetalPagedAttention):
         return dict(BITS=self.bits, GS=self.group_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def quantized_paged_attention_kernel(
     dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int, gqa: int, bits: int, group_size: int
 ) -> MetalQuantizedPagedAttention | None:
