@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -43,18 +41,16 @@ from mlxkv.kernels.selfcheck import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the dense oracle
 from testkit.kernel_oracle import dense_paged_attention  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, when loaded from a path
+from bench_common import median_ms  # noqa: E402
+
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 OPTIONS = ("none", "window", "chunk", "sinks")
 
 
 def timed_ms(fn, iters=5) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median milliseconds of ``fn`` over ``iters`` calls (bench_common's timer)."""
+    return median_ms(fn, iters)
 
 
 def option_kwargs(option: str, case) -> dict:
