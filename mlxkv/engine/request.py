@@ -11,7 +11,7 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from mlxkv.engine.output import Event, Usage, delivery_for
 from mlxkv.engine.sampling import SamplingParams
@@ -107,6 +107,8 @@ class GenerationRequest:
         snapshot_at: prompt token positions worth a recurrent-state snapshot (the end of each chat message): a
             model with recurrent layers on paged storage snapshots at the last block boundary at or before each,
             so prompts sharing those messages (a system prompt) resume there. Ignored by other models.
+        kv_overflow: this request's per-sequence KV budget policy (a :class:`mlxkv.config.KvOverflowConfig`;
+            ``None``: the engine's pool default, ``mlxkv serve --kv-overflow``); every choice gets it.
         request_id: identifies the request in logs and events.
     """
 
@@ -120,6 +122,7 @@ class GenerationRequest:
     logprobs: int | None = None
     response_format: ResponseFormat | None = None
     snapshot_at: tuple[int, ...] = ()
+    kv_overflow: Any = None
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:

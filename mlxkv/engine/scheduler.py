@@ -181,7 +181,7 @@ class Scheduler:
                                           salt=request.cache_salt, retention=retention_config(request.retention),
                                           spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges),
                                           priority=-request.priority,  # the pool preempts lower values first
-                                          snapshot_at=request.snapshot_at)
+                                          snapshot_at=request.snapshot_at, overflow=request.kv_overflow)
                 job.opened.append(task.seq)
             self._owners[task.seq.id] = task
             task.done = task.seq.num_cached

@@ -40,6 +40,7 @@ class Sequence:
     snapshot_at: tuple = ()  # prompt positions for recurrent-state snapshots (chat message ends), likewise
     retention: Any = None
     priority: int = 0
+    overflow: Any = None  # its KvOverflowConfig (None: the plain caches), likewise
     preempted: bool = False
 
     @property

@@ -47,7 +47,8 @@ class CachePool:
         num_blocks: paged backend: pool size in blocks, overriding the budget.
         model_path: paged backend: the model's folder, for the secondary KV tier's model fingerprint
             (``kv_config.secondary_*``); optional.
-        overflow: dense ``mlxkv`` layout: a :class:`mlxkv.config.KvOverflowConfig` (per-sequence budget policy).
+        overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of every sequence
+            opened without its own (``open(overflow=...)``); dense ``mlxkv`` layout only.
     """
 
     def __init__(self, model: Any, *, max_sequences: int = 16, layout: str = "mlxkv",
@@ -69,6 +70,8 @@ class CachePool:
         self.layout = layout
         self.backend = backend
         self.paged = None
+        self.max_kv_size, self.kv_bits = max_kv_size, kv_bits
+        self._overflow_factory: Callable[..., list] | None = None  # dense mlxkv layout: caches under a policy
         if backend == "paged":
             from mlxkv.config import KvCacheConfig
             from mlxkv.kv.paged import PagedBackend
@@ -84,12 +87,15 @@ class CachePool:
                 check_kv_group_size(model, kv_group_size)
 
             build = make_caches if layout == "mlxkv" else mlx_lm_caches
-            extra = {"overflow": overflow} if overflow is not None and overflow.enabled else {}
-            if extra and (layout != "mlxkv" or backend == "paged"):
-                raise ValueError("--kv-overflow window|h2o|offload needs the dense backend and the mlxkv layout")
             cache_factory = functools.partial(build, max_kv_size=max_kv_size, kv_bits=kv_bits,
-                                              kv_group_size=kv_group_size, **extra)
+                                              kv_group_size=kv_group_size)
+            if layout == "mlxkv":
+                self._overflow_factory = functools.partial(make_caches, kv_bits=kv_bits, kv_group_size=kv_group_size)
         self._factory = cache_factory
+        self.overflow = None  # the default policy (None: preempt, the plain caches)
+        if overflow is not None and overflow.enabled:
+            self.check_overflow(overflow)
+            self.overflow = overflow
         self._ids = itertools.count(1)
         self._sequences: dict[SequenceId, Sequence] = {}
         self._by_manager_id: dict[int, Sequence] = {}  # paged: the manager's id of each open sequence
@@ -99,9 +105,24 @@ class CachePool:
         """Whether sequences live in pages of one block pool (prefix caching, preemption, shared forks)."""
         return self.paged is not None
 
+    def check_overflow(self, overflow: Any) -> None:
+        """Raise ValueError, naming the conflict, when this pool cannot run ``overflow`` (a
+        :class:`mlxkv.config.KvOverflowConfig` with a per-sequence cap) for a sequence."""
+        policy = f"kv_overflow {overflow.policy}"
+        if self.paged is not None:
+            raise ValueError(f"{policy} needs the dense KV backend (--kv-backend dense); the paged backend preempts")
+        if self._overflow_factory is None:
+            raise ValueError(f"{policy} needs the mlxkv cache layout (mlx-lm's caches have no overflow policies)")
+        if self.max_kv_size is not None:
+            raise ValueError(f"{policy} and --max-kv-size both cap the context: use the overflow budget only")
+        if self.kv_bits is not None and overflow.policy != "window":
+            raise ValueError(f"{policy} keeps full-precision K/V: it does not combine with --kv-bits")
+        self._overflow_factory(self.model, overflow=overflow)  # raises where the model's attention cannot (MLA)
+
     # ---- opening and ending -------------------------------------------------------------------------------
     def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None, salt: str | bytes | None = None,
-             retention: Any = None, priority: int = 0, spans: tuple = (), snapshot_at: tuple = ()) -> Sequence:
+             retention: Any = None, priority: int = 0, spans: tuple = (), snapshot_at: tuple = (),
+             overflow: Any = None) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
 
         Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
@@ -109,18 +130,26 @@ class CachePool:
         (sequences with different salts never share blocks); ``retention`` (the manager's ``RetentionConfig``)
         ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later);
         ``spans`` (``(start, end, key)`` token ranges) add ``key`` to the hash of every block they overlap;
-        ``snapshot_at``: prompt positions where models with recurrent layers also snapshot their state.
+        ``snapshot_at``: prompt positions where models with recurrent layers also snapshot their state;
+        ``overflow``: this sequence's :class:`mlxkv.config.KvOverflowConfig` (``None``: the pool's default).
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
-            ValueError: paged backend without ``prompt``.
+            ValueError: paged backend without ``prompt``; an ``overflow`` policy this pool cannot run.
         """
+        if overflow is None:
+            overflow = self.overflow
+        elif overflow.enabled:
+            self.check_overflow(overflow)
+        else:
+            overflow = None
         if len(self) >= self.max_sequences:
             raise PoolFullError(
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
         seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length, salt=salt,
-                       retention=retention, priority=priority, spans=tuple(spans), snapshot_at=tuple(snapshot_at))
+                       retention=retention, priority=priority, spans=tuple(spans), snapshot_at=tuple(snapshot_at),
+                       overflow=overflow)
         self._attach(seq, prompt)
         self._sequences[seq.id] = seq
         return seq
@@ -128,7 +157,8 @@ class CachePool:
     def _attach(self, seq: Sequence, tokens: list[int] | None) -> None:
         """Give ``seq`` caches: paged, registered with the manager over ``tokens`` (prefix hit taken)."""
         if self.paged is None:
-            seq.caches = self._factory(self.model)
+            seq.caches = (self._factory(self.model) if seq.overflow is None
+                          else self._overflow_factory(self.model, overflow=seq.overflow))
             return
         if not tokens:
             raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
@@ -203,7 +233,7 @@ class CachePool:
         for caches, paged in pairs:
             child = Sequence(id=SequenceId(next(self._ids)), caches=caches, prompt_length=parent.prompt_length,
                              paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority,
-                             spans=parent.spans)
+                             spans=parent.spans, overflow=parent.overflow)
             self._sequences[child.id] = child
             if paged is not None:
                 self._by_manager_id[paged.seq_id] = child

@@ -35,6 +35,7 @@ from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.shutdown import SHUTDOWN_CODE
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.kv_overflow import request_overflow
 from mlxkv.server.tenancy import check_max_client_priority, check_retention
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
@@ -206,6 +207,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                         snapshot_at: tuple[int, ...] = ()) -> Any:
         if not prompt:
             raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
+        overflow = request_overflow(body.kv_overflow, engine.pool)
         params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
                                                                 chat), vocab)
         logprobs = body.logprobs_count()
@@ -218,7 +220,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                                      cache_salt_ranges=body.salt_ranges(len(prompt)),
                                      retention=body.retention.to_spec() if body.retention else None,
                                      priority=body.priority, logprobs=logprobs, response_format=grammar,
-                                     snapshot_at=snapshot_at)
+                                     snapshot_at=snapshot_at, kv_overflow=overflow)
 
         handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
         builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)

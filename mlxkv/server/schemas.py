@@ -6,7 +6,8 @@ user and changes no output. Message objects pass their other fields (``name``) o
 ``null`` means the field's default for every optional field (the server's default where ``mlxkv serve`` sets
 one). mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (prefix-cache isolation, block retention
 and scheduling; they act on the paged KV backend, the default, and are carried but unused with ``--kv-backend
-dense``), ``top_k`` / ``min_p``, and mlx_lm.server's ``repetition_penalty`` and ``*_context_size`` windows.
+dense``), ``kv_overflow`` (the request's per-sequence KV budget policy, :mod:`mlxkv.server.kv_overflow`),
+``top_k`` / ``min_p``, and mlx_lm.server's ``repetition_penalty`` and ``*_context_size`` windows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mlxkv.engine.request import (
     RetentionSpec,
 )
 from mlxkv.engine.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE
+from mlxkv.server.kv_overflow import KvOverflowBody
 from mlxkv.server.tool_schemas import ToolMessageFields, ToolRequestFields
 
 MAX_STOP_STRINGS = 16
@@ -135,6 +137,9 @@ class _Common(_NullIsDefault):
         None, max_length=16, description="per-range salts: prompt token ranges shared only under their salt (e.g. "
                                          "the system prompt unsalted, the rest under the tenant's salt)")
     retention: Optional[RetentionBody] = None
+    kv_overflow: Optional[KvOverflowBody] = Field(
+        None, description='this request\'s KV budget policy, e.g. {"policy": "h2o", "budget": 2048}; fields left out: '
+                          "the server's --kv-overflow*")
 
     def salt_ranges(self, prompt_length: int) -> tuple[tuple[int, int, str], ...]:
         """``cache_salt_ranges`` as the engine's ``(start, end, salt)`` tuples (``end`` null: the prompt's end)."""

@@ -26,6 +26,7 @@ from mlxkv.server.anthropic.tool_use import ToolPlan, anthropic_tool_error, plan
 from mlxkv.server.anthropic.translate import Conversation, to_conversation
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, submit
+from mlxkv.server.kv_overflow import request_overflow
 from mlxkv.server.message_ends import message_ends
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
@@ -98,6 +99,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, lanes: Tokeniz
         ends = (await lanes.on_worker(lambda: message_ends(tokenizer, plan.messages, prompt, template))
                 if engine.state_snapshots and len(plan.messages) > 1 else ())  # recurrent hybrids: snapshot there
         stops = tuple(body.stop_sequences or ())
+        overflow = request_overflow(body.kv_overflow, engine.pool)
 
         def build() -> GenerationRequest:
             params = SamplingParams(max_tokens=body.max_tokens,
@@ -106,7 +108,7 @@ def anthropic_router(engine: BatchEngine, prompts: PromptEncoder, lanes: Tokeniz
                                     top_k=defaults.top_k if body.top_k is None else body.top_k,
                                     min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty,
                                     stop=stops)
-            return GenerationRequest(prompt, params, response_format=fmt, snapshot_at=ends)
+            return GenerationRequest(prompt, params, response_format=fmt, snapshot_at=ends, kv_overflow=overflow)
 
         handle = submit(engine, build, prompt_param="messages")
         reply = Reply(tokenizer, model=model_name, max_tokens=body.max_tokens, stop_sequences=stops,

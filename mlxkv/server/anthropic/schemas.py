@@ -6,6 +6,7 @@ declared here so they parse, and refused here or by :mod:`mlxkv.server.anthropic
 them. Accepted without effect on the output: ``cache_control`` (mlxkv caches every prompt's prefix by itself),
 ``metadata.user_id``, ``service_tier``, ``inference_geo`` and ``speed`` (one local machine, one speed), and a tool's
 ``eager_input_streaming`` (each call's input is streamed whole, in one delta, as soon as the call is generated).
+mlxkv extension: ``kv_overflow`` (the request's per-sequence KV budget policy, :mod:`mlxkv.server.kv_overflow`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mlxkv.server.kv_overflow import KvOverflowBody
 
 #: Stop sequences per request, and characters per stop sequence.
 MAX_STOP_SEQUENCES = 16
@@ -186,6 +189,8 @@ class MessagesRequest(CountTokensRequest):
     inference_geo: Optional[str] = None
     container: Optional[Union[str, dict[str, Any]]] = Field(None, description="not supported")
     diagnostics: Optional[dict[str, Any]] = Field(None, description="not supported")
+    kv_overflow: Optional[KvOverflowBody] = Field(None, description="mlxkv extension: this request's KV budget "
+                                                                    "policy (as on /v1/chat/completions)")
 
     @field_validator("stop_sequences")
     @classmethod
