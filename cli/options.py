@@ -113,8 +113,8 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
         raise typer.BadParameter("applies to the paged backend only: add --kv-backend paged",
                                  param_hint=", ".join(paged_only))
     overflow = overflow or overflow_config()
-    dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size), ("--cache-layout", layout != "mlxkv"),
-                                           ("--kv-overflow", overflow.enabled)) if value]
+    dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size), ("--cache-layout", layout != "mlxkv"))
+                  if value]
     if backend == "paged" and dense_only:
         raise typer.BadParameter("applies to the dense backend only: add --kv-backend dense",
                                  param_hint=", ".join(dense_only))

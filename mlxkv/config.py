@@ -24,11 +24,12 @@ def _is_int(value: object) -> bool:
 
 
 KV_OVERFLOW_POLICIES = ("preempt", "window", "h2o", "offload")
+PAGED_OVERFLOW_POLICIES = ("window", "h2o")  # offload runs on the dense backend only
 
 
 @dataclass(slots=True)
 class KvOverflowConfig:
-    """What a sequence does when its context outgrows a per-sequence KV budget (dense backend).
+    """What a sequence does when its context outgrows a per-sequence KV budget.
 
     policy: "preempt" (no per-sequence cap: the whole context is cached; a full paged pool preempts), "window"
         (the first ``sinks`` tokens and the last ``budget - sinks``: StreamingLLM), "h2o" (sinks, the last
@@ -85,6 +86,24 @@ class KvOverflowConfig:
         """The recent tokens h2o / offload protect (``recent``, else half the budget)."""
         return self.recent if self.recent is not None else max(1, (self.budget or 0) // 2)
 
+    def check_pages(self, block_size: int) -> None:
+        """Raise ValueError when this policy cannot run on pages of ``block_size`` tokens (the paged backend
+        evicts whole pages: :mod:`mlxkv.kv.paged.page_overflow`): offload, or a budget that leaves fewer than two
+        evictable pages beside the protected ones (the sinks' pages; h2o also the last ``recent`` tokens')."""
+        if not self.enabled:
+            return
+        if self.policy not in PAGED_OVERFLOW_POLICIES:
+            raise ValueError(f"kv_overflow={self.policy} runs on the dense backend only (--kv-backend dense); the "
+                             f"paged backend runs {' and '.join(PAGED_OVERFLOW_POLICIES)}")
+        front = -(-self.sinks // block_size) * block_size
+        recent = self.recent_tokens if self.policy == "h2o" else 0
+        need = front + recent + 2 * block_size
+        if self.budget < need:
+            kept = f"the sinks' pages ({front} tokens)" + (f" and the last {recent} tokens" if recent else "")
+            raise ValueError(f"kv_overflow_budget={self.budget} is too small for pages of {block_size} tokens: "
+                             f"kv_overflow={self.policy} keeps {kept} and needs room for two more pages: at "
+                             f"least {need}")
+
 
 @dataclass(slots=True)
 class KvCacheConfig:
@@ -115,7 +134,8 @@ class KvCacheConfig:
     state_snapshot_interval: paged models with recurrent layers: also snapshot the recurrent state every this
         many blocks of a prompt (0 = only at the end of each prompt and of each sequence); see
         mlxkv/kv/paged/state_snapshots.py.
-    overflow: dense only: the per-sequence budget policy (:class:`KvOverflowConfig`; default preempt, no cap).
+    overflow: the per-sequence budget policy (:class:`KvOverflowConfig`; default preempt, no cap); the paged
+        backend runs window and h2o in whole pages (:mod:`mlxkv.kv.paged.page_overflow`).
     """
 
     backend: str = "dense"
@@ -199,8 +219,10 @@ class KvCacheConfig:
         if self.overflow.enabled:
             policy = f"kv_overflow={self.overflow.policy}"
             if self.backend == "paged":
-                raise ValueError(f"{policy} applies to the dense backend only (backend='dense'); the paged "
-                                 "backend preempts")
+                self.overflow.check_pages(self.block_size)
+            if self.backend == "paged" and self.kv_bits is not None:
+                raise ValueError(f"{policy} on the paged backend keeps full-precision pages: it does not combine "
+                                 "with kv_bits (use --kv-backend dense for a quantized window)")
             if self.max_kv_size is not None:
                 raise ValueError(f"{policy} and max_kv_size both cap the context: use kv_overflow_budget only")
             if self.layout != "mlxkv":

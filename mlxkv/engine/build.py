@@ -35,7 +35,8 @@ def build_pool(model: Any, kv: KvCacheConfig, *, max_sequences: int, context_tok
         elif max_sequences > 1:
             kv = dataclasses.replace(kv, max_tokens=max_sequences * context_tokens if context_tokens else None,
                                      free_memory_fraction=min(kv.free_memory_fraction, AUTO_FREE_FRACTION))
-    return CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv, num_blocks=num_blocks)
+    return CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv, num_blocks=num_blocks,
+                     overflow=kv.overflow)
 
 
 def build_engine(loaded: Any, run: RunConfig, context_tokens: int) -> DirectEngine:

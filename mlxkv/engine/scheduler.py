@@ -265,7 +265,7 @@ class Scheduler:
                     if n == 0:
                         continue  # preempted: it waits for blocks
                     budget -= n
-                    if self.batched_prefill and n <= MAX_BATCHED_CHUNK:
+                    if self.batched_prefill and n <= MAX_BATCHED_CHUNK and task.seq.overflow is None:
                         task.seq.reserve(task.done, task.done + n)  # the next task's room check sees them
                         together.append((task, n))
                     else:

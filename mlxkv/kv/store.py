@@ -108,9 +108,10 @@ class CachePool:
     def check_overflow(self, overflow: Any) -> None:
         """Raise ValueError, naming the conflict, when this pool cannot run ``overflow`` (a
         :class:`mlxkv.config.KvOverflowConfig` with a per-sequence cap) for a sequence."""
-        policy = f"kv_overflow {overflow.policy}"
         if self.paged is not None:
-            raise ValueError(f"{policy} needs the dense KV backend (--kv-backend dense); the paged backend preempts")
+            self.paged.check_overflow(overflow)
+            return
+        policy = f"kv_overflow {overflow.policy}"
         if self._overflow_factory is None:
             raise ValueError(f"{policy} needs the mlxkv cache layout (mlx-lm's caches have no overflow policies)")
         if self.max_kv_size is not None:
@@ -163,7 +164,8 @@ class CachePool:
         if not tokens:
             raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
         seq.caches, seq.paged = self.paged.open(tokens, salt=seq.salt, retention=seq.retention,
-                                                priority=seq.priority, spans=seq.spans, snapshot_at=seq.snapshot_at)
+                                                priority=seq.priority, spans=seq.spans, snapshot_at=seq.snapshot_at,
+                                                overflow=seq.overflow)
         seq.prompt_length = seq.prompt_length or len(tokens)
         self._by_manager_id[seq.paged.seq_id] = seq
 

@@ -223,6 +223,8 @@ def make_paged_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
     views = []
     for layer in zip(*seq_caches):
         if all(isinstance(c, PagedLayerCache) for c in layer):
+            if any(c.seq.overflow for c in layer):  # kept pages and attention mass: each sequence on its own
+                raise BatchUnsupported("a sequence under an overflow policy (--kv-overflow) decodes alone")
             if len({id(c.seq.storage) for c in layer}) != 1:
                 raise BatchUnsupported("paged sequences from different pools")
             g = layer[0].group

@@ -32,7 +32,7 @@ from mlxkv.mla.latent import latent_attention
 def _full_attention(cache: Any) -> bool:
     """A KV cache whose every row is visible to later positions, with dense K/V (exact types only)."""
     if isinstance(cache, PagedLayerCache):
-        return cache.spec.is_full and not cache.seq.storage.quantized
+        return cache.spec.is_full and not cache.seq.storage.quantized and not cache.seq.overflow
     return type(cache) in (KVCache, mlx_cache.KVCache)
 
 

@@ -170,6 +170,8 @@ class BlockTables:
             return
         bs, pool = self.block_size, self.pool
         full = seq.num_committed // bs
+        if seq.cache_limit is not None:
+            full = min(full, seq.cache_limit)
         hashes = extend_block_hashes(self.hash_fn, seq.tokens, full * bs, bs, seq.ctx, seq.block_hashes)
         now = pool.clock()
         anchors = seq.tables[self.anchor_group] if self.anchor_group is not None else None
@@ -222,6 +224,7 @@ class BlockTables:
             dropped = table.blocks[keep:]
             del table.blocks[keep:], table.refs[keep:]
             pool.free_blocks(dropped[::-1])
+            table.dropped = {i for i in table.dropped if i < keep}
             table.num_cached = min(table.num_cached, target // bs)
             if not spec.is_full:
                 needed = spec.needed_blocks(target, bs)
@@ -238,7 +241,8 @@ class BlockTables:
 
     def share(self, seq: SequenceState) -> list[GroupTable]:
         """Copies of a sequence's tables holding one more reference on every block (fork)."""
-        tables = [GroupTable(list(t.blocks), list(t.refs), t.num_cached, t.num_released) for t in seq.tables]
+        tables = [GroupTable(list(t.blocks), list(t.refs), t.num_cached, t.num_released, set(t.dropped))
+                  for t in seq.tables]
         for table in tables:
             self.pool.touch(table.blocks, hit=False)
         return tables
@@ -249,7 +253,8 @@ class BlockTables:
         idx, used = divmod(seq.num_committed, bs)
         now = pool.clock()
         for g, table in enumerate(seq.tables):
-            if self.enable_partial_reuse and used and idx < len(table.blocks):
+            if (self.enable_partial_reuse and used and idx < len(table.blocks)
+                    and (seq.cache_limit is None or idx < seq.cache_limit)):
                 block = table.blocks[idx]
                 # skip a copy target whose copy may never have run (no commit since)
                 if not block.is_null and not block.cached and block.block_id not in seq.unconfirmed_copies:
@@ -262,3 +267,21 @@ class BlockTables:
             pool.free_blocks(table.blocks[::-1])
         for table in seq.tables:
             table.blocks, table.refs, table.num_cached, table.num_released = [], [], 0, 0
+            table.dropped = set()
+
+    def drop(self, seq: SequenceState, group: int, indices: Sequence[int]) -> None:
+        """Drop this sequence's reference to blocks ``indices`` of a full-attention ``group`` (an overflow
+        policy evicting whole pages): their entries become the null block; a block another table or the prefix
+        cache holds stays for them. Blocks written from here on are never cached for this sequence."""
+        table, bs = seq.tables[group], self.block_size
+        assert self.specs[group].is_full, "only full-attention groups drop blocks (windows release their own)"
+        tail = (seq.num_allocated - 1) // bs
+        gone = []
+        for i in indices:
+            assert 0 <= i < tail and i not in table.dropped, f"block {i} cannot be dropped (tail {tail})"
+            gone.append(table.blocks[i])
+            table.blocks[i] = self.pool.null_block
+            table.dropped.add(i)
+        limit = seq.num_allocated // bs
+        seq.cache_limit = limit if seq.cache_limit is None else min(seq.cache_limit, limit)
+        self.pool.free_blocks(gone)

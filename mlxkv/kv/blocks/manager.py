@@ -253,6 +253,11 @@ class KVCacheManager:
         self.tables.trim(seq, target)
         return removed
 
+    def drop_blocks(self, seq_id: int, group: int, indices: Sequence[int]) -> None:
+        """Drop ``seq_id``'s reference to blocks ``indices`` of full-attention ``group`` (an overflow policy's
+        eviction; never the block receiving new tokens); blocks it writes from then on are never cached."""
+        self.tables.drop(self._get(seq_id), group, indices)
+
     def fork(self, seq_id: int, n: int = 1) -> list[int]:
         """``n`` new sequences sharing every block of ``seq_id`` (ref counts); a shared partial tail is copied
         on its first write (a CopyOp from ``allocate_slots``). Fork after the model step that wrote the
@@ -267,7 +272,7 @@ class KVCacheManager:
                 retention=parent.retention, priority=parent.priority, arrival=next(self._arrivals),
                 tables=self.tables.share(parent), block_hashes=list(parent.block_hashes),
                 num_allocated=parent.num_allocated, num_committed=parent.num_committed,
-                unconfirmed_copies=set(parent.unconfirmed_copies),
+                unconfirmed_copies=set(parent.unconfirmed_copies), cache_limit=parent.cache_limit,
             )
             self._seqs[child.seq_id] = child
             out.append(child.seq_id)
@@ -341,7 +346,7 @@ class KVCacheManager:
             for spec, table in zip(self.specs, seq.tables):
                 assert len(table.blocks) == len(table.refs) == ceil_div(seq.num_allocated, self.block_size)
                 for i in spec.needed_blocks(seq.num_committed, self.block_size):
-                    assert not table.blocks[i].is_null, f"seq {seq.seq_id} lost needed block {i}"
+                    assert i in table.dropped or not table.blocks[i].is_null, f"seq {seq.seq_id} lost needed block {i}"
                 for block in table.blocks:
                     if not block.is_null:
                         held[block.block_id] = held.get(block.block_id, 0) + 1

@@ -71,6 +71,7 @@ class GroupTable:
     refs: list[BlockRef | None] = field(default_factory=list)  # content ref of block i once cached/hit
     num_cached: int = 0  # leading blocks already cached (committed or hit)
     num_released: int = 0  # sliding/chunked: leading entries already replaced by the null block
+    dropped: set[int] = field(default_factory=set)  # full groups: entries an overflow policy dropped (null block)
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +90,9 @@ class SequenceState:
     num_allocated: int = 0  # positions with a slot
     num_committed: int = 0  # positions whose K/V is written and verified (cacheable)
     unconfirmed_copies: set[int] = field(default_factory=set)  # copy targets not yet followed by a commit
+    # leading blocks that may enter the prefix cache (None: all): blocks written after an overflow policy first
+    # dropped blocks attended to a reduced context, so no full-context request may hit them
+    cache_limit: int | None = None
 
 
 def slot_mapping(block_table: Sequence[int], positions: Sequence[int], block_size: int) -> list[int]:

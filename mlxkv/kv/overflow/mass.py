@@ -64,3 +64,17 @@ def attention_mass(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
     if sinks is not None:
         probs = probs[..., 1:]
     return probs.sum(axis=(0, 2, 3))  # (n_kv, K)
+
+
+def decode_mass(queries: mx.array, keys: mx.array, scale: float, mask=None, sinks: mx.array | None = None) -> mx.array:
+    """Attention mass each of ``keys``' rows receives from ``queries``: the one place the paged overflow policies
+    get their statistics, so a kernel that returns the mass alongside the attention output can replace the second
+    score pass here.
+
+    Args:
+        queries: ``(B, n_q, L, D)``; keys: ``(B, n_kv, K, D)``; mask: as :func:`masked_scores`; sinks: ``(n_q,)``.
+
+    Returns:
+        ``(n_kv, K)`` float32, summed over the batch, the query heads of each KV group and the queries.
+    """
+    return attention_mass(masked_scores(queries, keys, scale, mask), sinks)

@@ -37,6 +37,7 @@ from mlxkv.kv.layouts.latent_cache import LatentCache
 from mlxkv.kv.paged.latent_pages import LatentPagedCache
 from mlxkv.kv.paged.layer_cache import PagedLayerCache
 from mlxkv.kv.paged.page_arrays import PagedStorage
+from mlxkv.kv.paged.page_overflow import PageOverflow
 from mlxkv.kv.paged.paged_sequence import PagedSequence
 from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantized_block_bytes
 from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state, restore, snapshot_bytes
@@ -184,8 +185,28 @@ class PagedBackend:
     def num_blocks(self) -> int:
         return self.storage.num_blocks
 
+    def check_overflow(self, config: Any) -> None:
+        """Raise ValueError when sequences of this backend cannot run ``config`` (a
+        :class:`mlxkv.config.KvOverflowConfig` with a per-sequence cap; :mod:`mlxkv.kv.paged.page_overflow`)."""
+        policy = f"kv_overflow {config.policy}"
+        config.check_pages(self.block_size)
+        if self.storage.quantized:
+            raise ValueError(f"{policy} on the paged backend keeps full-precision pages: it does not combine with "
+                             "--kv-bits (use --kv-backend dense for a quantized window)")
+        if self.recurrent or any(cls is LatentPagedCache for cls in self.layer_class):
+            raise ValueError(f"{policy} on the paged backend serves models with standard attention layers only "
+                             "(this one has recurrent or latent layers)")
+        if not any(spec.is_full for spec in self.specs):
+            raise ValueError(f"{policy}: this model has no full-attention layer to bound")
+
+    def _attach_overflow(self, seq: PagedSequence, config: Any) -> None:
+        if config is not None and config.enabled:
+            seq.overflow = {g: PageOverflow(config, g, self.block_size)
+                            for g, spec in enumerate(self.specs) if spec.is_full}
+
     def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
-             priority: int = 0, spans: tuple = (), snapshot_at: tuple = ()) -> tuple[list, PagedSequence]:
+             priority: int = 0, spans: tuple = (), snapshot_at: tuple = (),
+             overflow: Any = None) -> tuple[list, PagedSequence]:
         """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
 
         Args:
@@ -195,6 +216,8 @@ class PagedBackend:
             spans: ``(start, end, key)`` token ranges whose blocks get ``key`` in their hash (per-range salts).
             snapshot_at: prompt positions (chat message ends) where recurrent layers' state is also snapshot,
                 at the last block boundary at or before each.
+            overflow: the sequence's :class:`mlxkv.config.KvOverflowConfig` (checked by :meth:`check_overflow`;
+                ``None``: the whole context stays paged).
 
         Returns:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
@@ -206,6 +229,7 @@ class PagedBackend:
         seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
                             res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
         seq.apply_copies(res.copies)
+        self._attach_overflow(seq, overflow)
         self.sequences[seq.seq_id] = seq
         caches = []
         for layer, c in enumerate(make_caches(self.model)):
@@ -238,6 +262,7 @@ class PagedBackend:
         for child_id in self.manager.fork(parent.seq_id, n):
             seq = PagedSequence(self.manager, self.storage, parent.group_layers, child_id, parent.num_cached,
                                 self.layer_block_bytes)
+            seq.overflow = {g: state.clone() for g, state in parent.overflow.items()}
             self.sequences[child_id] = seq
             caches = []
             for layer, c in enumerate(parent_caches):

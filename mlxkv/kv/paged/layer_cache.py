@@ -38,8 +38,10 @@ from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.kernels.page_views_ref import runs_attention
 from mlxkv.kv.blocks import KVCacheGroupSpec
 from mlxkv.kv.layouts.dense_attention import attend as dense_attend
+from mlxkv.kv.layouts.base import RewindError
 from mlxkv.kv.layouts.masks import standard_mask, visible
-from mlxkv.kv.paged.page_arrays import is_view
+from mlxkv.kv.overflow.mass import decode_mass
+from mlxkv.kv.paged.page_arrays import is_view, page_runs
 from mlxkv.kv.paged.paged_sequence import PagedSequence
 
 #: A write whose slots form at most this many in-page runs uses static slice updates instead of a scatter
@@ -101,8 +103,26 @@ class PagedLayerCache:
         ids, runs = self.seq.step.page_range(self.group, first_block, -(-end // bs))
         return ids, runs, start - first_block * bs
 
+    @property
+    def overflow(self) -> Any:
+        """This layer's group's :class:`~mlxkv.kv.paged.page_overflow.PageOverflow` (``--kv-overflow``), or None."""
+        return self.seq.overflow.get(self.group) if self.seq.overflow else None
+
+    def _kept(self, end: int) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
+        """Under an overflow policy that dropped pages: the kept table entries of positions ``[0, end)``, their
+        block ids and runs; None while every page is kept."""
+        ov = self.overflow
+        if ov is None or not ov.dropped:
+            return None
+        entries, ids = ov.kept_pages(self.seq.step.host_table(self.group), end)
+        return entries, ids, page_runs(ids)
+
     def _fetch(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        """Positions ``[start, end)`` as ``(1, n_kv, end - start, D)`` (a view when the pages are consecutive)."""
+        """Positions ``[start, end)`` as ``(1, n_kv, end - start, D)`` (a view when the pages are consecutive);
+        under an overflow policy the kept rows of ``[0, end)`` (full attention: ``start`` is 0)."""
+        kept = self._kept(end)
+        if kept is not None:
+            return self.seq.storage.gather(self.layer, kept[1], 0, self.overflow.kept_tokens(end), kept[2])
         ids, runs, first = self._pages(start, end)
         return self.seq.storage.gather(self.layer, ids, first, end - start, runs)
 
@@ -125,7 +145,8 @@ class PagedLayerCache:
         start = self._first_returned(o)
         self._returned_span = (start, o + N)
         self._returned = self._fetch(start, o + N)
-        self._returned_view = is_view(self._pages(start, o + N)[1])
+        kept = self._kept(o + N)
+        self._returned_view = is_view(kept[2] if kept is not None else self._pages(start, o + N)[1])
         return self._returned
 
     def refetch(self) -> tuple[mx.array, mx.array]:
@@ -143,6 +164,14 @@ class PagedLayerCache:
         mask (on the reference path: page runs in place when the rows lie in a few runs, a view being one; a causal
         prefill chunk too, but over a view dense SDPA); otherwise dense SDPA on the given tensors."""
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        ov = self.overflow
+        if ov is not None and (ov.needs_mass or ov.dropped):
+            return self._attend_overflow(ov, own, queries, keys, values, scale, mask, sinks)
+        return self._attend_pages(own, queries, keys, values, scale, mask, sinks)
+
+    def _attend_pages(self, own: bool, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
+                      sinks: mx.array | None) -> mx.array:
+        """:meth:`attend` over every page of the sequence (``own``: handed this step's fetched K/V)."""
         self._returned = None
         storage = self.seq.storage
         if storage.quantized:  # the quantized kernel where it may run (Metal), else mx.quantized_matmul, any mask
@@ -178,6 +207,27 @@ class PagedLayerCache:
             )  # (1, n_q, 1, D)
         return dense_attend(queries, keys, values, scale, mask, sinks)
 
+    def _attend_overflow(self, ov: Any, own: bool, queries: mx.array, keys: Any, values: Any, scale: float,
+                         mask: Any, sinks: mx.array | None) -> mx.array:
+        """Attention under an overflow policy: h2o adds each kept page's attention mass (``decode_mass``); once
+        pages were dropped the kept rows are attended (the kernel over the kept pages' table where it may run),
+        before that the plain path runs (so a budget above the context changes nothing)."""
+        assert own, "an overflow policy attends the rows its update_and_fetch returned (no derived keys)"
+        kept = self._kept(self.offset)
+        if ov.needs_mass:
+            entries = kept[0] if kept is not None else list(range(-(-self.offset // self.seq.storage.block_size)))
+            ov.add_mass(decode_mass(queries, keys, scale, mask, sinks), entries)  # (n_kv, K) rows -> pages
+        if kept is None:
+            return self._attend_pages(own, queries, keys, values, scale, mask, sinks)  # the plain path, exactly
+        self._returned = None
+        storage, n = self.seq.storage, ov.kept_tokens(self.offset)
+        if (queries.shape[2] == 1 and mask is None and not reference_on_views()
+                and storage.k_rows[self.layer].shape == storage.v_rows[self.layer].shape):
+            return paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
+                                   mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks,
+                                   max_context_len=n)  # (1, n_q, 1, D): the kept pages only
+        return dense_attend(queries, keys, values, scale, mask, sinks)
+
     def _kernel_mask_ok(self, mask: Any, keys: mx.array) -> bool:
         """Whether the kernel's own visibility rule covers ``mask`` for a decode query: no mask, or (chunked
         layers) llama4's boolean chunk mask over exactly the returned rows — for one query at the newest
@@ -190,6 +240,14 @@ class PagedLayerCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return (as the dense layouts)."""
         o, window, chunk = self.offset, self.window, self.chunk_size
+        kept = self._kept(o)
+        if kept is not None:  # every kept row is older than the new queries: causal over [kept][new]
+            if window_size is not None:
+                raise ValueError("an overflow policy serves full-attention layers only (no window_size)")
+            if not return_array:
+                return None if N == 1 else "causal"
+            K = self.overflow.kept_tokens(o) + N
+            return mx.arange(K - N, K)[:, None] >= mx.arange(K)[None]  # (N, K)
         if window is None and chunk is None:
             return standard_mask(N, o, return_array, window_size)
         start = self._first_returned(o)
@@ -205,7 +263,9 @@ class PagedLayerCache:
         return visible(q, k, window_size) & ((q[:, None] // C) == (k[None] // C))  # (N, K)
 
     def size(self) -> int:
-        return self.offset - self._first_returned(self.offset)
+        ov = self.overflow
+        dropped = len(ov.dropped) * self.seq.storage.block_size if ov is not None else 0
+        return self.offset - self._first_returned(self.offset) - dropped
 
     def empty(self) -> bool:
         return self.offset == 0
@@ -214,6 +274,9 @@ class PagedLayerCache:
         return True
 
     def rewindable(self) -> int:
+        ov = self.overflow
+        if ov is not None and ov.evicted_at is not None:
+            return max(0, self.offset - ov.evicted_at)  # the dropped pages cannot come back
         return self.offset
 
     def rewind_to(self, position: int) -> None:
@@ -229,6 +292,9 @@ class PagedLayerCache:
         """Drop the last ``n`` tokens through the manager (emptied blocks go back to the pool); returns the
         number removed (less when a window's released block was evicted meanwhile)."""
         target = self.offset - min(max(int(n), 0), self.offset)
+        if self.offset - target > self.rewindable():
+            raise RewindError(f"cannot rewind {self.offset - target} tokens: an overflow policy evicted pages "
+                              f"{self.rewindable()} tokens back")
         self._returned = None
         if self.seq.num_tokens > target:
             self.seq.trim_to(target)

@@ -50,6 +50,7 @@ class PagedSequence:
         self.released = False
         self._step: SequenceStep | None = None  # this step's metadata (a new one once the slots change)
         self.recorder = None  # models with recurrent layers: takes state snapshots (state_snapshots.py)
+        self.overflow: dict = {}  # full-attention group -> its PageOverflow (--kv-overflow window|h2o)
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -106,6 +107,11 @@ class PagedSequence:
         self._changed()
         if self.recorder is not None:
             self.recorder.on_commit(self.num_committed, self.num_tokens)
+        for state in self.overflow.values():  # past the budget: drop whole pages (page_overflow.py)
+            if state.evict(self.manager, self.seq_id, self.num_committed):
+                self._changed()
+            if state.arrays():
+                mx.async_eval(*state.arrays())  # fold this step's mass without waiting for it
 
     def next_stop(self, start: int) -> int | None:
         """The first position after ``start`` where a prefill chunk must end (a recurrent-state snapshot is
