@@ -1,5 +1,5 @@
 """The --kv-overflow policies through the product's doors: ``mlxkv generate`` (Typer runner), a chat session over
-turns, and ``mlxkv serve`` (a real server on loopback, the official openai client, dense backend)."""
+turns, and ``mlxkv serve`` (a real server on loopback, the official openai client, dense and paged backends)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_generate_is_exact_under_a_large_budget_and_runs_past_a_small_one(llama_
     (["--kv-overflow-budget", "64"], "apply to --kv-overflow window, h2o or offload"),
     (["--kv-overflow-sinks", "2"], "applies to --kv-overflow window, h2o or offload"),
     (["--kv-overflow", "lru", "--kv-overflow-budget", "64"], "preempt"),
-    (["--kv-overflow", "h2o", "--kv-overflow-budget", "64", "--kv-backend", "paged"], "--kv-backend dense"),
+    (["--kv-overflow", "offload", "--kv-overflow-budget", "64", "--kv-backend", "paged"], "--kv-backend dense"),
+    (["--kv-overflow", "h2o", "--kv-overflow-budget", "40", "--kv-backend", "paged"], "too small for pages"),
     (["--kv-overflow", "h2o", "--kv-overflow-budget", "64", "--max-kv-size", "64"], "both cap the context"),
     (["--kv-overflow", "offload", "--kv-overflow-budget", "64", "--kv-bits", "8"], "--kv-bits"),
     (["--kv-overflow", "window", "--kv-overflow-budget", "64", "--kv-overflow-recent", "8"], "applies to h2o and offload"),
@@ -92,8 +93,24 @@ def test_serve_dense_with_offload_answers_concurrent_requests():
         assert ask("Tell me about the sea and the ships.")[0] == answers[0][0]  # greedy: same answer alone
 
 
-def test_serve_refuses_overflow_on_the_paged_backend():
-    proc = subprocess.run([sys.executable, "-m", "mlxkv", "serve", "--kv-overflow", "h2o", "--kv-overflow-budget",
+def test_serve_paged_with_h2o_answers_concurrent_requests():
+    """serve's default paged backend with a server-wide h2o budget far below the conversations: concurrent chat
+    requests and n=2 (a fork) through the openai client, each the same answer alone; offload is refused there."""
+    with serve_process("--kv-overflow", "h2o", "--kv-overflow-budget", "64", "--kv-overflow-recent", "8",
+                       "--temp", "0") as client:
+        def ask(question, n=1):
+            r = client.chat.completions.create(model="default", max_tokens=60, n=n,
+                                               messages=[{"role": "user", "content": question}])
+            return [c.message.content for c in r.choices], r.usage
+
+        questions = ["Tell me about the sea and the ships.", "What is a tuple in Python?"]
+        with futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, questions + [questions[0]], [1, 1, 2]))
+        for texts, usage in answers:
+            assert all(t.strip() for t in texts) and usage.prompt_tokens + usage.completion_tokens > 64
+        assert answers[2][0] == answers[0][0] * 2  # greedy: the fork's samples, the same answer alone
+        assert ask(questions[1])[0] == answers[1][0]
+    proc = subprocess.run([sys.executable, "-m", "mlxkv", "serve", "--kv-overflow", "offload", "--kv-overflow-budget",
                            "64", "--port", "1"], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--kv-backend dense" in " ".join(proc.stderr.replace("│", " ").split())

@@ -40,15 +40,21 @@ def dense(llama_dir):
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120), srv.url
 
 
-def _generate(llama_dir, *flags):
-    result = CliRunner().invoke(app, ["generate", "-m", llama_dir, "--raw", "-n", str(N), "--temp", "0",
-                                      "--kv-backend", "dense", *flags, PROMPT])
+@pytest.fixture(scope="module")
+def paged(llama_dir):
+    with _serve(llama_dir, kv_backend="paged") as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _generate(llama_dir, *flags, backend="dense", n=N):
+    result = CliRunner().invoke(app, ["generate", "-m", llama_dir, "--raw", "-n", str(n), "--temp", "0",
+                                      "--kv-backend", backend, *flags, PROMPT])
     assert result.exit_code == 0, result.output
     return result.stdout.rstrip("\n")
 
 
-def _complete(client, **extra):
-    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=N, temperature=0,
+def _complete(client, n=N, **extra):
+    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=n, temperature=0,
                                   extra_body=extra or None)
     return r.choices[0].text, r.usage
 
@@ -66,6 +72,23 @@ def test_a_request_budget_below_its_context_matches_generate_with_the_same_flags
     # a budget above the context: every policy is the plain cache
     for policy in ("window", "h2o", "offload"):
         assert _complete(client, kv_overflow={"policy": policy, "budget": 512})[0] == plain, policy
+
+
+def test_paged_server_runs_a_request_budget_in_pages(paged, llama_dir):
+    """The paged backend (serve's default) evicts whole pages (16 tokens): the same tokens as ``mlxkv generate``
+    on paged storage with the same flags; offload and a budget too small for its pages are a 400."""
+    policy = {"policy": "h2o", "budget": 56, "sinks": 2, "recent": 8}
+    flags = ["--kv-overflow", "h2o", "--kv-overflow-budget", "56", "--kv-overflow-sinks", "2",
+             "--kv-overflow-recent", "8"]
+    small, usage = _complete(paged, n=48, kv_overflow=policy)
+    assert usage.prompt_tokens < 56 < usage.prompt_tokens + usage.completion_tokens
+    assert small == _generate(llama_dir, *flags, backend="paged", n=48)
+    assert small != _complete(paged, n=48)[0]
+    for bad, fragment in (({"policy": "offload", "budget": 512}, "dense backend only"),
+                          ({"policy": "window", "budget": 40}, "too small for pages of 16 tokens")):
+        with pytest.raises(openai.BadRequestError) as err:
+            _complete(paged, kv_overflow=bad)
+        assert fragment in err.value.body["message"] and err.value.body["param"] == "kv_overflow"
 
 
 def test_chat_and_messages_routes_take_the_field(dense):
