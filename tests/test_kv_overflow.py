@@ -220,9 +220,15 @@ def test_preemption_resumes_with_fresh_caches_of_the_same_policy(models):
 
 
 def test_the_paged_backend_and_other_caps_refuse_the_policies():
+    with pytest.raises(ValueError, match="dense backend only"):
+        KvCacheConfig(backend="paged", overflow=overflow("offload", 64))
+    with pytest.raises(ValueError, match="too small for pages of 16 tokens"):
+        KvCacheConfig(backend="paged", overflow=overflow("h2o", 64))  # sinks' page + 32 recent + 2 pages > 64
+    with pytest.raises(ValueError, match="full-precision pages"):
+        KvCacheConfig(backend="paged", kv_bits=8, overflow=overflow("window", 64))
+    for policy in ("window", "h2o"):
+        KvCacheConfig(backend="paged", overflow=overflow(policy, 96))
     for policy in ("window", "h2o", "offload"):
-        with pytest.raises(ValueError, match="dense backend"):
-            KvCacheConfig(backend="paged", overflow=overflow(policy, 64))
         with pytest.raises(ValueError, match="max_kv_size"):
             KvCacheConfig(max_kv_size=64, overflow=overflow(policy, 64))
     with pytest.raises(ValueError, match="kv_bits"):
