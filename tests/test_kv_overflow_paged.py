@@ -199,5 +199,37 @@ def test_fork_and_preemption_run_with_a_policy(model):
     for events in results:
         assert events[-1].kind == "done", events[-1]
         assert sum(e.kind == "token" for e in events) == (80 if events is results[0] else 40)
-    assert stats["preemptions"] > 0
+    assert stats["preemptions"] > 0 and stats["batched_decode"] and stats["batched_steps_total"] > 0, stats
     pool.check_invariants()
+
+
+def test_batched_decode_over_kept_pages_matches_one_by_one(model):
+    """Three sequences (h2o, window, none) past their budgets decoded in one batched forward per step give the
+    tokens each gives decoded alone."""
+    from mlxkv.kv import make_batch_views
+
+    policies = [KvOverflowConfig("h2o", budget=24, sinks=2, recent=4), KvOverflowConfig("window", budget=20), None]
+    prompts = [PROMPT, PROMPT[5:], PROMPT[:30]]
+
+    def run(batched):
+        pool = pool_for(model)
+        seqs = [pool.open(prompt=p, overflow=o) for p, o in zip(prompts, policies)]
+        last = [int(mx.argmax(step_logits(model, s, p, 2)[0][-1]).item()) for s, p in zip(seqs, prompts)]
+        out = []
+        for _ in range(12):
+            for s, t in zip(seqs, last):
+                s.feed([t])
+            inputs = mx.array([[t] for t in last], dtype=mx.uint32)  # (3, 1)
+            if batched:
+                logits = model(inputs, cache=make_batch_views([s.caches for s in seqs]))[:, -1]
+            else:
+                logits = mx.concatenate([model(inputs[b:b + 1], cache=s.caches)[:, -1] for b, s in enumerate(seqs)])
+            last = mx.argmax(logits, axis=-1).tolist()
+            for s in seqs:
+                s.commit()
+            out.append(last)
+        assert all(overflow_state(s).evicted for s in seqs[:2])
+        pool.check_invariants()
+        return out
+
+    assert run(True) == run(False)

@@ -31,6 +31,7 @@ from mlxkv.kv.batching.dense_views import (
     StateBatchView,
     _is_state_cache,
 )
+from mlxkv.kv.batching.overflow_views import OverflowBatchView
 from mlxkv.kv.layouts.dense_attention import attend as dense_attend
 from mlxkv.kv.paged.layer_cache import MAX_VIEW_RUNS, PagedLayerCache
 from mlxkv.kv.paged.step_context import BatchStep
@@ -223,12 +224,13 @@ def make_paged_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
     views = []
     for layer in zip(*seq_caches):
         if all(isinstance(c, PagedLayerCache) for c in layer):
-            if any(c.seq.overflow for c in layer):  # kept pages and attention mass: each sequence on its own
-                raise BatchUnsupported("a sequence under an overflow policy (--kv-overflow) decodes alone")
             if len({id(c.seq.storage) for c in layer}) != 1:
                 raise BatchUnsupported("paged sequences from different pools")
             g = layer[0].group
             groups.setdefault(g, BatchStep(layer))
+            if any(c.overflow is not None for c in layer):  # kept pages' tables, attention mass (overflow_views.py)
+                views.append(OverflowBatchView(layer, groups[g]))
+                continue
             make_view = getattr(layer[0], "batch_view", PagedBatchView)  # a layout's own view (latent pages)
             views.append(make_view(layer, groups[g]))
         elif all(_is_state_cache(c) for c in layer):
