@@ -60,3 +60,26 @@ def test_the_real_model_stays_within_a_small_budget(loaded, prompt, plain):
     assert all(c.evicted > 0 and c.size() <= budget + 1 + c.restore_limit for c in layers)
     assert all(c.size() + len(c.tier) == c.offset for c in layers)  # every token resident or on the host
     assert tokens[:4] == plain[:4]  # the first steps still see most of the prompt's mass
+
+
+def test_paged_h2o_on_the_real_model(loaded, prompt, plain):
+    """Paged storage (pages of 8): h2o is the plain cache under a large budget; under a small one whole pages go
+    and the sequence keeps answering."""
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.engine.direct import DirectEngine
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.kv import CachePool
+
+    def run(overflow):
+        pool = CachePool(loaded.model, backend="paged", num_blocks=64, overflow=overflow,
+                         kv_config=KvCacheConfig(backend="paged", block_size=8))
+        engine = DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
+        out = list(engine.generate_tokens(prompt, SamplingParams(max_tokens=STEPS, temp=0)))
+        pool.check_invariants()
+        return out, pool
+
+    assert run(KvOverflowConfig(policy="h2o", budget=256))[0] == plain
+    tokens, pool = run(KvOverflowConfig(policy="h2o", budget=32, recent=8))
+    assert len(tokens) == STEPS and len(prompt) < 32 < len(prompt) + STEPS
+    # the first eviction comes at 33 tokens: the 4 blocks full by then are cached, none written after it
+    assert pool.paged.manager.pool.stats().cached == 4
