@@ -233,3 +233,11 @@ def test_batched_decode_over_kept_pages_matches_one_by_one(model):
         return out
 
     assert run(True) == run(False)
+
+
+def test_distributed_ranks_refuse_a_policy(model):
+    from mlxkv.distributed.leader import build_rank_pool
+
+    kv = KvCacheConfig(backend="paged", overflow=KvOverflowConfig("window", budget=96))
+    with pytest.raises(ValueError, match="not supported with --distributed"):
+        build_rank_pool(model, kv, max_sequences=2, context_tokens=None, group=None)

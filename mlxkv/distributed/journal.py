@@ -113,6 +113,10 @@ class LeaderPool:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
 
+    def check_overflow(self, overflow: Any) -> None:
+        """A request's ``kv_overflow`` policy is refused: each rank would rank and drop its own pages."""
+        raise ValueError(f"kv_overflow {overflow.policy} is not supported with --distributed yet")
+
     def _handle(self, seq: Any) -> LeaderSequence:
         handle = self._handles.get(seq.id.value)
         if handle is None:

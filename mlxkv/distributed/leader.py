@@ -165,6 +165,8 @@ def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: 
     from mlxkv.engine.build import build_pool
     from mlxkv.kv import CachePool
 
+    if kv.overflow.enabled:  # h2o's mass differs between shards: the ranks would keep different pages
+        raise ValueError(f"--kv-overflow {kv.overflow.policy} is not supported with --distributed yet")
     pool = build_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens)
     return agree_pool(pool, lambda n: CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv,
                                                 num_blocks=n), group, same_size=mode != "pipeline")
