@@ -209,10 +209,10 @@ class PagedLayerCache:
 
     def _attend_overflow(self, ov: Any, own: bool, queries: mx.array, keys: Any, values: Any, scale: float,
                          mask: Any, sinks: mx.array | None) -> mx.array:
-        """Attention under an overflow policy: h2o adds each kept page's attention mass (``decode_mass``); once
-        pages were dropped the kept rows are attended (the kernel over the kept pages' table where it may run),
-        before that the plain path runs (so a budget above the context changes nothing)."""
-        assert own, "an overflow policy attends the rows its update_and_fetch returned (no derived keys)"
+        """Attention under an overflow policy: h2o adds each kept page's attention mass (``decode_mass`` over the
+        rows handed in, this step's kept rows); once pages were dropped the kept rows are attended (the kernel
+        over the kept pages' table where it may run), before that the plain path runs (so a budget above the
+        context changes nothing)."""
         kept = self._kept(self.offset)
         if ov.needs_mass:
             entries = kept[0] if kept is not None else list(range(-(-self.offset // self.seq.storage.block_size)))
@@ -221,7 +221,7 @@ class PagedLayerCache:
             return self._attend_pages(own, queries, keys, values, scale, mask, sinks)  # the plain path, exactly
         self._returned = None
         storage, n = self.seq.storage, ov.kept_tokens(self.offset)
-        if (queries.shape[2] == 1 and mask is None and not reference_on_views()
+        if (own and queries.shape[2] == 1 and mask is None and not reference_on_views()
                 and storage.k_rows[self.layer].shape == storage.v_rows[self.layer].shape):
             return paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
                                    mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks,

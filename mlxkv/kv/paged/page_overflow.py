@@ -99,9 +99,9 @@ class PageOverflow:
         end = min((num_tokens - 1) // bs, (num_tokens - self.recent) // bs)  # before the written / recent pages
         candidates = [i for i in range(front, end) if i not in self.dropped]
         if self.policy == "h2o" and candidates:
-            mass = np.zeros(end, np.float64)
+            mass = np.zeros(end, np.float64)  # pages never attended yet (none, in practice) rank lowest
             if self._mass is not None:
-                have = np.array(self._mass[:end].astype(mx.float32)) if self._mass.shape[0] else mass[:0]
+                have = np.array(self._mass[:end])  # evaluates the lazy sums: once per eviction
                 mass[: have.shape[0]] = have
             candidates.sort(key=lambda i: (mass[i], i))  # lowest mass first, then the oldest
         return sorted(candidates[: -(-excess // bs)])
