@@ -221,8 +221,17 @@ class PagedLayerCache:
             return self._attend_pages(own, queries, keys, values, scale, mask, sinks)  # the plain path, exactly
         self._returned = None
         storage, n = self.seq.storage, ov.kept_tokens(self.offset)
-        if (own and queries.shape[2] == 1 and mask is None and not reference_on_views()
-                and storage.k_rows[self.layer].shape == storage.v_rows[self.layer].shape):
+        k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
+        same = k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]
+        causal = mask is None if queries.shape[2] == 1 else isinstance(mask, str) and mask == "causal"
+        if own and reference_on_views() and same and causal and sinks is None and len(kept[2]) <= MAX_VIEW_RUNS:
+            bs, runs, left = storage.block_size, [], n  # the kept pages' rows in place, run by run
+            for block, pages in kept[2]:
+                rows = min(pages * bs, left)
+                runs.append((block * bs, rows))
+                left -= rows
+            return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
+        if own and queries.shape[2] == 1 and mask is None and not reference_on_views() and same:
             return paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
                                    mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks,
                                    max_context_len=n)  # (1, n_q, 1, D): the kept pages only
