@@ -263,8 +263,7 @@ def check_static(files: list[str]) -> bool:
     ok = True
     for report in static_check.check_all(bodies or None):
         ok &= report.ok
-        print(f"static {report.spec.name} ({report.spec.source_file}"
-              f"{' + ' + report.spec.kv_read_file if report.spec.kv_read_file else ''}): {report.variants} variants "
+        print(f"static {report.spec.name} ({' + '.join(report.spec.files())}): {report.variants} variants "
               f"{'ok' if report.ok else 'FAILED'}")
         for problem in report.problems:
             print(f"  {problem}")
