@@ -11,9 +11,10 @@ import warnings
 import mlx.core as mx
 import pytest
 from metal_shim.emulator import GXX, EmulatedAttention, EmulatedQuantizedAttention, Emulator
+from testkit.kernel_oracle import dense_attention_mass
 
 from mlxkv.kernels import KernelDispatch, metal_specs, paged_attention_reference
-from mlxkv.kernels.geometry import plan_splits, visible_start
+from mlxkv.kernels.geometry import plan_splits
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
 from mlxkv.kernels.paged_mass_ref import MASS_TOLERANCE
 from mlxkv.kernels.quantized_paged_ref import dequantize_table_pages, quantized_paged_attention_reference
@@ -26,30 +27,15 @@ from mlxkv.kernels.selfcheck import (
     quantize_case,
     random_paged_case,
 )
-from mlxkv.kv.overflow.mass import attention_mass, masked_scores
 
 needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ not installed (Debian/Ubuntu: apt-get install g++)")
 
 
-def second_pass_mass(case, b: int, scale: float, window=None, chunk_size=None, sinks=None) -> mx.array:
-    """mass.py's second pass for sequence ``b``: its rows gathered densely, masked scores, softmax mass ``(KVH, L)``."""
-    KVH, _, bs, D = case.k_pages.shape
-    L = case.context_lens[b].item()
-    ids = mx.array(case.block_tables[b].tolist()[: -(-L // bs)])
-    keys = mx.take(case.k_pages, ids, axis=1).reshape(KVH, -1, D)[None, :, :L]  # (1, KVH, L, D)
-    start = visible_start(case.context_lens[b:b + 1], window, chunk_size).item()
-    mask = (mx.arange(L) >= start).reshape(1, 1, 1, L)  # (1, 1, 1, L): the window / chunk
-    return attention_mass(masked_scores(case.queries[b:b + 1], keys, scale, mask), sinks)  # (KVH, L)
-
-
 def assert_mass_is_second_pass(case, mass, scale, **kw):
-    B, KVH, P = mass.shape
-    assert mass.dtype == mx.float32 and P == case.block_tables.shape[1] * case.k_pages.shape[2]
-    for b in range(B):
-        L = case.context_lens[b].item()
-        want = second_pass_mass(case, b, scale, **kw)
-        assert mx.allclose(mass[b, :, :L], want, atol=MASS_TOLERANCE, rtol=MASS_TOLERANCE).item(), (
-            b, max_abs_error(mass[b, :, :L], want))
+    want = dense_attention_mass(case.queries, case.k_pages, case.block_tables, case.context_lens, scale=scale, **kw)
+    assert mass.dtype == mx.float32 and mass.shape == want.shape
+    assert mx.allclose(mass, want, atol=MASS_TOLERANCE, rtol=MASS_TOLERANCE).item(), max_abs_error(mass, want)
+    for b, L in enumerate(case.context_lens.tolist()):
         assert not mx.any(mass[b, :, L:]).item()  # past the context: 0
 
 
