@@ -1,4 +1,5 @@
-"""Metal kernel factories: paged attention (split-K partials + merge).
+"""Metal kernel factories: paged attention (split-K partials + merge; optionally the attention-mass variant of the
+partials and the mass pass, ``partials_call(..., scores=True)`` / ``mass_call``).
 
 Each factory builds its ``mx.fast.metal_kernel`` once (per source) and one wrapper per
 configuration key, and returns ``None`` where Metal is unavailable or the configuration is one
