@@ -107,7 +107,9 @@ def _fuse(members: list[nn.Linear]) -> list[FusedLinear]:
     bias = mx.concatenate([m.bias for m in members]) if "bias" in members[0] else None
     mx.eval(weight, *([bias] if bias is not None else []))
     fusion = Fusion(weight, bias, [m.weight.shape[0] for m in members])
-    return [FusedLinear(fusion, i) for i in range(len(members))]
+    fused = [FusedLinear(fusion, i) for i in range(len(members))]
+    mx.eval([m.parameters() for m in fused])  # the views too: the engine's thread cannot run another's graph
+    return fused
 
 
 def _same_outputs(members: list[nn.Linear], fused: list[FusedLinear]) -> bool:
