@@ -78,3 +78,12 @@ def with_kv_quantization(fingerprint: dict, bits: int, group_size: int) -> dict:
     other bits, another group size or unquantized pages has another digest, so it is never loaded as this one."""
     return make_fingerprint(fingerprint["architecture"], fingerprint["weights_kind"],
                             f"{fingerprint['weights_id']}+kv{bits}g{group_size}")
+
+
+def with_shard(fingerprint: dict, shard: str) -> dict:
+    """``fingerprint`` for this process's shard of each block under ``--distributed`` (``shard``: e.g.
+    ``"rank-1-of-2-tensor"``, the mode, rank and world size): a folder written by another rank, another world size
+    or the other mode has another digest, so its files are never served as this shard's (the disk store counts
+    them as foreign and says so)."""
+    return make_fingerprint(fingerprint["architecture"], fingerprint["weights_kind"],
+                            f"{fingerprint['weights_id']}+{shard}")
