@@ -188,8 +188,12 @@ def rank_tier(pool: Any, plans: Any = None) -> RankTier | None:
 
 def report_flush(rank: int, flushed: dict | None) -> None:
     """A follower's line after its tier flush at stop (rank 0 prints its own)."""
-    if flushed:
+    if not flushed:
+        return
+    try:  # mlx.launch relays the ranks' output: signalled, it may have exited already (a broken pipe)
         sys.stderr.write(f"mlxkv serve: rank {rank}: KV tier saved: {flushed['on_disk']} block(s) on disk "
                          f"({flushed['written']} written at stop, {flushed['seconds']:.2f} s)"
                          + (f", {flushed['lost']} not written" if flushed["lost"] else "") + "\n")
         sys.stderr.flush()
+    except OSError:
+        pass
