@@ -11,7 +11,9 @@ import logging
 import time
 
 import pytest
+from mlxkv.cli.cache import cache_app
 from test_distributed_replay import _FollowerChannel, _LoopbackChannel, _tables
+from typer.testing import CliRunner
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.distributed.follower import Replayer
@@ -63,8 +65,15 @@ def test_a_folder_of_another_shard_is_never_served(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         other = DiskStore(folder, with_shard(base, "rank-0-of-2-tensor"), 1 << 20, block_size=4)
     assert len(other) == 0 and other.num_foreign == 1  # read as rank 0's shard: not served, not deleted
-    assert "belong to another model" in caplog.text
+    assert "belong to another model, other KV bits or another --distributed shard" in caplog.text
     assert len(DiskStore(folder, with_shard(base, "rank-1-of-2-tensor"), 1 << 20, block_size=4)) == 1
+    runner = CliRunner(env={"COLUMNS": "200"})
+    listed = runner.invoke(cache_app, ["ls", str(folder)])
+    assert listed.exit_code == 0 and "rank 1 of 2 (tensor-parallel): this rank's shard" in listed.output
+    assert "1 blocks" in listed.output, listed.output
+    parent = runner.invoke(cache_app, ["ls", str(tmp_path)])
+    assert parent.exit_code == 0 and "holds the per-rank folders of --distributed launches (rank-1-of-2-tensor)" \
+        in parent.output and f"mlxkv cache ls {folder}" in parent.output, parent.output
 
 
 @pytest.fixture(scope="module")

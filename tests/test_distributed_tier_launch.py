@@ -12,13 +12,13 @@ Per mode, two launches on one ``--kv-disk-cache`` folder (each rank writes its o
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import json
 import time
 import urllib.request
-import json
 
 import pytest
+from mlxkv.cli.cache import cache_app
+from typer.testing import CliRunner
 
 from testkit.launch_process import launch_available, start_launch
 from testkit.run_config import run_config
@@ -102,9 +102,9 @@ def test_each_rank_keeps_and_restores_its_shard(mode, llama_dir, reference, tmp_
     assert len(lost) == 1 and len(list((tier / f"rank-0-of-2-{mode}").glob(f"*{lost[0].name[16:]}"))) == 1
     lost[0].unlink()  # rank 1's shard of SECOND's first block; rank 0 keeps its own
 
-    listing = subprocess.run([sys.executable, "-m", "mlxkv", "cache", "ls", str(mine)], capture_output=True,
-                             text=True, timeout=120)
-    assert listing.returncode == 0 and f"rank 1 of 2 ({mode}-parallel)" in listing.stderr, listing.stderr
+    listing = CliRunner(env={"COLUMNS": "200"}).invoke(cache_app, ["ls", str(mine)])
+    assert listing.exit_code == 0 and f"rank 1 of 2 ({mode}-parallel)" in listing.output, listing.output
+    assert f"{saved[mine.name] - 1} blocks" in listing.output  # this rank's own files, verified with its secret
 
     launch = start_launch(2, *args, mode=mode).wait_ready()
     try:

@@ -175,8 +175,8 @@ class DiskStore:
             if entry is not None:
                 found.append(entry)
         if self.num_foreign:
-            log.warning("secondary KV tier: %d file(s) in %s belong to another model; not served",
-                        self.num_foreign, self.folder)
+            log.warning("secondary KV tier: %d file(s) in %s belong to another model, other KV bits or another "
+                        "--distributed shard; not served", self.num_foreign, self.folder)
         if self.num_old_format:
             log.warning("secondary KV tier: dropped %d file(s) of an older format in %s (never readable by this "
                         "version)", self.num_old_format, self.folder)
