@@ -24,7 +24,7 @@ from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.request import GenerationRequest
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv import CachePool
-from mlxkv.kv.tier import DiskStore, TierBlock, fingerprint_model
+from mlxkv.kv.tier import DiskStore, TierBlock
 from mlxkv.kv.tier.fingerprint import make_fingerprint, with_shard
 from mlxkv.kv.tier.format import extra_digest
 from mlxkv.models import load
@@ -74,6 +74,15 @@ def test_a_folder_of_another_shard_is_never_served(tmp_path, caplog):
     parent = runner.invoke(cache_app, ["ls", str(tmp_path)])
     assert parent.exit_code == 0 and "holds the per-rank folders of --distributed launches (rank-1-of-2-tensor)" \
         in parent.output and f"mlxkv cache ls {folder}" in parent.output, parent.output
+
+
+def test_models_with_recurrent_layers_are_refused():
+    from types import SimpleNamespace
+
+    from mlxkv.distributed.tier import RankTier
+
+    with pytest.raises(ValueError, match="does not cover models with recurrent layers"):
+        RankTier(SimpleNamespace(states=object()))  # a bridge whose state snapshots travel with the tier
 
 
 @pytest.fixture(scope="module")
