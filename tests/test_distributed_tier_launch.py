@@ -113,6 +113,7 @@ def test_each_rank_keeps_and_restores_its_shard(mode, llama_dir, reference, tmp_
         assert min(_ranks_restored(launch.url, 4)) >= 4
         # rank 0 holds both of SECOND's blocks, rank 1 not the first: no hit, the same text
         assert _complete(launch.client, SECOND) == (reference["second"], 0)
+        assert _stats(launch.url)["distributed"]["tier"]["refused_blocks"] >= 1
         with urllib.request.urlopen(f"{launch.url}/metrics", timeout=30) as r:
             metrics = r.read().decode()
         assert 'mlxkv_rank_tier_restored_blocks{rank="1"}' in metrics

@@ -147,11 +147,18 @@ class Leader:
             self.plans.channel.tier_figures = tier.figures
         stats = {"mode": self.mode, "world_size": self.group.size(), "rank": 0,
                  "bytes_per_block_per_rank": pool.paged.bytes_per_block if pool.is_paged else None}
+        if tier is not None:  # how often rank 0 asked the ranks, and the blocks it held that another did not
+            stats["tier"] = lambda: {"agreements": tier.agreements, "refused_blocks": tier.refused_blocks}
         return LeaderPool(pool, self.plans.journal, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
-                          heartbeat_s=HEARTBEAT_S, extra_stats=lambda: {**stats, "ranks": self.plans.ranks})
+                          heartbeat_s=HEARTBEAT_S, extra_stats=lambda: _distributed_stats(stats, self.plans.ranks))
 
     def engine(self, *args: Any, **kwargs: Any) -> LeaderEngine:
         return LeaderEngine(*args, plans=self.plans, **kwargs)
+
+
+def _distributed_stats(stats: dict, ranks: list[dict]) -> dict:
+    """The ``distributed`` section of the stats (callables in ``stats`` read now)."""
+    return {**{k: v() if callable(v) else v for k, v in stats.items()}, "ranks": ranks}
 
 
 def agree_pool(pool: Any, rebuild: Any, group: Any, *, same_size: bool = True) -> Any:
