@@ -21,7 +21,8 @@ blocks differ in size). So a restore is agreed before it counts (:class:`RankTie
 A follower missing its shard thus only shortens the hit (down to none), never gives a wrong answer. This is the
 simplest correct order: the agreement costs one collective, and only when rank 0 holds a candidate block. What
 the agreement cannot see (a file removed or failing verification between the answer and the replay) makes the
-replay fail; the follower then ends the launch with a clear error, as any divergence does. Agreeing on flags
+replay fail; the follower then ends the launch with a clear error, as any divergence does (and so does rank 0
+when its own restore raises midway: its allocations may have evicted blocks the other ranks still hold). Agreeing on flags
 rather than restoring and undoing keeps every rank's pool changes in the journal order they already follow.
 """
 
@@ -34,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlxkv.distributed.watchdog import fatal
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.restore_plan import plan_restore
 
@@ -127,7 +129,10 @@ class RankTier:
             return 0
         held = [x for chain in hit.blocks for x in chain if not x.is_null]
         done: list[tuple[int, int, int]] = []
-        complete = b.restore_blocks(tokens, ctx, hashes, hit.blocks, held, wanted, done=done)
+        try:
+            complete = b.restore_blocks(tokens, ctx, hashes, hit.blocks, held, wanted, done=done)
+        except Exception as exc:  # noqa: BLE001 - its allocations may have evicted blocks the others still hold
+            fatal(0, f"a KV tier restore failed ({type(exc).__name__}: {exc}); the ranks' pools would diverge")
         grew = length - first if complete else 0
         if done:  # replayed by every follower before the open that follows
             plans.journal.add("tier_restore", tokens, (ctx.salt, ctx.extra, ctx.spans), first, usable, done, grew)
