@@ -97,7 +97,7 @@ def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> N
 def _distributed_note(folder: Path, command: str) -> None:
     """What a folder of ``mlxkv serve --distributed`` holds: one rank's shard of each block, or (the folder passed
     as --kv-disk-cache) one subfolder per rank, which ``ls`` and ``clear`` take one at a time."""
-    from mlxkv.distributed.tier import parse_shard_name
+    from mlxkv.kv.tier.fingerprint import parse_shard_name
 
     shard = parse_shard_name(folder.resolve().name)
     if shard is not None:

@@ -67,6 +67,11 @@ def test_a_folder_of_another_shard_is_never_served(tmp_path, caplog):
     assert len(other) == 0 and other.num_foreign == 1  # read as rank 0's shard: not served, not deleted
     assert "belong to another model, other KV bits or another --distributed shard" in caplog.text
     assert len(DiskStore(folder, with_shard(base, "rank-1-of-2-tensor"), 1 << 20, block_size=4)) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
+        whole = DiskStore(tmp_path, base, 1 << 20, block_size=4)  # one process on the launch's folder
+    assert len(whole) == 0 and "holds the per-rank folders of --distributed launches (rank-1-of-2-tensor)" \
+        in caplog.text
     runner = CliRunner(env={"COLUMNS": "200"})
     listed = runner.invoke(cache_app, ["ls", str(folder)])
     assert listed.exit_code == 0 and "rank 1 of 2 (tensor-parallel): this rank's shard" in listed.output

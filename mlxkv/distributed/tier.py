@@ -30,29 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from mlxkv.distributed.watchdog import fatal
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
+from mlxkv.kv.tier.fingerprint import parse_shard_name, shard_name
 from mlxkv.kv.tier.restore_plan import plan_restore
 
 log = logging.getLogger("mlxkv.distributed")
-
-_RANK_FOLDER = re.compile(r"^rank-(\d+)-of-(\d+)-(tensor|pipeline)$")
-
-
-def shard_name(mode: str, rank: int, size: int) -> str:
-    """The name of a rank's shard, e.g. ``rank-1-of-2-tensor``: its disk folder and part of its fingerprint."""
-    return f"rank-{rank}-of-{size}-{mode}"
-
-
-def parse_shard_name(name: str) -> tuple[int, int, str] | None:
-    """``(rank, size, mode)`` of a per-rank folder name, or None for any other name."""
-    m = _RANK_FOLDER.match(name)
-    return None if m is None else (int(m.group(1)), int(m.group(2)), m.group(3))
 
 
 def rank_tier_config(kv: Any, mode: str, rank: int, size: int) -> Any:
