@@ -67,6 +67,7 @@ def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> N
     from mlxkv.kv.tier.listing import chains
 
     listing = _listing(_folder(folder))
+    _distributed_note(folder, "ls")
     table = Table(title=f"KV tier {folder}")
     for col in ("chain", "group", "blocks", "tokens", "priority", "bytes", "model", "age"):
         text = col in ("chain", "model")
@@ -93,6 +94,24 @@ def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> N
     console.print(f"{total_blocks} blocks, {_fmt_bytes(total_bytes)}" + "".join(f", {n}" for n in notes))
 
 
+def _distributed_note(folder: Path, command: str) -> None:
+    """What a folder of ``mlxkv serve --distributed`` holds: one rank's shard of each block, or (the folder passed
+    as --kv-disk-cache) one subfolder per rank, which ``ls`` and ``clear`` take one at a time."""
+    from mlxkv.kv.tier.fingerprint import parse_shard_name
+
+    shard = parse_shard_name(folder.resolve().name)
+    if shard is not None:
+        rank, size, mode = shard
+        typer.echo(f"{folder}: rank {rank} of {size} ({mode}-parallel): this rank's shard of each block "
+                   f"({'its KV heads' if mode == 'tensor' else 'its layers'}); the other ranks' folders are beside it",
+                   err=True)
+        return
+    ranks = sorted(p.name for p in folder.iterdir() if p.is_dir() and parse_shard_name(p.name))
+    if ranks:
+        typer.echo(f"{folder} holds the per-rank folders of --distributed launches ({', '.join(ranks)}): not listed "
+                   f"here; pass one of them (mlxkv cache {command} {folder / ranks[0]})", err=True)
+
+
 @cache_app.command("clear")
 def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
           yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking.")) -> None:
@@ -101,6 +120,7 @@ def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
     from mlxkv.kv.tier.disk_store import is_tier_file, is_tier_temp
 
     folder = _folder(folder)
+    _distributed_note(folder, "clear")
     ours = [p for p in sorted(folder.iterdir()) if is_tier_temp(p) or is_tier_file(p)]
     if not ours:
         typer.echo(f"no tier files in {folder}")

@@ -199,7 +199,7 @@ def serve(
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
                         chat_template=chat_template, tool_parser=tool_parser)
-        group = _distributed_group(distributed, tier=bool(host_cache_size or kv_disk_cache))
+        group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
@@ -261,14 +261,11 @@ def serve(
         raise typer.Exit(code=3)  # uvicorn's startup-failure code (it logged why)
 
 
-def _distributed_group(mode: str, *, tier: bool):
+def _distributed_group(mode: str):
     """The ``mx.distributed`` group for ``--distributed MODE`` (None when off; refused under mlx.launch then)."""
     from mlxkv.distributed.group import check_mode, check_undistributed, start_group
 
     if check_mode(mode) == "off":
         check_undistributed()
         return None
-    if tier:
-        raise ValueError("the secondary KV tier (--host-cache-size, --kv-disk-cache) is not supported with "
-                         "--distributed yet")
     return start_group(mode)

@@ -101,6 +101,7 @@ for (int t0 = t_begin + sg * KPS; t0 < t_end; t0 += NV) {
     for (int mask = LPK / 2; mask > 0; mask /= 2) {  // sum over the key's LPK lanes
       s += simd_shuffle_xor(s, ushort(mask));
     }
+    MLXKV_SCORE_WRITE
     if (live) {
       const float m_new = metal::max(m[g], s);
       const float corr = metal::exp(m[g] - m_new);

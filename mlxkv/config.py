@@ -131,6 +131,8 @@ class KvCacheConfig:
         still fill the pool.
     secondary_write_interval_s: paged with a disk tier: cached blocks are written to disk behind the engine at
         most this many seconds after they are cached (what a crash can lose); 0 = only evicted blocks go to disk.
+    secondary_shard: under ``--distributed``, this rank's shard of each block (e.g. ``"rank-1-of-2-tensor"``,
+        see mlxkv/distributed/tier.py); part of the disk tier's fingerprint ("" when the process holds whole blocks).
     state_snapshot_interval: paged models with recurrent layers: also snapshot the recurrent state every this
         many blocks of a prompt (0 = only at the end of each prompt and of each sequence); see
         mlxkv/kv/paged/state_snapshots.py.
@@ -157,6 +159,7 @@ class KvCacheConfig:
     secondary_tenant_share: float = 0.5
     primary_tenant_share: float = 1.0
     secondary_write_interval_s: float = 2.0
+    secondary_shard: str = ""
     layout: str = "mlxkv"
     state_snapshot_interval: int = 0
     overflow: KvOverflowConfig = field(default_factory=KvOverflowConfig)

@@ -1,4 +1,5 @@
-"""Cheaper CPU forms of the per-token operations mlx-lm's models run: RoPE from a table, RMSNorm compiled.
+"""Cheaper CPU forms of the operations mlx-lm's models run: RoPE from a table, RMSNorm compiled, causal
+attention by query blocks.
 
 On the CPU backend ``mx.fast.rope`` and ``mx.fast.rms_norm`` run MLX's fallback graphs: RoPE recomputes its
 frequencies, positions, cosines and sines at every call (~20 graph operations), RMSNorm is ~11 operations, and a
@@ -7,6 +8,12 @@ of them in these two). Here RoPE reads cosines and sines from a table computed o
 arithmetic, and RMSNorm's elementwise parts are fused by ``mx.compile``; both give results bit-equal to MLX's,
 which :func:`install_cpu_ops` checks on the model's own shapes before swapping any module in (a mismatch keeps
 MLX's). GPUs keep MLX's fused kernels: nothing is installed there, nor with ``MLXKV_CPU_OPS=0``.
+
+Causal attention over a long prompt chunk (:func:`causal_attention`) is the one path here that is not bit-equal
+to MLX's: MLX's CPU ``scaled_dot_product_attention`` computes the softmax of every query over every key, masked
+half included, and its exponentials (~20-30 ns an element on this backend) are most of a prefill; split by query
+blocks, each block attends only the keys up to its last query, which skips the masked triangle. Each output row is
+the same softmax over the same visible keys; the sums round differently (outputs agree to ~1e-6).
 """
 
 from __future__ import annotations
@@ -67,6 +74,42 @@ class TableRoPE(nn.RoPE):
             return out.reshape(x.shape)
         x1, x2 = x[..., :half], x[..., half:]
         return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)  # (B, H, L, dims)
+
+
+#: Query rows per block of :func:`causal_attention`; queries fewer than twice this run in one call.
+CAUSAL_BLOCK = 64
+
+
+def causal_attention_blocked(queries: mx.array) -> bool:
+    """Whether :func:`causal_attention` splits these ``(B, n_q, L, D)`` queries: on the CPU, ``L`` of at least
+    two blocks, unless ``MLXKV_CPU_OPS=0``."""
+    from mlxkv.env import flags
+
+    return queries.shape[2] >= 2 * CAUSAL_BLOCK and mx.default_device() == mx.cpu and flags().cpu_ops
+
+
+def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                     sinks: mx.array | None = None) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention(..., mask="causal")`` one block of query rows at a time.
+
+    Args:
+        queries: ``(B, n_q, L, D)``, the last ``L`` positions of the ``K`` keys (the causal mask's alignment).
+        keys, values: ``(B, n_kv, K, D)``.
+        sinks: optional per-query-head sink logits ``(n_q,)``.
+
+    Returns:
+        ``(B, n_q, L, D_v)``; block ``[a, b)`` attends keys ``[0, K - L + b)`` with the causal mask, which gives
+        its rows exactly the keys the whole call would leave visible to them.
+    """
+    length, offset = queries.shape[2], keys.shape[2] - queries.shape[2]
+    outs = []
+    for start in range(0, length, CAUSAL_BLOCK):
+        end = min(start + CAUSAL_BLOCK, length)
+        visible = offset + end
+        outs.append(mx.fast.scaled_dot_product_attention(
+            queries[:, :, start:end], keys[:, :, :visible], values[:, :, :visible], scale=scale, mask="causal",
+            sinks=sinks))  # (B, n_q, end - start, D_v)
+    return mx.concatenate(outs, axis=2)  # (B, n_q, L, D_v)
 
 
 def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:

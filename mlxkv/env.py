@@ -100,7 +100,8 @@ def mla_split_kv() -> bool:
 
 
 def cpu_ops() -> bool:
-    """``MLXKV_CPU_OPS`` (default on): on the CPU backend, table RoPE and compiled RMSNorm (``mlxkv.cpu_ops``)."""
+    """``MLXKV_CPU_OPS`` (default on): on the CPU backend, table RoPE, compiled RMSNorm and blocked causal attention
+    (``mlxkv.cpu_ops``), fused and split decode projections (``mlxkv.decode_projections``)."""
     return _flag("MLXKV_CPU_OPS", True)
 
 

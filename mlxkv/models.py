@@ -257,6 +257,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     """
     from mlxkv.chat_template import check_tool_parser, read_chat_template, with_chat_template
     from mlxkv.cpu_ops import install_cpu_ops
+    from mlxkv.decode_projections import install_decode_projections
     from mlxkv.precision import dequantize_in_place, upcast_on_cpu
 
     try:  # a bad template file or parser name fails before the weights load
@@ -271,6 +272,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)
     install_cpu_ops(model, config.get("max_position_embeddings"))  # CPU: table RoPE, compiled RMSNorm (bit-equal)
+    install_decode_projections(model)  # CPU: q/k/v and gate/up fused, the LM head split, for decode rows (bit-equal)
     from mlxkv.kv.layouts.attention_hook import install_attention_hook
     from mlxkv.mla import apply_mla
 

@@ -16,7 +16,11 @@ pure-MLX reference over full / sinks / window / chunk and 1-3 splits, and millis
 kernel, the reference and dense SDPA at a 2K context; then cascade through the kernel pair; then one
 row per quantized-pages variant (4/8 bits, group sizes 32/64/128; --quick: one per bits and group size):
 max error vs the quantized reference, and milliseconds of the kernel and of mx.quantized_matmul
-attention over the same rows. Elsewhere: the references against dense attention.
+attention over the same rows; then the attention-mass variants (with_mass=True: the decode kernel writing its
+logits, then paged_mass.metal), one row per attention variant at block size 16 (--quick: one emulator class per
+head_dim) and one per quantized bits: max error of the output and of the mass vs the reference, and milliseconds
+with and without the mass. Elsewhere: the references against dense attention (and the reference's mass against
+the second pass of mlxkv/kv/overflow/mass.py).
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ from mlxkv.kernels.geometry import TOLERANCES
 from mlxkv.kernels.paged_attention_ref import REFERENCE, run_paged_attention
 from mlxkv.kernels.selfcheck import (
     close,
+    mass_close,
     max_abs_error,
     random_paged_case,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the dense oracle
-from testkit.kernel_oracle import dense_paged_attention  # noqa: E402
+from testkit.kernel_oracle import dense_attention_mass, dense_paged_attention  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, when loaded from a path
 from bench_common import median_ms  # noqa: E402
@@ -67,20 +72,24 @@ def grid(quick: bool):
 
 
 def check_references(quick: bool) -> bool:
-    """Reference vs gather-then-SDPA (float32 oracle) over the grid."""
+    """Reference vs gather-then-SDPA (float32 oracle) over the grid, and its attention mass vs the second score
+    pass of mlxkv/kv/overflow/mass.py."""
     ok = True
     for n, (dtype, D, bs, gqa, option) in enumerate(grid(quick)):
         case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=2, gqa=gqa,
                                  context_lens=[1, 100, 700, 1500], sinks=option == "sinks", seed=n)
         kw = option_kwargs(option, case)
         want = dense_paged_attention(*case.args(), **kw)
+        want_mass = dense_attention_mass(case.queries, case.k_pages, case.block_tables, case.context_lens, **kw)
         for splits in (1, 2, 4):
-            got = run_paged_attention(REFERENCE, *case.args(), num_splits=splits, **kw)
+            got, mass = run_paged_attention(REFERENCE, *case.args(), num_splits=splits, with_mass=True, **kw)
             good = close(got, want, dtype)
-            ok &= good
-            if not good or splits == 1:
+            good_mass = mass_close(mass, want_mass)
+            ok &= good and good_mass
+            if not (good and good_mass) or splits == 1:
                 print(f"ref   {str(dtype):>18} D={D:<3} bs={bs:<2} gqa={gqa} {option:<6} splits={splits} "
-                      f"max_err={max_abs_error(got, want):.2e} {'ok' if good else 'MISMATCH'}")
+                      f"max_err={max_abs_error(got, want):.2e} mass_err={max_abs_error(mass, want_mass):.2e} "
+                      f"{'ok' if good and good_mass else 'MISMATCH'}")
     return ok
 
 
@@ -185,6 +194,63 @@ def quantized_report_rows(chosen, factory, ctx: int):
                f"{t_q:.3f} |"), good
 
 
+def mass_report_rows(chosen, run, factory, reference, ctx: int, quantize=None):
+    """One markdown row per variant of ``chosen`` run with ``with_mass=True``: max error of the output and of the
+    mass against ``reference``, kernel ms with and without the mass. ``quantize(case, bits, group_size)``: the
+    case's arguments as planes (quantized rows: ``factory`` and ``reference`` take bits and group size too), else
+    its pages. Yields (row, ok)."""
+    from mlxkv.kernels.selfcheck import mass_close
+
+    for v in chosen:
+        t = v.call.template
+        dtype, D, bs, kvh, G = t["T"], t["D"], t["BS"], t["KVH"], t["G"]
+        quant = (t["BITS"], t["GS"]) if quantize else ()
+        batch = v.call.inputs["context_lens"].shape[0]
+        label = (f"{str(dtype).split('.')[-1]} D={D} bs={bs} G={G} B={batch}"
+                 + (f" bits={quant[0]} gs={quant[1]}" if quant else ""))
+        impl = factory(dtype, D, bs, kvh, G, *quant)
+        if impl is None:
+            yield f"| {label} | not covered | | | |", False
+            continue
+        case = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
+                                 context_lens=_lens(batch, ctx, bs), sinks=True, seed=batch + G)
+        args = quantize(case, *quant) if quantize else case.args()
+        ref = reference(*quant) if quantize else reference
+        run_row = partial(run, bits=quant[0], group_size=quant[1]) if quant else run  # quantized: with the planes
+        err_out = err_mass = 0.0
+        good = True
+        try:
+            for kw in ({"num_splits": 1}, {"sinks": case.sinks, "num_splits": 3},
+                       {"window": ctx // 3, "num_splits": 2}):
+                want = run_row(ref, *args, with_mass=True, **kw)
+                got = run_row(impl, *args, with_mass=True, **kw)
+                good &= close(got[0], want[0], dtype) and mass_close(got[1], want[1])
+                err_out = max(err_out, max_abs_error(got[0], want[0]))
+                err_mass = max(err_mass, max_abs_error(got[1], want[1]))
+        except Exception as exc:  # a compile or launch failure is a result to report
+            yield f"| {label} | FAILED: {type(exc).__name__}: {str(exc)[:80]} | | | |", False
+            continue
+        speed = random_paged_case(dtype=dtype, head_dim=D, block_size=bs, kv_heads=kvh, gqa=G,
+                                  context_lens=[ctx] * batch, seed=1)
+        sargs = quantize(speed, *quant) if quantize else speed.args()
+        t_m = timed_ms(partial(run_row, impl, *sargs, scale=D**-0.5, with_mass=True))
+        t_k = timed_ms(partial(run_row, impl, *sargs, scale=D**-0.5))
+        verdict = "ok" if good else "MISMATCH"
+        yield (f"| {label} | {err_out:.1e} / {err_mass:.1e} {verdict} | {t_m:.3f} | {t_k:.3f} | "
+               f"{t_m / t_k:.2f}x |"), good
+
+
+def mass_rows_for(chosen: list, quick: bool, key) -> list:
+    """The variants of ``chosen`` the mass section runs: one per ``key(template)`` when quick, else those at
+    block size 16."""
+    if not quick:
+        return [v for v in chosen if v.call.template["BS"] == 16]
+    first = {}
+    for v in chosen:
+        first.setdefault(key(v.call.template), v)
+    return list(first.values())
+
+
 def quantized_quick(chosen: list) -> list:
     """One variant per (bits, group size): the first at batch 1."""
     out = {}
@@ -242,6 +308,30 @@ def metal_report(quick: bool, factory=None, ctx: int = 2048, out=print, quantize
         for row, good in quantized_report_rows(chosen, quantized_factory, ctx):
             ok &= good
             out(row)
+    ok &= mass_report(quick, factory, quantized_factory, ctx, out)
+    return ok
+
+
+def mass_report(quick: bool, factory, quantized_factory, ctx: int, out) -> bool:
+    """The attention-mass rows of the report (``with_mass=True`` through the kernels against the references)."""
+    from mlxkv.kernels import variants
+    from mlxkv.kernels.quantized_paged_ref import ReferenceQuantizedPagedAttention, run_quantized_paged_attention
+    from mlxkv.kernels.selfcheck import quantize_case
+
+    chosen = mass_rows_for(variants.emulation_classes() if quick else variants.attention_variants(), quick,
+                           lambda t: t["D"])
+    rows = list(mass_report_rows(chosen, run_paged_attention, factory, REFERENCE, ctx))
+    if quantized_factory is not None:
+        few = mass_rows_for(variants.quantized_attention_variants(), True, lambda t: t["BITS"])
+        rows += list(mass_report_rows(few, run_quantized_paged_attention, quantized_factory,
+                                      ReferenceQuantizedPagedAttention, ctx, quantize=quantize_case))
+    out(f"\n{len(rows)} attention-mass variants (with_mass=True); context {ctx}\n")
+    out("| variant | max error output / mass vs reference | ms with mass | ms without | ratio |")
+    out("| --- | --- | --- | --- | --- |")
+    ok = True
+    for row, good in rows:
+        ok &= good
+        out(row)
     return ok
 
 
@@ -263,8 +353,7 @@ def check_static(files: list[str]) -> bool:
     ok = True
     for report in static_check.check_all(bodies or None):
         ok &= report.ok
-        print(f"static {report.spec.name} ({report.spec.source_file}"
-              f"{' + ' + report.spec.kv_read_file if report.spec.kv_read_file else ''}): {report.variants} variants "
+        print(f"static {report.spec.name} ({' + '.join(report.spec.files())}): {report.variants} variants "
               f"{'ok' if report.ok else 'FAILED'}")
         for problem in report.problems:
             print(f"  {problem}")

@@ -118,3 +118,45 @@ def test_flag_off_keeps_mlx_modules(monkeypatch, demo_model):
     model, _ = demo_model
     assert install_cpu_ops(model) == []
     assert not any(isinstance(m, (TableRoPE, CompiledRMSNorm)) for _, m in model.named_modules())
+
+
+# -- causal attention by query blocks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length,prefix", [(128, 0), (200, 0), (150, 77), (257, 300)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_blocked_causal_attention_matches_mlx_sdpa(length, prefix, with_sinks):
+    from mlxkv.cpu_ops import causal_attention
+
+    q = _random((1, 6, length, 32), 10)  # 6 query heads over 2 KV heads
+    k, v = _random((1, 2, prefix + length, 32), 11), _random((1, 2, prefix + length, 32), 12)
+    sinks = _random((6,), 13) if with_sinks else None
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal", sinks=sinks)
+    got = causal_attention(q, k, v, 0.2, sinks)
+    assert got.shape == want.shape
+    # the same softmax over the same visible keys; only the sums' rounding differs (float32 outputs of size ~1)
+    assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_blocked_causal_attention_is_used_for_long_chunks_on_the_cpu_only(monkeypatch):
+    from mlxkv import cpu_ops
+    from mlxkv.env import reload
+    from mlxkv.kv.layouts.dense_attention import attend
+
+    calls = []
+    monkeypatch.setattr(cpu_ops, "causal_attention", lambda *a: calls.append(a[0].shape[2]) or a[0])
+    monkeypatch.setattr("mlxkv.kv.layouts.dense_attention.causal_attention", cpu_ops.causal_attention)
+    k = v = _random((1, 2, 200, 16), 14)
+    attend(_random((1, 2, 200, 16), 15), k, v, 0.25, "causal")
+    attend(_random((1, 2, 2 * cpu_ops.CAUSAL_BLOCK - 1, 16), 16), k, v, 0.25, "causal")  # one block: MLX's call
+    attend(_random((1, 2, 200, 16), 17), k, v, 0.25, None)  # not causal
+    assert calls == [200]
+    monkeypatch.setenv("MLXKV_CPU_OPS", "0")
+    reload()
+    attend(_random((1, 2, 200, 16), 18), k, v, 0.25, "causal")
+    assert calls == [200]
+    monkeypatch.delenv("MLXKV_CPU_OPS")
+    reload()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    attend(_random((1, 2, 200, 16), 19), k, v, 0.25, "causal")
+    assert calls == [200]

@@ -40,6 +40,13 @@ class _FollowerChannel:
     rank, size, is_leader = 1, 2, False
     watchdog = _Watchdog()
 
+    def __init__(self) -> None:
+        self.answers: list[list[bool]] = []  # its flags of each agreement step, read by rank 0's loopback
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        self.answers.append(list(flags))
+        return flags  # rank 0 combines them (_LoopbackChannel.agree)
+
     @staticmethod
     def share(inputs, shape):
         import mlx.core as mx
@@ -58,6 +65,7 @@ class _LoopbackChannel:
         self.sent = 0
         self.leader_pool = None
         self.kinds: list[str] = []
+        self.ops: list[tuple] = []  # every journaled operation sent
 
     @staticmethod
     def share(inputs, shape):
@@ -67,10 +75,17 @@ class _LoopbackChannel:
     def gather_memory():
         return []
 
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Rank 0's flags and the follower's (it answered while this step's message was replayed)."""
+        theirs = self.replayer.channel.answers.pop()
+        assert len(theirs) == len(flags)
+        return [a and b for a, b in zip(flags, theirs)]
+
     def send(self, message: dict) -> None:
         self.sent += 1
         follower = self.replayer
         for op in message["ops"]:
+            self.ops.append(op)
             follower.apply(op)
             self.kinds.append(op[0] if op[0] != "seq" else op[1])
         assert follower.pool.free_capacity() == message["free"]

@@ -39,9 +39,14 @@ def run_report(monkeypatch, factory):
     return ok, lines, chosen
 
 
+def before_mass(lines: list[str]) -> list[str]:
+    """The report up to its attention-mass section."""
+    return lines[: next(n for n, ln in enumerate(lines) if "attention-mass variants" in ln)]
+
+
 def test_report_has_a_row_per_variant(monkeypatch):
     ok, lines, chosen = run_report(monkeypatch, lambda *key: REFERENCE)
-    rows = [ln for ln in lines if ln.startswith("| float32")]
+    rows = [ln for ln in before_mass(lines) if ln.startswith("| float32")]
     assert ok and len(rows) == len(chosen) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -51,9 +56,37 @@ def test_report_has_a_row_per_variant(monkeypatch):
 
 def test_report_flags_a_wrong_kernel_and_an_uncovered_one(monkeypatch):
     ok, lines, _ = run_report(monkeypatch, lambda *key: Skewed())
-    assert not ok and sum("MISMATCH" in ln for ln in lines) == 3  # two variants and the cascade
-    ok, lines, _ = run_report(monkeypatch, lambda *key: None)
-    assert not ok and sum("not covered" in ln for ln in lines) == 2
+    assert not ok and sum("MISMATCH" in ln for ln in before_mass(lines)) == 3  # two variants and the cascade
+    ok, lines, chosen = run_report(monkeypatch, lambda *key: None)
+    mass_rows = len({v.call.template["D"] for v in chosen})  # the mass section: one per head_dim (--quick)
+    assert not ok and sum("not covered" in ln for ln in lines) == 2 + mass_rows
+
+
+class MassSkewed:
+    """The reference with a wrong mass (its output is right)."""
+
+    def partials(self, *args, **kwargs):
+        return REFERENCE.partials(*args, **kwargs)
+
+    def merge(self, *args):
+        return REFERENCE.merge(*args)
+
+    def mass(self, *args, **kwargs):
+        return REFERENCE.mass(*args, **kwargs) * 1.01
+
+
+def test_report_has_mass_rows_and_flags_a_wrong_mass(monkeypatch):
+    ok, lines, chosen = run_report(monkeypatch, lambda *key: REFERENCE)
+    at = len(before_mass(lines))
+    rows = [ln for ln in lines[at:] if ln.startswith("| float32")]
+    assert ok and len(rows) == len({v.call.template["D"] for v in chosen}) > 0
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1].endswith("ok") and all(float(c.rstrip("x")) > 0 for c in cells[2:5])
+    ok, lines, _ = run_report(monkeypatch, lambda *key: MassSkewed())
+    at = len(before_mass(lines))
+    assert not ok and all("MISMATCH" not in ln for ln in lines[:at])
+    assert sum("MISMATCH" in ln for ln in lines[at:]) == len(rows)
 
 
 def test_report_has_quantized_rows_and_flags_a_wrong_quantized_kernel(monkeypatch):
@@ -72,7 +105,7 @@ def test_report_has_quantized_rows_and_flags_a_wrong_quantized_kernel(monkeypatc
     lines = []
     ok = script.metal_report(True, factory=lambda *key: REFERENCE, ctx=64, out=lines.append,
                              quantized_factory=lambda *key: ReferenceQuantizedPagedAttention(key[5], key[6]))
-    rows = [ln for ln in lines if "bits=" in ln]
+    rows = [ln for ln in before_mass(lines) if "bits=" in ln]
     assert ok and len(rows) == len(few) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -80,4 +113,4 @@ def test_report_has_quantized_rows_and_flags_a_wrong_quantized_kernel(monkeypatc
     lines = []
     ok = script.metal_report(True, factory=lambda *key: REFERENCE, ctx=64, out=lines.append,
                              quantized_factory=lambda *key: SkewedQuantized(key[5], key[6]))
-    assert not ok and sum("MISMATCH" in ln for ln in lines if "bits=" in ln) == 2
+    assert not ok and sum("MISMATCH" in ln for ln in before_mass(lines) if "bits=" in ln) == 2

@@ -11,7 +11,8 @@ block; only the leader samples.
 - :mod:`~mlxkv.distributed.channel`: one message per forward (the plan) and the decode inputs, over ``all_sum``;
 - :mod:`~mlxkv.distributed.watchdog`: a rank that stops answering ends the process with a clear error;
 - :mod:`~mlxkv.distributed.journal`: the leader's pool, recording every operation for the followers;
-- :mod:`~mlxkv.distributed.leader` / :mod:`~mlxkv.distributed.follower`: the two roles of ``mlxkv serve``.
+- :mod:`~mlxkv.distributed.leader` / :mod:`~mlxkv.distributed.follower`: the two roles of ``mlxkv serve``;
+- :mod:`~mlxkv.distributed.tier`: the secondary KV tier across ranks (each rank its shard; restores agreed by all).
 
 See docs/distributed.md for the launch lines.
 """

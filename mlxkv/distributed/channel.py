@@ -27,6 +27,7 @@ class PlanChannel:
         self.watchdog = watchdog
         self.sent = 0  # messages sent (leader) or received (follower)
         self.bytes = 0
+        self.tier_figures = None  # () -> [host blocks, disk blocks, restored blocks] of this rank's KV tier
 
     @property
     def is_leader(self) -> bool:
@@ -60,16 +61,30 @@ class PlanChannel:
         return pickle.loads(bytes(memoryview(data)))
 
     def gather_memory(self) -> list[dict]:
-        """Every rank's MLX memory (all ranks call it at the same point of the plan): one dict per rank."""
-        mine = mx.array([[mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory()]], dtype=mx.int64)
+        """Every rank's MLX memory, and its KV tier's blocks with a tier (all ranks call it at the same point of
+        the plan): one dict per rank."""
+        tier = self.tier_figures() if self.tier_figures is not None else [0, 0, 0]
+        mine = mx.array([[mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory(), *tier]],
+                        dtype=mx.int64)
         try:
-            every = mx.distributed.all_gather(mine, group=self.group)  # (N, 3)
+            every = mx.distributed.all_gather(mine, group=self.group)  # (N, 6)
             mx.eval(every)
         except RuntimeError as exc:
             fatal(self.rank, f"the distributed group failed ({exc})")
         self.watchdog.beat()
-        return [{"rank": r, "mlx_active_bytes": a, "mlx_peak_bytes": p, "mlx_cache_bytes": c}
-                for r, (a, p, c) in enumerate(every.tolist())]
+        out = []
+        for r, (a, p, c, host, disk, restored) in enumerate(every.tolist()):
+            out.append({"rank": r, "mlx_active_bytes": a, "mlx_peak_bytes": p, "mlx_cache_bytes": c})
+            if self.tier_figures is not None:
+                out[-1]["tier"] = {"memory_blocks": host, "disk_blocks": disk, "restored_blocks": restored}
+        return out
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """For each flag, whether it is true on every rank (all ranks call it with as many flags)."""
+        if not flags:
+            return []
+        total = self._sum(mx.array([int(f) for f in flags], dtype=mx.int32))  # (K,): ranks answering yes
+        return [n == self.size for n in total.tolist()]
 
     def share(self, inputs: mx.array | None, shape: tuple[int, ...]) -> mx.array:
         """The leader's ``inputs`` (uint32 token ids of ``shape``) on every rank, lazily: the sum is part of the

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlxkv.distributed.channel import PlanChannel
 from mlxkv.distributed.journal import Journal, use_plan_clock
+from mlxkv.distributed.tier import rank_tier, report_flush
 from mlxkv.distributed.watchdog import Watchdog, fatal
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
 from mlxkv.engine.runner import ModelRunner
@@ -38,6 +39,15 @@ class Replayer:
         use_plan_clock(pool, self.journal)
         self.runner = ModelRunner(model, batched=True, batched_prefill=True, totals=_runner_totals())
         self.forwards = 0
+        self.tier = rank_tier(pool)  # this rank's KV tier: restores come from rank 0's journal
+        if self.tier is not None:
+            channel.tier_figures = self.tier.figures
+        self.flush_timeout = 0.0  # the stop message's: how long this rank's KV tier may take to flush
+
+    def finish(self) -> None:
+        """After :meth:`run`: flush this rank's KV tier (its write-behind) within rank 0's flush timeout, as rank 0
+        flushes its own."""
+        report_flush(self.channel.rank, self.pool.flush_tier(self.flush_timeout))
 
     def run(self) -> None:
         """Until the leader says stop."""
@@ -54,6 +64,7 @@ class Replayer:
                 self.channel.gather_memory()
             then = message["then"]
             if then[0] == "stop":
+                self.flush_timeout = then[1] if len(then) > 1 else 0.0
                 return
             try:
                 self.execute(then)
@@ -61,6 +72,7 @@ class Replayer:
                 pass  # the leader met the same and falls back (its next messages say how)
             except Exception as exc:  # noqa: BLE001 - the leader's same forward failed alike: its requests fail
                 log.warning("rank %d: %s failed: %s: %s", self.channel.rank, then[0], type(exc).__name__, exc)
+            self.pool.persist_tier()  # this rank's write-behind sweep, when due (rank 0 runs its own)
 
     def _seq(self, value: int) -> Any:
         return self.pool.get(SequenceId(value))
@@ -86,6 +98,11 @@ class Replayer:
         elif kind == "seq":
             _, method, value, args = op
             getattr(self._seq(value), method)(*args)
+        elif kind == "tier_restore":
+            if self.tier is None:
+                raise RuntimeError("rank 0 restored KV tier blocks but this rank has no tier: run every rank with "
+                                   "the same options")
+            self.tier.replay(*op[1:])
         else:
             raise AssertionError(f"unknown pool operation {kind!r} from rank 0")
 
@@ -108,6 +125,11 @@ class Replayer:
             probe_batched_decode(self.model, self.pool)
         elif kind == "probe_prefill":
             probe_batched_prefill(self.model, self.pool)
+        elif kind == "tier_have":
+            if self.tier is None:
+                self.channel.agree([False] * len(op[1]))
+            else:
+                self.tier.have(self.channel, op[1])
         elif kind != "noop":
             raise AssertionError(f"unknown step {kind!r} from rank 0")
 
@@ -143,17 +165,21 @@ def serve_follower(run: Any, group: Any, mode: str, timeout_s: float) -> int:
         pool = build_rank_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences,
                                context_tokens=context_length_of(loaded.config), group=group,
                                mode=mode)
+        replayer = Replayer(loaded.model, pool, PlanChannel(group, watchdog))
     except Exception as exc:  # noqa: BLE001 - one line, like rank 0's errors (mlx.launch then stops rank 0)
         sys.stderr.write(f"error: rank {rank}: {exc}\n")
         return 1
     blocks = f", {pool.paged.num_blocks} KV blocks of {pool.paged.bytes_per_block} bytes" if pool.is_paged else ""
+    if replayer.tier is not None and replayer.tier.bridge.tier.disk is not None:
+        blocks += f", KV tier: {replayer.tier.figures()[1]} block(s) on disk"
     sys.stderr.write(f"mlxkv serve: rank {rank} of {group.size()} ready (pid {os.getpid()}{blocks})\n")
     sys.stderr.flush()
-    replayer = Replayer(loaded.model, pool, PlanChannel(group, watchdog.start()))
+    watchdog.start()
     try:
         replayer.run()
     except Exception as exc:  # noqa: BLE001 - a replay that fails has diverged from rank 0: stop all
         fatal(rank, f"{type(exc).__name__}: {exc}")
     watchdog.stop()
+    replayer.finish()  # no collective left: the watchdog must not cut a long flush short
     mx.synchronize()
     return 0

@@ -44,6 +44,11 @@ class Journal:
         finally:
             self._paused -= 1
 
+    @property
+    def paused_now(self) -> bool:
+        """Whether recording is paused (a batch probe runs on every rank alone)."""
+        return self._paused > 0
+
     def take(self) -> list[tuple]:
         ops, self.ops = self.ops, []
         return ops
@@ -91,16 +96,14 @@ class LeaderPool:
         pool: the leader's own pool (its shard of the KV heads).
         journal: where operations go; sent by the leader before each forward.
         on_idle: called from :meth:`persist_tier` (between engine steps) to keep the followers' watchdogs fed.
-        on_stop: called from :meth:`flush_tier` (the engine thread's last act): the followers stop.
+        on_stop: called from :meth:`flush_tier` (the engine thread's last act) with its timeout: the followers
+            flush their own KV tier (if any) within it and stop.
         heartbeat_s: the engine's idle wait (:meth:`tier_due_in`), so that ``on_idle`` runs while idle.
         extra_stats: returns what :meth:`block_stats` adds (the distributed figures).
     """
 
-    def __init__(self, pool: Any, journal: Journal, *, on_idle: Callable[[], None], on_stop: Callable[[], None],
-                 heartbeat_s: float, extra_stats: Callable[[], dict]):
-        if pool.is_paged and pool.paged.tier is not None:
-            raise ValueError("the secondary KV tier (--host-cache-size, --kv-disk-cache) is not supported with "
-                             "--distributed yet")
+    def __init__(self, pool: Any, journal: Journal, *, on_idle: Callable[[], None],
+                 on_stop: Callable[[float], None], heartbeat_s: float, extra_stats: Callable[[], dict]):
         self._pool = pool
         self._journal = journal
         self._on_idle = on_idle
@@ -177,16 +180,18 @@ class LeaderPool:
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._pool
 
-    # ---- the engine's idle hooks: heartbeats instead of a tier ---------------------------------------------
+    # ---- the engine's idle hooks: heartbeats, and rank 0's own KV tier (each follower sweeps its own) ------
     def tier_due_in(self) -> float:
-        return self._heartbeat_s
+        due = self._pool.tier_due_in()
+        return self._heartbeat_s if due is None else min(due, self._heartbeat_s)
 
     def persist_tier(self) -> int:
         self._on_idle()
-        return 0
+        return self._pool.persist_tier()
 
-    def flush_tier(self, timeout: float) -> None:
-        self._on_stop()
+    def flush_tier(self, timeout: float) -> dict | None:
+        self._on_stop(timeout)
+        return self._pool.flush_tier(timeout)
 
     def block_stats(self) -> dict:
         return {**self._pool.block_stats(), "distributed": self._extra_stats()}

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlxkv.distributed.channel import PlanChannel
 from mlxkv.distributed.group import agree_num_blocks, shard_model
 from mlxkv.distributed.journal import Journal, LeaderPool
+from mlxkv.distributed.tier import rank_tier, rank_tier_config
 from mlxkv.distributed.watchdog import Watchdog
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.runner import ModelRunner
@@ -57,8 +58,9 @@ class Plans:
         if time.monotonic() - self.last_sent >= HEARTBEAT_S:
             self.send("noop")
 
-    def stop(self) -> None:
-        self.send("stop")
+    def stop(self, flush_timeout: float = 0.0) -> None:
+        """The followers stop, after flushing their KV tier (if any) within ``flush_timeout`` seconds."""
+        self.send("stop", flush_timeout)
         self.stopped = True
         self.channel.watchdog.stop()
 
@@ -140,13 +142,23 @@ class Leader:
         pool = build_rank_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens,
                                group=self.group, mode=self.mode)
         self.plans.pool = pool
+        tier = rank_tier(pool, self.plans)  # tier restores agreed with every rank (mlxkv.distributed.tier)
+        if tier is not None:
+            self.plans.channel.tier_figures = tier.figures
         stats = {"mode": self.mode, "world_size": self.group.size(), "rank": 0,
                  "bytes_per_block_per_rank": pool.paged.bytes_per_block if pool.is_paged else None}
+        if tier is not None:  # how often rank 0 asked the ranks, and the blocks it held that another did not
+            stats["tier"] = lambda: {"agreements": tier.agreements, "refused_blocks": tier.refused_blocks}
         return LeaderPool(pool, self.plans.journal, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
-                          heartbeat_s=HEARTBEAT_S, extra_stats=lambda: {**stats, "ranks": self.plans.ranks})
+                          heartbeat_s=HEARTBEAT_S, extra_stats=lambda: _distributed_stats(stats, self.plans.ranks))
 
     def engine(self, *args: Any, **kwargs: Any) -> LeaderEngine:
         return LeaderEngine(*args, plans=self.plans, **kwargs)
+
+
+def _distributed_stats(stats: dict, ranks: list[dict]) -> dict:
+    """The ``distributed`` section of the stats (callables in ``stats`` read now)."""
+    return {**{k: v() if callable(v) else v for k, v in stats.items()}, "ranks": ranks}
 
 
 def agree_pool(pool: Any, rebuild: Any, group: Any, *, same_size: bool = True) -> Any:
@@ -154,12 +166,16 @@ def agree_pool(pool: Any, rebuild: Any, group: Any, *, same_size: bool = True) -
     if not pool.is_paged:
         return pool
     n = agree_num_blocks(pool.paged.num_blocks, pool.paged.bytes_per_block, group, same_size=same_size)
-    return pool if n == pool.paged.num_blocks else rebuild(n)
+    if n == pool.paged.num_blocks:
+        return pool
+    pool.flush_tier(0.0)  # an empty pool: its tier's writer thread stops (the rebuilt pool has its own)
+    return rebuild(n)
 
 
 def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None, group: Any,
                     mode: str = "tensor") -> Any:
-    """This rank's pool (its shard of the KV heads, or its layers under ``mode="pipeline"``), sized as
+    """This rank's pool (its shard of the KV heads, or its layers under ``mode="pipeline"``; with a KV tier, its
+    own tier of its shard, :func:`~mlxkv.distributed.tier.rank_tier_config`), sized as
     :func:`mlxkv.engine.build.build_pool` sizes it from this machine's memory and budget, then agreed with the other
     ranks (:func:`agree_pool`)."""
     from mlxkv.engine.build import build_pool
@@ -167,6 +183,7 @@ def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: 
 
     if kv.overflow.enabled:  # h2o's mass differs between shards: the ranks would keep different pages
         raise ValueError(f"--kv-overflow {kv.overflow.policy} is not supported with --distributed yet")
+    kv = rank_tier_config(kv, mode, group.rank(), group.size())  # its own tier folder, fingerprinted as its shard
     pool = build_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens)
     return agree_pool(pool, lambda n: CachePool(model, max_sequences=max_sequences, backend="paged", kv_config=kv,
                                                 num_blocks=n), group, same_size=mode != "pipeline")

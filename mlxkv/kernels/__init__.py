@@ -22,6 +22,9 @@ Data layout (the paged cache storage is built on this)
   logits, unscaled, as ``mx.fast.scaled_dot_product_attention(..., sinks=)``), ``scale``
   (default ``1/sqrt(head_dim)``).
 - Output: ``[B, n_heads, 1, head_dim]`` in the query dtype. Softmax state is float32 throughout.
+- Attention mass (``with_mass=True``, off by default): also float32 ``[B, kv_heads, max_blocks_per_seq *
+  block_size]``, per logical position of the block table the softmax probability summed over the kv head's query
+  heads (0 where not visible); what the heavy-hitter KV-overflow policies rank positions by.
 - KV write: ``slot_mapping`` int32 ``[T]`` (distinct flat slots) and new rows
   ``[T, kv_heads, head_dim]`` for K and for V; returns the updated pools. Keep each pool
   referenced in one place and rebind it to the result, or MLX copies the pool (see
@@ -33,7 +36,8 @@ Modules
 (reference twin, split-K + log-sum-exp merge) · ``page_views_ref`` (shared prefixes as page views) ·
 ``kv_write_ref`` (MLX's scatter) · ``cascade`` (shared-prefix attention) · ``metal_specs`` / ``metal``
 (Metal sources, factories) · ``variants`` (every launch the factories emit, for the checks) ·
-``quantized_paged_ref`` / ``metal_quantized`` (decode over quantized pages) · ``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
+``quantized_paged_ref`` / ``metal_quantized`` (decode over quantized pages) · ``paged_mass_ref`` (the attention-mass
+output, ``with_mass=True``) · ``selfcheck`` · ``dispatch`` (``MLXKV_PAGED_KERNEL``).
 """
 
 from .cascade import PrefixGroup, cascade_attention, find_prefix_groups
@@ -47,10 +51,12 @@ from .dispatch import (
 from .geometry import TOLERANCES, SplitPlan, plan_splits
 from .kv_write_ref import kv_write_reference
 from .paged_attention_ref import merge_partials, paged_attention_reference
+from .paged_mass_ref import MASS_TOLERANCE, mass_from_scores
 from .quantized_paged_ref import quantized_paged_attention_reference
 
 __all__ = [
     "KernelDispatch",
+    "MASS_TOLERANCE",
     "PrefixGroup",
     "SplitPlan",
     "TOLERANCES",
@@ -58,6 +64,7 @@ __all__ = [
     "find_prefix_groups",
     "kv_write",
     "kv_write_reference",
+    "mass_from_scores",
     "merge_partials",
     "paged_attention",
     "paged_attention_reference",

@@ -23,6 +23,11 @@ Quantized KV pages (``--kv-bits``, :mod:`mlxkv.kv.paged.quantized_pages`) go thr
 run (``metal`` mode, or ``auto`` on a Metal device); elsewhere they attend the planes on the pure-MLX path with
 ``mx.quantized_matmul``. The quantized variant has been checked by the static check and the CPU emulator only.
 
+``with_mass=True`` (both entry points) also returns the attention mass per cached position that the heavy-hitter
+KV-overflow policies rank by (:mod:`mlxkv.kernels.paged_mass_ref`): the Metal mass variants (the decode kernel
+writing its logits, then ``paged_mass.metal``) are chosen and self-checked as above under their own shape class
+(``AttentionClass.mass``), comparing output and mass; checked by the static check and the CPU emulator only.
+
 The factories and the Metal probe are constructor arguments of :class:`KernelDispatch`, so tests
 inject a deliberately wrong kernel and pretend Metal is present to exercise the fallback on CPU.
 """
@@ -63,6 +68,7 @@ class AttentionClass:
     window: int | None
     chunk_size: int | None
     sinks: bool
+    mass: bool = False  # the attention-mass variant (its own kernel and self-check)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +132,7 @@ class KernelDispatch:
             lambda impl: check_attention_impl(
                 impl, dtype=cls.dtype, head_dim=cls.head_dim, block_size=cls.block_size,
                 kv_heads=cls.kv_heads, gqa=cls.gqa, window=cls.window, chunk_size=cls.chunk_size,
-                sinks=cls.sinks,
+                sinks=cls.sinks, mass=cls.mass,
             ),
         )
 
@@ -146,7 +152,7 @@ class KernelDispatch:
                 lambda impl: check_quantized_attention_impl(
                     impl, dtype=cls.dtype, head_dim=cls.head_dim, block_size=cls.block_size,
                     kv_heads=cls.kv_heads, gqa=cls.gqa, bits=qcls.bits, group_size=qcls.group_size,
-                    window=cls.window, chunk_size=cls.chunk_size, sinks=cls.sinks,
+                    window=cls.window, chunk_size=cls.chunk_size, sinks=cls.sinks, mass=cls.mass,
                 ),
             )
         return self._attention[key]
@@ -195,8 +201,15 @@ class KernelDispatch:
         num_splits: int | None = None,
         max_context_len: int | None = None,
         prefix_groups: list[PrefixGroup] | None = None,
-    ) -> mx.array:
+        with_mass: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
         """Paged decode attention (arguments as ``paged_attention_reference``).
+
+        ``with_mass``: ``(out, mass)``, mass the attention mass per cached position ``(B, kv_heads,
+        max_blocks_per_seq * block_size)`` float32 (:mod:`mlxkv.kernels.paged_mass_ref`) for the heavy-hitter
+        KV-overflow policies: the Metal mass variant where its own self-check passed, else the reference. Off by
+        default: without it the same kernels run as before. It runs the flat path (no cascade: the mass is per
+        sequence, and the cascade's shared-prefix pass attends for several sequences at once).
 
         Raises ``ValueError`` for a table entry outside the pool or a context longer than its table
         row (checked once per distinct pair of table arrays, so the layers of a step pay one sync).
@@ -214,10 +227,10 @@ class KernelDispatch:
             if queries.dtype != k_pages.dtype:  # the kernel reads both as one type T
                 return REFERENCE
             return self.attention_impl(
-                AttentionClass(k_pages.dtype, D, bs, kv_heads, g, window, chunk_size, sinks is not None)
+                AttentionClass(k_pages.dtype, D, bs, kv_heads, g, window, chunk_size, sinks is not None, with_mass)
             )
 
-        if prefix_groups and window is None and chunk_size is None:
+        if prefix_groups and window is None and chunk_size is None and not with_mass:
             return cascade_attention(
                 impl_for, queries, k_pages, v_pages, block_tables, context_lens, prefix_groups,
                 scale=scale, sinks=sinks, num_splits=num_splits,
@@ -225,7 +238,7 @@ class KernelDispatch:
         return run_paged_attention(
             impl_for(gqa), queries, k_pages, v_pages, block_tables, context_lens,
             scale=scale, window=window, chunk_size=chunk_size, sinks=sinks,
-            num_splits=num_splits, max_context_len=max_context_len,
+            num_splits=num_splits, max_context_len=max_context_len, with_mass=with_mass,
         )
 
     def quantized_paged_attention(
@@ -239,10 +252,11 @@ class KernelDispatch:
         bits: int,
         group_size: int,
         **options,
-    ) -> mx.array:
+    ) -> mx.array | tuple[mx.array, mx.array]:
         """Paged decode attention over quantized pages (arguments, and the keyword ``options`` scale, window,
-        chunk_size, sinks, num_splits and max_context_len, as
-        :func:`~mlxkv.kernels.quantized_paged_ref.quantized_paged_attention_reference`).
+        chunk_size, sinks, num_splits, max_context_len and with_mass, as
+        :func:`~mlxkv.kernels.quantized_paged_ref.quantized_paged_attention_reference`; ``with_mass`` as in
+        :meth:`paged_attention`).
 
         Raises ``ValueError`` for planes that do not follow the layout, a table entry outside the pool or a
         context longer than its table row."""
@@ -254,7 +268,8 @@ class KernelDispatch:
             impl = ReferenceQuantizedPagedAttention(bits, group_size)
         else:
             cls = AttentionClass(dtype, D, bs, KVH, queries.shape[1] // KVH, options.get("window"),
-                                 options.get("chunk_size"), options.get("sinks") is not None)
+                                 options.get("chunk_size"), options.get("sinks") is not None,
+                                 bool(options.get("with_mass")))
             impl = self.quantized_attention_impl(QuantizedAttentionClass(cls, bits, group_size))
         return run_quantized_paged_attention(
             impl, queries, k_planes, v_planes, block_tables, context_lens, bits=bits, group_size=group_size,
@@ -279,13 +294,14 @@ class KernelDispatch:
 DEFAULT_DISPATCH = KernelDispatch()
 
 
-def paged_attention(*args, **kwargs) -> mx.array:
-    """:meth:`KernelDispatch.paged_attention` on the process-wide dispatcher."""
+def paged_attention(*args, **kwargs) -> mx.array | tuple[mx.array, mx.array]:
+    """:meth:`KernelDispatch.paged_attention` on the process-wide dispatcher (``with_mass=True``: ``(out, mass)``)."""
     return DEFAULT_DISPATCH.paged_attention(*args, **kwargs)
 
 
-def quantized_paged_attention(*args, **kwargs) -> mx.array:
-    """:meth:`KernelDispatch.quantized_paged_attention` on the process-wide dispatcher."""
+def quantized_paged_attention(*args, **kwargs) -> mx.array | tuple[mx.array, mx.array]:
+    """:meth:`KernelDispatch.quantized_paged_attention` on the process-wide dispatcher (``with_mass=True``: ``(out,
+    mass)``)."""
     return DEFAULT_DISPATCH.quantized_paged_attention(*args, **kwargs)
 
 

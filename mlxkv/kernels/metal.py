@@ -1,4 +1,5 @@
-"""Metal kernel factories: paged attention (split-K partials + merge).
+"""Metal kernel factories: paged attention (split-K partials + merge; optionally the attention-mass variant of the
+partials and the mass pass, ``partials_call(..., scores=True)`` / ``mass_call``).
 
 Each factory builds its ``mx.fast.metal_kernel`` once (per source) and one wrapper per
 configuration key, and returns ``None`` where Metal is unavailable or the configuration is one
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .geometry import SplitPlan
-from .metal_specs import PAGED_ATTENTION, PAGED_MERGE, KernelSpec
+from .metal_specs import PAGED_ATTENTION, PAGED_ATTENTION_SCORES, PAGED_MASS, PAGED_MERGE, KernelSpec
 
 # What the factories cover; :mod:`mlxkv.kernels.variants` enumerates the checked launches from these
 # tuples, so a value added here is syntax-checked and emulated before it can be built.
@@ -124,9 +125,10 @@ class MetalPagedAttention:
         self.kv_heads, self.gqa = kv_heads, gqa
         self.max_gqa = max_gqa(head_dim)  # cascade splits groups to fit
 
-    def kernel_spec(self) -> KernelSpec:
-        """The partials kernel (looked up per call, so tests can swap the module's spec)."""
-        return PAGED_ATTENTION
+    def kernel_spec(self, scores: bool = False) -> KernelSpec:
+        """The partials kernel, or its attention-mass variant (looked up per call, so tests can swap the
+        module's spec)."""
+        return PAGED_ATTENTION_SCORES if scores else PAGED_ATTENTION
 
     def kv_inputs(self, k_pages: mx.array, v_pages: mx.array) -> dict[str, mx.array]:
         """The kernel's K/V inputs by name: the pages as they are."""
@@ -148,9 +150,11 @@ class MetalPagedAttention:
         scale: float,
         window: int | None,
         chunk_size: int | None,
+        scores: bool = False,
     ) -> KernelCall:
         """The launch of the attention kernel (built without running it); ``k_pages`` / ``v_pages`` are
-        whatever :meth:`kv_inputs` takes."""
+        whatever :meth:`kv_inputs` takes. ``scores``: the attention-mass variant, with a third output
+        ``(B, H, max_blocks * block_size)`` of visible tokens' logits (for :meth:`mass_call`)."""
         B, H, _, D = queries.shape
         S = plan.num_splits
         kv = self.kv_inputs(k_pages, v_pages)
@@ -159,8 +163,11 @@ class MetalPagedAttention:
         G = H // self.kv_heads
         ht = heads_per_threadgroup(G, D)
         threads = 32 * simdgroups_for(ht, D)
+        shapes, dtypes = dict(o_part=(B, H, S, D), lse=(B, H, S)), dict(o_part=mx.float32, lse=mx.float32)
+        if scores:
+            shapes["scores"], dtypes["scores"] = (B, H, block_tables.shape[1] * self.block_size), mx.float32
         return KernelCall(
-            spec=self.kernel_spec(),
+            spec=self.kernel_spec(scores),
             inputs=dict(queries=queries, **kv, block_tables=block_tables,
                         context_lens=context_lens, params=mx.array(params, dtype=mx.int32),
                         scale=mx.array(scale, dtype=mx.float32)),
@@ -168,8 +175,8 @@ class MetalPagedAttention:
                           G=G, HT=ht, LPK=lanes_per_key(D), NSG=threads // 32, **self.kv_template()),
             grid=(threads, self.kv_heads * (G // ht), B * S),
             threadgroup=(threads, 1, 1),
-            output_shapes=dict(o_part=(B, H, S, D), lse=(B, H, S)),
-            output_dtypes=dict(o_part=mx.float32, lse=mx.float32),
+            output_shapes=shapes,
+            output_dtypes=dtypes,
         )
 
     def merge_call(
@@ -189,10 +196,45 @@ class MetalPagedAttention:
             output_dtypes=dict(out=dtype),
         )
 
-    def partials(self, *args, **kwargs) -> tuple[mx.array, mx.array]:
-        """Split-K partials ``(B, H, S, D)`` and ``(B, H, S)``, float32, as the reference's."""
-        o_part, lse = self.partials_call(*args, **kwargs).launch()
-        return o_part, lse
+    def mass_call(
+        self,
+        scores: mx.array,
+        lse: mx.array,
+        sinks: mx.array | None,
+        context_lens: mx.array,
+        *,
+        kv_heads: int,
+        window: int | None,
+        chunk_size: int | None,
+    ) -> KernelCall:
+        """The launch of the mass pass (built without running it): ``scores`` ``(B, H, P)`` from the mass variant
+        and ``lse`` ``(B, H, S)`` into ``(B, kv_heads, P)`` float32."""
+        B, H, P = scores.shape
+        S = lse.shape[-1]
+        has_sinks = sinks is not None
+        sink_arr = sinks.astype(mx.float32) if has_sinks else mx.zeros((H,), dtype=mx.float32)
+        assert kv_heads == self.kv_heads, (kv_heads, self.kv_heads)
+        tx = min(256, -(-P // 32) * 32)
+        return KernelCall(
+            spec=PAGED_MASS,
+            inputs=dict(scores=scores, lse=lse, sinks=sink_arr, context_lens=context_lens,
+                        params=mx.array([window or 0, chunk_size or 0, S, P], dtype=mx.int32)),
+            template=dict(KVH=self.kv_heads, G=H // self.kv_heads, HAS_SINKS=has_sinks),
+            grid=(-(-P // tx) * tx, self.kv_heads, B),
+            threadgroup=(tx, 1, 1),
+            output_shapes=dict(mass=(B, self.kv_heads, P)),
+            output_dtypes=dict(mass=mx.float32),
+        )
+
+    def partials(self, *args, **kwargs) -> tuple[mx.array, ...]:
+        """Split-K partials ``(B, H, S, D)`` and ``(B, H, S)``, float32, as the reference's (with
+        ``scores=True`` also the logits ``(B, H, max_blocks * block_size)``)."""
+        return tuple(self.partials_call(*args, **kwargs).launch())
+
+    def mass(self, *args, **kwargs) -> mx.array:
+        """Attention mass ``(B, kv_heads, P)`` float32 (arguments as :meth:`mass_call`)."""
+        (mass,) = self.mass_call(*args, **kwargs).launch()
+        return mass
 
     def merge(
         self, o_part: mx.array, lse: mx.array, sinks: mx.array | None, dtype: mx.Dtype

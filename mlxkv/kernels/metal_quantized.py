@@ -15,7 +15,7 @@ import functools
 import mlx.core as mx
 
 from . import metal
-from .metal_specs import PAGED_ATTENTION_QUANTIZED, KernelSpec
+from .metal_specs import PAGED_ATTENTION_QUANTIZED, PAGED_ATTENTION_QUANTIZED_SCORES, KernelSpec
 from .quantized_paged_ref import QUANTIZED_BITS, QUANTIZED_GROUP_SIZES, Planes
 
 
@@ -37,8 +37,8 @@ class MetalQuantizedPagedAttention(metal.MetalPagedAttention):
         super().__init__(dtype, head_dim, block_size, kv_heads, gqa)
         self.bits, self.group_size = bits, group_size
 
-    def kernel_spec(self) -> KernelSpec:
-        return PAGED_ATTENTION_QUANTIZED
+    def kernel_spec(self, scores: bool = False) -> KernelSpec:
+        return PAGED_ATTENTION_QUANTIZED_SCORES if scores else PAGED_ATTENTION_QUANTIZED
 
     def kv_inputs(self, k_planes: Planes, v_planes: Planes) -> dict[str, mx.array]:
         """The K/V inputs by name: the three planes of K and of V."""

@@ -9,7 +9,7 @@ full source MLX would compile (generated signature + body), which the C++ syntax
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,25 +63,50 @@ class KernelSpec:
     template_params: tuple[tuple[str, str], ...]  # (name, "typename" | "int" | "bool"), in order
     # In metal_kernels/: the K/V row read that replaces the body's KV_ROW_READ line (kernels sharing one body).
     kv_read_file: str | None = None
+    # In metal_kernels/: the score write that replaces the body's SCORE_WRITE line (the attention-mass variants);
+    # None deletes that line, so a variant built without mass is the body exactly as it is without the line.
+    score_write_file: str | None = None
 
-    def source(self) -> str:
-        """The body text (with this kernel's K/V row read in place)."""
-        body = read_source(self.source_file)
-        return body if self.kv_read_file is None else with_kv_read(body, read_source(self.kv_read_file))
+    def source(self, texts: dict[str, str] | None = None) -> str:
+        """The body text with this kernel's K/V row read and score write (or none) in place; ``texts`` maps a
+        file name of this kernel to the text to use instead of the shipped one (the static check of a file)."""
+        texts = texts or {}
+
+        def text(name: str) -> str:
+            return texts[name] if name in texts else read_source(name)
+
+        body = text(self.source_file)
+        if self.kv_read_file is not None:
+            body = with_kv_read(body, text(self.kv_read_file))
+        if SCORE_WRITE in body:  # the decode body: the mass variant's write, or nothing
+            body = with_line(body, SCORE_WRITE, "" if self.score_write_file is None else text(self.score_write_file))
+        return body
+
+    def files(self) -> tuple[str, ...]:
+        """The ``metal_kernels/`` files this kernel's source is generated from."""
+        return tuple(f for f in (self.source_file, self.kv_read_file, self.score_write_file) if f is not None)
 
 
 # The line of a shared body that stands for the K/V row read (see paged_attention.metal).
 KV_ROW_READ = "MLXKV_KV_ROW_READ"
+# The line of the decode body that stands for the mass variant's score write (paged_attention_scores.metal).
+SCORE_WRITE = "MLXKV_SCORE_WRITE"
 
 
 def with_kv_read(body: str, kv_read: str) -> str:
     """``body`` with its one ``KV_ROW_READ`` line replaced by ``kv_read``, indented as that line."""
+    return with_line(body, KV_ROW_READ, kv_read)
+
+
+def with_line(body: str, marker: str, text: str) -> str:
+    """``body`` with its one line reading ``marker`` replaced by ``text`` (indented as that line; an empty
+    ``text`` deletes the line)."""
     lines = body.splitlines(keepends=True)
-    at = [n for n, line in enumerate(lines) if line.strip() == KV_ROW_READ]
-    assert len(at) == 1, f"a shared body needs exactly one {KV_ROW_READ} line, found {len(at)}"
+    at = [n for n, line in enumerate(lines) if line.strip() == marker]
+    assert len(at) == 1, f"a shared body needs exactly one {marker} line, found {len(at)}"
     line = lines[at[0]]
     indent = line[: len(line) - len(line.lstrip())]
-    read = "".join(indent + r if r.strip() else r for r in kv_read.splitlines(keepends=True))
+    read = "".join(indent + r if r.strip() else r for r in text.splitlines(keepends=True))
     return "".join(lines[: at[0]]) + read + "".join(lines[at[0] + 1:])
 
 
@@ -110,7 +135,26 @@ PAGED_ATTENTION_QUANTIZED = KernelSpec(
     template_params=(*PAGED_ATTENTION.template_params, ("BITS", "int"), ("GS", "int")),
     kv_read_file="paged_attention_quantized.metal",
 )
-ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, PAGED_ATTENTION_QUANTIZED)
+
+# The attention-mass variants (off by default): the decode kernels plus a `scores` output [B, H, max_blocks * BS]
+# float holding each visible token's scaled logit per query head, and the pass that turns those logits into the
+# per-position mass once the splits' log-sum-exps are merged (paged_mass.metal).
+def _with_scores(spec: KernelSpec) -> KernelSpec:
+    return replace(spec, name=spec.name + "_scores", output_names=(*spec.output_names, "scores"),
+                   score_write_file="paged_attention_scores.metal")
+
+
+PAGED_ATTENTION_SCORES = _with_scores(PAGED_ATTENTION)
+PAGED_ATTENTION_QUANTIZED_SCORES = _with_scores(PAGED_ATTENTION_QUANTIZED)
+PAGED_MASS = KernelSpec(
+    name="mlxkv_paged_mass",
+    source_file="paged_mass.metal",
+    input_names=("scores", "lse", "sinks", "context_lens", "params"),
+    output_names=("mass",),
+    template_params=(("KVH", "int"), ("G", "int"), ("HAS_SINKS", "bool")),
+)
+ALL_SPECS = (PAGED_ATTENTION, PAGED_MERGE, PAGED_ATTENTION_QUANTIZED, PAGED_ATTENTION_SCORES,
+             PAGED_ATTENTION_QUANTIZED_SCORES, PAGED_MASS)
 
 
 def read_source(filename: str) -> str:

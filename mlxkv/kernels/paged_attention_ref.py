@@ -32,6 +32,7 @@ from .geometry import (
     plan_splits,
     visible_start,
 )
+from .paged_mass_ref import mass_from_scores, place_by_position
 
 # Elements (tokens x batch x kv_heads x head_dim) gathered per step: bounds temporary memory
 # (~16 MB of float32 per K or V step) without a Python iteration per page.
@@ -61,8 +62,11 @@ class ReferencePagedAttention:
         scale: float,
         window: int | None,
         chunk_size: int | None,
-    ) -> tuple[mx.array, mx.array]:
-        """Per-split normalised outputs ``(B, H, S, D)`` float32 and log-sum-exps ``(B, H, S)``.
+        scores: bool = False,
+    ) -> tuple[mx.array, ...]:
+        """Per-split normalised outputs ``(B, H, S, D)`` float32 and log-sum-exps ``(B, H, S)``; with ``scores``
+        also the scaled logits ``(B, H, max_blocks * block_size)`` float32 at logical positions (``-inf`` where
+        not visible), for :meth:`mass`.
 
         A split that sees no token (a short sequence in a long batch) has ``lse = -inf`` and a zero
         output, so it drops out of the merge.
@@ -77,7 +81,9 @@ class ReferencePagedAttention:
         in_page = mx.arange(bs, dtype=mx.int32)  # (bs,)
         step_pages = max(1, STEP_ELEMENTS // (bs * B * KVH * D))
 
-        outs, lses = [], []
+        P = block_tables.shape[1] * bs
+        scores_out = scores  # the name is reused per step below
+        outs, lses, kept = [], [], []
         for s in range(plan.num_splits):
             lo = s * plan.pages_per_split
             hi = min(lo + plan.pages_per_split, plan.visible_pages)
@@ -92,6 +98,8 @@ class ReferencePagedAttention:
                 k, v = gather_head_major(k_pages, v_pages, block_tables, page)  # (KVH, B, n*bs, D) each
                 scores = q @ k.swapaxes(-1, -2)  # (KVH, B, G, n*bs)
                 scores = mx.where(valid[None, :, None, :], scores, -mx.inf)
+                if scores_out:
+                    kept.append((scores, pos[:, None], valid[:, None]))  # (KVH, B, G, n*bs), (B, 1, n*bs) x2
                 m_new = mx.maximum(m, scores.max(axis=-1))  # (KVH, B, G)
                 m_safe = mx.where(m_new == -mx.inf, 0.0, m_new)  # no (-inf) - (-inf)
                 corr = mx.exp(m - m_safe)  # 0 while nothing was seen
@@ -106,7 +114,18 @@ class ReferencePagedAttention:
         lse = mx.stack(lses, axis=3)  # (KVH, B, G, S)
         o_part = o_part.transpose(1, 0, 2, 3, 4).reshape(B, H, plan.num_splits, D)  # (B, H, S, D)
         lse = lse.transpose(1, 0, 2, 3).reshape(B, H, plan.num_splits)  # (B, H, S)
-        return o_part, lse
+        if not scores_out:
+            return o_part, lse
+        # The steps' positions are disjoint: one placement of all of them at their logical positions.
+        logits = place_by_position(mx.concatenate([k[0] for k in kept], axis=-1),
+                                   mx.concatenate([k[1] for k in kept], axis=-1),
+                                   mx.concatenate([k[2] for k in kept], axis=-1), P, -mx.inf)  # (KVH, B, G, P)
+        return o_part, lse, logits.transpose(1, 0, 2, 3).reshape(B, H, P)  # ..., (B, H, P)
+
+    def mass(self, scores: mx.array, lse: mx.array, sinks: mx.array | None, context_lens: mx.array, *,
+             kv_heads: int, window: int | None, chunk_size: int | None) -> mx.array:
+        """Attention mass ``(B, kv_heads, P)`` from :meth:`partials`' logits (:func:`mass_from_scores`)."""
+        return mass_from_scores(scores, lse, sinks, context_lens, kv_heads, window=window, chunk_size=chunk_size)
 
     def single_pass(
         self,
@@ -120,9 +139,11 @@ class ReferencePagedAttention:
         scale: float,
         window: int | None,
         chunk_size: int | None,
-    ) -> mx.array | None:
+        with_mass: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array] | None:
         """One split, no sinks: ``(B, H, 1, D)`` in the query dtype, or None when the visible rows are too
-        many to gather at once (the caller then runs ``partials`` + ``merge``).
+        many to gather at once (the caller then runs ``partials`` + ``merge``). ``with_mass``: ``(out, mass)``,
+        the mass ``(B, kv_heads, max_blocks * block_size)`` being this softmax summed over each group.
 
         Gathers every visible row once into a head-major ``(KVH, B, P, D)`` block, masks the positions
         outside ``[start, context_len)`` and runs matmul, a float32 softmax and matmul — the operations
@@ -142,9 +163,14 @@ class ReferencePagedAttention:
         k, v = gather_head_major(k_pages, v_pages, block_tables, page)  # (KVH, B, P, D) each
         q = queries.reshape(B, KVH, G, D).transpose(1, 0, 2, 3).astype(mx.float32) * scale  # (KVH, B, G, D)
         scores = mx.where(valid[None, :, None, :], q @ k.swapaxes(-1, -2), -mx.inf)  # (KVH, B, G, P)
-        out = mx.softmax(scores, axis=-1, precise=True) @ v  # (KVH, B, G, D); NaN where nothing is visible
-        out = mx.where((context_lens > starts)[None, :, None, None], out, 0.0)
-        return out.transpose(1, 0, 2, 3).reshape(B, H, 1, D).astype(queries.dtype)  # (B, H, 1, D)
+        probs = mx.softmax(scores, axis=-1, precise=True)  # (KVH, B, G, P); NaN where nothing is visible
+        out = mx.where((context_lens > starts)[None, :, None, None], probs @ v, 0.0)  # (KVH, B, G, D)
+        out = out.transpose(1, 0, 2, 3).reshape(B, H, 1, D).astype(queries.dtype)  # (B, H, 1, D)
+        if not with_mass:
+            return out
+        mass = mx.where(valid[None], probs.sum(axis=2), 0.0)  # (KVH, B, P)
+        mass = place_by_position(mass, pos, valid, block_tables.shape[1] * bs, 0.0)  # (KVH, B, max_blocks * bs)
+        return out, mass.transpose(1, 0, 2)  # (B, KVH, max_blocks * bs)
 
     def merge(
         self, o_part: mx.array, lse: mx.array, sinks: mx.array | None, dtype: mx.Dtype
@@ -209,16 +235,20 @@ def run_paged_attention(
     sinks: mx.array | None = None,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    with_mass: bool = False,
     check_inputs=check_paged_inputs,
-) -> mx.array:
+) -> mx.array | tuple[mx.array, mx.array]:
     """Validate, plan the splits, and run ``impl.partials`` then ``impl.merge``.
 
     ``impl`` is any object with the ``partials``/``merge`` interface of
     :class:`ReferencePagedAttention` (the Metal kernel pair has it too). ``check_inputs`` (arguments and
     result as :func:`~mlxkv.kernels.geometry.check_paged_inputs`) validates the pages in another layout
-    (quantized planes).
+    (quantized planes). ``with_mass``: ``(out, mass)``, the attention mass ``(B, kv_heads, max_blocks *
+    block_size)`` float32 from the same scores (:mod:`mlxkv.kernels.paged_mass_ref`; ``impl.partials(...,
+    scores=True)`` then ``impl.mass``).
     """
-    bs = check_inputs(queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks)[3]
+    checked = check_inputs(queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks)
+    bs, kv_heads = checked[3], checked[4]
     D = queries.shape[-1]
     if num_splits is None and env.flags().paged_decode_splits is None:
         num_splits = getattr(impl, "default_num_splits", None)  # None: split by context length
@@ -235,15 +265,19 @@ def run_paged_attention(
     if single_pass is not None and sinks is None:
         out = single_pass(
             queries, k_pages, v_pages, block_tables, context_lens, plan,
-            scale=scale, window=window, chunk_size=chunk_size,
+            scale=scale, window=window, chunk_size=chunk_size, **({"with_mass": True} if with_mass else {}),
         )
         if out is not None:
             return out
-    o_part, lse = impl.partials(
+    parts = impl.partials(
         queries, k_pages, v_pages, block_tables, context_lens, plan,
-        scale=scale, window=window, chunk_size=chunk_size,
+        scale=scale, window=window, chunk_size=chunk_size, **({"scores": True} if with_mass else {}),
     )
-    return impl.merge(o_part, lse, sinks, queries.dtype)
+    out = impl.merge(parts[0], parts[1], sinks, queries.dtype)
+    if not with_mass:
+        return out
+    return out, impl.mass(parts[2], parts[1], sinks, context_lens, kv_heads=kv_heads, window=window,
+                          chunk_size=chunk_size)
 
 
 REFERENCE = ReferencePagedAttention()
@@ -262,7 +296,8 @@ def paged_attention_reference(
     sinks: mx.array | None = None,
     num_splits: int | None = None,
     max_context_len: int | None = None,
-) -> mx.array:
+    with_mass: bool = False,
+) -> mx.array | tuple[mx.array, mx.array]:
     """Decode attention of one query token per sequence over paged K/V, in pure MLX.
 
     Args:
@@ -276,9 +311,11 @@ def paged_attention_reference(
         sinks: per-head sink logits ``[n_heads]``, or None.
         num_splits: split-K count; default by context length (``MLXKV_PAGED_DECODE_SPLITS``).
         max_context_len: host-side bound on ``context_lens`` (avoids a device sync), or None.
+        with_mass: also return the attention mass (:mod:`mlxkv.kernels.paged_mass_ref`).
 
     Returns:
-        ``[B, n_heads, 1, head_dim]`` in the query dtype.
+        ``[B, n_heads, 1, head_dim]`` in the query dtype; with ``with_mass``, ``(that, mass)``, mass float32
+        ``[B, kv_heads, max_blocks_per_seq * block_size]`` by logical position (0 where not visible).
 
     Raises:
         ValueError: inputs that do not follow the layout in :mod:`mlxkv.kernels`.
@@ -286,5 +323,5 @@ def paged_attention_reference(
     return run_paged_attention(
         REFERENCE, queries, k_pages, v_pages, block_tables, context_lens,
         scale=scale, window=window, chunk_size=chunk_size, sinks=sinks,
-        num_splits=num_splits, max_context_len=max_context_len,
+        num_splits=num_splits, max_context_len=max_context_len, with_mass=with_mass,
     )

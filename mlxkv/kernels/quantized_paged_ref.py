@@ -101,6 +101,10 @@ class ReferenceQuantizedPagedAttention:
         """Log-sum-exp merge into ``(B, H, 1, D)`` of ``dtype``."""
         return REFERENCE.merge(o_part, lse, sinks, dtype)
 
+    def mass(self, *args, **kwargs) -> mx.array:
+        """Attention mass from ``partials(..., scores=True)``'s logits (as ``ReferencePagedAttention.mass``)."""
+        return REFERENCE.mass(*args, **kwargs)
+
 
 def check_quantized_tables(queries: mx.array, k_planes: Planes, v_planes: Planes, *rest) -> tuple[int, ...]:
     """:func:`~mlxkv.kernels.geometry.check_paged_inputs` (the table / option checks of unquantized pages; ``rest``:
@@ -142,7 +146,7 @@ def quantized_paged_attention_reference(
     bits: int,
     group_size: int,
     **kwargs,
-) -> mx.array:
+) -> mx.array | tuple[mx.array, mx.array]:
     """Decode attention of one query token per sequence over quantized paged K/V, in pure MLX.
 
     Args:
@@ -153,9 +157,10 @@ def quantized_paged_attention_reference(
         block_tables, context_lens, and the keyword options (scale, window, chunk_size, sinks, num_splits,
             max_context_len): as :func:`~mlxkv.kernels.paged_attention_ref.paged_attention_reference`.
         bits: 4 or 8; group_size: 32, 64 or 128.
+        with_mass (keyword): also return the attention mass, as the unquantized reference.
 
     Returns:
-        ``[B, n_heads, 1, head_dim]`` in the query dtype.
+        ``[B, n_heads, 1, head_dim]`` in the query dtype (with ``with_mass=True``: ``(that, mass)``).
 
     Raises:
         ValueError: inputs that do not follow the layout.

@@ -10,6 +10,7 @@ import mlx.core as mx
 from .geometry import TOLERANCES
 from .metal_specs import MAX_CONSTANT_ARRAY_SIZE
 from .paged_attention_ref import REFERENCE, run_paged_attention
+from .paged_mass_ref import MASS_TOLERANCE
 from .quantized_paged_ref import ReferenceQuantizedPagedAttention, run_quantized_paged_attention
 
 
@@ -102,17 +103,19 @@ def check_attention_impl(
     window: int | None = None,
     chunk_size: int | None = None,
     sinks: bool = False,
+    mass: bool = False,
     seed: int = 0,
 ) -> tuple[bool, float]:
     """Run ``impl`` and the reference on small random inputs; ``(ok, max err)``.
 
     Two batches (fewer than 8 sequences and at least 8: MLX passes ``context_lens`` in constant
     memory below 8 elements and in device memory from 8, so the kernel is compiled twice), each
-    with 1 and 2 splits. Exceptions from ``impl`` count as a mismatch (err = inf).
+    with 1 and 2 splits. Exceptions from ``impl`` count as a mismatch (err = inf). ``mass``: the
+    attention-mass path (``with_mass=True``), its mass compared too (``MASS_TOLERANCE``).
     """
     return _compare(impl, REFERENCE, run_paged_attention, PagedCase.args, dtype=dtype, head_dim=head_dim,
                     block_size=block_size, kv_heads=kv_heads, gqa=gqa, window=window, chunk_size=chunk_size,
-                    sinks=sinks, seed=seed)
+                    sinks=sinks, seed=seed, **({"with_mass": True} if mass else {}))
 
 
 def _compare(impl, reference, run, case_args, *, dtype: mx.Dtype, head_dim: int, block_size: int, kv_heads: int,
@@ -134,9 +137,18 @@ def _compare(impl, reference, run, case_args, *, dtype: mx.Dtype, head_dim: int,
                 mx.eval(got)
             except Exception:  # a kernel that fails to compile or run is a failed self-check
                 return False, float("inf")
+            if fixed.get("with_mass"):  # (out, mass): the mass compared at its own tolerance
+                (got, got_mass), (want, want_mass) = got, want
+                ok = ok and mass_close(got_mass, want_mass)
+                worst = max(worst, max_abs_error(got_mass, want_mass))
             ok = ok and close(got, want, dtype)
             worst = max(worst, max_abs_error(got, want))
     return ok, worst
+
+
+def mass_close(a: mx.array, b: mx.array) -> bool:
+    """Attention masses agree: same shape, ``allclose`` with atol = rtol = ``MASS_TOLERANCE``."""
+    return a.shape == b.shape and bool(mx.allclose(a, b, atol=MASS_TOLERANCE, rtol=MASS_TOLERANCE).item())
 
 
 def quantize_case(case: PagedCase, bits: int, group_size: int) -> tuple[mx.array, ...]:
@@ -146,9 +158,11 @@ def quantize_case(case: PagedCase, bits: int, group_size: int) -> tuple[mx.array
     return case.queries, k, v, case.block_tables, case.context_lens
 
 
-def check_quantized_attention_impl(impl, *, bits: int, group_size: int, **shape) -> tuple[bool, float]:
+def check_quantized_attention_impl(impl, *, bits: int, group_size: int, mass: bool = False,
+                                   **shape) -> tuple[bool, float]:
     """:func:`check_attention_impl` for a quantized-pages implementation (``shape``: its keywords): the same two
     batches (constant and device ``context_lens``) and split counts, the pages quantized, against
     :class:`~mlxkv.kernels.quantized_paged_ref.ReferenceQuantizedPagedAttention`; ``(ok, max err)``."""
     return _compare(impl, ReferenceQuantizedPagedAttention(bits, group_size), run_quantized_paged_attention,
-                    lambda case: quantize_case(case, bits, group_size), bits=bits, group_size=group_size, **shape)
+                    lambda case: quantize_case(case, bits, group_size), bits=bits, group_size=group_size, **shape,
+                    **({"with_mass": True} if mass else {}))

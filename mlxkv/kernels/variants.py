@@ -75,13 +75,15 @@ def _zeros(shape, dtype) -> mx.array:
     return mx.zeros(shape, dtype=dtype)
 
 
-def attention_variants(batches: tuple[int, ...] = BATCHES) -> list[Variant]:
-    """Every (dtype, head_dim, block size, GQA, batch) attention partials launch."""
+def attention_variants(batches: tuple[int, ...] = BATCHES, scores: bool = False) -> list[Variant]:
+    """Every (dtype, head_dim, block size, GQA, batch) attention partials launch. ``scores``: the attention-mass
+    variants instead, at the default block size only (their one extra line, the score write, indexes with BS as
+    the position stride, an expression the other sizes share with the body)."""
     out = []
     kv_heads = 2
     for dtype in metal.SUPPORTED_DTYPES:
         for D in metal.HEAD_DIMS:
-            for bs in block_size_values():
+            for bs in ([16] if scores else block_size_values()):
                 for g in gqa_values(D):
                     assert metal.supports_attention(dtype, D, bs, g)
                     impl = metal.MetalPagedAttention(dtype, D, bs, kv_heads, g)
@@ -93,24 +95,26 @@ def attention_variants(batches: tuple[int, ...] = BATCHES) -> list[Variant]:
                             _zeros((kv_heads, B * pages + 1, bs, D), dtype),
                             _zeros((B, pages), mx.int32), _zeros((B,), mx.int32),
                             plan_splits(pages * bs, bs, num_splits=2),
-                            scale=D**-0.5, window=None, chunk_size=None,
+                            scale=D**-0.5, window=None, chunk_size=None, scores=scores,
                         )
                         nsg = call.template["NSG"]
-                        out.append(Variant(f"attention {dtype} D={D} bs={bs} gqa={g} B={B} nsg={nsg}", call))
+                        kind = "attention+scores" if scores else "attention"
+                        out.append(Variant(f"{kind} {dtype} D={D} bs={bs} gqa={g} B={B} nsg={nsg}", call))
     return out
 
 
-def quantized_attention_variants(batches: tuple[int, ...] = BATCHES) -> list[Variant]:
+def quantized_attention_variants(batches: tuple[int, ...] = BATCHES, scores: bool = False) -> list[Variant]:
     """Every (bits, group size, head_dim) quantized-pages launch, the dtypes taking turns, at GQA 1 and the largest,
     both ``context_lens`` address spaces; block sizes at their extremes at the default head_dim 64. The quantized body
-    differs from the unquantized one only in its K/V reads, whose shape depends on D, BITS and GS."""
+    differs from the unquantized one only in its K/V reads, whose shape depends on D, BITS and GS. ``scores``: the
+    attention-mass variants, at the default block size only (as in :func:`attention_variants`)."""
     out = []
     kv_heads, pages = 2, 3
     combos = [(D, gs, bits) for D in metal.HEAD_DIMS for gs in metal_quantized.QUANTIZED_GROUP_SIZES
               if D % gs == 0 for bits in metal_quantized.QUANTIZED_BITS]
     for n, (D, gs, bits) in enumerate(combos):
         dtype = metal.SUPPORTED_DTYPES[n % len(metal.SUPPORTED_DTYPES)]
-        sizes = block_size_values() if D == 64 else [16]
+        sizes = block_size_values() if D == 64 and not scores else [16]
         for bs in sizes:
             for g in sorted({1, metal.max_gqa(D)}):
                 assert metal_quantized.supports_quantized_attention(dtype, D, bs, g, bits, gs)
@@ -123,8 +127,9 @@ def quantized_attention_variants(batches: tuple[int, ...] = BATCHES) -> list[Var
                         _zeros((B, kv_heads * g, 1, D), dtype), planes, planes,
                         _zeros((B, pages), mx.int32), _zeros((B,), mx.int32),
                         plan_splits(pages * bs, bs, num_splits=2), scale=D**-0.5, window=None, chunk_size=None,
+                        scores=scores,
                     )
-                    label = f"quantized {dtype} D={D} bits={bits} gs={gs} bs={bs} gqa={g} B={B} nsg={call.template['NSG']}"
+                    label = f"quantized{'+scores' if scores else ''} {dtype} D={D} bits={bits} gs={gs} bs={bs} gqa={g} B={B} nsg={call.template['NSG']}"
                     out.append(Variant(label, call))
     return out
 
@@ -144,9 +149,27 @@ def merge_variants() -> list[Variant]:
     return out
 
 
+def mass_pass_variants() -> list[Variant]:
+    """Every (GQA, sinks, batch) launch of the mass pass (``paged_mass.metal``): ``sinks`` in constant (2 heads)
+    and device memory (8 heads), ``context_lens`` and ``lse`` in both (batch 1 and 8)."""
+    out = []
+    kv_heads, pages, bs, S = 2, 3, 16, 2
+    for g in (1, 4):
+        impl = metal.MetalPagedAttention(mx.float32, 64, bs, kv_heads, g)  # mass_call reads kv_heads only
+        H = kv_heads * g
+        for sinks in (False, True):
+            for B in BATCHES:
+                call = impl.mass_call(_zeros((B, H, pages * bs), mx.float32), _zeros((B, H, S), mx.float32),
+                                      _zeros((H,), mx.float32) if sinks else None, _zeros((B,), mx.int32),
+                                      kv_heads=kv_heads, window=None, chunk_size=None)
+                out.append(Variant(f"mass H={H} gqa={g} sinks={sinks} B={B}", call))
+    return out
+
+
 def all_variants() -> list[Variant]:
     """Every variant of every kernel, in spec order."""
-    return attention_variants() + merge_variants() + quantized_attention_variants()
+    return (attention_variants() + merge_variants() + quantized_attention_variants()
+            + attention_variants(scores=True) + quantized_attention_variants(scores=True) + mass_pass_variants())
 
 
 def emulation_classes() -> list[Variant]:

@@ -130,4 +130,17 @@ def _rank_metrics(dist: dict | None) -> Iterator:
         for rank in dist.get("ranks", []):
             family.add_metric([str(rank["rank"])], float(rank[key]))
         yield family
+    tiers = [r for r in dist.get("ranks", []) if "tier" in r]  # with --host-cache-size / --kv-disk-cache
+    if tiers:
+        blocks = GaugeMetricFamily("mlxkv_rank_tier_blocks", "KV tier blocks each rank holds (its shard of each).",
+                                   labels=["rank", "store"])
+        restored = GaugeMetricFamily("mlxkv_rank_tier_restored_blocks",
+                                     "Blocks each rank restored from its KV tier (prefix hits rank 0 agreed).",
+                                     labels=["rank"])
+        for rank in tiers:
+            blocks.add_metric([str(rank["rank"]), "memory"], float(rank["tier"]["memory_blocks"]))
+            blocks.add_metric([str(rank["rank"]), "disk"], float(rank["tier"]["disk_blocks"]))
+            restored.add_metric([str(rank["rank"])], float(rank["tier"]["restored_blocks"]))
+        yield blocks
+        yield restored
 

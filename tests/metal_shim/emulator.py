@@ -175,8 +175,11 @@ class EmulatedLaunches:
         self.emulator = emulator
 
     def partials(self, *args, **kwargs):
-        o_part, lse = self.emulator.launch(self.partials_call(*args, **kwargs))
-        return o_part, lse
+        return tuple(self.emulator.launch(self.partials_call(*args, **kwargs)))  # o_part, lse[, scores]
+
+    def mass(self, *args, **kwargs):
+        (mass,) = self.emulator.launch(self.mass_call(*args, **kwargs))
+        return mass
 
     def merge(self, *args):
         (out,) = self.emulator.launch(self.merge_call(*args))

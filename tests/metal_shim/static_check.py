@@ -23,13 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxkv.kernels.metal_specs import (
-    ALL_SPECS,
-    KernelSpec,
-    read_source,
-    render_kernel,
-    with_kv_read,
-)
+from mlxkv.kernels.metal_specs import ALL_SPECS, KernelSpec, render_kernel
 from mlxkv.kernels.variants import Variant, all_variants
 
 SHIM = Path(__file__).parent
@@ -118,22 +112,15 @@ def check_spec(spec: KernelSpec, body: str | None = None, variants: list[Variant
 
 
 def shipped_names() -> list[str]:
-    """The names of the shipped sources: bodies and K/V row reads."""
-    names = [s.source_file for s in ALL_SPECS] + [s.kv_read_file for s in ALL_SPECS if s.kv_read_file]
-    return list(dict.fromkeys(names))
+    """The names of the shipped sources: bodies, K/V row reads and the score write."""
+    return list(dict.fromkeys(f for s in ALL_SPECS for f in s.files()))
 
 
 def bodies_for_file(path: Path) -> dict[KernelSpec, str]:
-    """The full bodies to check for a file named like a shipped source (empty: no such name): a body with
-    the K/V row read of each kernel built on it, or a K/V row read in its kernel's shipped body."""
+    """The full bodies to check for a file named like a shipped source (empty: no such name): every kernel
+    generated from that file, with the file's text in place of the shipped one."""
     text = path.read_text(encoding="utf-8")
-    out = {}
-    for spec in ALL_SPECS:
-        if spec.source_file == path.name:
-            out[spec] = text if spec.kv_read_file is None else with_kv_read(text, read_source(spec.kv_read_file))
-        elif spec.kv_read_file == path.name:
-            out[spec] = with_kv_read(read_source(spec.source_file), text)
-    return out
+    return {spec: spec.source({path.name: text}) for spec in ALL_SPECS if path.name in spec.files()}
 
 
 def check_all(bodies: dict[KernelSpec, str] | None = None) -> list[Report]:

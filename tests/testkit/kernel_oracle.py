@@ -71,3 +71,33 @@ def dense_paged_attention(
             )
         )
     return mx.concatenate(outs, axis=0).astype(dtype)  # (B, H, 1, D)
+
+
+def dense_attention_mass(
+    queries: mx.array,
+    k_pages: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """The attention mass by the KV-overflow layer's second score pass (:mod:`mlxkv.kv.overflow.mass`) over each
+    sequence's rows gathered densely: float32 ``(B, kv_heads, max_blocks * block_size)``, 0 past the context."""
+    from mlxkv.kv.overflow.mass import attention_mass, masked_scores
+
+    KVH, _, bs, D = k_pages.shape
+    P = block_tables.shape[1] * bs
+    scale = default_scale(D) if scale is None else scale
+    out = []
+    for b, L in enumerate(context_lens.tolist()):
+        mass = mx.zeros((KVH, P), dtype=mx.float32)  # (KVH, P)
+        if L > 0:
+            keys = gather_dense(k_pages, block_tables[b].tolist(), L)  # (1, KVH, L, D)
+            mask = visible_mask(L, window, chunk_size).reshape(1, 1, 1, L)
+            seen = attention_mass(masked_scores(queries[b:b + 1], keys, scale, mask), sinks)  # (KVH, L)
+            mass = mx.concatenate([seen, mass[:, L:]], axis=1)  # (KVH, P)
+        out.append(mass)
+    return mx.stack(out)  # (B, KVH, P)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 from testkit.serve_process import free_port
@@ -61,19 +62,44 @@ class Launch:
         self.ranks = {int(r): int(p) for r, p in re.findall(r"rank (\d+) of \d+ ready \(pid (\d+)", self.log())}
         return self
 
-    def stop(self) -> None:
-        """Stop every rank (the whole process group: mlx.launch terminated alone leaves its ranks running)."""
+    def stop(self) -> str:
+        """Stop every rank (the whole process group: mlx.launch terminated alone leaves its ranks running); returns
+        the launch's whole output. SIGTERM first: rank 0 drains, the ranks flush their KV tiers and exit."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
-        time.sleep(0.5)  # rank 0 drains and tells the others to stop
+        deadline = time.monotonic() + 30  # rank 0 drains and tells the others to stop; each flushes its tier
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # any rank still there
         self.proc.wait(timeout=30)
+        log = self.log()
         os.unlink(self.log_path)
+        return log
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies left to an init that does not reap them do
+    not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def start_launch(n: int, *args: str, mode: str = "tensor") -> Launch:

@@ -1,7 +1,8 @@
 """Attention over what a cache returned: dense K/V or quantized K/V planes.
 
 ``attend`` is what every mlxkv layout's ``attend`` method runs (the attention hook routes mlx-lm's
-``scaled_dot_product_attention`` calls here). Dense K/V go to ``mx.fast.scaled_dot_product_attention``;
+``scaled_dot_product_attention`` calls here). Dense K/V go to ``mx.fast.scaled_dot_product_attention`` (a long
+causal chunk on the CPU through :func:`mlxkv.cpu_ops.causal_attention`, which skips the masked keys);
 quantized K/V (mlx-lm's ``(packed, scales, biases)`` tuples) are attended with ``mx.quantized_matmul``
 without dequantizing the cache, the same way mlx-lm's quantized attention does, plus attention sinks.
 """
@@ -9,6 +10,8 @@ without dequantizing the cache, the same way mlx-lm's quantized attention does, 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from mlxkv.cpu_ops import causal_attention, causal_attention_blocked
 
 Mask = None | str | mx.array
 
@@ -32,6 +35,8 @@ def attend(queries: mx.array, keys, values, scale: float, mask: Mask = None,
     if isinstance(keys, tuple):
         assert bits is not None, "quantized keys need bits"
         return quantized_attend(queries, keys, values, scale, mask, sinks, bits, group_size)
+    if isinstance(mask, str) and mask == "causal" and causal_attention_blocked(queries):
+        return causal_attention(queries, keys, values, scale, sinks)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 

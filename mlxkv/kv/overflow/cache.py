@@ -8,8 +8,8 @@ the same for every layer, whichever positions each layer kept.
 
 Each step: (1) if the previous step left more than ``budget`` rows, evict down to ``budget`` (sinks and the
 recent window are protected, then the highest accumulated attention mass stays: H2O); (2) append the new rows;
-(3) ``attend`` runs ``mx.fast.scaled_dot_product_attention`` (the plain cache's output while nothing was
-evicted) and adds each row's attention mass. ``offload`` also keeps every evicted row in an
+(3) ``attend`` runs the plain cache's attention (:func:`~mlxkv.kv.layouts.dense_attention.attend`: its output
+while nothing was evicted) and adds each row's attention mass. ``offload`` also keeps every evicted row in an
 :class:`~mlxkv.kv.overflow.offload.OffloadTier` and, before attending, brings back the rows whose proxy-estimated
 share of the current queries' attention passes ``restore_threshold``; they join this step's attention.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.kv.layouts.base import LayerCache
+from mlxkv.kv.layouts.dense_attention import attend
 from mlxkv.kv.overflow.mass import attention_mass, masked_scores
 from mlxkv.kv.overflow.offload import OffloadTier
 from mlxkv.kv.overflow.selection import compaction_plan, eviction_scores
@@ -152,7 +153,7 @@ class OverflowKVCache(LayerCache):
             values = mx.concatenate([v_r, values], axis=2)
             mask = _widen(mask, n)
             scores = mx.concatenate([masked_scores(queries, k_r, scale), scores], axis=-1)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        out = attend(queries, keys, values, scale, mask, sinks)  # the plain cache's attention
         mass = attention_mass(scores, sinks)  # (n_kv, n + K), restored rows first
         if n:
             mass = mx.concatenate([mass[:, n:], mass[:, :n]], axis=1)  # slot order: rows, then restored

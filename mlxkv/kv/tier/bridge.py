@@ -71,6 +71,8 @@ class TierBridge:
         if self.active:
             self.pool.add_evict_hook(self._on_evict)
         self.states: SnapshotTier | None = None  # models with recurrent layers: their snapshots travel too
+        # under --distributed: rank 0 decides restores with the other ranks (mlxkv.distributed.tier.RankTier)
+        self.ranks = None
         if self.active and backend.manager.snapshots is not None:
             self.states = SnapshotTier(self, backend.recurrent_layers, backend.snapshot_probe)
 
@@ -250,6 +252,8 @@ class TierBridge:
         if not self.active or first >= usable:
             return 0
         ctx = HashContext(salt, tuple(extra), tuple(spans))
+        if self.ranks is not None:  # --distributed: every rank must hold its shard of a restored block
+            return self.ranks.restore(tokens, ctx, hit, first, usable)
         if self.states is not None:  # recurrent layers: the hit also needs a snapshot (state_tier.py)
             return self.states.restore(tokens, ctx, first, usable)
         hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
@@ -264,10 +268,13 @@ class TierBridge:
         return length - first
 
     def restore_blocks(self, tokens: list[int], ctx: HashContext, hashes: list, hit_blocks: list, held: list,
-                       wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None) -> bool:
+                       wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None,
+                       done: list | None = None, priorities: dict | None = None) -> bool:
         """Bring the ``wanted`` ``(index, group)`` tier blocks into the pool, linked to the primary hit's
         ``hit_blocks`` (per group), with ``held`` kept from eviction meanwhile; then ``after()`` (the snapshot
-        restore), still under that protection. Whether every block (and ``after``) came back."""
+        restore), still under that protection. Whether every block (and ``after``) came back. ``done`` gets
+        ``(index, group, priority)`` of each block restored, in order; ``priorities`` (by ``(index, group)``)
+        replaces the retention priority the tier kept (a follower takes rank 0's, mlxkv.distributed.tier)."""
         bs = self.block_size
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
         placed: dict[tuple[int, int], KVCacheBlock] = {
@@ -296,8 +303,11 @@ class TierBridge:
                     block, group_id=g, block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
                     parent_ref=None if prev is None else prev.ref, token_ids=btoks, extra_keys=bextra,
                     anchor=None if anchor is None else anchor.ref)
-                self.pool.set_retention(block, tb.priority, None, merge=False)
+                priority = tb.priority if priorities is None else priorities[(i, g)]
+                self.pool.set_retention(block, priority, None, merge=False)
                 placed[(g, i)] = block
+                if done is not None:
+                    done.append((i, g, priority))
             self._write(writes)  # before any model step reads these pages
             if complete and after is not None:
                 complete = after()
@@ -352,7 +362,7 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
         ValueError: a disk tier with ``hash_algo='builtin'`` (its hashes differ between processes).
     """
     from mlxkv.kv.tier.disk_store import DiskStore
-    from mlxkv.kv.tier.fingerprint import fingerprint_model, with_kv_quantization
+    from mlxkv.kv.tier.fingerprint import fingerprint_model, with_kv_quantization, with_shard
     from mlxkv.kv.tier.host_store import HostMemoryStore
 
     use_disk = disk_dir is not None and disk_bytes > 0
@@ -367,6 +377,8 @@ def attach_tier(backend, *, memory_bytes: int = 0, disk_dir: str | None = None, 
         fingerprint = fingerprint_model(backend.model, model_path)
         if backend.storage.quantized:  # the tier holds the quantized form: only these bits may load it
             fingerprint = with_kv_quantization(fingerprint, backend.storage.bits, backend.storage.group_size)
+        if getattr(backend.config, "secondary_shard", ""):  # --distributed: this rank's shard of each block
+            fingerprint = with_shard(fingerprint, backend.config.secondary_shard)
         disk = DiskStore(disk_dir, fingerprint, disk_bytes,
                          block_size=backend.block_size,
                          tenant_quota_bytes=None if share >= 1 else int(disk_bytes * share))

@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+from mlxkv.kv.tier.fingerprint import parse_shard_name
 from mlxkv.kv.tier.format import (
     FILE_SUFFIX,
     MAGIC,
@@ -174,9 +175,13 @@ class DiskStore:
                 continue
             if entry is not None:
                 found.append(entry)
+        shards = sorted(p.name for p in self.folder.iterdir() if p.is_dir() and parse_shard_name(p.name))
+        if shards:  # a --distributed launch's folder used whole: each rank's shard is in its own subfolder
+            log.warning("secondary KV tier: %s holds the per-rank folders of --distributed launches (%s): not read "
+                        "by this process, which holds whole blocks", self.folder, ", ".join(shards))
         if self.num_foreign:
-            log.warning("secondary KV tier: %d file(s) in %s belong to another model; not served",
-                        self.num_foreign, self.folder)
+            log.warning("secondary KV tier: %d file(s) in %s belong to another model, other KV bits or another "
+                        "--distributed shard; not served", self.num_foreign, self.folder)
         if self.num_old_format:
             log.warning("secondary KV tier: dropped %d file(s) of an older format in %s (never readable by this "
                         "version)", self.num_old_format, self.folder)

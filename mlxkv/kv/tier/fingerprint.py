@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 FINGERPRINT_VERSION = 1
+_SHARD_NAME = re.compile(r"^rank-(\d+)-of-(\d+)-(tensor|pipeline)$")
 _SAMPLE_BYTES = 4096  # bytes hashed per parameter (strided over the whole array)
 
 
@@ -78,3 +80,24 @@ def with_kv_quantization(fingerprint: dict, bits: int, group_size: int) -> dict:
     other bits, another group size or unquantized pages has another digest, so it is never loaded as this one."""
     return make_fingerprint(fingerprint["architecture"], fingerprint["weights_kind"],
                             f"{fingerprint['weights_id']}+kv{bits}g{group_size}")
+
+
+def shard_name(mode: str, rank: int, size: int) -> str:
+    """The name of a rank's shard under ``--distributed``, e.g. ``rank-1-of-2-tensor``: its tier folder (inside the
+    ``--kv-disk-cache`` folder) and part of its fingerprint (:func:`with_shard`)."""
+    return f"rank-{rank}-of-{size}-{mode}"
+
+
+def parse_shard_name(name: str) -> tuple[int, int, str] | None:
+    """``(rank, size, mode)`` of a per-rank folder name (:func:`shard_name`), or None for any other name."""
+    m = _SHARD_NAME.match(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)), m.group(3))
+
+
+def with_shard(fingerprint: dict, shard: str) -> dict:
+    """``fingerprint`` for this process's shard of each block under ``--distributed`` (``shard``: e.g.
+    ``"rank-1-of-2-tensor"``, the mode, rank and world size): a folder written by another rank, another world size
+    or the other mode has another digest, so its files are never served as this shard's (the disk store counts
+    them as foreign and says so)."""
+    return make_fingerprint(fingerprint["architecture"], fingerprint["weights_kind"],
+                            f"{fingerprint['weights_id']}+{shard}")
