@@ -168,21 +168,35 @@ def test_blocks_written_after_an_eviction_never_serve_a_prefix_hit(model):
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-def test_attention_over_kept_pages_is_dense_attention_over_those_rows(model, kernel, monkeypatch):
+@pytest.mark.parametrize("policy", ["window", "h2o"])
+def test_attention_over_kept_pages_is_dense_attention_over_those_rows(model, kernel, policy, monkeypatch):
     """One layer after an eviction: its output equals SDPA over the kept rows (the reference path, and the
-    paged kernel over the kept pages' table)."""
+    paged kernel over the kept pages' table); h2o's mass (the kernel's own, or the second pass) is each kept
+    page's share of that attention."""
     import mlxkv.kv.paged.layer_cache as lc
+    from mlxkv.kv.overflow.mass import decode_mass
 
     monkeypatch.setattr(lc, "reference_on_views", lambda: not kernel)
-    pool = pool_for(model, KvOverflowConfig("window", budget=20, sinks=2))
+    config = KvOverflowConfig(policy, budget=24, sinks=2, **({"recent": 4} if policy == "h2o" else {}))
+    pool = pool_for(model, config)
     seq = pool.open(prompt=PROMPT)
     step_logits(model, seq, PROMPT, 3)
+    state = overflow_state(seq)
+    assert state.dropped
     layer = next(c for c in seq.caches if isinstance(c, PagedLayerCache))
     seq.feed([5])
     k, v = layer.update_and_fetch(mx.random.normal((1, 2, 1, 16)), mx.random.normal((1, 2, 1, 16)))
     q = mx.random.normal((1, 4, 1, 16))
+    before = state._mass
+    out = layer.attend(q, k, v, 0.25)
     expect = mx.fast.scaled_dot_product_attention(q, mx.array(k), mx.array(v), scale=0.25)
-    assert mx.allclose(layer.attend(q, k, v, 0.25), expect, atol=1e-5).item()
+    assert mx.allclose(out, expect, atol=1e-5).item()
+    if policy == "h2o":
+        entries, _ = state.kept_pages(seq.paged.step.host_table(0), layer.offset)
+        rows = decode_mass(q, mx.array(k), 0.25).sum(axis=0)  # (K,)
+        pages = mx.pad(rows, (0, len(entries) * 4 - rows.shape[0])).reshape(-1, 4).sum(axis=1)
+        added = (state._mass - mx.pad(before, (0, state._mass.shape[0] - before.shape[0])))[mx.array(entries)]
+        assert mx.allclose(added, pages, atol=1e-5).item() and abs(pages.sum().item() - 4.0) < 1e-4
 
 
 def test_fork_and_preemption_run_with_a_policy(model):

@@ -3,9 +3,9 @@ window|h2o`` on paged storage, :mod:`mlxkv.kv.paged.page_overflow`).
 
 Each sequence attends its *kept* pages only: its block table without the entries its policy dropped, and a context
 length counting kept tokens (a sequence without a policy: its whole table). The B new rows are written into their
-slots at once; one ``paged_attention`` call then covers every sequence over those compacted tables. Sequences
-under ``h2o`` add each kept page's attention mass (:func:`mlxkv.kv.overflow.mass.decode_mass` over their own
-rows). What ``update_and_fetch`` returns (each sequence's kept rows, right-padded) is lazy and only computed for
+slots at once; one ``paged_attention`` call then covers every sequence over those compacted tables, and returns the
+attention mass per kept position (``with_mass``) that sequences under ``h2o`` add to their pages (a model that
+transforms the keys gets dense attention and :func:`mlxkv.kv.overflow.mass.decode_mass` instead). What ``update_and_fetch`` returns (each sequence's kept rows, right-padded) is lazy and only computed for
 the mass or for a model that transforms the keys.
 """
 
@@ -82,22 +82,28 @@ class OverflowBatchView(KVBatchView):
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """h2o sequences add their kept pages' mass; then one ``paged_attention`` over the kept pages' tables
-        (the model's own tensors, masked to each sequence's kept rows, when it transformed them).
+        """One ``paged_attention`` over the kept pages' tables, its mass added to the h2o sequences' pages (the
+        model's own tensors, masked to each sequence's kept rows, when it transformed them).
         ``queries (B, n_q, 1, D)`` -> ``(B, n_q, 1, D_v)``."""
         assert self._fetched is not None, "attend before update_and_fetch"
         self.attended = True
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
-        for b, c in enumerate(self.caches):
-            ov = c.overflow
-            if ov is not None and ov.needs_mass:
-                n = self._lengths[b]
-                ov.add_mass(decode_mass(queries[b:b + 1], keys[b:b + 1, :, :n], scale, None, sinks),
-                            self._kept[b][0])  # (n_kv, n) -> its kept pages
+        ranked = [b for b, c in enumerate(self.caches) if c.overflow is not None and c.overflow.needs_mass]
         kp, vp = self.storage.pages(self.caches[0].layer)
         if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
-            return paged_attention(queries, kp, vp, self._tables, mx.array(self._lengths, dtype=mx.int32),
-                                   scale=scale, sinks=sinks, max_context_len=max(self._lengths))  # (B, n_q, 1, D)
+            out = paged_attention(queries, kp, vp, self._tables, mx.array(self._lengths, dtype=mx.int32),
+                                  scale=scale, sinks=sinks, max_context_len=max(self._lengths),
+                                  with_mass=bool(ranked))  # (B, n_q, 1, D)
+            if not ranked:
+                return out
+            out, mass = out  # mass (B, n_kv, P): each sequence's, by position over its kept pages
+            for b in ranked:
+                self.caches[b].overflow.add_mass(mass[b, :, :self._lengths[b]], self._kept[b][0])
+            return out
+        for b in ranked:  # the model's own tensors: a second score pass over each sequence's rows
+            n = self._lengths[b]
+            self.caches[b].overflow.add_mass(decode_mass(queries[b:b + 1], keys[b:b + 1, :, :n], scale, None, sinks),
+                                             self._kept[b][0])  # (n_kv, n) -> its kept pages
         width = keys.shape[2]
         lengths = mx.array(self._lengths, dtype=mx.int32)  # (B,)
         valid = (mx.arange(width, dtype=mx.int32)[None] < lengths[:, None])[:, None, None]  # (B, 1, 1, Lmax)

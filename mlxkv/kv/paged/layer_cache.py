@@ -209,32 +209,43 @@ class PagedLayerCache:
 
     def _attend_overflow(self, ov: Any, own: bool, queries: mx.array, keys: Any, values: Any, scale: float,
                          mask: Any, sinks: mx.array | None) -> mx.array:
-        """Attention under an overflow policy: h2o adds each kept page's attention mass (``decode_mass`` over the
-        rows handed in, this step's kept rows); once pages were dropped the kept rows are attended (the kernel
-        over the kept pages' table where it may run), before that the plain path runs (so a budget above the
-        context changes nothing)."""
+        """Attention under an overflow policy. Before any page was dropped the plain path runs (a budget above
+        the context changes nothing); then the kept rows are attended: in place run by run on the reference
+        path, through the kernel over the kept pages' table where it may run (h2o: with the mass it returns),
+        else dense SDPA. h2o adds each kept page's attention mass, from the kernel or from ``decode_mass`` (a
+        second score pass over the rows handed in)."""
+        bs = self.seq.storage.block_size
         kept = self._kept(self.offset)
+        entries = kept[0] if kept is not None else list(range(-(-self.offset // bs)))
+        storage = self.seq.storage
+        k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
+        same = k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]
+        if (kept is not None and own and queries.shape[2] == 1 and mask is None and not reference_on_views()
+                and same):
+            self._returned = None
+            n = ov.kept_tokens(self.offset)
+            out = paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
+                                  mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks, max_context_len=n,
+                                  with_mass=ov.needs_mass)  # (1, n_q, 1, D) over the kept pages only
+            if not ov.needs_mass:
+                return out
+            out, mass = out  # mass (1, n_kv, P) over the kept pages' positions
+            ov.add_mass(mass[0, :, :n], entries)
+            return out
         if ov.needs_mass:
-            entries = kept[0] if kept is not None else list(range(-(-self.offset // self.seq.storage.block_size)))
             ov.add_mass(decode_mass(queries, keys, scale, mask, sinks), entries)  # (n_kv, K) rows -> pages
         if kept is None:
             return self._attend_pages(own, queries, keys, values, scale, mask, sinks)  # the plain path, exactly
         self._returned = None
-        storage, n = self.seq.storage, ov.kept_tokens(self.offset)
-        k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
-        same = k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]
+        n = ov.kept_tokens(self.offset)
         causal = mask is None if queries.shape[2] == 1 else isinstance(mask, str) and mask == "causal"
         if own and reference_on_views() and same and causal and sinks is None and len(kept[2]) <= MAX_VIEW_RUNS:
-            bs, runs, left = storage.block_size, [], n  # the kept pages' rows in place, run by run
+            runs, left = [], n  # the kept pages' rows in place, run by run
             for block, pages in kept[2]:
                 rows = min(pages * bs, left)
                 runs.append((block * bs, rows))
                 left -= rows
             return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
-        if own and queries.shape[2] == 1 and mask is None and not reference_on_views() and same:
-            return paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
-                                   mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks,
-                                   max_context_len=n)  # (1, n_q, 1, D): the kept pages only
         return dense_attend(queries, keys, values, scale, mask, sinks)
 
     def _kernel_mask_ok(self, mask: Any, keys: mx.array) -> bool:
