@@ -98,9 +98,14 @@ def test_chat_and_messages_routes_take_the_field(dense):
                                           extra_body={"kv_overflow": SMALL}).choices[0].message.content
     plain = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12,
                                            temperature=0).choices[0].message.content
-    msg = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120).messages.create(
-        model="tiny-llama", max_tokens=12, messages=messages, extra_body={"temperature": 0, "kv_overflow": SMALL})
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    msg = claude.messages.create(model="tiny-llama", max_tokens=12, messages=messages,
+                                 extra_body={"temperature": 0, "kv_overflow": SMALL})
     assert msg.content[0].text == chat != plain
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model="tiny-llama", max_tokens=12, messages=messages,
+                               extra_body={"kv_overflow": {"policy": "h2o", "budget": 12, "recent": 8}})
+    assert "room is needed" in err.value.body["error"]["message"]
 
 
 @pytest.mark.parametrize("value, fragment", [
