@@ -101,6 +101,7 @@ def test_window_keeps_the_sinks_page_and_the_most_recent_pages(model):
     assert state.dropped == set(range(1, 9)) and state.kept_tokens(49) == 17
     table = pool.paged.manager.block_tables(seq.paged.seq_id)[0]
     assert [i for i, b in enumerate(table) if b == 0] == list(range(1, 9))
+    assert pool.block_stats()["kv_blocks"]["overflow_dropped"] == 8
     layer = next(c for c in seq.caches if isinstance(c, PagedLayerCache))
     assert layer.offset == 49 and layer.size() == 17  # true positions, kept rows
     keys, _ = layer.state  # the rows the last token attended

@@ -40,6 +40,7 @@ class BlockTables:
         full = [g for g, spec in enumerate(self.specs) if spec.is_full]
         self.anchor_group = self.coordinator.anchor_group
         self.commit_order = full + [g for g in range(len(self.specs)) if g not in full]  # anchors first
+        self.dropped_blocks = 0  # table entries overflow policies dropped so far (drop)
 
     # ---- prefix hits ----------------------------------------------------------------------------------
     def find(self, tokens: Sequence[int], hashes, ctx: HashContext) -> PrefixHit:
@@ -284,4 +285,5 @@ class BlockTables:
             table.dropped.add(i)
         limit = seq.num_allocated // bs
         seq.cache_limit = limit if seq.cache_limit is None else min(seq.cache_limit, limit)
+        self.dropped_blocks += len(gone)
         self.pool.free_blocks(gone)
