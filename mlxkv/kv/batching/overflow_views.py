@@ -5,8 +5,9 @@ Each sequence attends its *kept* pages only: its block table without the entries
 length counting kept tokens (a sequence without a policy: its whole table). The B new rows are written into their
 slots at once; one ``paged_attention`` call then covers every sequence over those compacted tables, and returns the
 attention mass per kept position (``with_mass``) that sequences under ``h2o`` add to their pages (a model that
-transforms the keys gets dense attention and :func:`mlxkv.kv.overflow.mass.decode_mass` instead). What ``update_and_fetch`` returns (each sequence's kept rows, right-padded) is lazy and only computed for
-the mass or for a model that transforms the keys.
+transforms the keys gets dense attention and :func:`mlxkv.kv.overflow.mass.decode_mass` instead). What
+``update_and_fetch`` returns (each sequence's kept rows, right-padded) is lazy and only computed for a model that
+transforms the keys.
 """
 
 from __future__ import annotations
