@@ -160,14 +160,21 @@ def _split(module: Any) -> Any | None:
         return None
     twin = SplitLinear(dims, rows, bias=False) if type(module) is nn.Linear else SplitEmbedding(rows, dims)
     twin.weight = module.weight
-    original = module.__call__ if type(module) is nn.Linear else module.as_linear
-    project = twin.__call__ if type(module) is nn.Linear else twin.as_linear
-    for count in _CHECK_ROWS:
-        x = mx.random.normal((count, 1, dims), key=mx.random.key(count)).astype(module.weight.dtype)
-        if not mx.array_equal(project(x), original(x)).item():
-            log.info("a split %s of %s rows differs from one product here; kept whole", type(module).__name__, rows)
-            return None
+    if not _split_matches(module, twin):
+        log.info("a split %s of %s rows differs from one product here; kept whole", type(module).__name__, rows)
+        return None
     return twin
+
+
+def _split_matches(module: Any, twin: Any) -> bool:
+    """Bit equality of the split twin's decode rows with the original's at each of :data:`_CHECK_ROWS` row counts."""
+    original = module.__call__ if type(module) is nn.Linear else module.as_linear
+    project = twin.__call__ if type(twin) is SplitLinear else twin.as_linear
+    for count in _CHECK_ROWS:
+        x = mx.random.normal((count, 1, module.weight.shape[1]), key=mx.random.key(count)).astype(module.weight.dtype)
+        if not mx.array_equal(project(x), original(x)).item():
+            return False
+    return True
 
 
 def install_decode_projections(model: Any) -> list[str]:

@@ -1,4 +1,10 @@
-"""Fused sibling projections (q/k/v, gate/up) give each member exactly ``nn.Linear``'s output, one matmul per group."""
+"""Decode projections: fused sibling projections (q/k/v, gate/up) and split LM heads give ``nn.Linear``'s outputs.
+
+Whether a group is fused depends on the BLAS: the install-time check keeps a group separate unless its fused
+products equal the separate ones bit for bit here (OpenBLAS and MLX's bundled BLAS differ on small shapes). The
+mechanism tests below therefore force the check (``forced``) and compare within float32 rounding; the tests on a
+loaded model check the real decision: whatever is fused, logits stay bit-equal.
+"""
 
 from __future__ import annotations
 
@@ -39,22 +45,48 @@ def _outputs(block, x):
     return [*block.self_attn(x), block.mlp.gate_proj(x), block.mlp.up_proj(x)]
 
 
+@pytest.fixture()
+def forced(monkeypatch):
+    """Fuse and split whatever qualifies, whatever this BLAS rounds (the mechanism, not the install decision)."""
+    monkeypatch.setattr(fused_projections, "_same_outputs", lambda members, fused: True)
+    monkeypatch.setattr(fused_projections, "_split_matches", lambda module, twin: True)
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and mx.abs(a - b).max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, FUSED_MAX_ROWS, 40])
-def test_members_equal_nn_linear_bit_for_bit(bias, rows):
+def test_whatever_is_fused_outputs_stay_bit_equal(bias, rows):
     block = _Block(bias=bias)
     mx.eval(block.parameters())
     x = mx.random.normal((rows, 1, 32), key=mx.random.key(rows))
     want = _outputs(block, x)
-    fused = install_decode_projections(block)
-    assert sorted(fused) == ["mlp.gate_proj/up_proj", "self_attn.q_proj/k_proj/v_proj"]
-    assert isinstance(block.self_attn.k_proj, FusedLinear) and isinstance(block.mlp.up_proj, FusedLinear)
+    install_decode_projections(block)
     assert type(block.odd.gate_proj) is nn.Linear
     for w, g in zip(want, _outputs(block, x)):
         assert g.shape == w.shape and mx.array_equal(g, w).item()
 
 
-def test_decode_rows_share_one_product_and_prefill_rows_do_not(monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, FUSED_MAX_ROWS, 40])
+def test_fused_members_return_their_rows(forced, bias, rows):
+    block = _Block(bias=bias)
+    mx.eval(block.parameters())
+    x = mx.random.normal((rows, 1, 32), key=mx.random.key(rows))
+    want = _outputs(block, x)
+    assert sorted(install_decode_projections(block)) == ["mlp.gate_proj/up_proj", "self_attn.q_proj/k_proj/v_proj"]
+    assert isinstance(block.self_attn.k_proj, FusedLinear) and isinstance(block.mlp.up_proj, FusedLinear)
+    assert type(block.odd.gate_proj) is nn.Linear  # widths differ: never fused
+    for w, g in zip(want, _outputs(block, x)):
+        if rows > FUSED_MAX_ROWS:  # prefill rows: each member's own rows, nn.Linear's very call
+            assert g.shape == w.shape and mx.array_equal(g, w).item()
+        else:
+            assert _close(g, w)
+
+
+def test_decode_rows_share_one_product_and_prefill_rows_do_not(forced, monkeypatch):
     block = _Block()
     install_decode_projections(block)
     products = []
@@ -69,10 +101,10 @@ def test_decode_rows_share_one_product_and_prefill_rows_do_not(monkeypatch):
     assert block.self_attn.q_proj._fusion._input is None  # nothing held between steps
 
 
-def test_weights_are_views_of_one_array_and_parameters_count_once():
-    block = _Block()
+def test_weights_are_views_of_one_array_and_parameters_count_once(forced):
     from mlx.utils import tree_flatten
 
+    block = _Block()
     before = sum(p.size for _, p in tree_flatten(block.parameters()))
     install_decode_projections(block)
     assert sum(p.size for _, p in tree_flatten(block.parameters())) == before
@@ -146,7 +178,7 @@ def test_loaded_model_generates_the_same_logits_fused_and_unfused():
 
 
 @pytest.mark.parametrize("kind", ["embedding", "linear"])
-def test_wide_projections_split_for_decode_rows_bit_for_bit(kind, monkeypatch):
+def test_wide_projections_split_for_decode_rows(forced, kind, monkeypatch):
     from mlxkv.decode_projections import SplitEmbedding, SplitLinear
 
     monkeypatch.setattr(fused_projections, "SPLIT_ROWS", 100)
@@ -169,7 +201,7 @@ def test_wide_projections_split_for_decode_rows_bit_for_bit(kind, monkeypatch):
     monkeypatch.setattr(fused_projections._Split, "split_product",
                         lambda self, inputs, w, real=fused_projections._Split.split_product:
                         products.append(w.shape) or real(self, inputs, w))
-    assert mx.array_equal(project(model, x), want).item()
+    assert _close(project(model, x), want)
     assert products == [(250, 32)]
     assert mx.array_equal(project(model, wide), want_wide).item() and len(products) == 1  # prefill rows: one product
     assert mx.array_equal(model.embed_tokens(mx.array([[1, 249]])), model.embed_tokens.weight[mx.array([[1, 249]])]).item()
