@@ -67,23 +67,25 @@ class PageHostStore:
     def offload(self, storage, entries: list[int], blocks: list[int]) -> None:
         """Copy pages ``blocks`` (table ``entries``) of every layer of the group to host memory (evaluated here,
         before the blocks are released)."""
-        planes = {}
+        for e in entries:
+            self.pages[e], self._proxy[e] = {}, {}
         for layer in self.layers:
             kp, vp = storage.pages(layer)  # (n_kv, NB, bs, D)
             idx = mx.array(blocks, dtype=mx.int32)
             k, v = kp[:, idx], vp[:, idx]  # (n_kv, E, bs, D)
             group = _proxy_group(k.shape[-1])
-            kq = k.transpose(1, 0, 2, 3)[:, None]  # (E, 1, n_kv, bs, D)
-            proxy = (kq.astype(mx.float16),) if group is None else tuple(mx.quantize(kq, group_size=group,
-                                                                                         bits=PROXY_BITS))
-            mx.eval(k, v, *proxy)
+            # one proxy per page (its own buffers: a page restored alone frees its share)
+            pages = [k[None, :, j] for j in range(len(entries))]  # each (1, n_kv, bs, D)
+            proxies = [(p.astype(mx.float16),) if group is None else tuple(mx.quantize(p, group_size=group,
+                                                                                        bits=PROXY_BITS))
+                       for p in pages]
+            mx.eval(k, v, *[a for p in proxies for a in p])
             self._dtype = str(k.dtype).rpartition(".")[2]
             # float32 host copies: NumPy has no bfloat16; exact for float16/bfloat16, restored in their own dtype
-            hk, hv = np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
-            planes[layer] = (hk, hv, proxy)
-        for j, e in enumerate(entries):
-            self.pages[e] = {layer: (hk[:, j], hv[:, j]) for layer, (hk, hv, _) in planes.items()}
-            self._proxy[e] = {layer: tuple(p[j] for p in proxy) for layer, (_, _, proxy) in planes.items()}
+            hk, hv = np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))  # (n_kv, E, bs, D)
+            for j, e in enumerate(entries):
+                self.pages[e][layer] = (np.ascontiguousarray(hk[:, j]), np.ascontiguousarray(hv[:, j]))
+                self._proxy[e][layer] = proxies[j]
         self._reset()
 
     def take(self, entry: int) -> dict[int, tuple[mx.array, mx.array]]:
