@@ -5,7 +5,8 @@ window with one-token pages is the dense window; with larger pages the exact pag
 crafted mass makes lowest and never a protected one; eviction only drops the evicting sequence's reference (a
 shared prefix block stays for the sequence beside it, whose tokens do not change); blocks written after an
 eviction never enter the prefix cache; fork and preemption run with a policy on; the attention over kept pages
-matches dense attention over the same rows, on the reference path and the kernel's.
+matches dense attention over the same rows, on the reference path and the kernel's. Offload's own checks (host
+store, restore): test_kv_overflow_paged_offload.py.
 """
 
 from __future__ import annotations
@@ -172,8 +173,8 @@ def test_blocks_written_after_an_eviction_never_serve_a_prefix_hit(model):
 @pytest.mark.parametrize("policy", ["window", "h2o", "offload"])
 def test_attention_over_kept_pages_is_dense_attention_over_those_rows(model, kernel, policy, monkeypatch):
     """One layer after an eviction: its output equals SDPA over the kept rows (the reference path, and the
-    paged kernel over the kept pages' table, offload also scoring its offloaded pages); h2o's and offload's mass (the kernel's own, or the second pass) is each kept
-    page's share of that attention."""
+    paged kernel over the kept pages' table; offload also scores its offloaded pages); h2o's and offload's mass
+    (the kernel's own, or the second pass) is each kept page's share of that attention."""
     import mlxkv.kv.paged.layer_cache as lc
     from mlxkv.kv.overflow.mass import decode_mass
 
