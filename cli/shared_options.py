@@ -47,8 +47,8 @@ KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=check_kv_group_size
 KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=check_kv_overflow,
                            metavar="[preempt|window|h2o|offload]", rich_help_panel=KV_PANEL,
                            help="Past --kv-overflow-budget tokens: preempt (no cap), window (sinks + recent), h2o "
-                                "(+ most-attended tokens), offload (h2o, evicted rows to host memory and back; dense). "
-                                "Paged storage evicts whole pages (window, h2o).")
+                                "(+ most-attended tokens), offload (h2o, evicted rows to host memory and back). "
+                                "Paged storage evicts and restores whole pages.")
 KV_OVERFLOW_BUDGET = typer.Option(None, "--kv-overflow-budget", min=2, metavar="TOKENS", rich_help_panel=KV_PANEL,
                                   help="Tokens kept per sequence and layer by --kv-overflow window|h2o|offload.")
 KV_OVERFLOW_SINKS = typer.Option(None, "--kv-overflow-sinks", min=0, metavar="TOKENS", rich_help_panel=KV_PANEL,

@@ -24,7 +24,6 @@ def _is_int(value: object) -> bool:
 
 
 KV_OVERFLOW_POLICIES = ("preempt", "window", "h2o", "offload")
-PAGED_OVERFLOW_POLICIES = ("window", "h2o")  # offload runs on the dense backend only
 
 
 @dataclass(slots=True)
@@ -88,15 +87,12 @@ class KvOverflowConfig:
 
     def check_pages(self, block_size: int) -> None:
         """Raise ValueError when this policy cannot run on pages of ``block_size`` tokens (the paged backend
-        evicts whole pages: :mod:`mlxkv.kv.paged.page_overflow`): offload, or a budget that leaves fewer than two
-        evictable pages beside the protected ones (the sinks' pages; h2o also the last ``recent`` tokens')."""
+        evicts whole pages: :mod:`mlxkv.kv.paged.page_overflow`): a budget that leaves fewer than two evictable
+        pages beside the protected ones (the sinks' pages; h2o and offload also the last ``recent`` tokens')."""
         if not self.enabled:
             return
-        if self.policy not in PAGED_OVERFLOW_POLICIES:
-            raise ValueError(f"kv_overflow={self.policy} runs on the dense backend only (--kv-backend dense); the "
-                             f"paged backend runs {' and '.join(PAGED_OVERFLOW_POLICIES)}")
         front = -(-self.sinks // block_size) * block_size
-        recent = self.recent_tokens if self.policy == "h2o" else 0
+        recent = self.recent_tokens if self.policy != "window" else 0
         need = front + recent + 2 * block_size
         if self.budget < need:
             kept = f"the sinks' pages ({front} tokens)" + (f" and the last {recent} tokens" if recent else "")
@@ -137,7 +133,7 @@ class KvCacheConfig:
         many blocks of a prompt (0 = only at the end of each prompt and of each sequence); see
         mlxkv/kv/paged/state_snapshots.py.
     overflow: the per-sequence budget policy (:class:`KvOverflowConfig`; default preempt, no cap); the paged
-        backend runs window and h2o in whole pages (:mod:`mlxkv.kv.paged.page_overflow`).
+        backend runs window, h2o and offload in whole pages (:mod:`mlxkv.kv.paged.page_overflow`).
     """
 
     backend: str = "dense"

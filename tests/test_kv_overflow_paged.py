@@ -5,7 +5,8 @@ window with one-token pages is the dense window; with larger pages the exact pag
 crafted mass makes lowest and never a protected one; eviction only drops the evicting sequence's reference (a
 shared prefix block stays for the sequence beside it, whose tokens do not change); blocks written after an
 eviction never enter the prefix cache; fork and preemption run with a policy on; the attention over kept pages
-matches dense attention over the same rows, on the reference path and the kernel's.
+matches dense attention over the same rows, on the reference path and the kernel's. Offload's own checks (host
+store, restore): test_kv_overflow_paged_offload.py.
 """
 
 from __future__ import annotations
@@ -169,16 +170,16 @@ def test_blocks_written_after_an_eviction_never_serve_a_prefix_hit(model):
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-@pytest.mark.parametrize("policy", ["window", "h2o"])
+@pytest.mark.parametrize("policy", ["window", "h2o", "offload"])
 def test_attention_over_kept_pages_is_dense_attention_over_those_rows(model, kernel, policy, monkeypatch):
     """One layer after an eviction: its output equals SDPA over the kept rows (the reference path, and the
-    paged kernel over the kept pages' table); h2o's mass (the kernel's own, or the second pass) is each kept
-    page's share of that attention."""
+    paged kernel over the kept pages' table; offload also scores its offloaded pages); h2o's and offload's mass
+    (the kernel's own, or the second pass) is each kept page's share of that attention."""
     import mlxkv.kv.paged.layer_cache as lc
     from mlxkv.kv.overflow.mass import decode_mass
 
     monkeypatch.setattr(lc, "reference_on_views", lambda: not kernel)
-    config = KvOverflowConfig(policy, budget=24, sinks=2, **({"recent": 4} if policy == "h2o" else {}))
+    config = KvOverflowConfig(policy, budget=24, sinks=2, **({"recent": 4} if policy != "window" else {}))
     pool = pool_for(model, config)
     seq = pool.open(prompt=PROMPT)
     step_logits(model, seq, PROMPT, 3)
@@ -192,7 +193,7 @@ def test_attention_over_kept_pages_is_dense_attention_over_those_rows(model, ker
     out = layer.attend(q, k, v, 0.25)
     expect = mx.fast.scaled_dot_product_attention(q, mx.array(k), mx.array(v), scale=0.25)
     assert mx.allclose(out, expect, atol=1e-5).item()
-    if policy == "h2o":
+    if policy != "window":
         entries, _ = state.kept_pages(seq.paged.step.host_table(0), layer.offset)
         rows = decode_mass(q, mx.array(k), 0.25).sum(axis=0)  # (K,)
         pages = mx.pad(rows, (0, len(entries) * 4 - rows.shape[0])).reshape(-1, 4).sum(axis=1)
@@ -219,12 +220,13 @@ def test_fork_and_preemption_run_with_a_policy(model):
 
 
 def test_batched_decode_over_kept_pages_matches_one_by_one(model):
-    """Three sequences (h2o, window, none) past their budgets decoded in one batched forward per step give the
-    tokens each gives decoded alone."""
+    """Four sequences (h2o, window, none, offload) past their budgets decoded in one batched forward per step give
+    the tokens each gives decoded alone (offload restoring pages on the way)."""
     from mlxkv.kv import make_batch_views
 
-    policies = [KvOverflowConfig("h2o", budget=24, sinks=2, recent=4), KvOverflowConfig("window", budget=20), None]
-    prompts = [PROMPT, PROMPT[5:], PROMPT[:30]]
+    policies = [KvOverflowConfig("h2o", budget=24, sinks=2, recent=4), KvOverflowConfig("window", budget=20), None,
+                KvOverflowConfig("offload", budget=24, sinks=2, recent=4)]
+    prompts = [PROMPT, PROMPT[5:], PROMPT[:30], PROMPT[3:]]
 
     def run(batched):
         pool = pool_for(model)
@@ -234,7 +236,7 @@ def test_batched_decode_over_kept_pages_matches_one_by_one(model):
         for _ in range(12):
             for s, t in zip(seqs, last):
                 s.feed([t])
-            inputs = mx.array([[t] for t in last], dtype=mx.uint32)  # (3, 1)
+            inputs = mx.array([[t] for t in last], dtype=mx.uint32)  # (4, 1)
             if batched:
                 logits = model(inputs, cache=make_batch_views([s.caches for s in seqs]))[:, -1]
             else:
@@ -243,7 +245,7 @@ def test_batched_decode_over_kept_pages_matches_one_by_one(model):
             for s in seqs:
                 s.commit()
             out.append(last)
-        assert all(overflow_state(s).evicted for s in seqs[:2])
+        assert all(overflow_state(s).evicted for s in seqs[:2]) and overflow_state(seqs[3]).restored
         pool.check_invariants()
         return out
 

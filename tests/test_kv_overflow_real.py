@@ -83,3 +83,48 @@ def test_paged_h2o_on_the_real_model(loaded, prompt, plain):
     assert len(tokens) == STEPS and len(prompt) < 32 < len(prompt) + STEPS
     # the first eviction comes at 33 tokens: the 4 blocks full by then are cached, none written after it
     assert pool.paged.manager.pool.stats().cached == 4
+
+
+def test_paged_offload_is_closer_to_the_full_cache_than_paged_h2o(loaded):
+    """Pages of 16 tokens, a budget of 64 under a 79-token prompt, 16 steps fed the full cache's greedy tokens:
+    offload's logits are closer to the full cache's than h2o's (measured: mean |diff| 0.71 vs 0.81, max 5.2 vs
+    5.6; OpenBLAS)."""
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.kv.store import CachePool
+
+    model = loaded.model
+    prompt = loaded.tokenizer.encode(
+        "The import statement combines two operations; it searches for the named module, then it binds the results "
+        "of that search to a name in the local scope. The search operation of the import statement is defined as a "
+        "call to the __import__() function, with the appropriate arguments. The return value of __import__() is used "
+        "to perform the name binding operation of the import statement. Which operation comes first?")
+
+    def run(overflow, tokens):
+        pool = CachePool(model, backend="paged", num_blocks=32, max_sequences=1, overflow=overflow,
+                         kv_config=KvCacheConfig(backend="paged", block_size=16))
+        seq = pool.open(prompt=prompt)
+        mx.eval(model(mx.array(prompt[:-1])[None], cache=seq.caches))
+        seq.commit()
+        logits = [model(mx.array(prompt[-1:])[None], cache=seq.caches)[0, -1]]
+        seq.commit()
+        for i in range(16):
+            token = tokens[i] if tokens else int(mx.argmax(logits[-1]).item())
+            seq.feed([token])
+            logits.append(model(mx.array([[token]]), cache=seq.caches)[0, -1])
+            mx.eval(logits[-1])
+            seq.commit()
+        state = next(iter(seq.paged.overflow.values()), None)
+        pool.release(seq.id)
+        assert pool.paged.overflow_host_bytes() == 0
+        return mx.stack(logits), state
+
+    full, _ = run(None, None)
+    tokens = mx.argmax(full[:-1], axis=-1).tolist()
+    errors = {}
+    for policy in ("h2o", "offload"):
+        logits, state = run(KvOverflowConfig(policy, budget=64, sinks=4, recent=16), tokens)
+        assert state.evicted > 0
+        diff = mx.abs(logits - full)
+        errors[policy] = (diff.mean().item(), diff.max().item())
+    assert state.restored > 0
+    assert errors["offload"][0] < errors["h2o"][0] and errors["offload"][1] <= errors["h2o"][1], errors

@@ -76,7 +76,7 @@ def test_a_request_budget_below_its_context_matches_generate_with_the_same_flags
 
 def test_paged_server_runs_a_request_budget_in_pages(paged, llama_dir):
     """The paged backend (serve's default) evicts whole pages (16 tokens): the same tokens as ``mlxkv generate``
-    on paged storage with the same flags; offload and a budget too small for its pages are a 400."""
+    on paged storage with the same flags; a budget too small for its pages is a 400."""
     policy = {"policy": "h2o", "budget": 56, "sinks": 2, "recent": 8}
     flags = ["--kv-overflow", "h2o", "--kv-overflow-budget", "56", "--kv-overflow-sinks", "2",
              "--kv-overflow-recent", "8"]
@@ -84,11 +84,36 @@ def test_paged_server_runs_a_request_budget_in_pages(paged, llama_dir):
     assert usage.prompt_tokens < 56 < usage.prompt_tokens + usage.completion_tokens
     assert small == _generate(llama_dir, *flags, backend="paged", n=48)
     assert small != _complete(paged, n=48)[0]
-    for bad, fragment in (({"policy": "offload", "budget": 512}, "dense backend only"),
-                          ({"policy": "window", "budget": 40}, "too small for pages of 16 tokens")):
-        with pytest.raises(openai.BadRequestError) as err:
-            _complete(paged, kv_overflow=bad)
-        assert fragment in err.value.body["message"] and err.value.body["param"] == "kv_overflow"
+    with pytest.raises(openai.BadRequestError) as err:
+        _complete(paged, kv_overflow={"policy": "window", "budget": 40})
+    assert "too small for pages of 16 tokens" in err.value.body["message"]
+    assert err.value.body["param"] == "kv_overflow"
+
+
+def _stats(client):
+    return client.get("/cache/stats", cast_to=object)["kv_blocks"]
+
+
+def test_paged_server_runs_offload_from_the_flag_and_the_request(paged, llama_dir):
+    """``offload`` on the paged backend, as a request's ``kv_overflow`` and as the server's ``--kv-overflow``: the
+    tokens ``mlxkv generate --kv-backend paged`` gives with the same flags; pages went to host memory and came back,
+    and once the requests end every block is free again and no host page is left."""
+    policy = {"policy": "offload", "budget": 56, "sinks": 2, "recent": 8}
+    flags = ["--kv-overflow", "offload", "--kv-overflow-budget", "56", "--kv-overflow-sinks", "2",
+             "--kv-overflow-recent", "8"]
+    expected = _generate(llama_dir, *flags, backend="paged", n=48)
+    free = _stats(paged)["free"]
+    small, usage = _complete(paged, n=48, kv_overflow=policy)
+    assert usage.prompt_tokens < 56 < usage.prompt_tokens + usage.completion_tokens
+    assert small == expected and small != _complete(paged, n=48)[0]
+    stats = _stats(paged)
+    assert stats["overflow_restored"] > 0 and stats["overflow_host_bytes"] == 0 and stats["free"] == free
+    with _serve(llama_dir, kv_backend="paged", kv_overflow=KvOverflowConfig("offload", 56, 2, 8)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        free = _stats(client)["free"]
+        assert _complete(client, n=48)[0] == expected
+        stats = _stats(client)
+        assert stats["overflow_restored"] > 0 and stats["overflow_host_bytes"] == 0 and stats["free"] == free
 
 
 def test_chat_and_messages_routes_take_the_field(dense):

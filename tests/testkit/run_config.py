@@ -9,7 +9,7 @@ from mlxkv.config import EngineConfig, KvCacheConfig, RunConfig, SpeculativeConf
 _KV = {"kv_backend": "backend", "kv_block_size": "block_size", "max_kv_size": "max_kv_size", "kv_bits": "kv_bits",
        "kv_group_size": "kv_group_size", "layout": "layout", "kv_cache_budget": "kv_cache_budget",
        "host_cache_bytes": "secondary_memory_bytes", "disk_cache_dir": "secondary_disk_dir",
-       "disk_cache_bytes": "secondary_disk_bytes"}
+       "disk_cache_bytes": "secondary_disk_bytes", "kv_overflow": "overflow"}
 _SPECULATIVE = ("draft_model", "prompt_lookup", "num_draft_tokens", "ngram_size")
 
 

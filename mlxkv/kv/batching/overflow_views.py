@@ -1,13 +1,13 @@
 """Batched paged decode of a full-attention layer where some sequences run an overflow policy (``--kv-overflow
-window|h2o`` on paged storage, :mod:`mlxkv.kv.paged.page_overflow`).
+window|h2o|offload`` on paged storage, :mod:`mlxkv.kv.paged.page_overflow`).
 
 Each sequence attends its *kept* pages only: its block table without the entries its policy dropped, and a context
 length counting kept tokens (a sequence without a policy: its whole table). The B new rows are written into their
 slots at once; one ``paged_attention`` call then covers every sequence over those compacted tables, and returns the
-attention mass per kept position (``with_mass``) that sequences under ``h2o`` add to their pages (a model that
-transforms the keys gets dense attention and :func:`mlxkv.kv.overflow.mass.decode_mass` instead). What
-``update_and_fetch`` returns (each sequence's kept rows, right-padded) is lazy and only computed for a model that
-transforms the keys.
+attention mass per kept position (``with_mass``) that sequences under ``h2o`` or ``offload`` add to their pages (a
+model that transforms the keys gets dense attention and :func:`mlxkv.kv.overflow.mass.decode_mass` instead; offload
+also scores its offloaded pages' key proxy against the kept rows, which then computes them). What
+``update_and_fetch`` returns (each sequence's kept rows, right-padded) is lazy.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ class OverflowBatchView(KVBatchView):
         self.attended = True
         own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
         ranked = [b for b, c in enumerate(self.caches) if c.overflow is not None and c.overflow.needs_mass]
+        for b in ranked:  # offload: each offloaded page's estimated share of this attention (page_offload.py)
+            host = self.caches[b].overflow.host
+            if host is not None and len(host):
+                host.estimate(self.caches[b].layer, queries[b:b + 1], keys[b:b + 1, :, :self._lengths[b]], scale,
+                              None, sinks)
         kp, vp = self.storage.pages(self.caches[0].layer)
         if own and mask is None and kp.shape == vp.shape and queries.shape[-1] == kp.shape[-1]:
             out = paged_attention(queries, kp, vp, self._tables, mx.array(self._lengths, dtype=mx.int32),

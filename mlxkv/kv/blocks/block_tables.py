@@ -41,6 +41,7 @@ class BlockTables:
         self.anchor_group = self.coordinator.anchor_group
         self.commit_order = full + [g for g in range(len(self.specs)) if g not in full]  # anchors first
         self.dropped_blocks = 0  # table entries overflow policies dropped so far (drop)
+        self.restored_blocks = 0  # dropped entries the offload policy brought back (restore)
 
     # ---- prefix hits ----------------------------------------------------------------------------------
     def find(self, tokens: Sequence[int], hashes, ctx: HashContext) -> PrefixHit:
@@ -287,3 +288,19 @@ class BlockTables:
         seq.cache_limit = limit if seq.cache_limit is None else min(seq.cache_limit, limit)
         self.dropped_blocks += len(gone)
         self.pool.free_blocks(gone)
+
+    def restore(self, seq: SequenceState, group: int, index: int) -> int | None:
+        """Give dropped entry ``index`` of full-attention ``group`` a new block (the offload policy writes the
+        page's K/V back into it); returns its id, or None when the pool has no free block. The block never
+        enters the prefix cache: its page attended a reduced context before it was offloaded."""
+        table = seq.tables[group]
+        assert index in table.dropped, f"block {index} was not dropped"
+        if self.pool.num_free_blocks < 1:
+            return None
+        (block,) = self.pool.get_new_blocks(1)
+        table.blocks[index] = block
+        table.dropped.discard(index)
+        if index >= table.num_cached:  # caching resumes at num_cached: keep it from reaching this entry
+            seq.cache_limit = index if seq.cache_limit is None else min(seq.cache_limit, index)
+        self.restored_blocks += 1
+        return block.block_id

@@ -258,6 +258,11 @@ class KVCacheManager:
         eviction; never the block receiving new tokens); blocks it writes from then on are never cached."""
         self.tables.drop(self._get(seq_id), group, indices)
 
+    def restore_block(self, seq_id: int, group: int, index: int) -> int | None:
+        """A new block for ``seq_id``'s dropped entry ``index`` of full-attention ``group`` (the offload policy
+        bringing a page back from host memory); its id, or None when no block is free. Never cached."""
+        return self.tables.restore(self._get(seq_id), group, index)
+
     def fork(self, seq_id: int, n: int = 1) -> list[int]:
         """``n`` new sequences sharing every block of ``seq_id`` (ref counts); a shared partial tail is copied
         on its first write (a CopyOp from ``allocate_slots``). Fork after the model step that wrote the

@@ -9,8 +9,9 @@
   decode attention through ``paged_attention`` on the pages, dense SDPA otherwise.
 - :class:`~mlxkv.kv.paged.latent_pages.LatentPagedCache` (latent_pages.py): absorbed MLA's latent + rope-key rows in
   the K/V pages of its layers, read by ``latent_attend``.
-- :class:`~mlxkv.kv.paged.page_overflow.PageOverflow` (page_overflow.py): ``--kv-overflow window|h2o`` on pages:
-  whole pages of one sequence dropped past its budget, the kept pages attended.
+- :class:`~mlxkv.kv.paged.page_overflow.PageOverflow` (page_overflow.py): ``--kv-overflow window|h2o|offload`` on
+  pages: whole pages of one sequence dropped past its budget, the kept pages attended; offload's host store and key
+  proxy in page_offload.py (:class:`~mlxkv.kv.paged.page_offload.PageHostStore`).
 - :class:`PagedBackend` (backend.py): groups from the model's layouts, manager, storage; what
   ``CachePool(model, backend="paged", kv_config=...)`` uses.
 

@@ -201,7 +201,7 @@ class PagedBackend:
 
     def _attach_overflow(self, seq: PagedSequence, config: Any) -> None:
         if config is not None and config.enabled:
-            seq.overflow = {g: PageOverflow(config, g, self.block_size)
+            seq.overflow = {g: PageOverflow(config, g, self.block_size, list(spec.layer_ids))
                             for g, spec in enumerate(self.specs) if spec.is_full}
 
     def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
@@ -281,6 +281,11 @@ class PagedBackend:
         """Free the sequence's blocks tail first (verified blocks stay cached for later hits)."""
         seq.release()
         self.sequences.pop(seq.seq_id, None)
+
+    def overflow_host_bytes(self) -> int:
+        """Host memory the open sequences' offloaded pages hold (``--kv-overflow offload``)."""
+        return sum(state.host.host_nbytes for seq in self.sequences.values() for state in seq.overflow.values()
+                   if state.host is not None)
 
     def tier_stats(self) -> dict:
         """Prefix-hit figures for ``/v1/cache/stats`` and metrics: blocks of prompts seen, hits served by the

@@ -212,10 +212,13 @@ class PagedLayerCache:
         """Attention under an overflow policy. Before any page was dropped the plain path runs (a budget above
         the context changes nothing); then the kept rows are attended: in place run by run on the reference
         path, through the kernel over the kept pages' table where it may run (h2o: with the mass it returns),
-        else dense SDPA. h2o adds each kept page's attention mass, from the kernel or from ``decode_mass`` (a
-        second score pass over the rows handed in)."""
+        else dense SDPA. h2o and offload add each kept page's attention mass, from the kernel or from
+        ``decode_mass`` (a second score pass over the rows handed in); offload also estimates each offloaded page's
+        share of this attention from its key proxy (:meth:`~mlxkv.kv.paged.page_offload.PageHostStore.estimate`)."""
         bs = self.seq.storage.block_size
         kept = self._kept(self.offset)
+        if ov.host is not None and len(ov.host):
+            ov.host.estimate(self.layer, queries, keys, scale, mask, sinks)  # restored after the step, if picked
         entries = kept[0] if kept is not None else list(range(-(-self.offset // bs)))
         storage = self.seq.storage
         k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]

@@ -50,7 +50,7 @@ class PagedSequence:
         self.released = False
         self._step: SequenceStep | None = None  # this step's metadata (a new one once the slots change)
         self.recorder = None  # models with recurrent layers: takes state snapshots (state_snapshots.py)
-        self.overflow: dict = {}  # full-attention group -> its PageOverflow (--kv-overflow window|h2o)
+        self.overflow: dict = {}  # full-attention group -> its PageOverflow (--kv-overflow window|h2o|offload)
 
     # -- manager state ---------------------------------------------------------------------------
     @property
@@ -108,7 +108,7 @@ class PagedSequence:
         if self.recorder is not None:
             self.recorder.on_commit(self.num_committed, self.num_tokens)
         for state in self.overflow.values():  # past the budget: drop whole pages (page_overflow.py)
-            if state.evict(self.manager, self.seq_id, self.num_committed):
+            if state.evict(self, self.num_committed):
                 self._changed()
             if state.arrays():
                 mx.async_eval(*state.arrays())  # fold this step's mass without waiting for it
@@ -166,5 +166,7 @@ class PagedSequence:
                 self.recorder.on_release()
                 self.recorder = None
             self.manager.free(self.seq_id)
+            for state in self.overflow.values():
+                state.release()  # offload: host pages freed with the blocks
             self.released = True
             self._changed()
