@@ -105,6 +105,13 @@ def cpu_ops() -> bool:
     return _flag("MLXKV_CPU_OPS", True)
 
 
+def cpu_keep_dtype() -> bool:
+    """``MLXKV_CPU_KEEP_DTYPE`` (default off): on the CPU backend, keep float16/bfloat16 weights (and quantized
+    layers' scales) in their stored dtype instead of upcasting them to float32, so K/V and activations compute in
+    the dtype a GPU would use (slower on the CPU; for checking half-precision paths)."""
+    return _flag("MLXKV_CPU_KEEP_DTYPE", False)
+
+
 def api_key() -> str | None:
     """``MLXKV_API_KEY``: bearer token required by ``mlxkv serve`` on /v1 routes, if set."""
     value = os.environ.get("MLXKV_API_KEY", "").strip()
@@ -141,6 +148,7 @@ class Flags:
     mla_absorbed: bool
     mla_split_kv: bool
     cpu_ops: bool
+    cpu_keep_dtype: bool
     api_key: str | None
     sessions_dir: str
 
@@ -150,7 +158,8 @@ def _read() -> Flags:
                  paged_kernel=paged_kernel(), paged_decode_splits=paged_decode_splits(),
                  cascade_min_group_size=cascade_min_group_size(),
                  cascade_min_shared_pages=cascade_min_shared_pages(), mla_absorbed=mla_absorbed(),
-                 mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), api_key=api_key(),
+                 mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), cpu_keep_dtype=cpu_keep_dtype(),
+                 api_key=api_key(),
                  sessions_dir=sessions_dir())
 
 

@@ -249,7 +249,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
 
     Returns:
         The loaded model with mlxkv's attention hook installed (the cache decides how attention runs).
-        On the CPU backend, half-precision weights are upcast to float32
+        On the CPU backend, half-precision weights are upcast to float32 unless ``MLXKV_CPU_KEEP_DTYPE=1``
         (see :func:`mlxkv.precision.upcast_on_cpu`).
 
     Raises:

@@ -11,12 +11,15 @@ def upcast_on_cpu(model: Any) -> None:
     float32 is MLX's fast CPU dtype (half-precision matmuls bypass BLAS there, and half-precision scales slow
     quantized matmuls down: SmolLM2-135M Q4_1 decodes at 4.8 tok/s with float16 scales, 5.8 with float32),
     and float32 arithmetic makes every KV path (dense SDPA, paged reference kernel) agree token for token.
-    Packed quantized weights stay packed. GPUs keep the stored dtype.
+    Packed quantized weights stay packed. GPUs keep the stored dtype, and so does the CPU under
+    ``MLXKV_CPU_KEEP_DTYPE=1`` (to run the half-precision paths a GPU runs).
     """
     import mlx.core as mx
     from mlx.utils import tree_map
 
-    if mx.default_device() != mx.cpu:
+    from mlxkv.env import flags
+
+    if mx.default_device() != mx.cpu or flags().cpu_keep_dtype:
         return
     halves = (mx.float16, mx.bfloat16)
     model.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype in halves else p, model.parameters()))
@@ -26,7 +29,8 @@ def upcast_on_cpu(model: Any) -> None:
 
 def dequantize_in_place(model: Any, config: dict) -> dict:
     """Replace quantized layers by float ones (mlx-lm's ``dequantize_model``), after upcasting their scales
-    on the CPU backend so the weights come out in float32; returns the config without its quantization."""
+    on the CPU backend so the weights come out in float32 (in the scales' dtype wherever the upcast keeps it);
+    returns the config without its quantization."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
