@@ -258,7 +258,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     from mlxkv.chat_template import check_tool_parser, read_chat_template, with_chat_template
     from mlxkv.cpu_ops import install_cpu_ops
     from mlxkv.decode_projections import install_decode_projections
-    from mlxkv.precision import dequantize_in_place, upcast_on_cpu
+    from mlxkv.precision import check_runs_on_cpu, dequantize_in_place, upcast_on_cpu
 
     try:  # a bad template file or parser name fails before the weights load
         template = read_chat_template(chat_template) if chat_template is not None else None
@@ -271,6 +271,10 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     if dequantize:
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)
+    try:
+        check_runs_on_cpu(model)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     install_cpu_ops(model, config.get("max_position_embeddings"))  # CPU: table RoPE, compiled RMSNorm (bit-equal)
     install_decode_projections(model)  # CPU: q/k/v and gate/up fused, the LM head split, for decode rows (bit-equal)
     from mlxkv.kv.layouts.attention_hook import install_attention_hook

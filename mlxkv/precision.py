@@ -27,6 +27,26 @@ def upcast_on_cpu(model: Any) -> None:
     mx.eval(model.parameters())
 
 
+def check_runs_on_cpu(model: Any) -> None:
+    """Refuse, on the CPU backend, a model whose unquantized experts (mlx-lm's ``SwitchLinear``) are float16/bfloat16
+    (left so by ``MLXKV_CPU_KEEP_DTYPE=1``): MLX's CPU ``gather_mm`` runs float32 only, so its first forward fails.
+
+    Raises:
+        ValueError: naming the first such layer and the way out.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, SwitchLinear) and m.weight.dtype in (mx.float16, mx.bfloat16):
+            dtype = str(m.weight.dtype).split(".")[-1]
+            raise ValueError(f"MLXKV_CPU_KEEP_DTYPE=1: the model's experts ({name}) are {dtype}, which "
+                             "MLX's CPU backend cannot run (gather_mm is float32 only); unset it to run them as "
+                             "float32")
+
+
 def dequantize_in_place(model: Any, config: dict) -> dict:
     """Replace quantized layers by float ones (mlx-lm's ``dequantize_model``), after upcasting their scales
     on the CPU backend so the weights come out in float32 (in the scales' dtype wherever the upcast keeps it);

@@ -296,3 +296,19 @@ def test_tier_disk_restart_restores_the_hit(half_model, arch, dtype, bits, tmp_p
     assert cached == 40
     assert mx.abs(logits - reference).max().item() <= tol(dtype, reference)
     assert same_greedy_or_tie(logits, reference, dtype)
+
+
+def test_half_precision_experts_are_refused_at_load(tmp_path, monkeypatch):
+    """MLX's CPU gather_mm is float32 only: a bfloat16 mixture-of-experts model kept in its dtype is refused at load
+    with a one-line error instead of failing in its first forward; without the switch it loads and runs as float32."""
+    from mlxkv.models import ModelLoadError
+
+    model, config = build_from_config(get_config("llama4"))  # experts on layers 1 and 3
+    model.set_dtype(mx.bfloat16)
+    folder = str(write_model(model, config, tmp_path))
+    with pytest.raises(ModelLoadError, match=r"^MLXKV_CPU_KEEP_DTYPE=1: the model's experts \(.+\) are bfloat16, "
+                                             r"which MLX's CPU backend cannot run"):
+        load(folder, progress=False)
+    monkeypatch.setenv("MLXKV_CPU_KEEP_DTYPE", "0")
+    env.reload()
+    assert step(load(folder, progress=False).model, None, PROMPT[:3]).dtype == mx.float32
