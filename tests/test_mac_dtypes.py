@@ -40,8 +40,6 @@ from mlxkv.engine.speculative import SpeculativeEngine
 from mlxkv.kv.layouts import make_caches
 from mlxkv.kv.paged import PagedBackend
 from mlxkv.kv.store import CachePool
-from mlxkv.kv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
-from mlxkv.kv.tier.bridge import TierBridge
 from mlxkv.models import load
 
 pytestmark = pytest.mark.dtype_lane
@@ -114,7 +112,7 @@ def paged_pool(model, bits=None, num_blocks=160, **kw) -> CachePool:
 
 def paged_vs_dense(model, pool, dense, dtype, exact):
     """Prefill PROMPT in uneven chunks and decode STEPS teacher-forced tokens on the pool's sequence and the dense
-    caches; every step's logits equal (``exact``) or close, greedy tokens equal or tied. Returns the tokens fed."""
+    caches; every step's logits equal (``exact``) or close, greedy tokens equal or tied."""
     seq = pool.open(prompt=PROMPT)
     for i in range(0, len(PROMPT), 13):  # writes straddle blocks, windows and chunks
         lp, ld = step(model, seq.caches, PROMPT[i:i + 13]), step(model, dense, PROMPT[i:i + 13])
@@ -136,7 +134,6 @@ def paged_vs_dense(model, pool, dense, dtype, exact):
     assert len(set(fed)) > 1, "degenerate test model"
     pool.release(seq.id)
     pool.check_invariants()
-    return fed
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -186,9 +183,15 @@ def test_paged_attention_is_close_to_dense(half_model, arch, dtype, path, monkey
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES)
 @pytest.mark.parametrize("arch", LAYOUTS)
 def test_quantized_pages_equal_dense_quantized(half_model, arch, dtype, bits):
+    """Quantized pages hold the dense quantized cache's planes, scales and biases in the model's dtype: full and
+    chunked layers give bit-equal logits, the sliding layer (ring order) close ones."""
     model = half_model(arch, dtype)
     pool = paged_pool(model, bits)
-    paged_vs_dense(model, pool, make_caches(model, kv_bits=bits, kv_group_size=GROUP), dtype, exact=arch != "gemma3_text")
+    dense = make_caches(model, kv_bits=bits, kv_group_size=GROUP)
+    paged_vs_dense(model, pool, dense, dtype, exact=arch != "gemma3_text")
+    storage = pool.paged.storage
+    layers = [layer for layer in range(len(storage.k_rows)) if storage.allocated(layer)]
+    assert layers and {d for layer in layers for _, _, d in storage.tier_shapes(layer)} == {dtype}
 
 
 def speculative(model, pool, reference, n=STEPS):
@@ -212,7 +215,8 @@ def test_speculative_rewinds_give_plain_greedy(half_model, arch, dtype, backend)
     forward attends several rows at once, through other operations than a decode step)."""
     model = half_model(arch, dtype)
     pool = CachePool(model) if backend == "dense" else paged_pool(model)
-    plain = list(DirectEngine(model, None, pool=CachePool(model)).generate_tokens(PROMPT, SamplingParams(max_tokens=STEPS)))
+    params = SamplingParams(max_tokens=STEPS)
+    plain = list(DirectEngine(model, None, pool=CachePool(model)).generate_tokens(PROMPT, params))  # the drafts' script
     tokens = speculative(model, pool, plain)
     logits, _ = run(model, make_caches(model), PROMPT, feed=tokens, steps=len(tokens) - 1)  # plain, teacher-forced
     for i, (token, reference) in enumerate(zip(tokens, logits, strict=True)):
