@@ -5,6 +5,7 @@ Registered by the main app as ``app.add_typer(cache_app, name="cache")``. Thin: 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -140,6 +141,58 @@ def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
     typer.echo(f"removed {removed} file(s) from {folder}")
 
 
+class _ReadError(Exception):
+    """Why a GET of a server's JSON failed, as one line."""
+
+
+def _get_json(url: str, api_key: str | None, timeout: float = 10.0):
+    """GET ``url`` and decode its JSON body (the standard library's urllib: nothing outside mlxkv's dependencies).
+
+    Raises:
+        _ReadError: not an http(s) URL, the server is unreachable, it answered a non-2xx status (the reason names
+            the status and the error message of its JSON body, when it has one), or the body is not JSON.
+    """
+    import http.client
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    class NoRedirects(urllib.request.HTTPRedirectHandler):
+        """A redirect is answered as the HTTP error it is, never followed: the token goes nowhere else."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            return None
+
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise _ReadError("the URL must start with http:// or https://")
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if api_key:
+        request.add_unredirected_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.build_opener(NoRedirects).open(request, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise _ReadError(f"HTTP {exc.code} {exc.reason}{_error_message(exc)}") from None
+    except urllib.error.URLError as exc:
+        raise _ReadError(str(exc.reason)) from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise _ReadError(str(exc) or type(exc).__name__) from None
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise _ReadError(f"not JSON: {exc}") from None
+
+
+def _error_message(exc) -> str:
+    """``": <message>"`` from an error response's JSON body (OpenAI's or Anthropic's shape), else ``""``."""
+    try:
+        error = json.loads(exc.read()).get("error")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else None
+    return f": {' '.join(message.split())}" if isinstance(message, str) and message.strip() else ""
+
+
 def _rate(x) -> str:
     return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
 
@@ -149,17 +202,13 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
                                   help="Base URL of a running mlxkv server (serve's default port)."),
           api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token.")) -> None:
     """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""
-    import httpx
     from rich.console import Console
     from rich.table import Table
 
     endpoint = url.rstrip("/") + "/v1/cache/stats"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(endpoint, headers=headers, timeout=10.0)
-        resp.raise_for_status()
-        snap = resp.json()
-    except (httpx.HTTPError, ValueError) as exc:
+        snap = _get_json(endpoint, api_key)
+    except _ReadError as exc:
         typer.echo(f"error: cannot read {endpoint}: {exc}", err=True)
         raise typer.Exit(code=1) from None
     if not isinstance(snap, dict):

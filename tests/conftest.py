@@ -53,6 +53,15 @@ def test_model_dir(tmp_path_factory) -> Callable[..., Path]:
     return get
 
 
+@pytest.fixture(scope="session")
+def fresh_install(tmp_path_factory):
+    """mlxkv installed from its wheel into a venv that holds only its runtime dependencies, as ``pip install .``
+    leaves a user's (``testkit/fresh_install.py``); built once per test run. Run its CLI through ``.env()``."""
+    from testkit.fresh_install import make_fresh_install
+
+    return make_fresh_install(tmp_path_factory.mktemp("fresh-install"))
+
+
 @pytest.fixture(scope="module")
 def model():
     """The random-weight test llama with mlxkv's attention hook installed (built once per test module; a module

@@ -1,7 +1,9 @@
-"""Every ``mlxkv`` command line in README.md's ```bash blocks runs, as written, through the installed CLI.
+"""Every ``mlxkv`` command line in README.md's ```bash blocks runs, as written, through the CLI of a fresh install.
 
 Each line runs under ``bash`` (``set -eo pipefail``: every command of a ``;`` list or a pipeline must succeed)
-with the installed ``mlxkv`` entry point first on PATH, offline, in a sandbox folder. Changes made to a line:
+with the ``mlxkv`` entry point of the ``fresh_install`` venv first on PATH (mlxkv installed from its wheel with its
+runtime dependencies only, as ``pip install .`` installs it: an import that only the test extra provides fails
+here), offline, in a sandbox folder. Changes made to a line:
 ``pip install`` and ``python -m pytest`` commands are dropped (the rest of their line runs), ``mlxkv generate``
 and ``mlxkv chat`` get ``-n 4`` when they have no ``-n`` / ``--max-tokens``, and the README's port 8080 becomes a
 free loopback port. ``mlxkv chat`` lines read :data:`CHAT_INPUT` on standard input (a message, then ``/save trip``,
@@ -30,9 +32,7 @@ import functools
 import os
 import re
 import shlex
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,16 +210,6 @@ class Sandbox:
                                     env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _mlxkv_bin() -> Path:
-    """The folder of the installed ``mlxkv`` entry point (this interpreter's scripts folder)."""
-    scripts = Path(sys.executable).parent
-    if (scripts / "mlxkv").is_file():
-        return scripts
-    found = shutil.which("mlxkv")
-    assert found, "the mlxkv entry point is not installed (pip install -e .)"
-    return Path(found).parent
-
-
 def _hub_stand_in(out: Path) -> Path:
     """The test llama with head_dim 64 (four heads of 64 over hidden 64), standing in for hub models."""
     from testkit.archs import build_from_config, get_config
@@ -241,7 +231,7 @@ def _fill_tier_folder(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def sandbox(tmp_path_factory, test_model_dir) -> Sandbox:
+def sandbox(tmp_path_factory, test_model_dir, fresh_install) -> Sandbox:
     """Placeholder folders, the HF cache with every repo id the README names, a home with tier folders."""
     root = tmp_path_factory.mktemp("readme")
     cwd, home, hub = root / "work", root / "home", root / "hf_cache"
@@ -260,9 +250,8 @@ def sandbox(tmp_path_factory, test_model_dir) -> Sandbox:
         populate_hf_cache(hub, spec, stand_in())
     for folder in {f for line in LINES for f in tier_folders(line)}:
         _fill_tier_folder(Path(re.sub(r"^~(?=/|$)", str(home), folder)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXKV_")}
-    env.update(PATH=f"{_mlxkv_bin()}{os.pathsep}{env.get('PATH', '')}", HOME=str(home), HF_HUB_OFFLINE="1",
-               HF_HUB_CACHE=str(hub), COLUMNS="200")
+    env = fresh_install.env({k: v for k, v in os.environ.items() if not k.startswith("MLXKV_")})
+    env.update(HOME=str(home), HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), COLUMNS="200")
     return Sandbox(cwd, env)
 
 
@@ -299,6 +288,7 @@ def test_lines_are_rewritten_only_as_documented():
     assert model_specs("X=1 mlxkv generate . -m big-model --draft-model small-model") == ["big-model", "small-model"]
 
 
+@pytest.mark.fresh_install
 @pytest.mark.parametrize("line", PLAIN_LINES)
 def test_readme_line_runs(line, sandbox):
     proc = sandbox.run(line)
@@ -309,6 +299,7 @@ def test_readme_line_runs(line, sandbox):
         assert "saved session trip" in proc.stdout, _describe(proc, line)
 
 
+@pytest.mark.fresh_install
 @pytest.mark.parametrize("line", SERVE_LINES)
 def test_readme_serve_line_answers(line, sandbox, tmp_path):
     """The server of the line answers one chat completion; the README's client lines run against the first."""

@@ -122,3 +122,68 @@ def test_stats_defaults_to_the_port_serve_listens_on():
     url = inspect.signature(stats).parameters["url"].default.default
     port = inspect.signature(serve).parameters["port"].default.default
     assert url == f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def answers():
+    """A loopback server answering ``GET path`` from ``routes[path] = (status, headers, body)`` (404 otherwise),
+    recording each request's path and Authorization header in ``seen``."""
+    routes: dict[str, tuple[int, dict, bytes]] = {}
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            status, headers, body = routes.get(self.path, (404, {}, b""))
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", routes, seen
+    server.shutdown()
+    server.server_close()
+
+
+def _stats_error(url, *extra):
+    result = runner.invoke(cache_app, ["stats", "--url", url, *extra])
+    assert result.exit_code == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_stats_sends_the_api_key_and_reports_a_refusal_with_the_servers_message(answers):
+    base, routes, seen = answers
+    refusal = json.dumps({"error": {"message": "invalid API key", "type": "authentication_error"}}).encode()
+    routes["/v1/cache/stats"] = (401, {"Content-Type": "application/json"}, refusal)
+    assert _stats_error(base, "--api-key", "k1") == (
+        f"error: cannot read {base}/v1/cache/stats: HTTP 401 Unauthorized: invalid API key")
+    assert seen == [("/v1/cache/stats", "Bearer k1")]
+    routes["/v1/cache/stats"] = (200, {"Content-Type": "application/json"}, b'{"running": 0}')
+    result = runner.invoke(cache_app, ["stats", "--url", base + "/"], env={"MLXKV_API_KEY": "k2"})
+    assert result.exit_code == 0 and "no secondary tier" in result.stdout, result.output
+    assert seen[-1] == ("/v1/cache/stats", "Bearer k2")
+
+
+def test_stats_errors_are_one_line_naming_the_cause(answers):
+    base, routes, seen = answers
+    routes["/text/v1/cache/stats"] = (200, {"Content-Type": "text/plain"}, b"hello")
+    routes["/list/v1/cache/stats"] = (200, {"Content-Type": "application/json"}, b"[1, 2]")
+    routes["/moved/v1/cache/stats"] = (302, {"Location": "/v1/cache/stats"}, b"")
+    assert _stats_error(base + "/missing") == f"error: cannot read {base}/missing/v1/cache/stats: HTTP 404 Not Found"
+    assert _stats_error(base + "/text").startswith(f"error: cannot read {base}/text/v1/cache/stats: not JSON: ")
+    assert _stats_error(base + "/list") == f"error: {base}/list/v1/cache/stats returned list, expected a JSON object"
+    assert _stats_error(base + "/moved", "--api-key", "k") == (
+        f"error: cannot read {base}/moved/v1/cache/stats: HTTP 302 Found")
+    assert [path for path, _ in seen] == ["/missing/v1/cache/stats", "/text/v1/cache/stats", "/list/v1/cache/stats",
+                                          "/moved/v1/cache/stats"]  # the redirect was not followed
+    assert _stats_error("127.0.0.1:8080") == (
+        "error: cannot read 127.0.0.1:8080/v1/cache/stats: the URL must start with http:// or https://")
