@@ -9,9 +9,20 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from testkit import real_model
 from testkit.archs import ARCH_NAMES
 
 __all__ = ["ARCH_NAMES"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``real_model`` are skipped, with the way to run them, when SmolLM2's GGUF file is missing."""
+    if real_model.available():
+        return
+    skip = pytest.mark.skip(reason=real_model.MISSING)
+    for item in items:
+        if item.get_closest_marker("real_model") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -73,3 +84,24 @@ def model():
     m = build_model("llama")[0]
     install_attention_hook(m)
     return m
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct loaded by mlxkv from its GGUF, dequantized to float32 (MLX's fast CPU dtype), once per
+    run for every real-model test that only reads it."""
+    from mlxkv.models import load
+
+    return load(str(real_model.GGUF), dequantize=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_folder(tmp_path_factory) -> Path:
+    """The GGUF converted by ``mlxkv convert --dequantize`` (once per run): the float32 folder mlx-lm loads."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("smollm2") / "f32"
+    subprocess.run([sys.executable, "-m", "mlxkv", "convert", "--dequantize", str(real_model.GGUF), str(out)],
+                   check=True, capture_output=True)
+    return out

@@ -15,6 +15,8 @@ from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.kv.store import CachePool
 from mlxkv.models import load
 
+pytestmark = pytest.mark.float_order
+
 # Lengths straddle gemma3's 8-token window and llama4's 16-token chunks; the first is a single token.
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]
 NEW = 16

@@ -120,6 +120,7 @@ def test_retention_rules_reach_the_cached_blocks(model, expected):
     pool.check_invariants()
 
 
+@pytest.mark.server
 def test_server_prefix_metrics_reset_and_disconnect(test_model_dir):
     parts = build(run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=2), kv_backend="paged",
                              kv_block_size=4, kv_cache_budget=1 << 22), model_name="tiny")

@@ -18,6 +18,8 @@ from mlxkv.engine.prefill import (
 )
 from mlxkv.kv.layouts import install_attention_hook, make_caches
 
+pytestmark = pytest.mark.float_order
+
 PROMPT = mx.array([(i * 37 + 11) % 1000 + 3 for i in range(45)])  # 45: padded to 64 (19 pad tokens)
 
 

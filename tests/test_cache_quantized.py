@@ -22,6 +22,8 @@ from mlxkv.kv.layouts import (
 )
 from mlxkv.kv.layouts.dense_attention import quantized_attend
 
+pytestmark = pytest.mark.float_order
+
 PROMPT = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 GROUP = 32
 #: Head dims of the tiny test models are 16; quantization groups need >= 32.

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from testkit.real_model import GGUF
 from testkit.serve_process import serve_process
 
-GGUF_ENV = "MLXKV_TEST_GGUF"
-GGUF = Path(os.environ.get(GGUF_ENV, "")).expanduser()
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF_ENV} does not name a GGUF file (see "
-                                                             "tests/test_real_model.py)")
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = "You are a helpful assistant."
 QUESTIONS = ("What is the capital of France?", "And what is it famous for?")

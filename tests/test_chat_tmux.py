@@ -12,7 +12,10 @@ import pytest
 
 from testkit.terminal import TMUX, Terminal
 
-pytestmark = pytest.mark.skipif(TMUX is None, reason="tmux is not installed (apt-get install tmux)")
+pytestmark = [
+    pytest.mark.terminal,
+    pytest.mark.skipif(TMUX is None, reason="tmux is not installed (apt-get install tmux)"),
+]
 ROOT = Path(__file__).resolve().parent.parent
 STATS = re.compile(r"context: (\d+) tokens.*KV cache ([\d.]+) MB\nlast turn: (\d+) prompt tokens, (\d+) cached, "
                    r"(\d+) prefilled \(([\d.]+) tok/s\), (\d+) generated \(([\d.]+) tok/s\)")

@@ -278,6 +278,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+@pytest.mark.server
 def test_port_0_and_ipv6_banner_names_the_bound_address():
     import httpx
 

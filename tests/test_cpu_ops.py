@@ -8,6 +8,8 @@ from mlx import nn
 
 from mlxkv.cpu_ops import CompiledRMSNorm, TableRoPE, install_cpu_ops
 
+pytestmark = pytest.mark.float_order
+
 
 @pytest.fixture()
 def demo_model():

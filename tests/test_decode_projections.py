@@ -17,6 +17,8 @@ from mlx import nn
 from mlxkv import decode_projections as fused_projections
 from mlxkv.decode_projections import FUSED_MAX_ROWS, FusedLinear, install_decode_projections
 
+pytestmark = pytest.mark.float_order
+
 
 class _Attention(nn.Module):
     def __init__(self, dims: int, bias: bool):

@@ -22,7 +22,11 @@ import pytest
 from testkit.launch_process import launch_available, start_launch
 from testkit.run_config import run_config
 
-pytestmark = pytest.mark.skipif(launch_available() is not None, reason=str(launch_available()))
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.server,
+    pytest.mark.skipif(launch_available() is not None, reason=str(launch_available())),
+]
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today?",
            "a b c d e f g h i j k l m n o p q r s t u v w x y z", "0 1 2 3 4 5 6 7 8 9 10 11 12 13"]

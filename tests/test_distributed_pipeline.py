@@ -22,6 +22,8 @@ from testkit.run_config import run_config
 
 from mlxkv.distributed.pipeline import split_layers
 
+pytestmark = [pytest.mark.distributed, pytest.mark.server]
+
 needs_launch = pytest.mark.skipif(launch_available() is not None, reason=str(launch_available()))
 
 

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from testkit.launch_process import launch_available, start_launch
+from testkit.real_model import GGUF
 from testkit.run_config import run_config
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
 pytestmark = [
-    pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name a GGUF file"),
+    pytest.mark.real_model,
+    pytest.mark.float_order,
+    pytest.mark.distributed,
+    pytest.mark.server,
     pytest.mark.skipif(launch_available() is not None, reason=str(launch_available())),
 ]
 QUESTIONS = ["What is the capital of France?", "Name a primary color."]

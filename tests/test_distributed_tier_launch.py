@@ -25,7 +25,11 @@ from testkit.run_config import run_config
 
 from mlxkv.kv.blocks.hashing import sha256_block_hash
 
-pytestmark = pytest.mark.skipif(launch_available() is not None, reason=str(launch_available()))
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.server,
+    pytest.mark.skipif(launch_available() is not None, reason=str(launch_available())),
+]
 
 BLOCK = 16
 #: Per-rank KV budget: 11 blocks of 16 tokens per rank (block 0 is the null block); each prompt below fits alone.

@@ -340,6 +340,7 @@ def stop_server(proc: subprocess.Popen, log: Path) -> None:
     assert proc.returncode == 0, log.read_text()
 
 
+@pytest.mark.server
 def test_serve_a_cached_repo_id(hub_cache, tmp_path):
     from openai import OpenAI
 

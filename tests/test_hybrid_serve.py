@@ -5,9 +5,12 @@ hits from disk with the same text."""
 
 import anthropic
 import httpx
+import pytest
 
 from testkit.serve_process import serve_process
 from testkit.serve_signals import server
+
+pytestmark = pytest.mark.server
 
 SYSTEM = "You are a terse assistant who answers in one word. " * 4
 QUESTIONS = ["What colour is the sky?", "What is two plus two?"]

@@ -15,6 +15,8 @@ from mlxkv.config import KvOverflowConfig
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv import each_layer_cache
 
+pytestmark = pytest.mark.server
+
 runner = CliRunner()
 PROMPT = "The import statement combines two operations; it searches for the named module"
 

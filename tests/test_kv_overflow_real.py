@@ -3,26 +3,14 @@ greedy tokens while the budget holds the context, and past it every layer stays 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 
 from mlxkv.config import KvOverflowConfig
 from mlxkv.kv import each_layer_cache, make_caches
 
-GGUF_ENV = "MLXKV_TEST_GGUF"
-GGUF = Path(os.environ.get(GGUF_ENV, "")).expanduser()
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF_ENV} does not name the SmolLM2 GGUF file")
+pytestmark = [pytest.mark.real_model, pytest.mark.float_order]
 STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    from mlxkv.models import load
-
-    return load(str(GGUF), dequantize=True)
 
 
 def greedy(model, caches, prompt, steps=STEPS):
@@ -36,33 +24,33 @@ def greedy(model, caches, prompt, steps=STEPS):
 
 
 @pytest.fixture(scope="module")
-def prompt(loaded):
-    return loaded.tokenizer.encode("The import statement combines two operations; it searches for the named "
+def prompt(smollm2):
+    return smollm2.tokenizer.encode("The import statement combines two operations; it searches for the named "
                                    "module, then it binds the results of that search to a name in the local scope.")
 
 
 @pytest.fixture(scope="module")
-def plain(loaded, prompt):
-    return greedy(loaded.model, make_caches(loaded.model), prompt)
+def plain(smollm2, prompt):
+    return greedy(smollm2.model, make_caches(smollm2.model), prompt)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "offload"])  # window is the rotating layout, tested on its own
-def test_the_real_model_is_token_exact_under_a_budget_above_the_context(loaded, prompt, plain, policy):
-    caches = make_caches(loaded.model, overflow=KvOverflowConfig(policy=policy, budget=256))
-    assert greedy(loaded.model, caches, prompt) == plain
+def test_the_real_model_is_token_exact_under_a_budget_above_the_context(smollm2, prompt, plain, policy):
+    caches = make_caches(smollm2.model, overflow=KvOverflowConfig(policy=policy, budget=256))
+    assert greedy(smollm2.model, caches, prompt) == plain
 
 
-def test_the_real_model_stays_within_a_small_budget(loaded, prompt, plain):
+def test_the_real_model_stays_within_a_small_budget(smollm2, prompt, plain):
     budget = 32
-    caches = make_caches(loaded.model, overflow=KvOverflowConfig(policy="offload", budget=budget, recent=8))
-    tokens = greedy(loaded.model, caches, prompt)
+    caches = make_caches(smollm2.model, overflow=KvOverflowConfig(policy="offload", budget=budget, recent=8))
+    tokens = greedy(smollm2.model, caches, prompt)
     layers = list(each_layer_cache(caches))
     assert all(c.evicted > 0 and c.size() <= budget + 1 + c.restore_limit for c in layers)
     assert all(c.size() + len(c.tier) == c.offset for c in layers)  # every token resident or on the host
     assert tokens[:4] == plain[:4]  # the first steps still see most of the prompt's mass
 
 
-def test_paged_h2o_on_the_real_model(loaded, prompt, plain):
+def test_paged_h2o_on_the_real_model(smollm2, prompt, plain):
     """Paged storage (pages of 8): h2o is the plain cache under a large budget; under a small one whole pages go
     and the sequence keeps answering."""
     from mlxkv.config import KvCacheConfig
@@ -71,9 +59,9 @@ def test_paged_h2o_on_the_real_model(loaded, prompt, plain):
     from mlxkv.kv import CachePool
 
     def run(overflow):
-        pool = CachePool(loaded.model, backend="paged", num_blocks=64, overflow=overflow,
+        pool = CachePool(smollm2.model, backend="paged", num_blocks=64, overflow=overflow,
                          kv_config=KvCacheConfig(backend="paged", block_size=8))
-        engine = DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
+        engine = DirectEngine(smollm2.model, smollm2.tokenizer, pool=pool)
         out = list(engine.generate_tokens(prompt, SamplingParams(max_tokens=STEPS, temp=0)))
         pool.check_invariants()
         return out, pool
@@ -85,15 +73,15 @@ def test_paged_h2o_on_the_real_model(loaded, prompt, plain):
     assert pool.paged.manager.pool.stats().cached == 4
 
 
-def test_paged_offload_is_closer_to_the_full_cache_than_paged_h2o(loaded):
+def test_paged_offload_is_closer_to_the_full_cache_than_paged_h2o(smollm2):
     """Pages of 16 tokens, a budget of 64 under a 79-token prompt, 16 steps fed the full cache's greedy tokens:
     offload's logits are closer to the full cache's than h2o's (measured: mean |diff| 0.71 vs 0.81, max 5.2 vs
     5.6; OpenBLAS)."""
     from mlxkv.config import KvCacheConfig
     from mlxkv.kv.store import CachePool
 
-    model = loaded.model
-    prompt = loaded.tokenizer.encode(
+    model = smollm2.model
+    prompt = smollm2.tokenizer.encode(
         "The import statement combines two operations; it searches for the named module, then it binds the results "
         "of that search to a name in the local scope. The search operation of the import statement is defined as a "
         "call to the __import__() function, with the appropriate arguments. The return value of __import__() is used "

@@ -15,6 +15,8 @@ from mlxkv.server.kv_overflow import KvOverflowBody, overflow_config
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 PROMPT = "The import statement combines two operations; it searches for the named module, then binds it"
 BUDGET = 32
 SMALL = {"policy": "h2o", "budget": BUDGET, "sinks": 2, "recent": 4}

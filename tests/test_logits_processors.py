@@ -18,6 +18,8 @@ from mlxkv.engine.row_sampler import RowSampler, sample_rows
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv.store import CachePool
 
+pytestmark = pytest.mark.float_order
+
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((3, 9, 17, 30, 5))]
 NEW = 24
 # A log-probability taken in another float32 order (paged decode, a preempted row's re-prefill, one teacher-forced

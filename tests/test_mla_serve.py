@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from mlxkv.cli.main import app as cli
 from mlxkv.env import reload as reload_flags
 
+pytestmark = pytest.mark.server
+
 SHARED = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 2  # 2+ blocks of 16 tokens
 PROMPTS = [SHARED + tail for tail in ("and then", "so the bird sings a", "yet", "because of the rain it")]
 MAX_TOKENS = 12

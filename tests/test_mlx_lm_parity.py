@@ -37,6 +37,8 @@ from mlxkv.kv.layouts import (
 )
 from mlxkv.kv.layouts import load_prompt_cache as our_load
 
+pytestmark = pytest.mark.float_order
+
 D = 32  # head_dim: a valid quantization group size
 SUBSTITUTED = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache", "BatchKVCache",
                "BatchRotatingKVCache")

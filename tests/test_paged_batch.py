@@ -12,6 +12,8 @@ from mlxkv.kv.batching.paged_views import PagedBatchView
 from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.store import CachePool
 
+pytestmark = pytest.mark.float_order
+
 PROMPTS = [[(7 * i + 3 * k) % 900 + 10 for i in range(n)] for k, n in enumerate((45, 21, 33))]
 STEPS = 12
 

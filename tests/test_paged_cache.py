@@ -11,6 +11,8 @@ from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.paged import PagedLayerCache, PagedPoolExhausted
 from mlxkv.kv.store import CachePool
 
+pytestmark = pytest.mark.float_order
+
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window 8, across llama4's 16-token chunks
 DECODE_STEPS = 40
 # Logit error bound, relative to the logits' scale: the reference kernel's split-K online softmax rounds

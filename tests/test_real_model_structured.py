@@ -9,18 +9,17 @@ function's parameters. Needs ``MLXKV_TEST_GGUF`` (see test_real_model.py); about
 from __future__ import annotations
 
 import json
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
 import pytest
+from testkit.real_model import GGUF
 from testkit.json_schemas import random_schema
 from testkit.serve_process import serve_process
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name SmolLM2's GGUF file")
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
 TEMPLATE = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
 SCHEMAS = 6

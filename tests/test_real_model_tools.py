@@ -14,14 +14,13 @@ Needs ``MLXKV_TEST_GGUF`` (see test_real_model.py).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from testkit.real_model import GGUF
 from testkit.serve_process import serve_process
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name SmolLM2's GGUF file")
+pytestmark = [pytest.mark.real_model, pytest.mark.server]
 
 TEMPLATE = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
 WEATHER = {"type": "function", "function": {

@@ -13,6 +13,8 @@ from testkit.archs import build_from_config, get_config
 from testkit.models import write_model
 from testkit.serve_process import free_port, serve_process
 
+pytestmark = pytest.mark.server
+
 PREFIX = "You are a careful assistant who answers briefly. " * 3
 QUESTIONS = ["What is a tuple?", "What is a list?", "Name a colour.", "Count to three."]
 

@@ -10,17 +10,16 @@ newest models take none); it goes in ``extra_body`` as any client sends it.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import threading
 import time
-from pathlib import Path
 
 import anthropic
 import httpx
 import openai
 import pytest
+from testkit.real_model import GGUF
 
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.request import Event
@@ -29,6 +28,8 @@ from mlxkv.server.anthropic.schemas import CountTokensRequest
 from mlxkv.server.anthropic.translate import to_conversation
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
+
+pytestmark = pytest.mark.server
 
 GREEDY = {"temperature": 0}
 QUESTION = "What does the with statement do?"
@@ -346,10 +347,7 @@ def test_tool_blocks_translate_to_openai_chat_messages():
     assert conv.tool_history and not conv.prefill
 
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
-
-
-@pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name SmolLM2-135M-Instruct's GGUF")
+@pytest.mark.real_model
 def test_smollm2_answers_the_messages_api_as_chat_completions():
     parts = build(run_config(str(GGUF), dequantize=True, engine=EngineConfig(max_sequences=2), kv_backend="paged"),
                   model_name="smollm2")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import anthropic
 import anthropic._base_client
 import openai
 import pytest
+from testkit.real_model import GGUF
 
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.output import Event, TextStream, Usage
@@ -33,6 +33,8 @@ from mlxkv.server.runner import ServerThread, build
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.tools import render_tools, to_template_messages
 from testkit.run_config import run_config
+
+pytestmark = pytest.mark.server
 
 TEMPLATE = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
 GREEDY = {"temperature": 0}
@@ -449,9 +451,6 @@ def test_tool_choice_decides_what_is_parsed(tokenizer):
     assert content({"type": "none"}) == (False, ["text"])
 
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
-
-
 def earlier_turn(i: int, city: str) -> tuple[list[dict], list[dict]]:
     """A question the assistant answered by a call: the Messages API's turns, and the chat route's."""
     question = {"role": "user", "content": f"What is the weather in {city}?"}
@@ -462,7 +461,7 @@ def earlier_turn(i: int, city: str) -> tuple[list[dict], list[dict]]:
                  "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}])
 
 
-@pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name SmolLM2-135M-Instruct's GGUF")
+@pytest.mark.real_model
 def test_smollm2_calls_a_tool_and_answers_its_result():
     """SmolLM2-135M calls the tool when earlier turns show the assistant answering such questions by a call (see
     test_real_model_tools.py); given the call's result, it answers as the chat route does the same conversation."""

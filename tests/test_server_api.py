@@ -16,6 +16,8 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 QUESTIONS = ["What is a tuple?", "Explain the import statement.", "How do generators work?",
              "What does the with statement do?"]
 

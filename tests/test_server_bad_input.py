@@ -17,6 +17,8 @@ from mlxkv.server.app import create_app
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 SLOW_CHARS = 20_000
 SLOW_S = 3.0
 encoded_lengths: list[int] = []  # lengths of the texts the app's tokenizer encoded (module-level: survives copies)

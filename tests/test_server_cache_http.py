@@ -15,6 +15,8 @@ import pytest
 
 from testkit.serve_signals import server
 
+pytestmark = pytest.mark.server
+
 
 def read_sse(resp: httpx.Response, until: str, out: list[dict]) -> None:
     """Parse server-sent events from ``resp`` into ``out`` (with their ``id``) until an event of type ``until``."""

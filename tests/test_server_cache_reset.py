@@ -11,6 +11,8 @@ from mlxkv.engine.batch import EngineConfig
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 API, ADMIN = "user-key", "admin-key"
 QUESTION = "Explain, in a few words, what a Python generator is and when one would use it instead of a list."
 

@@ -13,6 +13,8 @@ import typer
 from mlxkv.cli.serve import serve
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.server
+
 app = typer.Typer()
 app.command()(serve)
 runner = CliRunner()

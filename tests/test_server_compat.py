@@ -20,6 +20,8 @@ from mlxkv.server.app import create_app
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 ORIGIN = "http://localhost:3000"
 PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization, content-type"}

@@ -22,6 +22,8 @@ from mlxkv.engine.batch import EngineConfig
 from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 #: The fuzzed model's context (positions): bounds every generated request's work.
 CONTEXT = 96
 #: Generated requests per operation and mode (the suite's time budget; each costs a few ms to ~0.3 s).

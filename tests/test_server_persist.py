@@ -4,7 +4,6 @@ stream with a final event and logs no traceback."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -14,7 +13,10 @@ import httpx
 import openai
 import pytest
 
+from testkit.real_model import GGUF
 from testkit.serve_signals import server
+
+pytestmark = pytest.mark.server
 
 
 def tier_files(folder: Path) -> list[Path]:
@@ -89,10 +91,7 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(tmp_path):
     assert "shutdown" in outcomes, outcomes  # 900 tokens each: at least one was still streaming
 
 
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
-
-
-@pytest.mark.skipif(not GGUF.is_file(), reason="MLXKV_TEST_GGUF does not name the SmolLM2-135M GGUF file")
+@pytest.mark.real_model
 def test_the_real_model_restarts_warm(tmp_path):
     """SmolLM2-135M: after SIGTERM and a restart, a ~200-token prompt comes back from disk with the same greedy
     answer as the cold run."""

@@ -8,6 +8,8 @@ from mlx_lm.utils import load_tokenizer
 from mlxkv.models import demo_model_path
 from mlxkv.server.prompts import PromptEncoder
 
+pytestmark = pytest.mark.server
+
 SYSTEM = ("You are a careful assistant.  Answer in short sentences; quote code exactly, with tabs\tand  spaces. "
           "Ünïcödé, 日本語 and emoji 🙂 stay as they are. ") * 25  # ~3K characters
 QUESTIONS = ["What is a tuple?", "  leading spaces and a trailing one ", "digits 0123456789", "x",

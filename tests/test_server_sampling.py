@@ -20,6 +20,8 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.app import create_app
 from mlxkv.server.runner import ServerThread, build
 
+pytestmark = pytest.mark.server
+
 QUESTION = [{"role": "user", "content": "What does the with statement do?"}]
 
 

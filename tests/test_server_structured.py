@@ -29,6 +29,8 @@ from mlxkv.structured import json_schema_format
 from mlxkv.structured.vocabulary import vocabulary_for
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 TEMPLATE = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
 ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

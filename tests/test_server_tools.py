@@ -19,6 +19,8 @@ from mlxkv.server.runner import ServerThread, build
 from mlxkv.server.tools import render_tools, to_template_messages
 from testkit.run_config import run_config
 
+pytestmark = pytest.mark.server
+
 TEMPLATE = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -16,6 +16,8 @@ from mlxkv.kv.layouts import install_attention_hook
 from mlxkv.kv.store import CachePool
 from mlxkv.models import load
 
+pytestmark = pytest.mark.float_order
+
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window, across llama4 chunks
 NEW_TOKENS = 40  # generation crosses llama4's chunk starts at 48, 64 and 80
 K = 4

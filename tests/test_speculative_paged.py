@@ -15,6 +15,8 @@ from mlxkv.engine.sampling import SamplingParams
 from mlxkv.engine.speculative import SpeculativeEngine
 from mlxkv.kv.store import CachePool
 
+pytestmark = pytest.mark.float_order
+
 ARCHS = ["llama", "gemma3_text", "llama4"]
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]  # past gemma3's window, across llama4 chunks
 NEW_TOKENS = 30

@@ -224,6 +224,7 @@ def test_any_sealed_header_raises_only_format_error(raw):
         pass  # anything else (RecursionError, OverflowError, AttributeError, ...) fails the test
 
 
+@pytest.mark.server
 def test_a_real_server_starts_over_a_folder_of_hostile_files(tmp_path):
     """``mlxkv serve --kv-disk-cache DIR`` (the embedded demo model) over every hostile header above, an old-format
     file and junk: it starts, answers, and has dropped each bad file of ours with one warning."""

@@ -12,10 +12,11 @@ from mlxkv.kv.paged import PagedBackend
 from mlxkv.kv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
 from mlxkv.kv.tier.bridge import TierBridge
 
+pytestmark = pytest.mark.float_order
+
 B = 4
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(22)]  # 5 full usable blocks
 OTHER = [(11 * i + 5) % 900 + 10 for i in range(44)]  # 11 blocks: evicts all of a 12-block pool
-
 
 
 def backend(model, num_blocks=12):

@@ -6,10 +6,10 @@ chunks as the official openai client accumulates them."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from testkit.real_model import GGUF
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -29,7 +29,6 @@ from mlxkv.server.tools import (
 )
 
 TEMPLATE = Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja"
-GGUF = Path(os.environ.get("MLXKV_TEST_GGUF", "")).expanduser()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object",
                                                            "properties": {"city": {"type": "string"}}}}}
@@ -39,12 +38,10 @@ def call_text(name: str, arguments: dict) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
-@pytest.fixture(scope="module", params=["test-tokenizer", "smollm2"])
+@pytest.fixture(scope="module", params=["test-tokenizer", pytest.param("smollm2", marks=pytest.mark.real_model)])
 def tokenizer(request, test_model_dir):
     """A real tokenizer with the tools template: the test llama's byte-level BPE, and SmolLM2's (from its GGUF)."""
     if request.param == "smollm2":
-        if not GGUF.is_file():
-            pytest.skip("MLXKV_TEST_GGUF does not name SmolLM2's GGUF")
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         from mlxkv.gguf.reader import read
