@@ -44,11 +44,6 @@ def _complete_all(client, prompts: list[str], max_tokens: int = 24) -> list[str]
         return list(pool.map(one, prompts))
 
 
-@pytest.fixture(scope="module")
-def llama_dir(test_model_dir) -> str:
-    return str(test_model_dir("llama"))
-
-
 GENERATE = ["generate", "the quick brown fox", "--temp", "0", "--max-tokens", "12"]
 
 

@@ -34,11 +34,6 @@ def test_split_layers_is_contiguous_and_balanced():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir) -> str:
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def generating(llama_dir):
     """``mlxkv generate --distributed pipeline`` under mlx.launch, started with the server launch."""
     from testkit.serve_process import free_port

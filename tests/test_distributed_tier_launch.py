@@ -59,11 +59,6 @@ def _ranks_restored(url: str, at_least: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir) -> str:
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def reference(llama_dir) -> dict:
     """One process's greedy texts (in this process, default options)."""
     import openai
