@@ -25,7 +25,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,17 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_common import add_model_args, ensure_openblas, model_spec, peer_folder, resolve_spec  # noqa: E402
+from testkit.serve_process import free_port, wait_for_health  # noqa: E402
 
 PROMPTS = ["Tell me about the ocean.", "What is a prime number?", "Name three colors.", "Why is the sky blue?",
            "Write a haiku about rain.", "What do cats eat?", "Explain gravity briefly.", "Who wrote Hamlet?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -59,17 +54,11 @@ class Server:
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
 
     def wait(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{Path(self.log.name).read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5).read()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} did not come up") from None
-                time.sleep(0.5)
+        try:
+            wait_for_health(f"http://127.0.0.1:{self.port}", self.proc, Path(self.log.name), timeout,
+                            path="/v1/models")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name}: {exc}") from None
 
     def stats(self) -> dict | None:
         try:

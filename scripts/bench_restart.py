@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_common import default_model, ensure_openblas  # noqa: E402
 
 import openai  # noqa: E402
-from testkit.serve_process import free_port  # noqa: E402
+from testkit.serve_process import free_port, wait_for_health  # noqa: E402
 
 SENTENCE = "The engine keeps every prompt's key and value blocks so that a later request can skip its prefill. "
 
@@ -40,18 +40,11 @@ def start(model: str, folder: str, port: int) -> subprocess.Popen:
     if model != "demo":
         args += ["-m", model, "--dequantize"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stdout.read()}")
-        try:
-            client.models.list()
-            return proc
-        except openai.APIConnectionError:
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not come up") from None
-            time.sleep(0.3)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", proc, timeout=300)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    return proc
 
 
 def ttft(port: int, messages: list[dict]) -> tuple[float, int, int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_common import (  # noqa: E402
     add_model_args,
@@ -58,6 +58,7 @@ from bench_common import (  # noqa: E402
     stored_note,
     versions,
 )
+from testkit.serve_process import free_port, wait_for_health  # noqa: E402
 
 PREFIX = ("You are a patient teacher of the Python language. Answer with short, correct explanations and one "
           "example. The import statement binds names in a module namespace; generators yield values lazily; "
@@ -104,12 +105,6 @@ def model_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
                  kv_budget: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
     """Start server ``name`` ("mlxkv" or "mlx-lm") on ``model`` with ``extra`` options of its own and wait until
@@ -126,22 +121,12 @@ def start_server(name: str, model: str, port: int, max_sequences: int, kv_backen
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop_server; not a pipe (nobody reads it)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log = log
-    import httpx
-
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"{name} server exited: {log.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{name} server did not come up")
-        time.sleep(0.2)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", proc, log, timeout=180, path="/v1/models")
+    except RuntimeError as exc:
+        proc.kill()
+        raise RuntimeError(f"{name}: {exc}") from None
+    return proc
 
 
 def stop_server(proc: subprocess.Popen) -> None:

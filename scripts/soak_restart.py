@@ -20,24 +20,17 @@ RETRYABLE = ("shutdown", "http_503", "refused")
 
 
 def _start(model: str, port: int, folder: str, args) -> subprocess.Popen:
-    import httpx
+    from testkit.serve_process import wait_for_health
 
     cmd = [sys.executable, "-m", "mlxkv", "serve", "-m", model, "--port", str(port), "--kv-disk-cache", folder,
            "--kv-disk-write-interval", "0.5", "--max-sequences", str(args.max_sequences),
            "--max-queue-depth", str(args.requests), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit("the server did not come up")
-        time.sleep(0.1)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", proc)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> tuple[int, str]:

@@ -5,6 +5,7 @@ Parametrize over architectures with ``from testkit.archs import ARCH_NAMES``.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
@@ -105,3 +106,43 @@ def smollm2_f32_folder(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "mlxkv", "convert", "--dequantize", str(real_model.GGUF), str(out)],
                    check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(test_model_dir) -> str:
+    """The random-weight test llama's folder, as the string ``-m`` takes (read-only: shared by the whole run)."""
+    return str(test_model_dir("llama"))
+
+
+@pytest.fixture(scope="session")
+def served(llama_dir):
+    """Factory ``served(**options) -> ServerThread``: the test llama served in this process with these options,
+    started on first use and shared, for the rest of the run, by every test that asks for the same ones. Share a
+    server only between tests that leave it as they found it and assert nothing that another module's traffic
+    changes (absolute counters, cache contents, events); give the others a server of their own
+    (:func:`testkit.serve_thread.serve_in_thread`).
+
+    Options: ``max_sequences`` (4) and ``max_queue_depth`` (16) of the engine; ``model_name`` ("tiny-llama"),
+    ``api_key``, ``admin_key`` of :func:`mlxkv.server.runner.build`; the rest are ``run_config``'s
+    (``kv_backend`` "paged", ``chat_template``, ...). ``parts`` holds the engine and the loaded model.
+    """
+    from testkit.run_config import run_config
+    from testkit.serve_thread import serve_in_thread
+
+    from mlxkv.config import EngineConfig
+
+    with contextlib.ExitStack() as stack:
+        servers: dict[tuple, object] = {}
+
+        def get(*, max_sequences: int = 4, max_queue_depth: int = 16, model_name: str = "tiny-llama",
+                api_key: str | None = None, admin_key: str | None = None, kv_backend: str = "paged", **options):
+            key = (max_sequences, max_queue_depth, model_name, api_key, admin_key, kv_backend,
+                   tuple(sorted(options.items())))
+            if key not in servers:
+                engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth)
+                config = run_config(llama_dir, engine=engine, kv_backend=kv_backend, **options)
+                servers[key] = stack.enter_context(serve_in_thread(config, model_name=model_name, api_key=api_key,
+                                                                   admin_key=admin_key))
+            return servers[key]
+
+        yield get

@@ -1,11 +1,11 @@
 """BatchEngine: concurrent requests give DirectEngine's tokens exactly; sequences are always released."""
 
 import threading
-import time
 
 import mlx.core as mx
 import pytest
 from testkit.archs import build_model
+from testkit.waiting import wait_for
 
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
@@ -31,13 +31,6 @@ def tokens_of(handle):
 def direct_tokens(model, prompt, params):
     engine = DirectEngine(model, tokenizer=None, pool=CachePool(model, max_sequences=1))
     return list(engine.generate_tokens(prompt, params))
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

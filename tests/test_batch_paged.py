@@ -16,8 +16,8 @@ from mlxkv.engine.request import (
 )
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv.store import CachePool
-from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
+from testkit.serve_thread import serve_in_thread
 
 PROMPTS = [[(7 * i + 11 * j) % 900 + 10 for i in range(n)] for j, n in enumerate((1, 6, 13, 29, 47))]
 PARAMS = SamplingParams(max_tokens=16)
@@ -122,10 +122,10 @@ def test_retention_rules_reach_the_cached_blocks(model, expected):
 
 @pytest.mark.server
 def test_server_prefix_metrics_reset_and_disconnect(test_model_dir):
-    parts = build(run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=2), kv_backend="paged",
-                             kv_block_size=4, kv_cache_budget=1 << 22), model_name="tiny")
+    config = run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=2), kv_backend="paged",
+                        kv_block_size=4, kv_cache_budget=1 << 22)
     prefix = "You are a careful assistant. " * 8
-    with ServerThread(parts.app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+    with serve_in_thread(config, model_name="tiny") as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         for q in ("What is a tuple?", "What is a list?"):
             r = http.post("/v1/completions", json={"prompt": prefix + q, "max_tokens": 3, "temperature": 0})
             assert r.status_code == 200
@@ -146,7 +146,7 @@ def test_server_prefix_metrics_reset_and_disconnect(test_model_dir):
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert any(next(lines).startswith("data: ") for _ in range(4))
-        engine = parts.engine
+        engine = srv.parts.engine
         deadline = time.monotonic() + 20
         while engine.stats()["pool_sequences"] and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -156,4 +156,4 @@ def test_server_prefix_metrics_reset_and_disconnect(test_model_dir):
         reset = http.post("/v1/cache/reset").json()
         assert reset["prefix_cache_blocks_freed"] == cached > 0
         assert http.get("/v1/cache/stats").json()["kv_blocks"]["cached"] == 0
-    parts.engine.pool.check_invariants()
+    srv.parts.engine.pool.check_invariants()

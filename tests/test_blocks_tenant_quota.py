@@ -5,7 +5,6 @@ cached prefix (pure Python, then a server on loopback with the openai client).""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from mlxkv.config import EngineConfig, KvCacheConfig, RunConfig, SpeculativeConfig
@@ -143,18 +142,20 @@ B_QUESTION = "Explain, in a few words, what a Python generator is and when one w
 
 @pytest.fixture(params=[0.5, 1.0], ids=["quota", "no-quota"])
 def small_server(request, test_model_dir):
-    from mlxkv.server.runner import ServerThread, build
+    from testkit.serve_thread import serve_in_thread
 
     kv = KvCacheConfig(backend="paged", kv_cache_budget=320 << 10, primary_tenant_share=request.param)
     config = RunConfig(model=str(test_model_dir("llama")), kv=kv, speculative=SpeculativeConfig(),
                        engine=EngineConfig(max_sequences=1))
-    with ServerThread(build(config, model_name="m").app) as srv:
+    with serve_in_thread(config, model_name="m") as srv:
         yield srv, request.param
 
 
 def ask(server, text: str, salt: str) -> tuple[int, int]:
     """(prompt tokens, cached prompt tokens) of one greedy chat request."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=60)
+    from testkit.serve_thread import openai_client
+
+    client = openai_client(server.url, api_key="k")
     reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=1,
                                            temperature=0, extra_body={"cache_salt": salt})
     return reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens

@@ -11,11 +11,6 @@ from typer.testing import CliRunner
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
 def test_generate_streams_text_with_a_test_model(llama_dir):
     result = runner.invoke(app, ["generate", "--model", llama_dir, "--raw", "-n", "8", "The import statement"])
     assert result.exit_code == 0, result.output

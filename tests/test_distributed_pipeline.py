@@ -36,11 +36,6 @@ def test_split_layers_is_contiguous_and_balanced():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir) -> str:
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def generating(llama_dir):
     """``mlxkv generate --distributed pipeline`` under mlx.launch, started with the server launch."""
     from testkit.serve_process import free_port
@@ -66,17 +61,14 @@ def started(llama_dir, generating):
 @pytest.fixture(scope="module")
 def reference(started, llama_dir):
     """Greedy texts and the block bytes of one server process (in this process, on loopback), default options."""
-    import openai
+    from testkit.serve_thread import openai_client, serve_in_thread
 
-    from mlxkv.server.runner import ServerThread, build
-
-    parts = build(run_config(llama_dir, kv_backend="paged"))
-    with ServerThread(parts.app) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    with serve_in_thread(run_config(llama_dir, kv_backend="paged")) as srv:
+        client = openai_client(srv.url, api_key="none", timeout=120)
         texts = _complete_all(client, PROMPTS)
         chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi there"}],
                                               max_tokens=16, temperature=0).choices[0].message.content
-        bytes_per_block = parts.engine.pool.paged.bytes_per_block
+        bytes_per_block = srv.parts.engine.pool.paged.bytes_per_block
     return {"texts": texts, "chat": chat, "bytes_per_block": bytes_per_block}
 
 

@@ -63,20 +63,12 @@ def _ranks_restored(url: str, at_least: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir) -> str:
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def reference(llama_dir) -> dict:
     """One process's greedy texts (in this process, default options)."""
-    import openai
+    from testkit.serve_thread import openai_client, serve_in_thread
 
-    from mlxkv.server.runner import ServerThread, build
-
-    parts = build(run_config(llama_dir, kv_backend="paged"))
-    with ServerThread(parts.app) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    with serve_in_thread(run_config(llama_dir, kv_backend="paged")) as srv:
+        client = openai_client(srv.url, api_key="none", timeout=120)
         return {"first": _complete(client, FIRST)[0], "second": _complete(client, SECOND)[0]}
 
 

@@ -12,10 +12,8 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import huggingface_hub
@@ -23,6 +21,8 @@ import pytest
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import validate_repo_id
 from mlxkv.cli.main import app
+from testkit.serve_process import free_port, wait_for_health
+from testkit.serve_thread import openai_client
 from typer.testing import CliRunner
 
 from mlxkv import models
@@ -305,29 +305,6 @@ def test_subprocess_repo_id_not_cached_is_one_line(hub_cache, tmp_path):
         "unreachable (HF_HUB_OFFLINE or no network)"]
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_health(base_url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    """Poll ``/health`` until it answers 200; fail with the server's log if it exits or never comes up."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}: {log.read_text()}"
-        try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"the server did not come up: {log.read_text()}"
-        time.sleep(0.1)
-
-
 def stop_server(proc: subprocess.Popen, log: Path) -> None:
     """Interrupt the server's process group (as Ctrl-C does) and require a clean exit."""
     try:
@@ -342,8 +319,6 @@ def stop_server(proc: subprocess.Popen, log: Path) -> None:
 
 @pytest.mark.server
 def test_serve_a_cached_repo_id(hub_cache, tmp_path):
-    from openai import OpenAI
-
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as out:
@@ -353,7 +328,7 @@ def test_serve_a_cached_repo_id(hub_cache, tmp_path):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(base, proc, log)
-        client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0)
+        client = openai_client(base)
         assert [m.id for m in client.models.list().data] == [HUB_ID]
         reply = client.chat.completions.create(model=HUB_ID, max_tokens=4,
                                                messages=[{"role": "user", "content": "What is a tuple?"}])

@@ -21,11 +21,6 @@ runner = CliRunner()
 PROMPT = "The import statement combines two operations; it searches for the named module"
 
 
-@pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
 def _generate(llama_dir, *extra):
     result = runner.invoke(app, ["generate", "-m", llama_dir, "--raw", "-n", "24", *extra, PROMPT])
     assert result.exit_code == 0, result.output

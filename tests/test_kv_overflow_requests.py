@@ -12,8 +12,8 @@ from mlxkv.cli.main import app
 from mlxkv.config import KvOverflowConfig
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.server.kv_overflow import KvOverflowBody, overflow_config
-from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
+from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread
 
 pytestmark = pytest.mark.server
 
@@ -25,27 +25,22 @@ SMALL_FLAGS = ["--kv-overflow", "h2o", "--kv-overflow-budget", str(BUDGET), "--k
 N = 24
 
 
-@pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
 def _serve(llama_dir, **options):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=4, max_queue_depth=16), **options),
-                  model_name="tiny-llama")
-    return ServerThread(parts.app)
+    config = run_config(llama_dir, engine=EngineConfig(max_sequences=4, max_queue_depth=16), **options)
+    return serve_in_thread(config, model_name="tiny-llama")
 
 
 @pytest.fixture(scope="module")
 def dense(llama_dir):
     with _serve(llama_dir, kv_backend="dense") as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120), srv.url
+        yield openai_client(srv.url, timeout=120), srv.url
 
 
 @pytest.fixture(scope="module")
 def paged(llama_dir):
+    """Its own server: the tests read its overflow counters as they are after their own requests only."""
     with _serve(llama_dir, kv_backend="paged") as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield openai_client(srv.url, timeout=120)
 
 
 def _generate(llama_dir, *flags, backend="dense", n=N):
@@ -111,7 +106,7 @@ def test_paged_server_runs_offload_from_the_flag_and_the_request(paged, llama_di
     stats = _stats(paged)
     assert stats["overflow_restored"] > 0 and stats["overflow_host_bytes"] == 0 and stats["free"] == free
     with _serve(llama_dir, kv_backend="paged", kv_overflow=KvOverflowConfig("offload", 56, 2, 8)) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(srv.url, timeout=120)
         free = _stats(client)["free"]
         assert _complete(client, n=48)[0] == expected
         stats = _stats(client)
@@ -125,7 +120,7 @@ def test_chat_and_messages_routes_take_the_field(dense):
                                           extra_body={"kv_overflow": SMALL}).choices[0].message.content
     plain = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12,
                                            temperature=0).choices[0].message.content
-    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    claude = anthropic_client(url, timeout=120)
     msg = claude.messages.create(model="tiny-llama", max_tokens=12, messages=messages,
                                  extra_body={"temperature": 0, "kv_overflow": SMALL})
     assert msg.content[0].text == chat != plain
@@ -154,7 +149,7 @@ def test_bad_values_are_a_400_naming_the_field(dense, value, fragment):
 
 def test_a_policy_the_backend_cannot_run_is_a_400(llama_dir):
     with _serve(llama_dir, kv_backend="dense", max_kv_size=64) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(srv.url, timeout=120)
         with pytest.raises(openai.BadRequestError) as err:
             _complete(client, kv_overflow={"policy": "h2o", "budget": 48})
         assert "--max-kv-size" in err.value.body["message"] and err.value.body["param"] == "kv_overflow"

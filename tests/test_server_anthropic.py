@@ -13,7 +13,6 @@ import json
 import random
 import shutil
 import threading
-import time
 
 import anthropic
 import httpx
@@ -26,8 +25,9 @@ from mlxkv.engine.request import Event
 from mlxkv.server.anthropic.message import Reply
 from mlxkv.server.anthropic.schemas import CountTokensRequest
 from mlxkv.server.anthropic.translate import to_conversation
-from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
+from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.server
 
@@ -36,38 +36,22 @@ QUESTION = "What does the with statement do?"
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=4, max_queue_depth=16), kv_backend="paged"),
-                  model_name="tiny-llama")
-    with ServerThread(parts.app) as srv:
-        srv.parts = parts
-        yield srv
+def server(served):
+    return served()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic_client(server.url)
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 def stats(server):
     return httpx.get(server.url + "/v1/cache/stats").json()
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def chat(oai, messages, max_tokens):
@@ -231,25 +215,24 @@ def test_invalid_and_unsupported_requests_are_anthropic_errors(server, client):
     assert "code" in httpx.post(server.url + "/v1/chat/completions", json={"messages": []}).json()["error"]
 
 
-def test_x_api_key_and_bearer_both_authenticate(llama_dir):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=2), kv_backend="paged"), api_key="s3cret")
-    with ServerThread(parts.app) as srv:
-        ok = anthropic.Anthropic(base_url=srv.url, api_key="s3cret", max_retries=0)
-        assert ok.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}]) \
-            .usage.output_tokens == 2
-        for bad in (anthropic.Anthropic(base_url=srv.url, api_key="nope", max_retries=0),
-                    anthropic.Anthropic(base_url=srv.url, auth_token="nope", max_retries=0)):
-            with pytest.raises(anthropic.AuthenticationError) as err:
-                bad.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}])
-            assert err.value.body["error"]["type"] == "authentication_error"
-        bearer = anthropic.Anthropic(base_url=srv.url, auth_token="s3cret", max_retries=0)
-        assert bearer.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}]).input_tokens > 0
-        # x-api-key opens the OpenAI routes too; no key at all is refused in each API's shape
-        assert httpx.get(srv.url + "/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
-        missing = httpx.post(srv.url + "/v1/messages", json={})
-        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(srv.url + "/v1/models").json()["error"]["code"] == "missing_api_key"
-        assert openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0).models.list().data
+def test_x_api_key_and_bearer_both_authenticate(served):
+    srv = served(max_sequences=2, api_key="s3cret")
+    ok = anthropic.Anthropic(base_url=srv.url, api_key="s3cret", max_retries=0)
+    assert ok.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}]) \
+        .usage.output_tokens == 2
+    for bad in (anthropic.Anthropic(base_url=srv.url, api_key="nope", max_retries=0),
+                anthropic.Anthropic(base_url=srv.url, auth_token="nope", max_retries=0)):
+        with pytest.raises(anthropic.AuthenticationError) as err:
+            bad.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}])
+        assert err.value.body["error"]["type"] == "authentication_error"
+    bearer = anthropic.Anthropic(base_url=srv.url, auth_token="s3cret", max_retries=0)
+    assert bearer.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}]).input_tokens > 0
+    # x-api-key opens the OpenAI routes too; no key at all is refused in each API's shape
+    assert httpx.get(srv.url + "/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
+    missing = httpx.post(srv.url + "/v1/messages", json={})
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(srv.url + "/v1/models").json()["error"]["code"] == "missing_api_key"
+    assert openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0).models.list().data
 
 
 def test_an_answer_cut_by_the_context_end_says_so(test_model_dir, tmp_path):
@@ -258,34 +241,32 @@ def test_an_answer_cut_by_the_context_end_says_so(test_model_dir, tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 64
     (model / "config.json").write_text(json.dumps(config))
-    parts = build(run_config(str(model), engine=EngineConfig(max_sequences=1), kv_backend="paged"))
-    with ServerThread(parts.app) as srv:
-        client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+    with serve_in_thread(run_config(str(model), engine=EngineConfig(max_sequences=1), kv_backend="paged")) as srv:
+        client = anthropic_client(srv.url, api_key="x")
         m = client.messages.create(model="m", max_tokens=1000, messages=[{"role": "user", "content": QUESTION}],
                                    extra_body=GREEDY)
         assert m.stop_reason == "model_context_window_exceeded"
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.output_tokens == 64
 
 
-def test_a_full_queue_is_a_rate_limit_error(llama_dir):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=1, max_queue_depth=1), kv_backend="paged"))
-    with ServerThread(parts.app) as srv:
-        client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
-        long_body = {"model": "m", "max_tokens": 100000, "stream": True, "temperature": 0,
-                     "messages": [{"role": "user", "content": "The import statement"}]}  # greedy: no EOS for long
-        with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/messages", json=long_body) as long:
-            lines = long.iter_lines()  # keep it: dropping the iterator closes the connection
-            while next(lines) != "event: content_block_delta":  # decoding: the one slot is taken
-                pass
-            waiting = threading.Thread(target=lambda: client.messages.create(
-                model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}]))
-            waiting.start()
-            wait_for(lambda: parts.engine.stats()["waiting"] == 1)
-            with pytest.raises(anthropic.RateLimitError) as err:
-                client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "y"}])
-            assert err.value.body["error"]["type"] == "rate_limit_error" and "queue is full" in err.value.message
-        waiting.join(60)
-        wait_for(lambda: parts.engine.stats()["pool_sequences"] == 0)
+def test_a_full_queue_is_a_rate_limit_error(served):
+    srv = served(max_sequences=1, max_queue_depth=1)
+    client = anthropic_client(srv.url, api_key="x")
+    long_body = {"model": "m", "max_tokens": 100000, "stream": True, "temperature": 0,
+                 "messages": [{"role": "user", "content": "The import statement"}]}  # greedy: no EOS for long
+    with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/messages", json=long_body) as long:
+        lines = long.iter_lines()  # keep it: dropping the iterator closes the connection
+        while next(lines) != "event: content_block_delta":  # decoding: the one slot is taken
+            pass
+        waiting = threading.Thread(target=lambda: client.messages.create(
+            model="m", max_tokens=2, messages=[{"role": "user", "content": "x"}]))
+        waiting.start()
+        wait_for(lambda: srv.parts.engine.stats()["waiting"] == 1)
+        with pytest.raises(anthropic.RateLimitError) as err:
+            client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "y"}])
+        assert err.value.body["error"]["type"] == "rate_limit_error" and "queue is full" in err.value.message
+    waiting.join(60)
+    wait_for(lambda: srv.parts.engine.stats()["pool_sequences"] == 0)
 
 
 def test_a_client_that_goes_away_cancels_its_request(server):
@@ -349,11 +330,10 @@ def test_tool_blocks_translate_to_openai_chat_messages():
 
 @pytest.mark.real_model
 def test_smollm2_answers_the_messages_api_as_chat_completions():
-    parts = build(run_config(str(GGUF), dequantize=True, engine=EngineConfig(max_sequences=2), kv_backend="paged"),
-                  model_name="smollm2")
-    with ServerThread(parts.app) as srv:
-        client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=600)
-        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    config = run_config(str(GGUF), dequantize=True, engine=EngineConfig(max_sequences=2), kv_backend="paged")
+    with serve_in_thread(config, model_name="smollm2") as srv:
+        client = anthropic_client(srv.url, api_key="x", timeout=600)
+        oai = openai_client(srv.url, api_key="x", timeout=600)
         system, question = "You are a concise assistant.", "What is the capital of France?"
         m = client.messages.create(model="smollm2", max_tokens=48, system=system, extra_body=GREEDY,
                                    messages=[{"role": "user", "content": question}])

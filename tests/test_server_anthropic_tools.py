@@ -18,7 +18,6 @@ from pathlib import Path
 
 import anthropic
 import anthropic._base_client
-import openai
 import pytest
 from testkit.real_model import GGUF
 
@@ -29,10 +28,10 @@ from mlxkv.server.anthropic.schemas import CountTokensRequest
 from mlxkv.server.anthropic.stream import message_events
 from mlxkv.server.anthropic.tool_use import TOOL_USE_ID_PREFIX, plan_tools
 from mlxkv.server.anthropic.translate import to_conversation
-from mlxkv.server.runner import ServerThread, build
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.tools import render_tools, to_template_messages
 from testkit.run_config import run_config
+from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread
 
 pytestmark = pytest.mark.server
 
@@ -55,34 +54,23 @@ def call_text(name: str, arguments: dict) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
 
-def start(llama_dir, **options):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=2, max_queue_depth=8), kv_backend="paged",
-                             **options), model_name="tiny-llama")
-    srv = ServerThread(parts.app).start()
-    srv.parts = parts
-    return srv
+#: The engine this module's servers run (the same in test_server_tools.py: they share them).
+ENGINE = {"max_sequences": 2, "max_queue_depth": 8}
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    srv = start(llama_dir, chat_template=TEMPLATE)
-    yield srv
-    srv.stop()
+def server(served):
+    return served(**ENGINE, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic_client(server.url)
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")
@@ -210,27 +198,24 @@ def test_what_cannot_be_honoured_is_a_400(client):
             assert err.value.body["error"]["type"] == "invalid_request_error"
 
 
-def test_a_template_without_tools_refuses_tools_and_tool_history(llama_dir):
-    srv = start(llama_dir)  # the test llama's own template: no tool format
-    try:
-        client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
-        history = ASK + [
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                               "input": {"city": "Paris"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
-        for kwargs in (dict(messages=ASK, tools=[WEATHER]), dict(messages=history),
-                       dict(messages=history, tools=[WEATHER], tool_choice={"type": "none"})):
-            with pytest.raises(anthropic.BadRequestError, match="--chat-template"):
-                client.messages.create(model="m", max_tokens=2, **kwargs)
-            with pytest.raises(anthropic.BadRequestError, match="--chat-template"):
-                client.messages.count_tokens(model="m", **kwargs)
-        plain = client.messages.count_tokens(model="m", messages=ASK).input_tokens
-        none = client.messages.count_tokens(model="m", messages=ASK, tools=[WEATHER], tool_choice={"type": "none"})
-        assert none.input_tokens == plain  # not shown: nothing for the template to render
-        assert client.messages.create(model="m", max_tokens=2, messages=ASK, tools=[WEATHER],
-                                      tool_choice={"type": "none"}).usage.output_tokens == 2
-    finally:
-        srv.stop()
+def test_a_template_without_tools_refuses_tools_and_tool_history(served):
+    srv = served(**ENGINE)  # the test llama's own template: no tool format
+    client = anthropic_client(srv.url, api_key="x")
+    history = ASK + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+    for kwargs in (dict(messages=ASK, tools=[WEATHER]), dict(messages=history),
+                   dict(messages=history, tools=[WEATHER], tool_choice={"type": "none"})):
+        with pytest.raises(anthropic.BadRequestError, match="--chat-template"):
+            client.messages.create(model="m", max_tokens=2, **kwargs)
+        with pytest.raises(anthropic.BadRequestError, match="--chat-template"):
+            client.messages.count_tokens(model="m", **kwargs)
+    plain = client.messages.count_tokens(model="m", messages=ASK).input_tokens
+    none = client.messages.count_tokens(model="m", messages=ASK, tools=[WEATHER], tool_choice={"type": "none"})
+    assert none.input_tokens == plain  # not shown: nothing for the template to render
+    assert client.messages.create(model="m", max_tokens=2, messages=ASK, tools=[WEATHER],
+                                  tool_choice={"type": "none"}).usage.output_tokens == 2
 
 
 # ---- the output side, on scripted model outputs -----------------------------------------------------------------
@@ -465,11 +450,11 @@ def earlier_turn(i: int, city: str) -> tuple[list[dict], list[dict]]:
 def test_smollm2_calls_a_tool_and_answers_its_result():
     """SmolLM2-135M calls the tool when earlier turns show the assistant answering such questions by a call (see
     test_real_model_tools.py); given the call's result, it answers as the chat route does the same conversation."""
-    parts = build(run_config(str(GGUF), dequantize=True, chat_template=TEMPLATE, engine=EngineConfig(max_sequences=2),
-                             kv_backend="paged"), model_name="smollm2")
-    with ServerThread(parts.app) as srv:
-        client = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=600)
-        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    config = run_config(str(GGUF), dequantize=True, chat_template=TEMPLATE, engine=EngineConfig(max_sequences=2),
+                        kv_backend="paged")
+    with serve_in_thread(config, model_name="smollm2") as srv:
+        client = anthropic_client(srv.url, api_key="x", timeout=600)
+        oai = openai_client(srv.url, api_key="x", timeout=600)
         (a1, c1), (a2, c2) = earlier_turn(1, "London"), earlier_turn(2, "Berlin")
         question = {"role": "user", "content": "What is the weather in Paris?"}
         ask, chat = [*a1, *a2, question], [*c1, *c2, question]

@@ -2,7 +2,6 @@
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -10,11 +9,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.server.runner import ServerThread, build
-from testkit.run_config import run_config
+from testkit.serve_thread import openai_client
+from testkit.waiting import wait_for
 
 pytestmark = pytest.mark.server
 
@@ -23,33 +21,17 @@ QUESTIONS = ["What is a tuple?", "Explain the import statement.", "How do genera
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=4, max_queue_depth=16), kv_backend="paged"),
-                  model_name="tiny-llama")
-    with ServerThread(parts.app) as srv:
-        srv.parts = parts
-        yield srv
+def server(served):
+    return served()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 def stats(server):
     return httpx.get(server.url + "/v1/cache/stats").json()
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def direct_text(parts, question, max_tokens):
@@ -190,39 +172,37 @@ def test_metrics_openapi_models_health_and_cache_routes(server, client):
     assert reset["reset"] is True and "mlx_cache_bytes_freed" in reset
 
 
-def test_queue_full_answers_429(llama_dir):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=1, max_queue_depth=1), kv_backend="paged"))
-    with ServerThread(parts.app) as srv:
-        url = srv.url + "/v1/completions"
-        with httpx.Client(timeout=60) as http:
-            long_body = {"prompt": "The import statement", "max_tokens": 100000, "temperature": 0, "stream": True}
-            with http.stream("POST", url, json=long_body) as long:  # greedy: no EOS for > 2000 tokens
-                lines = long.iter_lines()  # keep it: dropping the iterator closes the connection
-                next(lines)  # decoding: the one slot is taken
-                waiting = threading.Thread(target=lambda: httpx.post(url, json={"prompt": "y", "max_tokens": 2},
-                                                                     timeout=60))
-                waiting.start()
-                wait_for(lambda: httpx.get(srv.url + "/v1/cache/stats").json()["waiting"] == 1)
-                r = httpx.post(url, json={"prompt": "z", "max_tokens": 2})
-                assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-        waiting.join(60)
-        wait_for(lambda: httpx.get(srv.url + "/v1/cache/stats").json()["pool_sequences"] == 0)
+def test_queue_full_answers_429(served):
+    srv = served(max_sequences=1, max_queue_depth=1)
+    url = srv.url + "/v1/completions"
+    with httpx.Client(timeout=60) as http:
+        long_body = {"prompt": "The import statement", "max_tokens": 100000, "temperature": 0, "stream": True}
+        with http.stream("POST", url, json=long_body) as long:  # greedy: no EOS for > 2000 tokens
+            lines = long.iter_lines()  # keep it: dropping the iterator closes the connection
+            next(lines)  # decoding: the one slot is taken
+            waiting = threading.Thread(target=lambda: httpx.post(url, json={"prompt": "y", "max_tokens": 2},
+                                                                 timeout=60))
+            waiting.start()
+            wait_for(lambda: httpx.get(srv.url + "/v1/cache/stats").json()["waiting"] == 1)
+            r = httpx.post(url, json={"prompt": "z", "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    waiting.join(60)
+    wait_for(lambda: httpx.get(srv.url + "/v1/cache/stats").json()["pool_sequences"] == 0)
 
 
-def test_api_key_required_on_v1_routes(llama_dir):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=2), kv_backend="paged"), api_key="s3cret")
-    with ServerThread(parts.app) as srv:
-        body = {"prompt": "x", "max_tokens": 2}
-        missing = httpx.post(srv.url + "/v1/completions", json=body)
-        wrong = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
-        for r in (missing, wrong):
-            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(srv.url + "/v1/models").status_code == 401
-        assert httpx.get(srv.url + "/health").status_code == 200
-        ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
-        assert ok.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
+def test_api_key_required_on_v1_routes(served):
+    srv = served(max_sequences=2, api_key="s3cret")
+    body = {"prompt": "x", "max_tokens": 2}
+    missing = httpx.post(srv.url + "/v1/completions", json=body)
+    wrong = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    for r in (missing, wrong):
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
+    assert httpx.get(srv.url + "/health").status_code == 200
+    ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
+    assert ok.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
 def test_sse_lines_are_json_and_end_with_done(server):

@@ -4,12 +4,11 @@ a reset of every tenant, and the KV events stream, need the admin key on a serve
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from mlxkv.engine.batch import EngineConfig
-from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
+from testkit.serve_thread import openai_client, serve_in_thread
 
 pytestmark = pytest.mark.server
 
@@ -19,14 +18,13 @@ QUESTION = "Explain, in a few words, what a Python generator is and when one wou
 
 @pytest.fixture(scope="module")
 def server(test_model_dir):
-    parts = build(run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=2), kv_backend="paged"),
-                  model_name="m", api_key=API, admin_key=ADMIN)
-    with ServerThread(parts.app) as srv:
+    config = run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=2), kv_backend="paged")
+    with serve_in_thread(config, model_name="m", api_key=API, admin_key=ADMIN) as srv:  # its own: resets, events
         yield srv
 
 
 def ask(server, salt, key=API):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    client = openai_client(server.url, api_key=key)
     reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=2,
                                            temperature=0, extra_body={"cache_salt": salt})
     return reply.usage.prompt_tokens_details.cached_tokens

@@ -2,15 +2,14 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import typer
 from mlxkv.cli.serve import serve
+from testkit.serve_process import free_port, wait_for_health
 from typer.testing import CliRunner
 
 pytestmark = pytest.mark.server
@@ -18,12 +17,6 @@ pytestmark = pytest.mark.server
 app = typer.Typer()
 app.command()(serve)
 runner = CliRunner()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_lists_the_server_options():
@@ -49,16 +42,7 @@ def test_serve_process_answers_and_requires_the_env_api_key(test_model_dir):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+        wait_for_health(base, proc, timeout=60)
         assert httpx.get(base + "/v1/models").status_code == 401
         r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 3},
                        headers={"Authorization": "Bearer k3y"}, timeout=30)

@@ -17,8 +17,9 @@ from mlxkv.cli.main import app as cli
 from mlxkv.cli.serve import serve
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.server.app import create_app
-from mlxkv.server.runner import ServerThread, build
+from mlxkv.server.runner import ServerThread
 from testkit.run_config import run_config
+from testkit.serve_thread import openai_client, serve_in_thread
 
 pytestmark = pytest.mark.server
 
@@ -29,17 +30,10 @@ QUESTION = [{"role": "user", "content": "What does the with statement do?"}]
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
 def server(llama_dir):
     """One engine (one sequence at a time, so a second request waits) behind the default app."""
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=1, max_queue_depth=8), kv_backend="paged"),
-                  model_name="tiny-llama", keepalive_s=0.05)
-    with ServerThread(parts.app) as srv:
-        srv.parts = parts
+    config = run_config(llama_dir, engine=EngineConfig(max_sequences=1, max_queue_depth=8), kv_backend="paged")
+    with serve_in_thread(config, model_name="tiny-llama", keepalive_s=0.05) as srv:
         yield srv
 
 
@@ -49,12 +43,8 @@ def other_app(server, **options):
                                    **options))
 
 
-def client_for(url: str, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
 def test_models_retrieve_and_404_for_other_ids(server):
-    client = client_for(server.url)
+    client = openai_client(server.url)
     model = client.models.retrieve("tiny-llama")
     assert model.id == "tiny-llama" and model.object == "model" and model.owned_by == "mlxkv"
     assert model.created == client.models.list().data[0].created
@@ -62,7 +52,7 @@ def test_models_retrieve_and_404_for_other_ids(server):
         client.models.retrieve("gpt-4o")
     assert exc.value.body["code"] == "model_not_found"
     with other_app(server, model_name="org/tiny-llama.Q4_1") as srv:  # repo ids and file names hold slashes, dots
-        assert client_for(srv.url).models.retrieve("org/tiny-llama.Q4_1").id == "org/tiny-llama.Q4_1"
+        assert openai_client(srv.url).models.retrieve("org/tiny-llama.Q4_1").id == "org/tiny-llama.Q4_1"
 
 
 def test_no_cors_by_default(server):
@@ -89,7 +79,7 @@ def test_cors_preflight_and_headers_for_allowed_origins(server):
 
 
 def test_fingerprint_and_cached_tokens_on_every_route_streamed_or_not(server):
-    client = client_for(server.url)
+    client = openai_client(server.url)
     answers = []
     for _ in range(2):  # the second time the prompt is in the prefix cache
         chat = client.chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=2, temperature=0)
@@ -111,7 +101,7 @@ def test_fingerprint_and_cached_tokens_on_every_route_streamed_or_not(server):
 def test_a_stream_waiting_for_the_engine_gets_keep_alive_comments(server):
     """With one sequence at a time, a stream sent while another request decodes waits for admission, silent:
     comments go out every 0.05 s; the official client reads the stream through them."""
-    busy = threading.Thread(target=lambda: client_for(server.url).completions.create(
+    busy = threading.Thread(target=lambda: openai_client(server.url).completions.create(
         model="tiny-llama", prompt="The import statement", max_tokens=400, temperature=0))
     busy.start()
     deadline = time.monotonic() + 20
@@ -129,15 +119,15 @@ def test_a_stream_waiting_for_the_engine_gets_keep_alive_comments(server):
                          and '"role"' not in line)
     assert ": keep-alive" in lines[:first_content], lines[:first_content]
 
-    busy = threading.Thread(target=lambda: client_for(server.url).completions.create(
+    busy = threading.Thread(target=lambda: openai_client(server.url).completions.create(
         model="tiny-llama", prompt="The import statement", max_tokens=400, temperature=0))
     busy.start()
     while server.parts.engine.stats()["running"] == 0:
         time.sleep(0.005)
-    chunks = list(client_for(server.url).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=3,
+    chunks = list(openai_client(server.url).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=3,
                                                                  stream=True, temperature=0))
     busy.join()
-    direct = client_for(server.url).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=3,
+    direct = openai_client(server.url).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=3,
                                                             temperature=0)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == direct.choices[0].message.content
 
@@ -170,7 +160,7 @@ def test_generate_renders_with_the_chat_template_file(tmp_path, llama_dir):
 def test_a_messages_stream_waiting_for_the_engine_gets_ping_events(server):
     """The Anthropic stream's keep-alive is its own ``ping`` event: more than the one it opens with when the
     request waits for admission behind another."""
-    busy = threading.Thread(target=lambda: client_for(server.url).completions.create(
+    busy = threading.Thread(target=lambda: openai_client(server.url).completions.create(
         model="tiny-llama", prompt="The import statement", max_tokens=400, temperature=0))
     busy.start()
     deadline = time.monotonic() + 20

@@ -19,8 +19,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from mlxkv.engine.batch import EngineConfig
-from mlxkv.server.runner import ServerThread, build
 from testkit.run_config import run_config
+from testkit.serve_thread import serve_in_thread
 
 pytestmark = pytest.mark.server
 
@@ -37,10 +37,8 @@ def fuzz_server(test_model_dir, tmp_path_factory):
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = CONTEXT
     (model / "config.json").write_text(json.dumps(config))
-    parts = build(run_config(str(model), engine=EngineConfig(max_sequences=4, max_queue_depth=16), kv_backend="paged"),
-                  model_name="tiny-llama")
-    with ServerThread(parts.app) as srv:
-        srv.parts = parts
+    config = run_config(str(model), engine=EngineConfig(max_sequences=4, max_queue_depth=16), kv_backend="paged")
+    with serve_in_thread(config, model_name="tiny-llama") as srv:
         yield srv
 
 

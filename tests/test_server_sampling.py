@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import httpx
 import mlx.core as mx
-import openai
 import pytest
 from testkit.archs import build_model
 from testkit.models import write_test_model
 from testkit.run_config import run_config
+from testkit.serve_process import free_port, wait_for_health
+from testkit.serve_thread import openai_client, serve_in_thread
 from testkit.tokenizer import THINK_END, write_thinking_tokenizer
 
 from mlxkv.config import SamplingDefaults
@@ -18,7 +19,7 @@ from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.output import TextStream
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.server.app import create_app
-from mlxkv.server.runner import ServerThread, build
+from mlxkv.server.runner import ServerThread
 
 pytestmark = pytest.mark.server
 
@@ -26,17 +27,13 @@ QUESTION = [{"role": "user", "content": "What does the with statement do?"}]
 
 
 @pytest.fixture(scope="module")
-def server(test_model_dir):
-    parts = build(run_config(str(test_model_dir("llama")), engine=EngineConfig(max_sequences=4), kv_backend="paged"),
-                  model_name="tiny")
-    with ServerThread(parts.app) as srv:
-        srv.parts = parts
-        yield srv
+def server(served):
+    return served()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +203,7 @@ def defaults_server(server):
     defaults = SamplingDefaults(temp=0.0, max_tokens=7, repetition_penalty=1.8, top_k=3)
     app = create_app(server.parts.engine, model_name="tiny", defaults=defaults)
     with ServerThread(app) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(srv.url, timeout=120)
         client.root_url = srv.url
         yield client
 
@@ -242,14 +239,14 @@ def thinking(tmp_path_factory):
     unless ``enable_thinking`` is false), and a second app over its engine defaulting ``enable_thinking`` off."""
     folder = write_test_model("llama", tmp_path_factory.mktemp("thinking"))
     write_thinking_tokenizer(folder)
-    parts = build(run_config(str(folder), engine=EngineConfig(max_sequences=2), kv_backend="paged"))
-    off = create_app(parts.engine, model_name="t",
-                     defaults=SamplingDefaults(chat_template_kwargs={"enable_thinking": False}))
-    with ServerThread(parts.app) as srv, ServerThread(off) as srv_off:
-        tokenizer = parts.loaded.tokenizer
-        yield {"on": openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=120),
-               "off": openai.OpenAI(base_url=srv_off.url + "/v1", api_key="-", max_retries=0, timeout=120),
-               "tokenizer": tokenizer, "end_id": tokenizer.think_end_id}
+    with serve_in_thread(run_config(str(folder), engine=EngineConfig(max_sequences=2), kv_backend="paged")) as srv:
+        off = create_app(srv.parts.engine, model_name="t",
+                         defaults=SamplingDefaults(chat_template_kwargs={"enable_thinking": False}))
+        with ServerThread(off) as srv_off:
+            tokenizer = srv.parts.loaded.tokenizer
+            yield {"on": openai_client(srv.url, api_key="-", timeout=120),
+                   "off": openai_client(srv_off.url, api_key="-", timeout=120),
+                   "tokenizer": tokenizer, "end_id": tokenizer.think_end_id}
 
 
 BIAS = 2.5  # on </think>: enough for the test llama to close its think block within 12 tokens, not at once
@@ -343,10 +340,8 @@ def test_serve_options_set_the_server_defaults(test_model_dir, client):
     request that sets nothing gets them; bad values fail before the model loads."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
-    import time
 
     import typer
     from typer.testing import CliRunner
@@ -360,9 +355,7 @@ def test_serve_options_set_the_server_defaults(test_model_dir, client):
                        (["--repetition-penalty", "0"], "repetition_penalty")):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2 and hint in result.output, result.output
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "mlxkv.server", "--model", str(test_model_dir("llama")), "--port", str(port),
            "--max-sequences", "2", "--log-level", "warning", "--temp", "0", "--max-tokens", "5",
            "--repetition-penalty", "1.8", "--chat-template-kwargs", '{"enable_thinking": false}']
@@ -370,16 +363,7 @@ def test_serve_options_set_the_server_defaults(test_model_dir, client):
                             stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+        wait_for_health(base, proc, timeout=60)
         r = httpx.post(base + "/v1/chat/completions", json={"messages": QUESTION}, timeout=60).json()
         expected = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=5, temperature=0,
                                                   extra_body={"repetition_penalty": 1.8})

@@ -16,18 +16,17 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from testkit.json_schemas import random_schema
 
 from mlxkv.engine.batch import EngineConfig
-from mlxkv.server.runner import ServerThread, build
 from mlxkv.server.structured_output import _special_id
 from mlxkv.server.tools import ToolCallParser
 from mlxkv.structured.tool_calls import CallMarkup, calls_in_text, document_or_calls, forced_calls
 from mlxkv.structured import json_schema_format
 from mlxkv.structured.vocabulary import vocabulary_for
 from testkit.run_config import run_config
+from testkit.serve_thread import openai_client, serve_in_thread
 
 pytestmark = pytest.mark.server
 
@@ -51,29 +50,22 @@ def schema_format(schema, name="answer"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-def start(llama_dir, **options):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=8, max_queue_depth=32), kv_backend="paged",
-                             chat_template=TEMPLATE, **options), model_name="tiny-llama")
-    srv = ServerThread(parts.app).start()
-    srv.parts = parts
-    return srv
-
-
-@pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
+def serve(llama_dir, **options):
+    """This module's server (eight sequences, the tools template) on its own engine, until the block ends."""
+    config = run_config(llama_dir, engine=EngineConfig(max_sequences=8, max_queue_depth=32), kv_backend="paged",
+                        chat_template=TEMPLATE, **options)
+    return serve_in_thread(config, model_name="tiny-llama")
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    srv = start(llama_dir)
-    yield srv
-    srv.stop()
+    with serve(llama_dir) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def chat(client, **kwargs):
@@ -140,22 +132,19 @@ def test_parallel_samples_and_streams_are_constrained_each(client):
 
 def test_free_requests_beside_constrained_ones_give_their_greedy_text(llama_dir):
     questions = ["What is a tuple?", "Explain the import statement.", "How do generators work?"]
-    srv = start(llama_dir)  # its own engine: max_batch below counts this test's steps only
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with serve(llama_dir) as srv:  # its own engine: max_batch below counts this test's steps only
+        client = openai_client(srv.url, timeout=120)
 
-    def free(question):
-        return chat(client, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
-                    ).choices[0].message.content
+        def free(question):
+            return chat(client, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0
+                        ).choices[0].message.content
 
-    try:
         alone = [free(q) for q in questions]
         with ThreadPoolExecutor(8) as pool:
             constrained = [pool.submit(chat, client, response_format=schema_format(PERSON), seed=i) for i in range(4)]
             mixed = list(pool.map(free, questions))
             answers = [f.result() for f in constrained]
         max_batch = srv.parts.engine.stats()["max_batch"]
-    finally:
-        srv.stop()
     assert mixed == alone
     for answer in answers:
         valid(answer.choices[0].message.content, PERSON)
@@ -263,8 +252,7 @@ def test_completions_refuse_a_bad_response_format_too(server):
 
 
 def test_a_tool_format_without_a_grammar_is_refused_clearly(llama_dir):
-    srv = start(llama_dir, tool_parser="qwen3_coder")  # the template renders tools; the parser reads XML calls
-    try:
+    with serve(llama_dir, tool_parser="qwen3_coder") as srv:  # the template renders tools; the parser reads XML
         r = post(srv, {"tools": [WEATHER], "tool_choice": "required"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
         assert "json_tools" in r.json()["error"]["message"] and "qwen3_coder" in r.json()["error"]["message"]
@@ -272,8 +260,6 @@ def test_a_tool_format_without_a_grammar_is_refused_clearly(llama_dir):
         r = post(srv, {"tools": [WEATHER, strict]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.strict", r.text
         assert post(srv, {"tools": [WEATHER]}).status_code == 200  # auto, unconstrained: as before
-    finally:
-        srv.stop()
 
 
 # ---- the grammars themselves ----------------------------------------------------------------------------------

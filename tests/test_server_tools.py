@@ -9,15 +9,12 @@ import json
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.server.runner import ServerThread, build
 from mlxkv.server.tools import render_tools, to_template_messages
-from testkit.run_config import run_config
+from testkit.serve_thread import openai_client
 
 pytestmark = pytest.mark.server
 
@@ -34,29 +31,18 @@ HISTORY = ASK + [
 ]
 
 
-def start(llama_dir, **options):
-    parts = build(run_config(llama_dir, engine=EngineConfig(max_sequences=2, max_queue_depth=8), kv_backend="paged",
-                             **options), model_name="tiny-llama")
-    srv = ServerThread(parts.app).start()
-    srv.parts = parts
-    return srv
+#: The engine this module's servers run (the same in test_server_anthropic_tools.py: they share them).
+ENGINE = {"max_sequences": 2, "max_queue_depth": 8}
 
 
 @pytest.fixture(scope="module")
-def llama_dir(test_model_dir):
-    return str(test_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir):
-    srv = start(llama_dir, chat_template=TEMPLATE)
-    yield srv
-    srv.stop()
+def server(served):
+    return served(**ENGINE, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 def rendered(server, messages, tools=None) -> list[int]:
@@ -148,23 +134,17 @@ def test_what_cannot_be_honoured_is_a_clear_400(server, body, param, code):
         assert error["param"] == param, error
 
 
-def test_a_template_without_tools_refuses_them_but_takes_tool_choice_none(llama_dir):
-    srv = start(llama_dir)  # the test llama's own template: no tool format
-    try:
-        r = post(srv, {"messages": ASK, "tools": [WEATHER]})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "tools_unsupported"
-        assert "--chat-template" in r.json()["error"]["message"]
-        assert post(srv, {"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}).status_code == 200
-        r = post(srv, {"messages": HISTORY})  # calls in the history would be dropped by the template: refused
-        assert r.status_code == 400 and r.json()["error"]["code"] == "tools_unsupported"
-        assert "tool_calls" in r.json()["error"]["message"]
-    finally:
-        srv.stop()
-    srv = start(llama_dir, tool_parser="json_tools")  # a parser, but the template ignores tools
-    try:
-        r = post(srv, {"messages": ASK, "tools": [WEATHER]})
-        assert r.status_code == 400 and "ignores tools" in r.json()["error"]["message"]
-        r = post(srv, {"messages": HISTORY})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
-    finally:
-        srv.stop()
+def test_a_template_without_tools_refuses_them_but_takes_tool_choice_none(served):
+    srv = served(**ENGINE)  # the test llama's own template: no tool format
+    r = post(srv, {"messages": ASK, "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "tools_unsupported"
+    assert "--chat-template" in r.json()["error"]["message"]
+    assert post(srv, {"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}).status_code == 200
+    r = post(srv, {"messages": HISTORY})  # calls in the history would be dropped by the template: refused
+    assert r.status_code == 400 and r.json()["error"]["code"] == "tools_unsupported"
+    assert "tool_calls" in r.json()["error"]["message"]
+    srv = served(**ENGINE, tool_parser="json_tools")  # a parser, but the template ignores tools
+    r = post(srv, {"messages": ASK, "tools": [WEATHER]})
+    assert r.status_code == 400 and "ignores tools" in r.json()["error"]["message"]
+    r = post(srv, {"messages": HISTORY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

@@ -6,13 +6,11 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
 from typing import Iterator
 
-import httpx
 import openai
 
-from testkit.serve_process import free_port
+from testkit.serve_process import free_port, wait_for_health
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 12}]  # ~290 tokens
 
@@ -26,16 +24,7 @@ class Server:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
                                     timeout=120)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_for_health(f"http://127.0.0.1:{self.port}", self.proc)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> tuple[int, str]:
         """Send ``sig``; the exit status and everything the process wrote."""

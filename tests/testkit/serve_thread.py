@@ -1,0 +1,33 @@
+"""An mlxkv app served in this process on a loopback port (uvicorn on a thread), and the official clients for it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from mlxkv.config import RunConfig
+from mlxkv.server.runner import ServerThread, build
+
+
+@contextlib.contextmanager
+def serve_in_thread(config: RunConfig, **build_options: Any) -> Iterator[ServerThread]:
+    """``build(config, **build_options)`` served on a free port until the block ends. The server's
+    :class:`~mlxkv.server.runner.ServerParts` are its ``parts`` (engine, loaded model, app)."""
+    parts = build(config, **build_options)
+    with ServerThread(parts.app) as srv:
+        srv.parts = parts
+        yield srv
+
+
+def openai_client(url: str, api_key: str = "unused", timeout: float = 60):
+    """The official ``openai`` client for the server at ``url`` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def anthropic_client(url: str, api_key: str = "unused", timeout: float = 60):
+    """The official ``anthropic`` client for the server at ``url`` (no retries)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=timeout)
