@@ -78,10 +78,13 @@ def test_bad_event_cursors_are_400(srv, query):
 def test_tier_stats_and_the_cache_stats_command(srv):
     srv.cached_tokens([{"role": "user", "content": "Pack my box with five dozen liquor jugs. " * 12}])
     deadline = time.monotonic() + 20
-    while True:
+    last = None
+    while True:  # until the disk tier holds the prompt's blocks and its count stays put between two reads
         tier = httpx.get(f"{srv.base}/cache/stats").json()["tier"]
-        if tier["secondary"]["disk"]["blocks"] >= 17:
+        blocks = tier["secondary"]["disk"]["blocks"]
+        if blocks >= 17 and blocks == last:
             break
+        last = blocks
         assert time.monotonic() < deadline, tier
         time.sleep(0.2)
     sec = tier["secondary"]
