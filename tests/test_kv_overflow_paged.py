@@ -21,6 +21,7 @@ from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.request import GenerationRequest
 from mlxkv.engine.sampling import SamplingParams
+from mlxkv.kv import CacheRequest
 from mlxkv.kv.layouts import install_attention_hook
 from mlxkv.kv.paged import PagedLayerCache
 from mlxkv.kv.paged.page_overflow import PageOverflow
@@ -145,7 +146,7 @@ def test_eviction_drops_only_this_sequences_reference_to_a_shared_block(model):
     pool = pool_for(model)
     reference = greedy(model, pool)  # the prompt's blocks are now cached
     other = pool.open(prompt=PROMPT)  # both take the cached prompt blocks
-    ours = pool.open(prompt=PROMPT, overflow=KvOverflowConfig("window", budget=20, sinks=2))
+    ours = pool.open(prompt=PROMPT, cache_request=CacheRequest(overflow=KvOverflowConfig("window", budget=20, sinks=2)))
     assert ours.num_cached == other.num_cached == 39
     shared = pool.paged.manager.block_tables(other.paged.seq_id)[0][:9]
     step_logits(model, ours, PROMPT, 6)
@@ -164,7 +165,7 @@ def test_eviction_drops_only_this_sequences_reference_to_a_shared_block(model):
 def test_blocks_written_after_an_eviction_never_serve_a_prefix_hit(model):
     pool = pool_for(model, KvOverflowConfig("window", budget=20, sinks=2))
     out = greedy(model, pool)  # the first eviction comes after the prompt's first 39 tokens
-    hit = pool.open(prompt=PROMPT + out, overflow=KvOverflowConfig("preempt"))
+    hit = pool.open(prompt=PROMPT + out, cache_request=CacheRequest(overflow=KvOverflowConfig("preempt")))
     assert hit.num_cached == 36  # the 9 full blocks computed before it, none after
     pool.check_invariants()
 
@@ -230,7 +231,7 @@ def test_batched_decode_over_kept_pages_matches_one_by_one(model):
 
     def run(batched):
         pool = pool_for(model)
-        seqs = [pool.open(prompt=p, overflow=o) for p, o in zip(prompts, policies)]
+        seqs = [pool.open(prompt=p, cache_request=CacheRequest(overflow=o)) for p, o in zip(prompts, policies)]
         last = [int(mx.argmax(step_logits(model, s, p, 2)[0][-1]).item()) for s, p in zip(seqs, prompts)]
         out = []
         for _ in range(12):

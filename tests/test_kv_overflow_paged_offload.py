@@ -17,6 +17,7 @@ from mlxkv.config import KvOverflowConfig
 from mlxkv.engine.batch import BatchEngine, EngineConfig
 from mlxkv.engine.request import GenerationRequest
 from mlxkv.engine.sampling import SamplingParams
+from mlxkv.kv import CacheRequest
 from mlxkv.kv.paged import PagedLayerCache
 
 OFFLOAD = KvOverflowConfig("offload", budget=24, sinks=2, recent=4)
@@ -84,7 +85,7 @@ def test_offloaded_pages_round_trip_bit_exact_and_are_never_cached(model):
     pool.check_invariants()
     decode(model, seq, 4)  # decoding goes on over the restored page
     pool.check_invariants()
-    hit = pool.open(prompt=PROMPT, overflow=KvOverflowConfig("preempt"))
+    hit = pool.open(prompt=PROMPT, cache_request=CacheRequest(overflow=KvOverflowConfig("preempt")))
     assert hit.num_cached == 36  # the prompt's blocks cached before the first eviction, nothing later
 
 

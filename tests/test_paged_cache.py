@@ -9,7 +9,7 @@ import mlxkv.kv.paged.layer_cache as layer_cache_module
 from mlxkv.config import KvCacheConfig
 from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.paged import PagedLayerCache, PagedPoolExhausted
-from mlxkv.kv.store import CachePool
+from mlxkv.kv.store import CachePool, CacheRequest
 
 pytestmark = pytest.mark.float_order
 
@@ -138,7 +138,7 @@ def test_decode_without_feed_is_refused_and_exhaustion_is_reported():
     with pytest.raises(RuntimeError, match="feed"):
         model(mx.array([[5]], dtype=mx.uint32), cache=seq.caches)
     pool.release(seq.id)
-    seq = pool.open(prompt=PROMPT[:40], salt="no-hit")  # 10 blocks needed, 7 exist
+    seq = pool.open(prompt=PROMPT[:40], cache_request=CacheRequest(salt="no-hit"))  # 10 blocks needed, 7 exist
     with pytest.raises(PagedPoolExhausted):
         model(mx.array([PROMPT[:40]], dtype=mx.uint32), cache=seq.caches)
     pool.release(seq.id)

@@ -10,7 +10,7 @@ from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv.layouts import install_attention_hook, make_caches
-from mlxkv.kv.store import CachePool
+from mlxkv.kv.store import CachePool, CacheRequest
 
 PROMPT = [(7 * i + 3) % 900 + 10 for i in range(45)]
 OTHER_TAIL = [(11 * i + 5) % 900 + 10 for i in range(13)]
@@ -81,10 +81,10 @@ def test_salts_isolate_and_shared_prefixes_hit(arch):
     model, _ = build_model(arch)
     install_attention_hook(model)
     pool = paged_pool(model)
-    a = pool.open(prompt=PROMPT, salt="tenant-a")
+    a = pool.open(prompt=PROMPT, cache_request=CacheRequest(salt="tenant-a"))
     prefill(model, a, PROMPT)
     pool.release(a.id)
-    b = pool.open(prompt=PROMPT, salt="tenant-b")
+    b = pool.open(prompt=PROMPT, cache_request=CacheRequest(salt="tenant-b"))
     assert b.num_cached == 0  # other salt: never a hit
     prefill(model, b, PROMPT)
     pool.release(b.id)
@@ -92,10 +92,10 @@ def test_salts_isolate_and_shared_prefixes_hit(arch):
     assert unsalted.num_cached == 0  # no salt is a salt of its own
     pool.release(unsalted.id)
     shared = PROMPT[:32] + OTHER_TAIL  # shares 8 full blocks with tenant a's prompt
-    c = pool.open(prompt=shared, salt="tenant-a")
+    c = pool.open(prompt=shared, cache_request=CacheRequest(salt="tenant-a"))
     assert c.num_cached == 32
     assert scale_close(prefill(model, c, shared), dense_logits(model, shared))
-    d = pool.open(prompt=PROMPT, salt="tenant-a")  # while c runs: a's blocks are shared, not copied
+    d = pool.open(prompt=PROMPT, cache_request=CacheRequest(salt="tenant-a"))  # while c runs: a's blocks are shared, not copied
     assert d.num_cached == len(PROMPT) - 1
     assert scale_close(prefill(model, d, PROMPT), dense_logits(model, PROMPT))
     pool.check_invariants()

@@ -8,7 +8,8 @@ from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.kv.store import CachePool, PoolFullError
+from mlxkv.kv.layouts import install_attention_hook
+from mlxkv.kv.store import CachePool, CacheRequest, PoolFullError
 
 PROMPT = [(11 * i + 5) % 900 + 10 for i in range(200)]
 BLOCK = 16
@@ -68,3 +69,29 @@ def test_dense_fork_copies_and_continues_exactly():
     for child in children:
         assert decode(model, child, first, 6) == expected
     assert decode(model, parent, first, 6) == expected  # the parent is untouched by its children
+
+
+def test_a_forked_preempted_and_resumed_child_keeps_its_cache_request():
+    """A child carries its parent's cache request whole (salt, snapshot marks, retention rank): after a preemption
+    its resume opens with the same, so a recurrent hybrid's child still stops its prefill at the marked message end
+    and hits only under its salt."""
+    model, _ = build_model("qwen3_next")
+    install_attention_hook(model)
+    pool = CachePool(model, max_sequences=4, backend="paged", num_blocks=200,
+                     kv_config=KvCacheConfig(backend="paged", block_size=4))
+    request = CacheRequest(salt="tenant-a", snapshot_at=(9,), preemption_rank=3)
+    prompt = PROMPT[:14]
+    parent = pool.open(prompt=prompt, cache_request=request)
+    assert parent.prefill_chunk(0, 14) == 8  # the mark at 9 snapshots at its block boundary, 8
+    prefill(model, parent.caches, mx.array(prompt, dtype=mx.uint32))
+    parent.commit()
+    child = pool.fork(parent.id, 1)[0]
+    assert child.cache_request == request
+    pool.release(parent.id)
+    pool.preempt(child.id)
+    pool.resume(child.id, prompt)
+    assert child.cache_request == request
+    assert child.paged.recorder.marks == [8]  # the resumed child's recorder has its parent's marks
+    assert child.num_cached == 0 and child.prefill_chunk(0, 14) == 8  # no snapshot was taken: it stops at 8 again
+    pool.release(child.id)
+    pool.check_invariants()

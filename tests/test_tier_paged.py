@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlxkv.config import KvCacheConfig
+from mlxkv.kv.blocks.cache_request import CacheRequest
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.paged import PagedBackend
 from mlxkv.kv.tier import DiskStore, HostMemoryStore, SecondaryTier, fingerprint_model
@@ -27,7 +28,7 @@ def run(be, bridge, tokens, salt=None):
     """Open (restoring from the tier first), prefill the uncached rest, release; (last logits, cached)."""
     if bridge is not None:
         bridge.restore(tokens, salt)
-    caches, seq = be.open(tokens, salt=salt)
+    caches, seq = be.open(tokens, CacheRequest(salt=salt))
     cached = seq.num_cached
     logits = model_call(be.model, caches, tokens[cached:])
     seq.commit()

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.engine.prefill_batch import prefill_together
-from mlxkv.kv import CachePool, cache_arrays, check_attended, make_batch_views
+from mlxkv.kv import CachePool, CacheRequest, cache_arrays, check_attended, make_batch_views
 
 _PROMPTS = ([3, 17, 9, 41, 5], [11, 7, 23])  # different lengths, small ids valid in any vocabulary
 
@@ -70,7 +70,7 @@ def _probe_paged(model: Any, pool: CachePool) -> tuple[bool, str]:
     seqs: list = []
 
     def open_prefilled(prompt: list[int], salt: str):
-        seq = pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt)
+        seq = pool.open(prompt_length=len(prompt), prompt=prompt, cache_request=CacheRequest(salt=salt))
         seqs.append(seq)
         logits = model(mx.array(prompt[:-1], dtype=mx.uint32)[None], cache=seq.caches)  # (1, n, vocab)
         # the logits too: under pipeline parallelism only they need the hidden state a rank sends on
@@ -109,7 +109,7 @@ def probe_batched_prefill(model: Any, pool: CachePool) -> tuple[bool, str]:
     seqs: list = []
 
     def opened(prompt: list[int], salt: str):
-        seqs.append(pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt))
+        seqs.append(pool.open(prompt_length=len(prompt), prompt=prompt, cache_request=CacheRequest(salt=salt)))
         return seqs[-1]
 
     try:

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlxkv.engine.output import TextStream
 from mlxkv.engine.prefill import prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
-from mlxkv.kv import CachePool
+from mlxkv.kv import CachePool, CacheRequest
 
 
 #: mlx-lm's logits-processor protocol: ``(tokens so far, logits (1, vocab)) -> logits (1, vocab)``.
@@ -91,7 +91,7 @@ class DirectEngine:
         stats = GenerationStats(prompt_tokens=len(prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
-        seq = self.pool.open(prompt_length=len(prompt), prompt=list(prompt), salt=salt)
+        seq = self.pool.open(prompt_length=len(prompt), prompt=list(prompt), cache_request=CacheRequest(salt=salt))
         # Paged: one pool array per layer holds every sequence's K/V, so step n must finish before step n+1's
         # write is scheduled (else MLX copies the whole pool); decode tokens are fed to the block manager.
         paged = self.pool.is_paged

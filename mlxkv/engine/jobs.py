@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlxkv.engine.output import TextStream
 from mlxkv.engine.request import GenerationRequest, RequestHandle, RetentionSpec, Usage
 from mlxkv.engine.row_sampler import RowSampler
-from mlxkv.kv import RetentionConfig, Sequence
+from mlxkv.kv import CacheRequest, RetentionConfig, Sequence
 from mlxkv.structured.constraint import TokenConstraint
 
 
@@ -109,3 +109,13 @@ def retention_config(spec: RetentionSpec | None) -> RetentionConfig | None:
         return None
     return RetentionConfig(ranges=tuple((r.start, r.end, r.priority, r.duration) for r in spec.ranges),
                            decode_priority=spec.decode_priority, decode_duration_s=spec.decode_duration)
+
+
+def cache_request(request: GenerationRequest) -> CacheRequest:
+    """What ``request`` asks of the KV cache, whole: its salt and per-range salts, snapshot marks, retention, the
+    preemption rank its ``priority`` gives (lower values are admitted first and preempted last) and its overflow
+    policy."""
+    return CacheRequest(salt=request.cache_salt,
+                        spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges),
+                        snapshot_at=request.snapshot_at, retention=retention_config(request.retention),
+                        preemption_rank=-request.priority, overflow=request.kv_overflow)

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from mlxkv.engine.constraints import consume, constraints_for, step_masks
 from mlxkv.engine.decode_loop import DecodeLoop
-from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, retention_config
+from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, cache_request
 from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
 from mlxkv.engine.request import Event
 from mlxkv.engine.row_sampler import RowSampler
@@ -178,10 +178,7 @@ class Scheduler:
                 self.pool.resume(task.seq.id, task.tokens)
             else:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
-                                          salt=request.cache_salt, retention=retention_config(request.retention),
-                                          spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges),
-                                          priority=-request.priority,  # the pool preempts lower values first
-                                          snapshot_at=request.snapshot_at, overflow=request.kv_overflow)
+                                          cache_request=cache_request(request))
                 job.opened.append(task.seq)
             self._owners[task.seq.id] = task
             task.done = task.seq.num_cached

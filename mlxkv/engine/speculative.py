@@ -38,7 +38,7 @@ from mlxkv.engine.prefill import prefill
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.engine.verify import sampling_logprobs, verify_greedy, verify_sampled
-from mlxkv.kv import CachePool, Sequence
+from mlxkv.kv import CachePool, CacheRequest, Sequence
 
 
 @dataclass
@@ -124,7 +124,7 @@ class SpeculativeEngine(DirectEngine):
         stats = SpeculativeStats(prompt_tokens=len(prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
-        seq = self.pool.open(prompt_length=len(prompt), prompt=prompt, salt=salt)
+        seq = self.pool.open(prompt_length=len(prompt), prompt=prompt, cache_request=CacheRequest(salt=salt))
         try:
             rewinder = CacheRewinder(seq.caches, max_trim=self.num_draft_tokens + 1)
             start = time.perf_counter()

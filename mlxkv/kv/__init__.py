@@ -20,6 +20,7 @@ from typing import Any
 
 _EXPORTS = {
     "CachePool": "mlxkv.kv.store",
+    "CacheRequest": "mlxkv.kv.blocks.cache_request",
     "PoolFullError": "mlxkv.kv.store",
     "Sequence": "mlxkv.kv.sequence",
     "SequenceId": "mlxkv.kv.sequence",

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxkv.kv.blocks.cache_request import CacheRequest
+
 
 @dataclass(frozen=True, order=True)
 class SequenceId:
@@ -35,13 +37,14 @@ class Sequence:
     prompt_length: int  # tokens in the prompt (set by the engine at prefill)
     created_at: float = field(default_factory=time.monotonic)
     paged: Any = None
-    salt: str | bytes | None = None  # what it was opened with: a resume opens with the same
-    spans: tuple = ()  # (start, end, key) token ranges with extra hash keys (per-range salts), likewise
-    snapshot_at: tuple = ()  # prompt positions for recurrent-state snapshots (chat message ends), likewise
-    retention: Any = None
-    priority: int = 0
-    overflow: Any = None  # its KvOverflowConfig (None: the plain caches), likewise
+    cache_request: CacheRequest = CacheRequest()  # what it was opened with (the pool's overflow default applied):
+    #                                                a resume opens with the same, a fork's children copy it
     preempted: bool = False
+
+    @property
+    def overflow(self) -> Any:
+        """Its :class:`mlxkv.config.KvOverflowConfig` (None: the plain caches)."""
+        return self.cache_request.overflow
 
     @property
     def num_cached(self) -> int:

@@ -13,13 +13,15 @@ or the direct engine's loop). Callers on other threads talk to the engine, never
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable, Iterator
 
+from mlxkv.kv.blocks.cache_request import CacheRequest
 from mlxkv.kv.sequence import Sequence, SequenceId
 
-__all__ = ["BACKENDS", "LAYOUTS", "CachePool", "PoolFullError", "Sequence", "SequenceId"]
+__all__ = ["BACKENDS", "LAYOUTS", "CachePool", "CacheRequest", "PoolFullError", "Sequence", "SequenceId"]
 
 CacheFactory = Callable[[Any], list]
 LAYOUTS = ("mlxkv", "mlx-lm")
@@ -121,23 +123,21 @@ class CachePool:
         self._overflow_factory(self.model, overflow=overflow)  # raises where the model's attention cannot (MLA)
 
     # ---- opening and ending -------------------------------------------------------------------------------
-    def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None, salt: str | bytes | None = None,
-             retention: Any = None, priority: int = 0, spans: tuple = (), snapshot_at: tuple = (),
-             overflow: Any = None) -> Sequence:
+    def open(self, prompt_length: int = 0, *, prompt: list[int] | None = None,
+             cache_request: CacheRequest | None = None) -> Sequence:
         """Start a sequence with fresh, empty layer caches.
 
         Paged backend: ``prompt`` (token ids) is required; the sequence is registered with the block manager
-        and takes its prefix hit (``seq.num_cached`` tokens need no compute); ``salt`` isolates caches
-        (sequences with different salts never share blocks); ``retention`` (the manager's ``RetentionConfig``)
-        ranks its blocks for eviction; ``priority`` ranks it for preemption (higher is preempted later);
-        ``spans`` (``(start, end, key)`` token ranges) add ``key`` to the hash of every block they overlap;
-        ``snapshot_at``: prompt positions where models with recurrent layers also snapshot their state;
-        ``overflow``: this sequence's :class:`mlxkv.config.KvOverflowConfig` (``None``: the pool's default).
+        and takes its prefix hit (``seq.num_cached`` tokens need no compute). ``cache_request``: its salt,
+        per-range salts, snapshot marks, retention, preemption rank and overflow policy (:class:`CacheRequest`;
+        an overflow of ``None`` takes the pool's default), kept whole for the sequence's life.
 
         Raises:
             PoolFullError: ``max_sequences`` sequences are already open.
             ValueError: paged backend without ``prompt``; an ``overflow`` policy this pool cannot run.
         """
+        cache_request = cache_request or CacheRequest()
+        overflow = cache_request.overflow
         if overflow is None:
             overflow = self.overflow
         elif overflow.enabled:
@@ -148,9 +148,8 @@ class CachePool:
             raise PoolFullError(
                 f"the cache pool is full: {self.max_sequences} sequences open (max_sequences={self.max_sequences})"
             )
-        seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length, salt=salt,
-                       retention=retention, priority=priority, spans=tuple(spans), snapshot_at=tuple(snapshot_at),
-                       overflow=overflow)
+        seq = Sequence(id=SequenceId(next(self._ids)), caches=[], prompt_length=prompt_length,
+                       cache_request=dataclasses.replace(cache_request, overflow=overflow))
         self._attach(seq, prompt)
         self._sequences[seq.id] = seq
         return seq
@@ -163,9 +162,7 @@ class CachePool:
             return
         if not tokens:
             raise ValueError("backend='paged': open() needs the prompt token ids (prompt=[...])")
-        seq.caches, seq.paged = self.paged.open(tokens, salt=seq.salt, retention=seq.retention,
-                                                priority=seq.priority, spans=seq.spans, snapshot_at=seq.snapshot_at,
-                                                overflow=seq.overflow)
+        seq.caches, seq.paged = self.paged.open(tokens, seq.cache_request)
         seq.prompt_length = seq.prompt_length or len(tokens)
         self._by_manager_id[seq.paged.seq_id] = seq
 
@@ -234,8 +231,7 @@ class CachePool:
         children = []
         for caches, paged in pairs:
             child = Sequence(id=SequenceId(next(self._ids)), caches=caches, prompt_length=parent.prompt_length,
-                             paged=paged, salt=parent.salt, retention=parent.retention, priority=parent.priority,
-                             spans=parent.spans, overflow=parent.overflow)
+                             paged=paged, cache_request=parent.cache_request)
             self._sequences[child.id] = child
             if paged is not None:
                 self._by_manager_id[paged.seq_id] = child

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mlxkv.config import KvCacheConfig, num_blocks_for_budget
 from mlxkv.kv.blocks import KVCacheGroupSpec, KVCacheManager
+from mlxkv.kv.blocks.cache_request import CacheRequest
 from mlxkv.kv.layouts import (
     ChunkedKVCache,
     KVCache,
@@ -204,32 +205,30 @@ class PagedBackend:
             seq.overflow = {g: PageOverflow(config, g, self.block_size, list(spec.layer_ids))
                             for g, spec in enumerate(self.specs) if spec.is_full}
 
-    def open(self, prompt: Sequence[int], salt: str | bytes | None = None, *, retention: Any = None,
-             priority: int = 0, spans: tuple = (), snapshot_at: tuple = (),
-             overflow: Any = None) -> tuple[list, PagedSequence]:
+    def open(self, prompt: Sequence[int], request: CacheRequest | None = None) -> tuple[list, PagedSequence]:
         """Register a sequence with its prompt (taking its prefix hit) and build its layer caches.
 
         Args:
-            prompt: its token ids; salt: cache salt (different salts never share blocks).
-            retention: the manager's ``RetentionConfig`` for its blocks (the prefix-hit blocks included).
-            priority: preemption rank (higher is preempted later).
-            spans: ``(start, end, key)`` token ranges whose blocks get ``key`` in their hash (per-range salts).
-            snapshot_at: prompt positions (chat message ends) where recurrent layers' state is also snapshot,
-                at the last block boundary at or before each.
-            overflow: the sequence's :class:`mlxkv.config.KvOverflowConfig` (checked by :meth:`check_overflow`;
-                ``None``: the whole context stays paged).
+            prompt: its token ids.
+            request: its :class:`~mlxkv.kv.blocks.cache_request.CacheRequest`: salt and per-range salts (hashed into its
+                blocks), snapshot marks (prompt positions where recurrent layers' state is also snapshot, at the
+                last block boundary at or before each), retention, preemption rank, overflow policy (checked by
+                :meth:`check_overflow`; ``None``: the whole context stays paged).
 
         Returns:
             ``(caches, seq)``: one cache per model layer (paged, or the model's recurrent placeholder), and
             the sequence (``seq.num_cached`` prompt tokens need no compute; prefill from there).
         """
+        request = request or CacheRequest()
+        salt, spans = request.salt, request.spans
         if self.tier is not None:
             self.tier.restore(prompt, salt, spans=spans)  # tier blocks extending the primary hit come back cached
-        res = self.manager.open(prompt, salt=salt, spans=spans, retention=retention, priority=priority)
+        res = self.manager.open(prompt, salt=salt, spans=spans, retention=request.retention,
+                                priority=request.preemption_rank)
         seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
                             res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
         seq.apply_copies(res.copies)
-        self._attach_overflow(seq, overflow)
+        self._attach_overflow(seq, request.overflow)
         self.sequences[seq.seq_id] = seq
         caches = []
         for layer, c in enumerate(make_caches(self.model)):
@@ -237,7 +236,7 @@ class PagedBackend:
             caches.append(c if g is None else self.layer_class[layer](seq, layer, g, self.specs[g]))
         if res.state is not None:
             restore(caches, self.recurrent_layers, res.state)  # the paged layers start at num_cached already
-        self._record(seq, caches, len(prompt), res.num_cached_tokens, snapshot_at)
+        self._record(seq, caches, len(prompt), res.num_cached_tokens, request.snapshot_at)
         return caches, seq
 
     def _record(self, seq: PagedSequence, caches: list, prompt_len: int, start: int, marks: tuple = ()) -> None:
