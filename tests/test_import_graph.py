@@ -9,6 +9,7 @@ as well.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import mlxkv
@@ -201,6 +202,15 @@ def test_the_layer_checker_finds_upward_imports():
     ]
     assert layer_of("pkg.other", layers) is None and layer_of("pkg", layers) == 0
     assert layer_of("pkg.mid.top.z", layers) == 3
+
+
+def test_the_architecture_page_lists_the_layers_in_order():
+    """docs/architecture.md's layer table names every layer below the top package, bottom first."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    table = text.split("## Layers", 1)[1].split("\n\n")[2]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    listed = ["mlxkv." + name for row in rows for name in re.findall(r"`([^`]+)`", row)]
+    assert listed == list(LAYERS[1:])
 
 
 def test_the_engine_reaches_the_kv_cache_only_through_its_facade():
