@@ -118,12 +118,9 @@ ALLOWED_UPWARD = {
 
 def layer_of(module: str, layers: tuple[str, ...] = LAYERS) -> int | None:
     """The index in ``layers`` of the layer ``module`` belongs to (its longest prefix), or None."""
-    best = None
-    for i, prefix in enumerate(layers):
-        if module == prefix or ("." in prefix and module.startswith(prefix + ".")):
-            if best is None or len(prefix) > len(layers[best]):
-                best = i
-    return best
+    covering = [i for i, prefix in enumerate(layers)
+                if module == prefix or ("." in prefix and module.startswith(prefix + "."))]
+    return max(covering, key=lambda i: len(layers[i]), default=None)
 
 
 def upward_imports(edges, layers: tuple[str, ...] = LAYERS, allowed=ALLOWED_UPWARD) -> list[str]:

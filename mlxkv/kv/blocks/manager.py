@@ -41,7 +41,6 @@ from mlxkv.kv.blocks.snapshots import StateSnapshotIndex, prefix_of
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
 
-
 class ManagerSettings(Protocol):
     """What :meth:`KVCacheManager.from_config` reads: :class:`mlxkv.config.KvCacheConfig` has these fields."""
 
