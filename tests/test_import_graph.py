@@ -107,7 +107,7 @@ LAYERS = (
     "mlxkv.__main__",  # entry point: python -m mlxkv
 )
 
-#: Upward imports accepted for now, each ``(module, imported module): why``. Keep it short; fix rather than add.
+#: Upward imports allowed, each ``(module, imported module): why``. Keep it short: fix an import rather than add it.
 ALLOWED_UPWARD = {
     ("mlxkv.kv.layouts.model_layouts", "mlxkv.kv.overflow"):
         "make_caches picks every layer's layout, an overflow policy's included; moving it above kv.overflow "
