@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxkv import env
-from mlxkv.kv.layouts.latent_cache import LatentCache
+from mlxkv.kv.layouts.latent_cache import LatentCache, latent_caches, latent_layers
 from mlxkv.mla.attention import MODES, SPLIT_CHUNK, MLAAttention
 
 
@@ -60,7 +60,7 @@ def apply_mla(model: Any, *, split_chunk: int = SPLIT_CHUNK) -> list[int]:
 
 def mla_layer_indices(model: Any) -> list[int]:
     """Indices of layers whose attention is :class:`MLAAttention` (they need a :class:`LatentCache`)."""
-    return [i for i, layer in enumerate(_layers(model)) if isinstance(getattr(layer, "self_attn", None), MLAAttention)]
+    return latent_layers(model)
 
 
 def make_mla_caches(model: Any, step: int = 256) -> list[LatentCache]:
@@ -72,15 +72,7 @@ def make_mla_caches(model: Any, step: int = 256) -> list[LatentCache]:
         ValueError: some layer is not absorbed MLA (flag off, not a DeepSeek model, or
             :func:`apply_mla` not called) — it would misread a latent cache.
     """
-    layers = _layers(model)
-    absorbed = set(mla_layer_indices(model))
-    missing = [i for i in range(len(layers)) if i not in absorbed]
-    if not layers or missing:
-        raise ValueError(
-            f"make_mla_caches needs every layer to run absorbed MLA; layers {missing or '(none found)'} do not. "
-            "Set MLXKV_MLA_ABSORBED=1 and call apply_mla(model) on a DeepSeek V2/V3 model first"
-        )
-    return [LatentCache(step=step) for _ in layers]
+    return latent_caches(model, step)
 
 
 def set_mla_mode(model: Any, mode: str) -> None:

@@ -63,6 +63,9 @@ class MLAAttention(nn.Module):
     batched decode view of latent pages) always gets the absorbed path, whatever :attr:`mode` says.
     """
 
+    #: Its layer's cache holds latents (:func:`mlxkv.kv.layouts.latent_cache.latent_layers` reads this).
+    caches_latents = True
+
     def __init__(self, attn: nn.Module, *, split_kv: bool = False, split_chunk: int = SPLIT_CHUNK):
         super().__init__()
         if split_chunk < 1:

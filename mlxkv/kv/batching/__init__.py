@@ -1,8 +1,8 @@
 """Batch views: B sequences' own layer caches seen as one batched cache for one decode forward.
 
 :mod:`~mlxkv.kv.batching.dense_views` wraps any mlx-lm-protocol cache (each sequence attends over its own
-rows); :mod:`~mlxkv.kv.batching.paged_views` runs one paged-attention call per layer over the B block tables.
-:func:`make_batch_views` picks between them.
+rows); :mod:`~mlxkv.kv.batching.paged_views` runs one paged-attention call per layer over the B block tables
+(:mod:`~mlxkv.kv.batching.paged_batch` picks each paged layer's view). :func:`make_batch_views` picks between them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from mlxkv.kv.batching.dense_views import (
     check_attended,
     make_dense_batch_views,
 )
-from mlxkv.kv.batching.paged_views import is_paged, make_paged_batch_views
+from mlxkv.kv.batching.paged_batch import is_paged, make_paged_batch_views
 
 
 def make_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:

@@ -25,13 +25,7 @@ from mlxkv.kernels import paged_attention, quantized_paged_attention, reference_
 from mlxkv.kernels.cascade import worth_cascading
 from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kernels.quantized_views_ref import quantized_shared_prefix_attention
-from mlxkv.kv.batching.dense_views import (
-    BatchUnsupported,
-    KVBatchView,
-    StateBatchView,
-    _is_state_cache,
-)
-from mlxkv.kv.batching.overflow_views import OverflowBatchView
+from mlxkv.kv.batching.dense_views import BatchUnsupported, KVBatchView
 from mlxkv.kv.layouts.dense_attention import attend as dense_attend
 from mlxkv.kv.paged.layer_cache import MAX_VIEW_RUNS, PagedLayerCache
 from mlxkv.kv.paged.step_context import BatchStep
@@ -205,36 +199,3 @@ class PagedBatchView(KVBatchView):
         outs = [runs_attention(queries[b:b + 1], k_rows, v_rows, r, scale=scale) for b, r in enumerate(runs)]
         return mx.concatenate(outs, axis=0)  # (B, n_q, 1, D)
 
-
-def is_paged(seq_caches: Sequence[Sequence[Any]]) -> bool:
-    """Whether these sequences' caches are paged (then :func:`make_paged_batch_views` applies)."""
-    return bool(seq_caches) and any(isinstance(c, PagedLayerCache) for c in seq_caches[0])
-
-
-def make_paged_batch_views(seq_caches: Sequence[Sequence[Any]]) -> list:
-    """Per-layer views over B paged sequences (``seq_caches[b][layer]``): :class:`PagedBatchView` for paged
-    layers (block tables and slots built once per group per step: :class:`~mlxkv.kv.paged.step_context.BatchStep`), the dense views for recurrent-state layers.
-
-    Raises:
-        BatchUnsupported: sequences with different layer structures, or from different pools.
-    """
-    if len({len(c) for c in seq_caches}) != 1:
-        raise BatchUnsupported("sequences have different numbers of layer caches")
-    groups: dict[int, BatchStep] = {}
-    views = []
-    for layer in zip(*seq_caches):
-        if all(isinstance(c, PagedLayerCache) for c in layer):
-            if len({id(c.seq.storage) for c in layer}) != 1:
-                raise BatchUnsupported("paged sequences from different pools")
-            g = layer[0].group
-            groups.setdefault(g, BatchStep(layer))
-            if any(c.overflow is not None for c in layer):  # kept pages' tables, attention mass (overflow_views.py)
-                views.append(OverflowBatchView(layer, groups[g]))
-                continue
-            make_view = getattr(layer[0], "batch_view", PagedBatchView)  # a layout's own view (latent pages)
-            views.append(make_view(layer, groups[g]))
-        elif all(_is_state_cache(c) for c in layer):
-            views.append(StateBatchView(layer))
-        else:
-            raise BatchUnsupported(f"no batch view for {sorted({type(c).__name__ for c in layer})}")
-    return views

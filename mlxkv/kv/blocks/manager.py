@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mlxkv.kv.blocks.block_pool import BlockPool
 from mlxkv.kv.blocks.block_tables import BlockTables, ceil_div
@@ -40,8 +40,16 @@ from mlxkv.kv.blocks.seq_state import (
 from mlxkv.kv.blocks.snapshots import StateSnapshotIndex, prefix_of
 from mlxkv.kv.blocks.specs import KVCacheGroupSpec
 
-if TYPE_CHECKING:
-    from mlxkv.config import KvCacheConfig
+
+class ManagerSettings(Protocol):
+    """What :meth:`KVCacheManager.from_config` reads: :class:`mlxkv.config.KvCacheConfig` has these fields."""
+
+    block_size: int
+    enable_block_reuse: bool
+    enable_partial_reuse: bool
+    copy_on_partial_reuse: bool
+    hash_algo: str
+    primary_tenant_share: float
 
 
 class KVCacheManager:
@@ -105,9 +113,9 @@ class KVCacheManager:
 
     @classmethod
     def from_config(
-        cls, config: KvCacheConfig, num_blocks: int, groups: Sequence[KVCacheGroupSpec] | None = None, **kw
+        cls, config: ManagerSettings, num_blocks: int, groups: Sequence[KVCacheGroupSpec] | None = None, **kw
     ) -> KVCacheManager:
-        """A manager with the block size, reuse and hashing settings of a KvCacheConfig."""
+        """A manager with the block size, reuse and hashing settings of a config (a ``KvCacheConfig``)."""
         return cls(
             num_blocks, config.block_size, groups, enable_block_reuse=config.enable_block_reuse,
             enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,

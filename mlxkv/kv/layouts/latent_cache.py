@@ -4,6 +4,10 @@ Per token it holds the normalised KV latent (``kv_lora_rank`` values) and the ro
 (``qk_rope_head_dim`` values), shared by every head, instead of per-head K/V. It speaks mlx-lm's cache
 protocol, so mlx-lm's own ``DeepseekV3Attention`` (which already caches latents) runs on it unchanged,
 and :class:`mlxkv.mla.attention.MLAAttention` reads it directly.
+
+A layer's attention asks for latent caches by declaring ``caches_latents = True`` (``MLAAttention`` does):
+:func:`latent_layers` finds those layers and :func:`latent_caches` builds their caches, so the layouts never
+import the attention modules that read them.
 """
 
 from __future__ import annotations
@@ -132,3 +136,32 @@ class LatentCache:
         if meta_state is not None:
             cache.meta_state = meta_state
         return cache
+
+
+def _layers(model: Any) -> list:
+    layers = getattr(model, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def latent_layers(model: Any) -> list[int]:
+    """Indices of the layers whose attention caches latents (its ``self_attn`` declares ``caches_latents``)."""
+    return [i for i, layer in enumerate(_layers(model))
+            if getattr(getattr(layer, "self_attn", None), "caches_latents", False)]
+
+
+def latent_caches(model: Any, step: int = 256) -> list[LatentCache]:
+    """One empty :class:`LatentCache` per layer of a model whose attention layers all cache latents.
+
+    Raises:
+        ValueError: some layer is not absorbed MLA (flag off, not a DeepSeek model, or
+            :func:`mlxkv.mla.apply_mla` not called) — it would misread a latent cache.
+    """
+    layers = _layers(model)
+    absorbed = set(latent_layers(model))
+    missing = [i for i in range(len(layers)) if i not in absorbed]
+    if not layers or missing:
+        raise ValueError(
+            f"make_mla_caches needs every layer to run absorbed MLA; layers {missing or '(none found)'} do not. "
+            "Set MLXKV_MLA_ABSORBED=1 and call apply_mla(model) on a DeepSeek V2/V3 model first"
+        )
+    return [LatentCache(step=step) for _ in layers]

@@ -32,6 +32,7 @@ from mlxkv.config import MAX_KV_KEEP
 from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
 from mlxkv.kv.layouts.dense_storage import VALID_GROUP_SIZES
+from mlxkv.kv.layouts.latent_cache import latent_caches, latent_layers
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
 
@@ -67,13 +68,12 @@ def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None 
         ValueError: bad ``max_kv_size`` / ``kv_bits`` / ``kv_group_size``, or ``kv_bits`` on an MLA model.
     """
     from mlxkv.kv.overflow import overflow_layer_cache
-    from mlxkv.mla import make_mla_caches, mla_layer_indices
 
-    if mla_layer_indices(model):  # absorbed MLA (MLXKV_MLA_ABSORBED=1): the layers cache latents
+    if latent_layers(model):  # absorbed MLA (MLXKV_MLA_ABSORBED=1): the layers cache latents
         if max_kv_size is not None or kv_bits is not None or (overflow is not None and overflow.enabled):
             raise ValueError("absorbed MLA (MLXKV_MLA_ABSORBED=1) supports neither max_kv_size, kv_bits nor "
                              "--kv-overflow")
-        return make_mla_caches(model)
+        return latent_caches(model)
     if overflow is not None and overflow.policy in ("h2o", "offload") and _is_mla(model):
         raise ValueError(f"--kv-overflow {overflow.policy} ranks cached keys, and this multi-head latent attention "
                          "model caches latents: use --kv-overflow window")

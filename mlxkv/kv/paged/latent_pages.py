@@ -12,13 +12,12 @@ every layer, whatever their width), and ``--kv-cache-budget`` (a block's bytes a
 Attention never reads K/V: :class:`~mlxkv.mla.MLAAttention` hands the absorbed queries to
 :meth:`LatentPagedCache.latent_attend` (one sequence: prefill chunks and unbatched decode, over the rows
 ``update_and_fetch`` returned — a zero-copy view when the pages are consecutive) or to the batched decode view's
-(:class:`~mlxkv.kv.batching.latent_views.LatentBatchView`), both through
+(:class:`~mlxkv.kv.batching.latent_views.LatentBatchView`, which batching picks for these layers), both through
 :func:`~mlxkv.mla.latent.latent_attention`, the dense absorbed path's own core (split-KV included).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -51,9 +50,3 @@ class LatentPagedCache(PagedLayerCache):
         """Latent layers have no K/V to attend: their attention is :meth:`latent_attend`."""
         raise TypeError("a latent page cache is read by MLAAttention through latent_attend, not attend")
 
-    @staticmethod
-    def batch_view(caches: Sequence[LatentPagedCache], step: Any) -> Any:
-        """The batched decode view of this layer over B sequences (:mod:`mlxkv.kv.batching.latent_views`)."""
-        from mlxkv.kv.batching.latent_views import LatentBatchView
-
-        return LatentBatchView(caches, step)
