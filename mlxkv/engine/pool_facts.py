@@ -47,8 +47,8 @@ class PoolFacts:
                 continue
             try:
                 pool.check_overflow(KvOverflowConfig(policy=policy, budget=_PROBE_BUDGET))
-            except ValueError as exc:
-                refusals[policy] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a store that cannot build a policy's caches refuses it
+                refusals[policy] = str(exc) if isinstance(exc, ValueError) else f"kv_overflow {policy}: {exc}"
         paged = getattr(pool, "paged", None)
         return cls(state_snapshots=bool(pool.state_snapshots), default_overflow=getattr(pool, "overflow", None),
                    block_size=None if paged is None else int(paged.block_size),
