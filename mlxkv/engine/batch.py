@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
 from mlxkv.engine.output import batched_wakeups
+from mlxkv.engine.pool_facts import PoolFacts
 from mlxkv.engine.request import (
     EngineStoppedError,
     Event,
@@ -95,6 +96,7 @@ class BatchEngine:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._kv_capacity = self.pool.max_sequence_tokens()  # the longest sequence the block pool holds (paged)
+        self.pool_facts = PoolFacts.of(self.pool)  # what routes may know of the pool, read here, before the thread
         self._kv_stats: dict = {}
         self._kv_stats_at = 0.0
         self._draining = False  # drain(): new submissions refused
@@ -145,7 +147,7 @@ class BatchEngine:
     @property
     def state_snapshots(self) -> bool:
         """Whether requests' ``snapshot_at`` marks are used (a model with recurrent layers, paged, prefix caching)."""
-        return self.pool.state_snapshots
+        return self.pool_facts.state_snapshots
 
     @property
     def alive(self) -> bool:

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app: routes over a running :class:`~mlxkv.engine.batch.BatchEngine`.
 
-Handlers tokenize, validate and submit; they never touch MLX. Events come back into the handler's event loop
+Handlers translate the OpenAI shape in and out; :mod:`mlxkv.server.preparation` tokenizes, validates and submits, as
+for every route, and :func:`mlxkv.server.generation.failure` maps a failed request onto its HTTP error. Handlers
+never touch MLX nor the engine's pool. Events come back into the handler's event loop
 through the request handle. A client that disconnects (streaming or not) cancels its request, which the engine
 drops at its next step, releasing the sequences.
 """
@@ -21,11 +23,10 @@ from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
 from mlxkv.server.auth import KeyProtectedPaths, bearer_auth
 from mlxkv.server.cache_routes import cache_router
-from mlxkv.server.message_ends import message_ends
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
-from mlxkv.server.generation import bursts, collect, submit
+from mlxkv.server.generation import bursts, collect, failure
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import PromptEncoder
@@ -33,12 +34,11 @@ from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
-from mlxkv.server.shutdown import SHUTDOWN_CODE
-from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
-from mlxkv.server.kv_overflow import request_overflow
+from mlxkv.server.structured_output import parse_format
+from mlxkv.server.preparation import Constraint, Prepared, Preparation, PromptSource, tool_error
 from mlxkv.server.tenancy import check_max_client_priority, check_retention
 from mlxkv.server.token_text import TokenText
-from mlxkv.server.tokenizing import TokenizerLanes, content_chars
+from mlxkv.server.tokenizing import TokenizerLanes
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.unicode_guard import reject_invalid_unicode
 from mlxkv.server.tools import (
@@ -48,7 +48,6 @@ from mlxkv.server.tools import (
     to_template_messages,
     tools_in_use,
 )
-from mlxkv.structured import ResponseFormat
 
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
@@ -135,26 +134,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     v1.include_router(cache_router(engine, keepalive_s=keepalive_s, admin_key=admin_key))
 
-    # Templating and tokenizing a long prompt takes milliseconds to seconds: off the event loop (which meanwhile
-    # streams other requests' tokens), one prompt at a time, while short prompts are tokenized on the loop at once
-    # (tokenizing.py). A prompt too long for the context by its characters alone is refused before either.
-    _tokenize = lanes.tokenize
-
-    def _check_chars(chars: int, param: str) -> None:
-        problem = lanes.check_chars(chars)
-        if problem is not None:
-            raise APIError(400, problem, "context_length_exceeded", param)
-
-    async def _grammar(fmt: ResponseFormat, tools: list[dict] | None, tool_choice: Any,
-                       parallel: bool = True) -> ResponseFormat | None:
-        """The grammar the request's choices follow (``None``: free), built where prompts are tokenized: it encodes
-        the tool-call markers and, at the first constrained request, builds the grammar vocabulary."""
-        if not needs_grammar(fmt, tools, tool_choice):
-            return None
-        try:
-            return await lanes.on_worker(lambda: output_format(tokenizer, fmt, tools, tool_choice, parallel=parallel))
-        except ToolRequestError as exc:
-            raise APIError(400, exc.message, exc.code, exc.param) from None
+    # One preparation for every route (preparation.py): tokenizing on the loop or the worker lane, the grammar,
+    # message ends and the overflow policy checked against the pool's facts; each route translates its shape only.
+    prep = Preparation(engine, prompts, lanes, vocab)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -167,47 +149,35 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             use_tools = tools_in_use(tools, tool_choice)
             messages = to_template_messages(m.model_dump(exclude_none=True) for m in body.messages)
         except ToolRequestError as exc:
-            raise APIError(400, exc.message, exc.code, exc.param) from None
+            raise tool_error(exc) from None
         if use_tools and no_tools:
             raise APIError(400, no_tools, "tools_unsupported", "tools")
         if no_tools and any(m.get("tool_calls") for m in messages):  # the template would drop them silently
             raise APIError(400, f"assistant tool_calls in the history: {no_tools}", "tools_unsupported", "messages")
-        grammar = await _grammar(fmt, tools if use_tools else None, tool_choice, body.parallel_tool_calls is not False)
+        parallel = body.parallel_tool_calls is not False
         kwargs = template_kwargs(body, defaults)
         if use_tools:
             kwargs["tools"] = render_tools(tools)
-        _check_chars(content_chars(messages), "messages")
-        try:
-            prompt = await _tokenize(lambda: prompts.chat_if_cheap(messages, **kwargs),
-                                     lambda: prompts.chat(messages, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
-            raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
-        ends = (await lanes.on_worker(lambda: message_ends(tokenizer, messages, prompt, kwargs))
-                if engine.state_snapshots and len(messages) > 1 else ())
-        output = ToolOutput(tokenizer, tools, body.n, parallel=body.parallel_tool_calls is not False,
-                            streaming=body.stream) if use_tools else None
-        return await _generate(request, body, prompt, chat=True, tools=output, grammar=grammar, snapshot_at=ends)
+        prepared = await prep.prepare(PromptSource(messages=messages, template_kwargs=kwargs),
+                                      Constraint(fmt, tools if use_tools else None, tool_choice, parallel),
+                                      body.kv_overflow)
+        output = ToolOutput(tokenizer, tools, body.n, parallel=parallel, streaming=body.stream) if use_tools else None
+        return await _generate(request, body, prepared, chat=True, tools=output)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_retention(body.retention, max_client_priority)
-        grammar = await _grammar(parse_format(body.response_format), None, None)
+        constraint = Constraint(parse_format(body.response_format))
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
-            prompt = list(body.prompt)
-            if vocab is not None and any(not 0 <= t < vocab for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
+            source = PromptSource(token_ids=list(body.prompt), param="prompt")
         else:
-            text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-            _check_chars(len(text), "prompt")
-            prompt = await _tokenize(lambda: prompts.encode_if_cheap(text), lambda: list(tokenizer.encode(text)))
-        return await _generate(request, body, prompt, chat=False, grammar=grammar)
+            source = PromptSource(text=body.prompt if isinstance(body.prompt, str) else body.prompt[0], param="prompt")
+        prepared = await prep.prepare(source, constraint, body.kv_overflow)
+        return await _generate(request, body, prepared, chat=False)
 
-    async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prompt: list[int],
-                        chat: bool, tools: ToolOutput | None = None, grammar: ResponseFormat | None = None,
-                        snapshot_at: tuple[int, ...] = ()) -> Any:
-        if not prompt:
-            raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
-        overflow = request_overflow(body.kv_overflow, engine.pool)
+    async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prepared: Prepared,
+                        chat: bool, tools: ToolOutput | None = None) -> Any:
+        prompt = prepared.prompt
         params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
                                                                 chat), vocab)
         logprobs = body.logprobs_count()
@@ -215,21 +185,20 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         outputs = [ChoiceOutput(splitter_for(tokenizer, prompt) if chat else None, logprob_format, tools, i)
                    for i in range(body.n)]
 
-        def build() -> GenerationRequest:
-            return GenerationRequest(prompt, params, n=body.n, cache_salt=body.cache_salt,
-                                     cache_salt_ranges=body.salt_ranges(len(prompt)),
-                                     retention=body.retention.to_spec() if body.retention else None,
-                                     priority=body.priority, logprobs=logprobs, response_format=grammar,
-                                     snapshot_at=snapshot_at, kv_overflow=overflow)
+        def build(p: Prepared) -> GenerationRequest:
+            return p.request(params, n=body.n, cache_salt=body.cache_salt,
+                             cache_salt_ranges=body.salt_ranges(len(prompt)),
+                             retention=body.retention.to_spec() if body.retention else None,
+                             priority=body.priority, logprobs=logprobs)
 
-        handle = submit(engine, build, prompt_param="messages" if chat else "prompt")
+        handle = prep.submit(prepared, build)
         builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)
         if body.stream:
             return StreamingResponse(_stream(handle, builder, outputs, body.include_usage, keepalive_s),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, handle, builder, outputs)
 
-    v1.include_router(anthropic_router(engine, prompts, lanes, model_name=model_name, keepalive_s=keepalive_s,
+    v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults))
     app.include_router(v1)
     return app
@@ -242,9 +211,7 @@ async def _collect(request: Request, handle: RequestHandle, builder: ResponseBui
     if events is None:
         return Response(status_code=499)  # nobody reads it
     if events[-1].kind != "done":
-        if events[-1].finish_reason == "shutdown":
-            raise APIError(503, events[-1].message, SHUTDOWN_CODE)
-        raise APIError(500, f"generation failed: {events[-1].message}", "generation_failed")
+        raise failure(events[-1])
     for event in events[:-1]:
         outputs[event.index].feed(event.text, event.logprob, event.finish_reason)
     return builder.complete(outputs, events[-1].usage)
@@ -285,10 +252,9 @@ def _render(event: Event, builder: ResponseBuilder, outputs: list[ChoiceOutput],
         if include_usage:
             out.append(sse(builder.usage_chunk(event.usage or Usage(0, 0))))
         out.append(sse("[DONE]"))
-    elif event.finish_reason == "shutdown":  # a graceful stop ended the request
-        out.append(sse(error_body(503, event.message, SHUTDOWN_CODE)))
     else:
-        out.append(sse(error_body(500, f"generation failed: {event.message}", "generation_failed")))
+        error = failure(event)
+        out.append(sse(error_body(error.status, error.message, error.code)))
 
 
 def _vocab_size(tokenizer: Any) -> int | None:

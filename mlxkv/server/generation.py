@@ -1,9 +1,13 @@
 """Submitting a request to the batch engine and reading its events back, for every API's routes.
 
-The OpenAI routes and the Anthropic Messages routes build their own :class:`GenerationRequest` (each API names its
-fields its own way) and render events their own way; what happens in between is the same: :func:`submit` queues the
-request (engine refusals become HTTP errors), then :func:`collect` waits for the whole answer while watching for a
+What happens between a route's prepared request (:mod:`mlxkv.server.preparation`) and its answer is the same on
+every route: :func:`submit` queues the request, then :func:`collect` waits for the whole answer while watching for a
 client that went away, or :func:`bursts` hands a streaming response each burst of events as it arrives.
+
+The engine's outcomes map onto HTTP errors here, once for every route (each API's shape is
+:mod:`mlxkv.server.errors`'s): refusals at :func:`submit` (400 invalid or too long, 429 queue full, 503 stopped) and
+a request's failed end (:func:`failure`: 503 ``server_shutting_down`` when a graceful stop ended it, else 500
+``generation_failed``), whether it is answered whole or ends a stream.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from mlxkv.engine.request import (
     RequestHandle,
 )
 from mlxkv.server.errors import APIError
+from mlxkv.server.shutdown import SHUTDOWN_CODE
 
 #: How often a non-streaming request checks that its client is still connected (seconds).
 DISCONNECT_POLL_S = 0.25
@@ -50,6 +55,13 @@ def submit(engine: BatchEngine, build: Callable[[], GenerationRequest], *, promp
         raise APIError(503, str(exc), "engine_stopped") from None
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_value") from None
+
+
+def failure(event: Event) -> APIError:
+    """The HTTP error a request's failed terminal event (kind ``error``) stands for, on every route."""
+    if event.finish_reason == "shutdown":  # a graceful stop ended the request
+        return APIError(503, event.message, SHUTDOWN_CODE)
+    return APIError(500, f"generation failed: {event.message}", "generation_failed")
 
 
 async def collect(request: Request, handle: RequestHandle) -> list[Event] | None:

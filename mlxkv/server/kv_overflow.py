@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxkv.config import KvOverflowConfig
+from mlxkv.engine.pool_facts import PoolFacts
 from mlxkv.server.errors import APIError
 
 PARAM = "kv_overflow"
@@ -71,18 +72,17 @@ def overflow_config(body: KvOverflowBody | None, default: KvOverflowConfig | Non
     return None if config == default else config
 
 
-def request_overflow(body: KvOverflowBody | None, pool: Any) -> KvOverflowConfig | None:
-    """:func:`overflow_config` against ``pool``'s default, checked against what ``pool`` (a
-    :class:`mlxkv.kv.CachePool`) can run.
+def request_overflow(body: KvOverflowBody | None, facts: PoolFacts) -> KvOverflowConfig | None:
+    """:func:`overflow_config` against the pool's default, checked against what the pool can run, both read from
+    ``facts`` (captured when the engine was built: the pool itself belongs to the engine thread).
 
     Raises:
         APIError: 400 naming ``kv_overflow`` for an invalid or unrunnable policy.
     """
-    default = getattr(pool, "overflow", None)
     try:
-        config = overflow_config(body, default)
+        config = overflow_config(body, facts.default_overflow)
         if config is not None and config.enabled:
-            pool.check_overflow(config)
+            facts.check_overflow(config)
     except ValueError as exc:
         raise APIError(400, _field_names(str(exc)), "invalid_value", PARAM) from None
     return config

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from mlxkv.engine.request import RequestHandle, Usage
 from mlxkv.server.anthropic.message import Reply, usage_body
 from mlxkv.server.errors import anthropic_error_body
-from mlxkv.server.generation import bursts
+from mlxkv.server.generation import bursts, failure
 
 
 def event(kind: str, payload: dict[str, Any]) -> str:
@@ -43,7 +43,8 @@ async def message_events(handle: RequestHandle, reply: Reply, keepalive_s: float
                 elif e.kind == "done":
                     parts.append(_closing(reply, e.usage or Usage(reply.prompt_tokens, 0)))
                 else:
-                    parts.append(event("error", anthropic_error_body(500, f"generation failed: {e.message}")))
+                    error = failure(e)
+                    parts.append(event("error", anthropic_error_body(error.status, error.message)))
             if parts:
                 yield "".join(parts)
     finally:

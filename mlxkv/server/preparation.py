@@ -1,0 +1,217 @@
+"""One request preparation for every API shape: from a route's translated request to the queued engine request.
+
+A route (``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``, and any added later) only translates its
+API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) and a :class:`Constraint` (its
+``response_format`` and tools, in OpenAI's chat form); out, the events rendered as its API answers them.
+:meth:`Preparation.prepare` does the rest, in this order, the same way for every route:
+
+1. **limits**: a prompt whose characters alone cannot fit the context is refused before it is tokenized;
+2. **constraint**: the grammar its choices follow (:mod:`mlxkv.server.structured_output`), built on the tokenizer
+   lane;
+3. **tokenizing** (:mod:`mlxkv.server.tokenizing`: a short prompt on the event loop, a long one on the worker),
+   or the token ids checked against the vocabulary; an empty prompt is refused;
+4. **message ends**: the positions worth a recurrent-state snapshot (:mod:`mlxkv.server.message_ends`), when the
+   KV store takes them;
+5. **overflow policy**: the request's ``kv_overflow`` (:mod:`mlxkv.server.kv_overflow`), checked against the
+   pool's facts captured when the engine was built (:class:`mlxkv.engine.pool_facts.PoolFacts`).
+
+The result, a :class:`Prepared`, becomes the engine request with the route's own fields (sampling, ``n``, salts)
+in :meth:`Preparation.submit`. Nothing here touches the engine's pool: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mlxkv.engine.batch import BatchEngine
+from mlxkv.engine.request import GenerationRequest, RequestHandle
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.config import KvOverflowConfig
+from mlxkv.server.errors import APIError
+from mlxkv.server.generation import submit
+from mlxkv.server.kv_overflow import KvOverflowBody, request_overflow
+from mlxkv.server.message_ends import message_ends
+from mlxkv.server.prompts import PromptEncoder
+from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tokenizing import TokenizerLanes, content_chars
+from mlxkv.server.tools import ToolRequestError
+from mlxkv.structured import ResponseFormat
+
+
+def tool_error(exc: ToolRequestError) -> APIError:
+    """A tool refusal as the OpenAI routes name it (the request's own field names)."""
+    return APIError(400, exc.message, exc.code, exc.param)
+
+
+@dataclass(slots=True)
+class PromptSource:
+    """A request's prompt as its route translated it: ``messages`` (chat, template form), else ``text``, else
+    ``token_ids``.
+
+    Attributes:
+        messages: chat messages as the template reads them.
+        template_kwargs: the template's variables (the rendered tools among them).
+        continue_final: the last message is an assistant turn the answer continues (rendered whole, without its
+            end and without a generation prompt).
+        text: a completion prompt.
+        token_ids: a completion prompt already tokenized.
+        param: the request field a problem with the prompt is blamed on.
+    """
+
+    messages: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continue_final: bool = False
+    text: str | None = None
+    token_ids: list[int] | None = None
+    param: str = "messages"
+
+
+@dataclass(slots=True)
+class Constraint:
+    """What constrains a request's output, in OpenAI's chat form.
+
+    Attributes:
+        fmt: the request's ``response_format`` (:func:`~mlxkv.server.structured_output.parse_format`; text: free).
+        tools: the tools in use (``None``: none, or ``tool_choice`` none).
+        tool_choice: as OpenAI's chat route reads it (``"auto"``, ``"required"``, a named function).
+        parallel: ``parallel_tool_calls`` (false: at most one call).
+        tool_error: a tool refusal in the route's field names.
+    """
+
+    fmt: ResponseFormat = field(default_factory=lambda: parse_format(None))
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    parallel: bool = True
+    tool_error: Callable[[ToolRequestError], APIError] = tool_error
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready for the engine, whatever API it came through.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        grammar: the grammar every choice follows (``None``: free).
+        snapshot_at: message ends worth a recurrent-state snapshot.
+        overflow: the request's own ``kv_overflow`` policy (``None``: the server's).
+        param: the request field an over-long prompt is blamed on.
+    """
+
+    prompt: list[int]
+    grammar: ResponseFormat | None = None
+    snapshot_at: tuple[int, ...] = ()
+    overflow: KvOverflowConfig | None = None
+    param: str = "messages"
+
+    def request(self, params: SamplingParams, **fields: Any) -> GenerationRequest:
+        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, salts, ...).
+
+        Raises:
+            ValueError: settings the request refuses.
+        """
+        return GenerationRequest(self.prompt, params, response_format=self.grammar, snapshot_at=self.snapshot_at,
+                                 kv_overflow=self.overflow, **fields)
+
+
+class Preparation:
+    """The server's one request preparation (see the module docstring).
+
+    Args:
+        engine: the batch engine (its tokenizer, context, vocabulary and pool facts; it queues the requests).
+        prompts: the app's prompt encoder (a long shared system prompt is tokenized once for every route).
+        lanes: the app's tokenizing lanes.
+        vocab: the vocabulary size token-id prompts are checked against (``None``: unchecked).
+    """
+
+    def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.prompts = prompts
+        self.lanes = lanes
+        self.vocab = vocab
+        self.facts = engine.pool_facts
+
+    async def prepare(self, source: PromptSource, constraint: Constraint | None = None,
+                      kv_overflow: KvOverflowBody | None = None) -> Prepared:
+        """The request's prompt, grammar, message ends and overflow policy.
+
+        Raises:
+            APIError: 400 for a prompt too long by its characters, a refused constraint, a template that rejects
+                the messages, token ids outside the vocabulary, an empty prompt, an invalid ``kv_overflow``.
+        """
+        self.check_chars(source)
+        grammar = await self.grammar(constraint) if constraint is not None else None
+        prompt = await self.tokens(source, checked=True)
+        ends = await self.message_ends(source, prompt)
+        overflow = request_overflow(kv_overflow, self.facts)
+        return Prepared(prompt, grammar, ends, overflow, source.param)
+
+    def check_chars(self, source: PromptSource) -> None:
+        """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``)."""
+        if source.messages is not None:
+            chars = content_chars(source.messages)
+        elif source.text is not None:
+            chars = len(source.text)
+        else:
+            return
+        problem = self.lanes.check_chars(chars)
+        if problem is not None:
+            raise APIError(400, problem, "context_length_exceeded", source.param)
+
+    async def tokens(self, source: PromptSource, *, checked: bool = False) -> list[int]:
+        """The prompt's token ids (``checked``: :meth:`check_chars` already ran).
+
+        Raises:
+            APIError: 400 as :meth:`prepare` says for the prompt.
+        """
+        if not checked:
+            self.check_chars(source)
+        if source.messages is not None:
+            ids = await self._chat(source)
+        elif source.text is not None:
+            text = source.text
+            ids = await self.lanes.tokenize(lambda: self.prompts.encode_if_cheap(text),
+                                            lambda: list(self.tokenizer.encode(text)))
+        else:
+            ids = list(source.token_ids or ())
+            if self.vocab is not None and any(not 0 <= t < self.vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {self.vocab})", "invalid_value", source.param)
+        if not ids:
+            raise APIError(400, "the prompt is empty", "invalid_value", "prompt")
+        return ids
+
+    async def _chat(self, source: PromptSource) -> list[int]:
+        messages, template = source.messages, source.template_kwargs
+        try:
+            if source.continue_final:  # rendered whole: the memo's head/tail split assumes a generation prompt
+                return await self.lanes.on_worker(lambda: list(self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=False, continue_final_message=True, **template)))
+            return await self.lanes.tokenize(lambda: self.prompts.chat_if_cheap(messages, **template),
+                                             lambda: self.prompts.chat(messages, **template))
+        except Exception as exc:  # noqa: BLE001 - templates raise anything (jinja errors, bad roles)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", "invalid_messages") from None
+
+    async def grammar(self, constraint: Constraint) -> ResponseFormat | None:
+        """The grammar the request's choices follow (``None``: free), built on the tokenizer lane: it encodes the
+        tool-call markers and, at the server's first constrained request, builds the grammar vocabulary."""
+        c = constraint
+        if not needs_grammar(c.fmt, c.tools, c.tool_choice):
+            return None
+        try:
+            return await self.lanes.on_worker(lambda: output_format(self.tokenizer, c.fmt, c.tools, c.tool_choice,
+                                                                    parallel=c.parallel))
+        except ToolRequestError as exc:
+            raise c.tool_error(exc) from None
+
+    async def message_ends(self, source: PromptSource, prompt: list[int]) -> tuple[int, ...]:
+        """Where each message but the last ends in ``prompt``, when the KV store snapshots there (else none)."""
+        messages = source.messages
+        if messages is None or len(messages) < 2 or not self.facts.state_snapshots:
+            return ()
+        return await self.lanes.on_worker(lambda: message_ends(self.tokenizer, messages, prompt,
+                                                               source.template_kwargs))
+
+    def submit(self, prepared: Prepared, build: Callable[[Prepared], GenerationRequest]) -> RequestHandle:
+        """Queue ``build(prepared)`` on the engine (see :func:`mlxkv.server.generation.submit` for the errors)."""
+        return submit(self.engine, lambda: build(prepared), prompt_param=prepared.param)
