@@ -60,8 +60,8 @@ def parse_size(value: Any) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
-#: Config fields -> the options that set them (errors name what the user typed).
-_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir": "--kv-disk-cache",
+#: KvCacheConfig fields -> the options that set them (errors name what the user typed).
+_KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir": "--kv-disk-cache",
              "secondary_memory_bytes": "--host-cache-size", "kv_cache_budget": "--kv-cache-budget",
              "block_size": "--kv-block-size", "max_kv_size": "--max-kv-size", "kv_bits": "--kv-bits",
              "kv_group_size": "--kv-group-size", "secondary_tenant_share": "--kv-tenant-share",
@@ -69,8 +69,10 @@ _FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir": 
              "layout": "--cache-layout", "backend": "--kv-backend",
              "state_snapshot_interval": "--state-snapshot-interval", "kv_overflow": "--kv-overflow",
              "kv_overflow_budget": "--kv-overflow-budget", "kv_overflow_sinks": "--kv-overflow-sinks",
-             "kv_overflow_recent": "--kv-overflow-recent", "temp": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-          "min_p": "--min-p", "max_tokens": "--max-tokens", "repetition_penalty": "--repetition-penalty",
+             "kv_overflow_recent": "--kv-overflow-recent"}
+#: SamplingDefaults fields -> their options (their messages keep the field name: a request's field too).
+_FLAGS = {**_KV_FLAGS, "temp": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+          "max_tokens": "--max-tokens", "repetition_penalty": "--repetition-penalty",
           "chat_template_kwargs": "--chat-template-kwargs"}
 
 
@@ -130,15 +132,15 @@ def overflow_config(policy: str = "preempt", budget: int | None = None, sinks: i
 
 
 def option_error(exc: ValueError) -> typer.BadParameter:
-    """A config dataclass's ValueError as the usual option error, in the options' names: a message about one field
-    (``temp: 2.5 is not ...``) is that option's error; others name every field as its option."""
+    """A config dataclass's ValueError as the usual option error: a rule's message about one field
+    (``temp: 2.5 is not ...``) is that option's error; in others the KV fields are named as their options."""
     message = str(exc)
     field_name, colon, why = message.partition(": ")
     if colon and field_name in _FLAGS:
         return typer.BadParameter(why, param_hint=_FLAGS[field_name])
     first = re.match(r"(\w+)[= ]", message)
     hint = _FLAGS.get(first.group(1)) if first else None
-    for name, flag in _FLAGS.items():
+    for name, flag in _KV_FLAGS.items():
         message = re.sub(rf"\b{name}\b", flag, message)
     return typer.BadParameter(message, param_hint=hint)
 
