@@ -323,7 +323,8 @@ def check_template_kwargs(kwargs: object) -> dict:
 
 @dataclass(slots=True)
 class SamplingDefaults:
-    """Server-wide sampling defaults of ``mlxkv serve``; a request's own value (not ``null``) wins.
+    """The sampling options of ``mlxkv generate`` and ``mlxkv chat``, and the server-wide defaults of ``mlxkv serve``
+    (a request's own value, not ``null``, wins there).
 
     temp: temperature (OpenAI's default 1.0; 0 is greedy); top_p, top_k, min_p: the filters (off by default);
     repetition_penalty: None for none (mlx-lm's multiplicative penalty, > 0); max_tokens: None for the route's own

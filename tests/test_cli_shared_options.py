@@ -79,8 +79,9 @@ def test_a_shared_option_has_one_name_type_default_and_help(name):
 
 def test_serve_defaults_differ_only_where_listed():
     params = _params()
-    assert {name for name in shared_options.SERVE_DEFAULTS
-            if params["serve"][name].default != params["generate"][name].default} == set(shared_options.SERVE_DEFAULTS)
+    differ = {name for name in shared_options.SERVE_DEFAULTS
+              if params["serve"][name].default != params["generate"][name].default}
+    assert differ == set(shared_options.SERVE_DEFAULTS)
 
 
 #: A bad value of a shared option, and the config dataclass (built directly) that must refuse it.
