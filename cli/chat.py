@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from mlxkv.cli import shared_options as options
-from mlxkv.cli.options import FLAG, overflow_config, with_revision
-from mlxkv.cli.validate import check_utf8, refuse_unused
+from mlxkv.cli.options import KV_PANEL, overflow_config, sampling_defaults, with_revision
+from mlxkv.cli.validate import refuse_unused
 
 HELP = """commands:
   /help            this list
@@ -34,8 +34,7 @@ def chat(
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
-    system: Optional[str] = typer.Option(None, metavar="TEXT", callback=check_utf8, rich_help_panel="Model",
-                                         help="System message of the conversation."),
+    system: Optional[str] = options.SYSTEM,
     max_tokens: int = options.MAX_TOKENS,
     temp: float = options.TEMP,
     top_p: float = options.TOP_P,
@@ -44,7 +43,7 @@ def chat(
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
-    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=2, rich_help_panel="KV cache",
+    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=2, rich_help_panel=KV_PANEL,
                                               help="Most tokens of context; older turns are dropped past it "
                                                    "(default: the model's context length)."),
     kv_bits: Optional[int] = options.KV_BITS,
@@ -58,13 +57,13 @@ def chat(
     sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",
                                                help="Folder of saved sessions (default: MLXKV_SESSIONS_DIR, "
                                                     "else ~/.cache/mlxkv/sessions)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel="Output",
-                                 help="Tracebacks on errors."),
+    verbose: bool = options.VERBOSE,
 ) -> None:
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
     refuse_unused(ctx, [("seed", "--seed", temp > 0), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
     model = with_revision(model, revision)
     overflow = overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent)
+    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     if overflow.enabled and max_kv_size is not None:
         raise typer.BadParameter("--max-kv-size and --kv-overflow both cap the context: use --kv-overflow-budget",
                                  param_hint="--max-kv-size")
@@ -88,8 +87,8 @@ def chat(
 
     console = Console(highlight=False)
     try:
-        params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                stop=tuple(stop or ()))
+        params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
+                                top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()))
         loaded = load(model, dequantize=dequantize, chat_template=chat_template)
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,

@@ -10,17 +10,15 @@ import typer
 from mlxkv.cli import shared_options as options
 from mlxkv.cli.options import (
     FLAG,
-    KV_PANEL,
     MODEL_PANEL,
     OUTPUT_PANEL,
     SPECULATIVE_PANEL,
-    check_block_size,
-    check_kv_backend,
     kv_config,
     overflow_config,
+    sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_utf8, read_prompt, refuse_unused
+from mlxkv.cli.validate import read_prompt, refuse_unused
 
 app = typer.Typer(
     name="mlxkv",
@@ -94,8 +92,7 @@ def generate(
                               help="Apply the chat template (the default when the tokenizer has one)."),
     raw: bool = typer.Option(False, "--raw", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                              help="Encode the prompt as it is."),
-    system: Optional[str] = typer.Option(None, callback=check_utf8, metavar="TEXT", rich_help_panel=MODEL_PANEL,
-                                         help="System message (chat mode)."),
+    system: Optional[str] = options.SYSTEM,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
     max_tokens: int = options.MAX_TOKENS,
     temp: float = options.TEMP,
@@ -104,23 +101,16 @@ def generate(
     min_p: float = options.MIN_P,
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
-    kv_backend: str = typer.Option("dense", "--kv-backend", callback=check_kv_backend, metavar="[dense|paged]",
-                                   rich_help_panel=KV_PANEL,
-                                   help="KV storage: dense buffers or paged blocks with prefix caching."),
-    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
-                                              help="Cap on cached tokens per layer, rotating past it (dense; > 4)."),
+    kv_backend: str = options.KV_BACKEND,
+    max_kv_size: Optional[int] = options.MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
     kv_group_size: int = options.KV_GROUP_SIZE,
     kv_overflow: str = options.KV_OVERFLOW,
     kv_overflow_budget: Optional[int] = options.KV_OVERFLOW_BUDGET,
     kv_overflow_sinks: Optional[int] = options.KV_OVERFLOW_SINKS,
     kv_overflow_recent: Optional[int] = options.KV_OVERFLOW_RECENT,
-    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
-                                      help="Tokens per KV block (paged; a power of two 1..256)."),
-    state_snapshot_interval: int = typer.Option(
-        0, "--state-snapshot-interval", min=0, metavar="BLOCKS", rich_help_panel=KV_PANEL,
-        help="Models with recurrent layers (paged): also snapshot their state every this many KV blocks of a "
-             "prompt, so prompts sharing a prefix resume deeper (0: at prompt and sequence ends only)."),
+    kv_block_size: int = options.KV_BLOCK_SIZE,
+    state_snapshot_interval: int = options.STATE_SNAPSHOT_INTERVAL,
     draft_model: Optional[str] = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
                                               help="Speculative decoding with this draft model (same vocabulary)."),
     prompt_lookup: bool = typer.Option(False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
@@ -134,10 +124,7 @@ def generate(
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
     verbose: bool = options.VERBOSE,
-    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]",
-                                    rich_help_panel=MODEL_PANEL,
-                                    help="Under mlx.launch: tensor- or pipeline-parallel over the launched ranks "
-                                         "(rank 0 prints). See docs/distributed.md."),
+    distributed: str = options.DISTRIBUTED,
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
@@ -190,6 +177,7 @@ def generate(
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, state_snapshot_interval=state_snapshot_interval,
                    overflow=overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent))
+    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
     if draft_model:
         try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
             resolve_model_path(draft_model)
@@ -200,8 +188,9 @@ def generate(
                                         num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags(),
                         chat_template=chat_template)
-        params = SamplingParams(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                seed=ranks.seed(seed, temp > 0), stop=tuple(stop or ()))
+        params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
+                                top_k=sampling.top_k, min_p=sampling.min_p, seed=ranks.seed(seed, temp > 0),
+                                stop=tuple(stop or ()))
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
         ranks.shard(loaded)
         remember_gguf(loaded)

@@ -1,4 +1,5 @@
-"""Validators shared by the commands' Typer options: a bad value names the valid choices or range."""
+"""Validators of the commands' Typer options (a bad value names the valid choices or range) and the builders of
+the config dataclasses from options, whose ValueError becomes the usual one-line option error."""
 
 from __future__ import annotations
 
@@ -7,27 +8,23 @@ from typing import Any, Callable
 
 import typer
 
+from mlxkv import rules
 
-def one_of(*choices: Any) -> Callable[[Any], Any]:
-    """A Typer callback accepting ``None`` or one of ``choices``."""
-    names = ", ".join(str(c) for c in choices)
+
+def from_rule(rule: rules.Rule) -> Callable[[Any], Any]:
+    """A Typer callback refusing what ``rule`` refuses (the config dataclasses apply the same rule), as the usual
+    option error; ``None`` (an option not given) passes."""
 
     def check(value: Any) -> Any:
-        if value is not None and value not in choices:
-            shown = repr(value) if isinstance(value, str) else value
-            raise typer.BadParameter(f"{shown} is not one of {names}.")
+        if value is not None and (why := rule.problem(value)) is not None:
+            raise typer.BadParameter(why)
         return value
 
     return check
 
 
-check_kv_bits = one_of(4, 8)
-check_kv_backend = one_of("dense", "paged")
-check_cache_layout = one_of("mlxkv", "mlx-lm")
-check_kv_overflow = one_of("preempt", "window", "h2o", "offload")
-check_kv_group_size = one_of(32, 64, 128)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
-check_log_level = one_of(*LOG_LEVELS)
+check_log_level = from_rule(rules.OneOf(LOG_LEVELS))
 
 # Help panels (``rich_help_panel``): the options of ``generate`` and ``serve`` grouped by what they configure.
 MODEL_PANEL = "Model"
@@ -63,24 +60,6 @@ def parse_size(value: Any) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
-def check_block_size(value: int) -> int:
-    if not 1 <= value <= 256 or value & (value - 1):
-        raise typer.BadParameter(f"{value} is not a power of two in the range 1<=x<=256.")
-    return value
-
-
-def check_top_p(value: float) -> float:
-    if not 0.0 < value <= 1.0:
-        raise typer.BadParameter(f"{value} is not in the range 0<x<=1.")
-    return value
-
-
-def check_min_p(value: float) -> float:
-    if not 0.0 <= value < 1.0:
-        raise typer.BadParameter(f"{value} is not in the range 0<=x<1.")
-    return value
-
-
 #: KvCacheConfig fields -> the options that set them (errors name what the user typed).
 _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir": "--kv-disk-cache",
              "secondary_memory_bytes": "--host-cache-size", "kv_cache_budget": "--kv-cache-budget",
@@ -91,6 +70,10 @@ _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir
              "state_snapshot_interval": "--state-snapshot-interval", "kv_overflow": "--kv-overflow",
              "kv_overflow_budget": "--kv-overflow-budget", "kv_overflow_sinks": "--kv-overflow-sinks",
              "kv_overflow_recent": "--kv-overflow-recent"}
+#: SamplingDefaults fields -> their options (their messages keep the field name: a request's field too).
+_FLAGS = {**_KV_FLAGS, "temp": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+          "max_tokens": "--max-tokens", "repetition_penalty": "--repetition-penalty",
+          "chat_template_kwargs": "--chat-template-kwargs"}
 
 
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
@@ -127,7 +110,7 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
                              secondary_write_interval_s=disk_write_interval_s,
                              state_snapshot_interval=state_snapshot_interval, overflow=overflow)
     except ValueError as exc:
-        raise typer.BadParameter(_flag_names(str(exc))) from None
+        raise option_error(exc) from None
 
 
 def overflow_config(policy: str = "preempt", budget: int | None = None, sinks: int | None = None,
@@ -145,14 +128,21 @@ def overflow_config(policy: str = "preempt", budget: int | None = None, sinks: i
     try:
         return KvOverflowConfig(policy=policy, budget=budget, sinks=4 if sinks is None else sinks, recent=recent)
     except ValueError as exc:
-        raise typer.BadParameter(_flag_names(str(exc))) from None
+        raise option_error(exc) from None
 
 
-def _flag_names(message: str) -> str:
-    """A KvCacheConfig message with its field names replaced by the options that set them."""
-    for field_name, flag in _KV_FLAGS.items():
-        message = re.sub(rf"\b{field_name}\b", flag, message)
-    return message
+def option_error(exc: ValueError) -> typer.BadParameter:
+    """A config dataclass's ValueError as the usual option error: a rule's message about one field
+    (``temp: 2.5 is not ...``) is that option's error; in others the KV fields are named as their options."""
+    message = str(exc)
+    field_name, colon, why = message.partition(": ")
+    if colon and field_name in _FLAGS:
+        return typer.BadParameter(why, param_hint=_FLAGS[field_name])
+    first = re.match(r"(\w+)[= ]", message)
+    hint = _FLAGS.get(first.group(1)) if first else None
+    for name, flag in _KV_FLAGS.items():
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return typer.BadParameter(message, param_hint=hint)
 
 
 def with_revision(model: str | None, revision: str | None) -> str | None:
@@ -173,9 +163,10 @@ def with_revision(model: str | None, revision: str | None) -> str | None:
     return f"{model}@{revision}"
 
 
-def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float | None,
-                      max_tokens: int | None, chat_template_kwargs: str | None) -> Any:
-    """The server's sampling defaults from ``mlxkv serve``'s options (``chat_template_kwargs``: a JSON object).
+def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, max_tokens: int | None,
+                      repetition_penalty: float | None = None, chat_template_kwargs: str | None = None) -> Any:
+    """The sampling options of ``generate``, ``chat`` and ``serve`` as a :class:`mlxkv.config.SamplingDefaults`
+    (``chat_template_kwargs``: a JSON object).
 
     Raises:
         typer.BadParameter: a value out of range or JSON that is not an object of template variables.
@@ -195,10 +186,8 @@ def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, re
                                 repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                 chat_template_kwargs=kwargs)
     except ValueError as exc:
-        hint = "--chat-template-kwargs" if "chat_template_kwargs" in str(exc) else "--repetition-penalty"
-        raise typer.BadParameter(str(exc), param_hint=hint) from None
+        raise option_error(exc) from None
 
 
-__all__ = ["one_of", "check_kv_bits", "check_kv_backend", "check_cache_layout", "check_kv_group_size",
-           "check_log_level", "LOG_LEVELS", "FLAG", "parse_size", "with_revision", "check_block_size",
-           "check_top_p", "check_min_p", "kv_config", "sampling_defaults"]
+__all__ = ["from_rule", "check_log_level", "LOG_LEVELS", "FLAG", "parse_size", "with_revision", "kv_config",
+           "overflow_config", "option_error", "sampling_defaults"]

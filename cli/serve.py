@@ -10,28 +10,23 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from mlxkv import rules
+from mlxkv.cli import shared_options as options
 from mlxkv.cli.options import (
     FLAG,
     KV_PANEL,
     MODEL_PANEL,
     SAMPLING_PANEL,
     SERVER_PANEL,
-    check_block_size,
-    check_cache_layout,
-    check_kv_backend,
-    check_kv_bits,
-    check_kv_group_size,
     check_log_level,
-    check_min_p,
-    check_top_p,
+    from_rule,
     kv_config,
     overflow_config,
     parse_size,
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli import shared_options
-from mlxkv.cli.validate import check_file_option, check_folder_option, refuse_unused
+from mlxkv.cli.validate import check_folder_option, refuse_unused
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
@@ -39,17 +34,10 @@ _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
 
 def serve(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
-                                        help="Hugging Face repo id (owner/name or owner/name@revision), local folder "
-                                             "or GGUF file (default: the demo model)."),
-    revision: Optional[str] = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL_PANEL,
-                                           help="Branch, tag or commit of a Hugging Face repo id."),
-    dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
-                                    help="Run quantized weights unquantized (float32 on CPU: much faster there)."),
-    chat_template: Optional[str] = typer.Option(None, "--chat-template", metavar="FILE", rich_help_panel=MODEL_PANEL,
-                                                callback=check_file_option,
-                                                help="A Jinja chat template file used instead of the model's "
-                                                     "(e.g. one that renders tools)."),
+    model: Optional[str] = options.MODEL,
+    revision: Optional[str] = options.REVISION,
+    dequantize: bool = options.DEQUANTIZE,
+    chat_template: Optional[str] = options.CHAT_TEMPLATE,
     tool_parser: Optional[str] = typer.Option(None, "--tool-parser", rich_help_panel=MODEL_PANEL,
                                               help="mlx-lm tool parser for the model's tool calls (default: the one "
                                                    "mlx-lm infers from the chat template), e.g. json_tools."),
@@ -97,15 +85,9 @@ def serve(
     switch_interval_ms: float = typer.Option(0.5, "--switch-interval-ms", min=0.01, rich_help_panel=SERVER_PANEL,
                                              help="GIL switch interval of the server process (ms): how long the "
                                                   "HTTP event loop may wait for the engine thread."),
-    kv_backend: str = typer.Option("paged", "--kv-backend", callback=check_kv_backend, metavar="[paged|dense]",
-                                   rich_help_panel=KV_PANEL,
-                                   help="KV storage: paged (block pool with prefix caching) or dense buffers."),
-    kv_block_size: int = typer.Option(16, "--kv-block-size", callback=check_block_size, rich_help_panel=KV_PANEL,
-                                      help="Tokens per KV block (paged; a power of two 1..256)."),
-    state_snapshot_interval: int = typer.Option(
-        0, "--state-snapshot-interval", min=0, metavar="BLOCKS", rich_help_panel=KV_PANEL,
-        help="Models with recurrent layers (paged): also snapshot their state every this many KV blocks of a "
-             "prompt, so prompts sharing a prefix resume deeper (0: at prompt and sequence ends only)."),
+    kv_backend: str = options.SERVE_KV_BACKEND,
+    kv_block_size: int = options.KV_BLOCK_SIZE,
+    state_snapshot_interval: int = options.STATE_SNAPSHOT_INTERVAL,
     kv_cache_budget: Optional[int] = typer.Option(
         None, "--kv-cache-budget", parser=parse_size, metavar="SIZE", rich_help_panel=KV_PANEL,
         help="Memory for KV blocks (paged; default: max-sequences full contexts, at most half the free memory). "
@@ -126,49 +108,37 @@ def serve(
     kv_disk_flush_timeout: float = typer.Option(
         10.0, "--kv-disk-flush-timeout", min=0.0, rich_help_panel=KV_PANEL,
         help="Seconds a graceful stop (SIGTERM/SIGINT) may spend writing cached KV blocks to the disk tier."),
-    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
-                                              help="Cap on cached tokens per layer, rotating past it (dense)."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]",
-                                          rich_help_panel=KV_PANEL,
-                                          help="Quantize the KV cache to 4 or 8 bits (paged pages or dense)."),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
-                                      rich_help_panel=KV_PANEL,
-                                      help="Group size for KV quantization (with --kv-bits)."),
-    kv_overflow: str = shared_options.KV_OVERFLOW,
-    kv_overflow_budget: Optional[int] = shared_options.KV_OVERFLOW_BUDGET,
-    kv_overflow_sinks: Optional[int] = shared_options.KV_OVERFLOW_SINKS,
-    kv_overflow_recent: Optional[int] = shared_options.KV_OVERFLOW_RECENT,
-    layout: str = typer.Option("mlxkv", "--cache-layout", callback=check_cache_layout, metavar="[mlxkv|mlx-lm]",
-                               rich_help_panel=KV_PANEL,
+    max_kv_size: Optional[int] = options.MAX_KV_SIZE,
+    kv_bits: Optional[int] = options.KV_BITS,
+    kv_group_size: int = options.KV_GROUP_SIZE,
+    kv_overflow: str = options.KV_OVERFLOW,
+    kv_overflow_budget: Optional[int] = options.KV_OVERFLOW_BUDGET,
+    kv_overflow_sinks: Optional[int] = options.KV_OVERFLOW_SINKS,
+    kv_overflow_recent: Optional[int] = options.KV_OVERFLOW_RECENT,
+    layout: str = typer.Option("mlxkv", "--cache-layout", callback=from_rule(rules.KV_LAYOUT),
+                               metavar="[mlxkv|mlx-lm]", rich_help_panel=KV_PANEL,
                                help="KV cache layouts: mlxkv or mlx-lm's own (dense; for comparison)."),
-    temp: float = typer.Option(1.0, "--temp", min=0.0, max=2.0, rich_help_panel=SAMPLING_PANEL,
-                               help="Default sampling temperature (0 is greedy); a request's own value wins."),
-    top_p: float = typer.Option(1.0, "--top-p", callback=check_top_p, rich_help_panel=SAMPLING_PANEL,
-                                help="Default nucleus sampling mass (0<x<=1)."),
-    top_k: int = typer.Option(0, "--top-k", min=0, rich_help_panel=SAMPLING_PANEL, help="Default top-k (0 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", callback=check_min_p, rich_help_panel=SAMPLING_PANEL,
-                                help="Default min-p (0<=x<1; 0 = off)."),
+    temp: float = options.SERVE_TEMP,
+    top_p: float = options.TOP_P,
+    top_k: int = options.TOP_K,
+    min_p: float = options.MIN_P,
     repetition_penalty: Optional[float] = typer.Option(
         None, "--repetition-penalty", rich_help_panel=SAMPLING_PANEL,
-        help="Default repetition penalty (> 0; mlx-lm's, over the last 20 tokens)."),
-    max_tokens: Optional[int] = typer.Option(
-        None, "--max-tokens", min=1, rich_help_panel=SAMPLING_PANEL,
-        help="Default most tokens per completion (default: the rest of the context for chat, 16 for completions)."),
+        help="Repetition penalty (> 0; mlx-lm's, over the last 20 tokens)."),
+    max_tokens: Optional[int] = options.SERVE_MAX_TOKENS,
     chat_template_kwargs: Optional[str] = typer.Option(
         None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
         help='JSON object of extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
              "(a request's chat_template_kwargs keys win)."),
-    distributed: str = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]",
-                                    rich_help_panel=SERVER_PANEL,
-                                    help="Under mlx.launch: tensor-parallel over the launched ranks (rank 0 serves "
-                                         "HTTP; each rank holds its share of the weights and KV heads), or "
-                                         "pipeline-parallel (each rank holds a range of the layers and their KV). "
-                                         "See docs/distributed.md."),
+    distributed: str = options.DISTRIBUTED,
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
 ) -> None:
-    """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine."""
+    """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine.
+
+    The sampling options are the defaults of requests that leave a field out.
+    """
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
                         ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
                         ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])

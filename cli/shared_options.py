@@ -1,21 +1,27 @@
-"""Typer options that ``mlxkv generate`` and ``mlxkv chat`` share: one definition each (Typer reads them as the
-parameters' defaults), in the same help panels, with the same checks."""
+"""The Typer options that ``mlxkv generate``, ``mlxkv chat`` and ``mlxkv serve`` share: one definition each (Typer
+reads them as the parameters' defaults), in the same help panels, refusing a bad value with the rule of
+:mod:`mlxkv.rules` that the config dataclasses apply too.
+
+A command takes an option from here whenever it has it. ``serve``'s sampling options are the defaults of requests
+that leave a field out, so three of its defaults differ on purpose (:data:`SERVE_DEFAULTS`); name, type, help and
+rule are the same.
+"""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import typer
 
+from mlxkv import rules
 from mlxkv.cli.options import (
     FLAG,
     KV_PANEL,
     MODEL_PANEL,
     OUTPUT_PANEL,
     SAMPLING_PANEL,
-    check_kv_bits,
-    check_kv_group_size,
-    check_kv_overflow,
-    check_min_p,
-    check_top_p,
+    from_rule,
 )
 from mlxkv.cli.validate import check_file_option, check_utf8
 
@@ -27,37 +33,88 @@ REVISION = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL
 DEQUANTIZE = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                           help="Run quantized weights unquantized (float32 on CPU: much faster there).")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", metavar="FILE", callback=check_file_option,
-                             rich_help_panel=MODEL_PANEL, help="A Jinja chat template file used instead of the model's.")
-MAX_TOKENS = typer.Option(128, "--max-tokens", "-n", min=1, rich_help_panel=SAMPLING_PANEL,
-                          help="Most tokens to generate (per answer).")
-TEMP = typer.Option(0.0, min=0.0, rich_help_panel=SAMPLING_PANEL, help="Sampling temperature; 0 is greedy.")
-TOP_P = typer.Option(1.0, "--top-p", callback=check_top_p, rich_help_panel=SAMPLING_PANEL,
-                     help="Nucleus sampling mass (0<x<=1).")
-TOP_K = typer.Option(0, "--top-k", min=0, rich_help_panel=SAMPLING_PANEL,
-                     help="Keep the k most likely tokens; 0 disables.")
-MIN_P = typer.Option(0.0, "--min-p", callback=check_min_p, rich_help_panel=SAMPLING_PANEL,
-                     help="Min-p filter (0<=x<1); 0 disables.")
-SEED = typer.Option(None, rich_help_panel=SAMPLING_PANEL, help="Random seed for sampling (with --temp above 0).")
+                             rich_help_panel=MODEL_PANEL,
+                             help="A Jinja chat template file used instead of the model's (e.g. one that renders "
+                                  "tools).")
+SYSTEM = typer.Option(None, "--system", metavar="TEXT", callback=check_utf8, rich_help_panel=MODEL_PANEL,
+                      help="System message (with the chat template).")
+DISTRIBUTED = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]", rich_help_panel=MODEL_PANEL,
+                           help="Under mlx.launch: tensor-parallel (each rank holds its share of the weights and KV "
+                                "heads) or pipeline-parallel (each rank holds a range of the layers and their KV) "
+                                "over the launched ranks; rank 0 prints or serves HTTP. See docs/distributed.md.")
+
+MAX_TOKENS = typer.Option(128, "--max-tokens", "-n", callback=from_rule(rules.MAX_TOKENS),
+                          rich_help_panel=SAMPLING_PANEL, help="Most tokens to generate per answer.")
+TEMP = typer.Option(0.0, "--temp", callback=from_rule(rules.TEMP), rich_help_panel=SAMPLING_PANEL,
+                    help=f"Sampling temperature ({rules.TEMP.notation}); 0 is greedy.")
+TOP_P = typer.Option(1.0, "--top-p", callback=from_rule(rules.TOP_P), rich_help_panel=SAMPLING_PANEL,
+                     help=f"Nucleus sampling mass ({rules.TOP_P.notation}); 1 disables it.")
+TOP_K = typer.Option(0, "--top-k", callback=from_rule(rules.TOP_K), rich_help_panel=SAMPLING_PANEL,
+                     help="Keep the k most likely tokens; 0 disables it.")
+MIN_P = typer.Option(0.0, "--min-p", callback=from_rule(rules.MIN_P), rich_help_panel=SAMPLING_PANEL,
+                     help=f"Min-p filter ({rules.MIN_P.notation}); 0 disables it.")
+SEED = typer.Option(None, "--seed", rich_help_panel=SAMPLING_PANEL,
+                    help="Random seed for sampling (with --temp above 0).")
 STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8, rich_help_panel=SAMPLING_PANEL,
                     help="Stop string (repeatable).")
-KV_BITS = typer.Option(None, "--kv-bits", callback=check_kv_bits, metavar="[4|8]", rich_help_panel=KV_PANEL,
-                       help="Quantize the KV cache to 4 or 8 bits (paged pages or dense).")
-KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=check_kv_group_size, metavar="[32|64|128]",
+
+KV_BACKEND = typer.Option("dense", "--kv-backend", callback=from_rule(rules.KV_BACKEND), metavar="[dense|paged]",
+                          rich_help_panel=KV_PANEL,
+                          help="KV storage: dense buffers or paged blocks (a shared pool with prefix caching).")
+KV_BLOCK_SIZE = typer.Option(16, "--kv-block-size", callback=from_rule(rules.KV_BLOCK_SIZE), metavar="TOKENS",
+                             rich_help_panel=KV_PANEL,
+                             help=f"Tokens per KV block (paged; a power of two 1..{rules.MAX_BLOCK_SIZE}).")
+STATE_SNAPSHOT_INTERVAL = typer.Option(
+    0, "--state-snapshot-interval", callback=from_rule(rules.STATE_SNAPSHOT_INTERVAL), metavar="BLOCKS",
+    rich_help_panel=KV_PANEL,
+    help="Models with recurrent layers (paged): also snapshot their state every this many KV blocks of a prompt, "
+         "so prompts sharing a prefix resume deeper (0: at prompt and sequence ends only).")
+MAX_KV_SIZE = typer.Option(None, "--max-kv-size", callback=from_rule(rules.MAX_KV_SIZE), metavar="TOKENS",
+                           rich_help_panel=KV_PANEL,
+                           help=f"Cap on cached tokens per layer, rotating past it (dense; "
+                                f"{rules.MAX_KV_SIZE.notation}).")
+KV_BITS = typer.Option(None, "--kv-bits", callback=from_rule(rules.KV_BITS_RULE), metavar="[4|8]",
+                       rich_help_panel=KV_PANEL, help="Quantize the KV cache to 4 or 8 bits (paged pages or dense).")
+KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=from_rule(rules.KV_GROUP_SIZE), metavar="[32|64|128]",
                              rich_help_panel=KV_PANEL, help="Group size for KV quantization (with --kv-bits).")
-KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=check_kv_overflow,
+KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=from_rule(rules.KV_OVERFLOW),
                            metavar="[preempt|window|h2o|offload]", rich_help_panel=KV_PANEL,
                            help="Past --kv-overflow-budget tokens: preempt (no cap), window (sinks + recent), h2o "
                                 "(+ most-attended tokens), offload (h2o, evicted rows to host memory and back). "
                                 "Paged storage evicts and restores whole pages.")
-KV_OVERFLOW_BUDGET = typer.Option(None, "--kv-overflow-budget", min=2, metavar="TOKENS", rich_help_panel=KV_PANEL,
+KV_OVERFLOW_BUDGET = typer.Option(None, "--kv-overflow-budget", callback=from_rule(rules.KV_OVERFLOW_BUDGET),
+                                  metavar="TOKENS", rich_help_panel=KV_PANEL,
                                   help="Tokens kept per sequence and layer by --kv-overflow window|h2o|offload.")
-KV_OVERFLOW_SINKS = typer.Option(None, "--kv-overflow-sinks", min=0, metavar="TOKENS", rich_help_panel=KV_PANEL,
+KV_OVERFLOW_SINKS = typer.Option(None, "--kv-overflow-sinks", callback=from_rule(rules.KV_OVERFLOW_SINKS),
+                                 metavar="TOKENS", rich_help_panel=KV_PANEL,
                                  help="First tokens always kept by --kv-overflow (default 4).")
-KV_OVERFLOW_RECENT = typer.Option(None, "--kv-overflow-recent", min=1, metavar="TOKENS", rich_help_panel=KV_PANEL,
-                                  help="Last tokens always kept by --kv-overflow h2o|offload (default: half the budget).")
-VERBOSE = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
-                       help="Print speed and memory figures; tracebacks on errors.")
+KV_OVERFLOW_RECENT = typer.Option(None, "--kv-overflow-recent", callback=from_rule(rules.KV_OVERFLOW_RECENT),
+                                  metavar="TOKENS", rich_help_panel=KV_PANEL,
+                                  help="Last tokens always kept by --kv-overflow h2o|offload (default: half the "
+                                       "budget).")
 
-__all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "MAX_TOKENS", "TEMP", "TOP_P", "TOP_K", "MIN_P", "SEED",
-           "STOP", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
-           "KV_OVERFLOW_RECENT", "VERBOSE"]
+VERBOSE = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
+                       help="Tracebacks on errors; generate also prints speed and memory figures.")
+
+
+def _with_default(option: Any, default: Any, shown: str | None = None) -> Any:
+    """``option`` with another default (``shown``: what ``--help`` says the default is, when not the value)."""
+    changed = copy.copy(option)
+    changed.default = default
+    if shown is not None:
+        changed.show_default = shown
+    return changed
+
+
+#: The defaults ``serve`` gives requests that leave a field out: OpenAI's temperature of 1, the route's own
+#: length limit, and the paged store that shares prefixes between requests.
+SERVE_DEFAULTS = {"temp": 1.0, "max_tokens": None, "kv_backend": "paged"}
+SERVE_TEMP = _with_default(TEMP, SERVE_DEFAULTS["temp"])
+SERVE_MAX_TOKENS = _with_default(MAX_TOKENS, SERVE_DEFAULTS["max_tokens"],
+                                 "the rest of the context for chat, 16 for completions")
+SERVE_KV_BACKEND = _with_default(KV_BACKEND, SERVE_DEFAULTS["kv_backend"])
+
+__all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "SYSTEM", "DISTRIBUTED", "MAX_TOKENS", "TEMP",
+           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
+           "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
+           "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]

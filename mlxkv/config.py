@@ -7,23 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxkv import env
+from mlxkv import env, rules
 from mlxkv.kv.blocks.hashing import HASH_ALGOS, xxhash_available
 from mlxkv.kv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
+from mlxkv.rules import check_field
 
-KV_BACKENDS = ("dense", "paged")
-KV_LAYOUTS = ("mlxkv", "mlx-lm")
-KV_BITS = (None, 4, 8)
-KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_SECONDARY_DISK_BYTES = 16 << 30  # disk tier cap when a folder is given without a size
-MAX_KV_KEEP = 4  # sink tokens a --max-kv-size window keeps at its start: the window must be larger
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-KV_OVERFLOW_POLICIES = ("preempt", "window", "h2o", "offload")
 
 
 @dataclass(slots=True)
@@ -48,8 +41,10 @@ class KvOverflowConfig:
     restore_threshold: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.policy not in KV_OVERFLOW_POLICIES:
-            raise ValueError(f"kv_overflow={self.policy!r}: expected one of {', '.join(KV_OVERFLOW_POLICIES)}")
+        check_field("kv_overflow", rules.KV_OVERFLOW, self.policy)
+        check_field("kv_overflow_budget", rules.KV_OVERFLOW_BUDGET, self.budget, optional=True)
+        check_field("kv_overflow_sinks", rules.KV_OVERFLOW_SINKS, self.sinks)
+        check_field("kv_overflow_recent", rules.KV_OVERFLOW_RECENT, self.recent, optional=True)
         if self.policy == "preempt":
             if self.budget is not None or self.recent is not None:
                 raise ValueError("kv_overflow_budget and kv_overflow_recent apply to kv_overflow window, h2o or "
@@ -57,8 +52,6 @@ class KvOverflowConfig:
             return
         if not _is_int(self.budget):
             raise ValueError(f"kv_overflow={self.policy} needs kv_overflow_budget (tokens kept per sequence)")
-        if not _is_int(self.sinks) or self.sinks < 0:
-            raise ValueError(f"kv_overflow_sinks={self.sinks!r}: expected an integer >= 0")
         if self.policy == "window":
             if self.recent is not None:
                 raise ValueError("kv_overflow_recent applies to h2o and offload (window keeps the last "
@@ -66,8 +59,6 @@ class KvOverflowConfig:
             if self.budget <= self.sinks:
                 raise ValueError(f"kv_overflow_budget={self.budget} must be larger than kv_overflow_sinks={self.sinks}")
             return
-        if self.recent is not None and (not _is_int(self.recent) or self.recent < 1):
-            raise ValueError(f"kv_overflow_recent={self.recent!r}: expected an integer >= 1")
         if self.budget <= self.sinks + self.recent_tokens:
             raise ValueError(f"kv_overflow_budget={self.budget} must be larger than kv_overflow_sinks + "
                              f"kv_overflow_recent ({self.sinks} + {self.recent_tokens}): room is needed for heavy hitters")
@@ -161,13 +152,9 @@ class KvCacheConfig:
     overflow: KvOverflowConfig = field(default_factory=KvOverflowConfig)
 
     def __post_init__(self) -> None:
-        if self.layout not in KV_LAYOUTS:
-            raise ValueError(f"layout={self.layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
-        if self.backend not in KV_BACKENDS:
-            raise ValueError(f"backend={self.backend!r}: expected one of {', '.join(KV_BACKENDS)}")
-        b = self.block_size
-        if not _is_int(b) or not 1 <= b <= 256 or b & (b - 1):
-            raise ValueError(f"block_size={b!r}: expected a power of two in 1..256 (1, 2, 4, ..., 256)")
+        check_field("layout", rules.KV_LAYOUT, self.layout)
+        check_field("backend", rules.KV_BACKEND, self.backend)
+        check_field("block_size", rules.KV_BLOCK_SIZE, self.block_size)
         budget = self.kv_cache_budget
         if not (budget == "auto" or (_is_int(budget) and budget > 0)):
             raise ValueError(f"kv_cache_budget={budget!r}: expected 'auto' or a number of bytes > 0")
@@ -188,13 +175,9 @@ class KvCacheConfig:
             raise ValueError(
                 f"secondary_offload_min_priority={p!r}: expected an integer in {MIN_PRIORITY}..{MAX_PRIORITY}"
             )
-        if self.kv_bits not in KV_BITS or isinstance(self.kv_bits, bool):
-            raise ValueError(f"kv_bits={self.kv_bits!r}: expected one of None, 4, 8")
-        if self.kv_group_size not in KV_GROUP_SIZES or isinstance(self.kv_group_size, bool):
-            raise ValueError(f"kv_group_size={self.kv_group_size!r}: expected one of 32, 64, 128")
-        if self.max_kv_size is not None and (not _is_int(self.max_kv_size) or self.max_kv_size <= MAX_KV_KEEP):
-            raise ValueError(f"max_kv_size={self.max_kv_size!r}: expected None or an integer > {MAX_KV_KEEP} "
-                             f"(the window keeps {MAX_KV_KEEP} sink tokens)")
+        check_field("kv_bits", rules.KV_BITS_RULE, self.kv_bits, optional=True)
+        check_field("kv_group_size", rules.KV_GROUP_SIZE, self.kv_group_size)
+        check_field("max_kv_size", rules.MAX_KV_SIZE, self.max_kv_size, optional=True)
         for name in ("secondary_memory_bytes", "secondary_disk_bytes"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
@@ -211,10 +194,7 @@ class KvCacheConfig:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
                 raise ValueError(f"{name}={t!r}: expected a number in (0, 1] (1 = no per-tenant quota)")
-        i = self.state_snapshot_interval
-        if not _is_int(i) or i < 0:
-            raise ValueError(f"state_snapshot_interval={i!r}: expected an integer number of blocks >= 0 "
-                             "(0 = prompt and sequence ends only)")
+        check_field("state_snapshot_interval", rules.STATE_SNAPSHOT_INTERVAL, self.state_snapshot_interval)
         if self.overflow.enabled:
             policy = f"kv_overflow={self.overflow.policy}"
             if self.backend == "paged":
@@ -343,7 +323,8 @@ def check_template_kwargs(kwargs: object) -> dict:
 
 @dataclass(slots=True)
 class SamplingDefaults:
-    """Server-wide sampling defaults of ``mlxkv serve``; a request's own value (not ``null``) wins.
+    """The sampling options of ``mlxkv generate`` and ``mlxkv chat``, and the server-wide defaults of ``mlxkv serve``
+    (a request's own value, not ``null``, wins there).
 
     temp: temperature (OpenAI's default 1.0; 0 is greedy); top_p, top_k, min_p: the filters (off by default);
     repetition_penalty: None for none (mlx-lm's multiplicative penalty, > 0); max_tokens: None for the route's own
@@ -360,18 +341,13 @@ class SamplingDefaults:
     chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temp <= 2:
-            raise ValueError(f"temp={self.temp!r}: expected a number in [0, 2]")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 = off)")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p={self.min_p!r}: expected a number in [0, 1)")
+        check_field("temp", rules.TEMP, self.temp)
+        check_field("top_p", rules.TOP_P, self.top_p)
+        check_field("top_k", rules.TOP_K, self.top_k)
+        check_field("min_p", rules.MIN_P, self.min_p)
         if self.repetition_penalty is not None and not 0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: expected None or a number > 0")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens={self.max_tokens!r}: expected None or an integer >= 1")
+        check_field("max_tokens", rules.MAX_TOKENS, self.max_tokens, optional=True)
         check_template_kwargs(self.chat_template_kwargs)
 
 

@@ -77,6 +77,7 @@ def import_graph() -> dict[str, set[str]]:
 LAYERS = (
     "mlxkv",  # the version
     "mlxkv.env",  # environment flags and paths, read in this one module
+    "mlxkv.rules",  # one rule per setting: valid values and ranges, pure Python
     "mlxkv.metal_kernels",  # .metal sources (package data)
     "mlxkv.kernels",  # paged attention and KV write: references, Metal factories, dispatch
     "mlxkv.kv.blocks",  # the block manager, pure Python

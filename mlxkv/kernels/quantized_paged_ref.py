@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxkv.rules import KV_BITS, KV_GROUP_SIZES
+
 from .geometry import check_paged_inputs
 from .paged_attention_ref import REFERENCE, run_paged_attention
 
 Planes = tuple  # (packed uint32, scales, biases), each (kv_heads, num_blocks, block_size, width)
 
-QUANTIZED_BITS = (4, 8)
-QUANTIZED_GROUP_SIZES = (32, 64, 128)
+QUANTIZED_BITS = KV_BITS  # what the kernels support is what the config accepts
+QUANTIZED_GROUP_SIZES = KV_GROUP_SIZES
 
 
 def check_quantized_inputs(

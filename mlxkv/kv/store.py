@@ -20,12 +20,13 @@ from typing import Any, Callable, Iterator
 
 from mlxkv.kv.blocks.cache_request import CacheRequest
 from mlxkv.kv.sequence import Sequence, SequenceId
+from mlxkv.rules import KV_BACKENDS as BACKENDS
+from mlxkv.rules import KV_BITS
+from mlxkv.rules import KV_LAYOUTS as LAYOUTS
 
 __all__ = ["BACKENDS", "LAYOUTS", "CachePool", "CacheRequest", "PoolFullError", "Sequence", "SequenceId"]
 
 CacheFactory = Callable[[Any], list]
-LAYOUTS = ("mlxkv", "mlx-lm")
-BACKENDS = ("dense", "paged")
 
 
 class PoolFullError(RuntimeError):
@@ -61,8 +62,8 @@ class CachePool:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-        if kv_bits not in (None, 4, 8):
-            raise ValueError(f"kv_bits must be 4, 8 or None, got {kv_bits}")
+        if kv_bits is not None and kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} or None, got {kv_bits}")
         if max_kv_size is not None and max_kv_size < 1:
             raise ValueError(f"max_kv_size must be >= 1, got {max_kv_size}")
         if backend not in BACKENDS:

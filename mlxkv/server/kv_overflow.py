@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mlxkv import rules
 from mlxkv.config import KvOverflowConfig
 from mlxkv.engine.pool_facts import PoolFacts
 from mlxkv.server.errors import APIError
@@ -26,12 +27,14 @@ class KvOverflowBody(BaseModel):
     """``kv_overflow``: what a sequence of this request does past its KV budget (fields left out: the server's)."""
 
     model_config = ConfigDict(extra="forbid")
-    policy: Optional[Literal["preempt", "window", "h2o", "offload"]] = Field(
+    policy: Optional[Literal[rules.KV_OVERFLOW_POLICIES]] = Field(
         None, description="preempt (no cap), window (sinks + recent), h2o (heavy hitters) or offload (h2o, evicted "
                           "rows to host memory)")
-    budget: Optional[int] = Field(None, ge=2, description="tokens kept per sequence and layer")
-    sinks: Optional[int] = Field(None, ge=0, description="first tokens always kept")
-    recent: Optional[int] = Field(None, ge=1, description="h2o / offload: last tokens always kept")
+    budget: Optional[int] = Field(None, ge=rules.KV_OVERFLOW_BUDGET.low,
+                                  description="tokens kept per sequence and layer")
+    sinks: Optional[int] = Field(None, ge=rules.KV_OVERFLOW_SINKS.low, description="first tokens always kept")
+    recent: Optional[int] = Field(None, ge=rules.KV_OVERFLOW_RECENT.low,
+                                  description="h2o / offload: last tokens always kept")
 
     @model_validator(mode="before")
     @classmethod

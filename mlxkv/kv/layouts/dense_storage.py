@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxkv.rules import KV_BITS, KV_GROUP_SIZES
+
 Planes = tuple  # tuple[mx.array, ...]: one dense plane, or (packed, scales, biases)
 Presented = mx.array | tuple  # what the model sees: an array (dense) or mlx-lm's quantized tuple
-
-VALID_BITS = (4, 8)
-VALID_GROUP_SIZES = (32, 64, 128)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -42,10 +41,10 @@ class DenseStorage:
                  max_rows: int | None = None):
         if step < 1:
             raise ValueError(f"step must be >= 1, got {step}")
-        if bits is not None and bits not in VALID_BITS:
-            raise ValueError(f"kv_bits must be one of {VALID_BITS} (or None), got {bits}")
-        if bits is not None and group_size not in VALID_GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be one of {VALID_GROUP_SIZES}, got {group_size}")
+        if bits is not None and bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS} (or None), got {bits}")
+        if bits is not None and group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {group_size}")
         self.step = step
         self.bits = bits
         self.group_size = group_size
@@ -63,9 +62,9 @@ class DenseStorage:
         if self.bits is None:
             return (x,)
         if x.shape[-1] % self.group_size:
-            fits = [g for g in VALID_GROUP_SIZES if x.shape[-1] % g == 0]
+            fits = [g for g in KV_GROUP_SIZES if x.shape[-1] % g == 0]
             hint = (f"pick one of {', '.join(map(str, fits))}" if fits else
-                    f"no valid group size ({', '.join(map(str, VALID_GROUP_SIZES))}) divides it, so this model "
+                    f"no valid group size ({', '.join(map(str, KV_GROUP_SIZES))}) divides it, so this model "
                     "cannot use a quantized KV cache")
             raise ValueError(f"head_dim {x.shape[-1]} is not divisible by kv_group_size={self.group_size}: {hint}")
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))

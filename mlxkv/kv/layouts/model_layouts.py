@@ -28,13 +28,12 @@ from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
 
-from mlxkv.config import MAX_KV_KEEP
 from mlxkv.kv.layouts.base import DEFAULT_MAX_REWIND, LayerCache
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
-from mlxkv.kv.layouts.dense_storage import VALID_GROUP_SIZES
 from mlxkv.kv.layouts.latent_cache import latent_caches, latent_layers
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
+from mlxkv.rules import KV_BITS, KV_GROUP_SIZES, MAX_KV_KEEP
 
 
 def _is_mla(model: Any) -> bool:
@@ -80,10 +79,10 @@ def make_caches(model: Any, max_kv_size: int | None = None, kv_bits: int | None 
     if max_kv_size is not None and max_kv_size <= MAX_KV_KEEP:
         raise ValueError(f"max_kv_size must be > {MAX_KV_KEEP} (the sink tokens kept), got {max_kv_size}")
     if kv_bits is not None:
-        if kv_bits not in (4, 8):
-            raise ValueError(f"kv_bits must be 4 or 8 (or None), got {kv_bits}")
-        if kv_group_size not in (32, 64, 128):
-            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {kv_group_size}")
+        if kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS} (or None), got {kv_bits}")
+        if kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size}")
         if _is_mla(model):
             raise ValueError("kv_bits is not supported for multi-head latent attention models "
                              "(their attention reads the cached latents directly); use kv_bits=None")
@@ -174,9 +173,9 @@ def check_kv_group_size(model: Any, kv_group_size: int) -> None:
     misfits = sorted(d for d in head_dims if d % kv_group_size)
     if not misfits:
         return
-    fits = [g for g in VALID_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
+    fits = [g for g in KV_GROUP_SIZES if all(d % g == 0 for d in head_dims)]
     hint = (f"use --kv-group-size {' or '.join(map(str, fits))}" if fits else
-            f"no valid group size ({', '.join(map(str, VALID_GROUP_SIZES))}) divides it, so this model cannot use a "
+            f"no valid group size ({', '.join(map(str, KV_GROUP_SIZES))}) divides it, so this model cannot use a "
             "quantized KV cache: run it without --kv-bits")
     raise ValueError(f"--kv-bits: the model's head_dim {misfits[0]} is not divisible by the KV quantization "
                      f"group size {kv_group_size}; {hint}")

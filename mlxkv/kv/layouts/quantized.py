@@ -20,9 +20,9 @@ caches that have ``merge``).
 from __future__ import annotations
 
 from mlxkv.kv.layouts.chunked import ChunkedKVCache
-from mlxkv.kv.layouts.dense_storage import VALID_BITS, VALID_GROUP_SIZES
 from mlxkv.kv.layouts.rotating import RotatingKVCache
 from mlxkv.kv.layouts.standard import KVCache
+from mlxkv.rules import KV_BITS, KV_GROUP_SIZES
 
 
 class _Absent:
@@ -42,10 +42,10 @@ class _Quantized:
     merge = _Absent()  # mlx-lm's batch caches hold dense rows only
 
     def __init__(self, *args, bits: int = 8, group_size: int = 64, **kwargs):
-        if bits not in VALID_BITS:
-            raise ValueError(f"kv_bits must be one of {VALID_BITS}, got {bits}")
-        if group_size not in VALID_GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be one of {VALID_GROUP_SIZES}, got {group_size}")
+        if bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS}, got {bits}")
+        if group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {group_size}")
         self.bits = bits
         self.group_size = group_size
         super().__init__(*args, **kwargs)

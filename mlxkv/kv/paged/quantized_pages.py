@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from mlxkv.kernels.geometry import page_runs
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
-from mlxkv.kv.layouts.dense_storage import VALID_BITS, VALID_GROUP_SIZES
 from mlxkv.kv.paged.page_arrays import MAX_CONCAT_RUNS, PagedStorage, _as_pages, is_view
+from mlxkv.rules import KV_BITS, KV_GROUP_SIZES
 
 Planes = tuple  # (packed uint32, scales, biases), each (..., rows, width)
 
@@ -39,9 +39,9 @@ def quantize_rows(x: mx.array, bits: int, group_size: int) -> Planes:
     """
     D = x.shape[-1]
     if D % group_size:
-        fits = [g for g in VALID_GROUP_SIZES if D % g == 0]
+        fits = [g for g in KV_GROUP_SIZES if D % g == 0]
         hint = (f"use --kv-group-size {' or '.join(map(str, fits))}" if fits else
-                f"no valid group size ({', '.join(map(str, VALID_GROUP_SIZES))}) divides it, so this model cannot "
+                f"no valid group size ({', '.join(map(str, KV_GROUP_SIZES))}) divides it, so this model cannot "
                 "use a quantized KV cache: run it without --kv-bits")
         raise ValueError(f"--kv-bits: the model's head_dim {D} is not divisible by the KV quantization group size "
                          f"{group_size}; {hint}")
@@ -85,10 +85,10 @@ class QuantizedPagedStorage(PagedStorage):
     quantized = True
 
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, *, bits: int, group_size: int):
-        if bits not in VALID_BITS:
-            raise ValueError(f"kv_bits must be one of {VALID_BITS}, got {bits}")
-        if group_size not in VALID_GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be one of {VALID_GROUP_SIZES}, got {group_size}")
+        if bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS}, got {bits}")
+        if group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {group_size}")
         super().__init__(num_blocks, block_size, num_layers)
         self.bits = bits
         self.group_size = group_size
