@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from mlxkv.config import KV_OVERFLOW_POLICIES, KvOverflowConfig
+from mlxkv.config import KvOverflowConfig
+from mlxkv.rules import KV_OVERFLOW_POLICIES
 
 #: A budget every page size and sink count leaves room in: probing a policy must not trip the budget checks.
 _PROBE_BUDGET = 1 << 16
