@@ -29,6 +29,8 @@ log = logging.getLogger("mlxkv.cpu_ops")
 
 #: Positions the RoPE table covers at first; it grows (doubling) when a single sequence goes past it.
 TABLE_POSITIONS = 8192
+#: The largest table built up front (a declared context of billions of tokens must not size an allocation).
+MAX_INITIAL_POSITIONS = 1 << 17
 
 
 class TableRoPE(nn.RoPE):
@@ -158,7 +160,7 @@ def install_cpu_ops(model: Any, context_length: int | None = None) -> list[str]:
 
     if mx.default_device() != mx.cpu or not flags().cpu_ops:
         return []
-    positions = max(TABLE_POSITIONS, context_length or 0)
+    positions = max(TABLE_POSITIONS, min(context_length or 0, MAX_INITIAL_POSITIONS))  # grows on demand past it
     swaps, checked = [], {}
     heads = getattr(getattr(model, "args", None), "num_attention_heads", 8)
     for name, module in model.named_modules():

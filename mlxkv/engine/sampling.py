@@ -19,6 +19,8 @@ PENALTY_RANGE = 2.0
 LOGIT_BIAS_RANGE = 100.0
 #: Tokens of history mlx-lm's penalties look at by default (mlx_lm.server's ``*_context_size`` default).
 DEFAULT_PENALTY_CONTEXT = 20
+#: The widest penalty window: MLX slices the token history with 32-bit indices.
+MAX_PENALTY_CONTEXT = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -40,7 +42,8 @@ class SamplingParams:
             [-2, 2]; 0 disables it.
         repetition_penalty: sign-aware multiplicative penalty (> 0; CTRL's) over the last
             ``repetition_context_size`` tokens; ``None`` or 1 disables it.
-        presence_context_size, frequency_context_size, repetition_context_size: the penalties' windows (>= 1).
+        presence_context_size, frequency_context_size, repetition_context_size: the penalties' windows (>= 1, at
+            most ``MAX_PENALTY_CONTEXT``).
         logit_bias: token id -> value in [-100, 100] added to its logit before sampling.
     """
 
@@ -77,8 +80,8 @@ class SamplingParams:
         if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_context_size", "frequency_context_size", "repetition_context_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= MAX_PENALTY_CONTEXT:
+                raise ValueError(f"{name} must be in [1, {MAX_PENALTY_CONTEXT}], got {getattr(self, name)}")
         for token, value in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")

@@ -7,8 +7,10 @@ llama.cpp with the ``llama`` architecture, so they load as llama.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from mlxkv.gguf.bounds import check_hyperparameters
 from mlxkv.gguf.reader import GGUFError, GGUFFile
 
 #: GGUF architecture -> mlx-lm ``model_type``.
@@ -45,29 +47,30 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
             "this GGUF carries per-frequency RoPE factors (rope_freqs, as Llama 3.1+ files do), which mlxkv cannot "
             "map to mlx-lm's rope_scaling; use the model's MLX or safetensors release instead"
         )
-    heads = int(_get(meta, arch, "attention.head_count"))
-    hidden = int(_get(meta, arch, "embedding_length"))
-    head_dim = int(_get(meta, arch, "attention.key_length", hidden // heads, required=False))
-    rope_dims = int(_get(meta, arch, "rope.dimension_count", head_dim, required=False))
-    if rope_dims != head_dim:
-        raise GGUFError(f"partial RoPE ({rope_dims} of {head_dim} dimensions) is not supported for {arch}")
     if "token_embd.weight" not in gguf.tensors:
         raise GGUFError("this GGUF file has no token embedding tensor (token_embd.weight)")
+    heads = _int(meta, arch, "attention.head_count")
+    hidden = _int(meta, arch, "embedding_length")
+    head_dim = _int(meta, arch, "attention.key_length", hidden // heads if heads > 0 else 0, required=False)
     vocab = gguf.tensors["token_embd.weight"].shape[0]  # the embedding's rows, whatever the tokenizer lists
     config: dict[str, Any] = {
         "model_type": MODEL_TYPES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(_get(meta, arch, "block_count")),
-        "intermediate_size": int(_get(meta, arch, "feed_forward_length")),
+        "num_hidden_layers": _int(meta, arch, "block_count"),
+        "intermediate_size": _int(meta, arch, "feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_get(meta, arch, "attention.head_count_kv", heads, required=False)),
+        "num_key_value_heads": _int(meta, arch, "attention.head_count_kv", heads, required=False),
         "head_dim": head_dim,
-        "rms_norm_eps": float(_get(meta, arch, "attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _positive(meta, arch, "attention.layer_norm_rms_epsilon"),
         "vocab_size": vocab,
-        "max_position_embeddings": int(_get(meta, arch, "context_length", 4096, required=False)),
-        "rope_theta": float(_get(meta, arch, "rope.freq_base", 10000.0, required=False)),
+        "max_position_embeddings": _int(meta, arch, "context_length", 4096, required=False),
+        "rope_theta": _positive(meta, arch, "rope.freq_base", 10000.0, required=False),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
     }
+    check_hyperparameters(arch, config, gguf.dims)
+    rope_dims = _int(meta, arch, "rope.dimension_count", head_dim, required=False)
+    if rope_dims != head_dim:
+        raise GGUFError(f"partial RoPE ({rope_dims} of {head_dim} dimensions) is not supported for {arch}")
     scaling = _rope_scaling(meta, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -78,11 +81,31 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
                           ("pad_token_id", "padding_token_id")):
         value = meta.get(f"tokenizer.ggml.{meta_key}")
         if value is not None:
-            config[key] = int(value)
-    eos = end_of_turn_ids(meta)
+            config[key] = _token_id(value, f"tokenizer.ggml.{meta_key}", vocab)
+    eos = [_token_id(e, "tokenizer.ggml.eos_token_id", vocab) for e in end_of_turn_ids(meta)]
     if len(eos) > 1:
         config["eos_token_id"] = eos
     return config
+
+
+def _int(meta: dict[str, Any], arch: str, key: str, default: Any = None, *, required: bool = True) -> int:
+    value = _get(meta, arch, key, default, required=required)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"{arch}.{key} is {str(value)[:40]!r}: an integer is needed")
+    return value
+
+
+def _positive(meta: dict[str, Any], arch: str, key: str, default: Any = None, *, required: bool = True) -> float:
+    value = _get(meta, arch, key, default, required=required)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise GGUFError(f"{arch}.{key} is {str(value)[:40]!r}: a finite number above 0 is needed")
+    return float(value)
+
+
+def _token_id(value: Any, key: str, vocab: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise GGUFError(f"{key} is {str(value)[:40]!r}: a token id below the vocabulary's {vocab} is needed")
+    return value
 
 
 def end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
@@ -90,8 +113,10 @@ def end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise GGUFError(f"tokenizer.ggml.{key} is {str(value)[:40]!r}: a token id is needed")
+        if value is not None and value not in ids:
+            ids.append(value)
     return ids
 
 

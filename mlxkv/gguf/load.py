@@ -66,7 +66,8 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise GGUFError(f"the GGUF tensors do not fit a {config['model_type']} model: {exc}") from None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise GGUFError(f"the GGUF tensors do not fit a {config['model_type']} model: {first[:300]}") from None
     return model
 
 

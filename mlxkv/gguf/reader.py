@@ -10,18 +10,15 @@ float16).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxkv.gguf.header import header_tensor_types
+from mlxkv.gguf.bounds import check_layout
+from mlxkv.gguf.header import GGUFError, Header, read_header
 
 #: ggml tensor types MLX turns into arrays it can compute with (quantized ones keep their quantization).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
-
-
-class GGUFError(ValueError):
-    """A GGUF file that mlxkv cannot load; the message is one line meant for the user."""
 
 
 @dataclass
@@ -31,17 +28,32 @@ class GGUFFile:
     tensors: MLX arrays by GGUF tensor name (quantized tensors as ``.weight`` / ``.scales`` / ``.biases``).
     metadata: every key-value pair, as Python scalars, strings and lists.
     types: the ggml type name of each tensor (``"Q4_1"``, ``"F32"``, ...).
+    dims: each tensor's dimensions as the header lists them (GGUF order: ``ne0``, the row length, first).
     """
 
     path: Path
     tensors: dict[str, Any]
     metadata: dict[str, Any]
     types: dict[str, str]
+    dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
         """``general.architecture`` (``llama``, ``qwen2``, ...)."""
         return str(self.metadata.get("general.architecture", ""))
+
+
+def header(path: Path) -> Header:
+    """The file's header (metadata and tensor table), read without any tensor data.
+
+    Raises:
+        GGUFError: the file is not a GGUF file, or its header cannot be parsed.
+    """
+    try:
+        with open(path, "rb") as f:
+            return read_header(f)
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise GGUFError(f"{path} is not a readable GGUF file: {_first_line(exc)}") from None
 
 
 def tensor_types(path: Path) -> dict[str, str]:
@@ -50,11 +62,7 @@ def tensor_types(path: Path) -> dict[str, str]:
     Raises:
         GGUFError: the file is not a GGUF file, or its header cannot be parsed.
     """
-    try:
-        with open(path, "rb") as f:
-            return header_tensor_types(f)
-    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise GGUFError(f"{path} is not a readable GGUF file: {_first_line(exc)}") from None
+    return {t.name: t.kind for t in header(path).tensors}
 
 
 def check_types(types: dict[str, str], path: Path) -> None:
@@ -77,13 +85,19 @@ def read(path: str | Path) -> GGUFFile:
     import mlx.core as mx
 
     path = Path(path)
-    types = tensor_types(path)
+    head = header(path)
+    types = {t.name: t.kind for t in head.tensors}
     check_types(types, path)
+    try:
+        check_layout(head, path.stat().st_size)  # MLX's native reader trusts the header: bounded first
+    except GGUFError as exc:
+        raise GGUFError(f"{path.name}: {exc}") from None
     try:
         tensors, raw_meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as exc:
         raise GGUFError(f"MLX could not read {path.name}: {_first_line(exc)}") from None
-    return GGUFFile(path=path, tensors=tensors, metadata={k: _plain(v) for k, v in raw_meta.items()}, types=types)
+    return GGUFFile(path=path, tensors=tensors, metadata={k: _plain(v) for k, v in raw_meta.items()}, types=types,
+                    dims={t.name: t.dims for t in head.tensors})
 
 
 def _plain(value: Any) -> Any:

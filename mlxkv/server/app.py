@@ -179,7 +179,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                         chat: bool, tools: ToolOutput | None = None) -> Any:
         prompt = prepared.prompt
         params = sampling_params(body, defaults, max_new_tokens(body, defaults, len(prompt), engine.context_length,
-                                                                chat), vocab)
+                                                                chat), vocab, engine.context_length)
         logprobs = body.logprobs_count()
         logprob_format = LogprobFormat(token_text, eos, chat) if logprobs is not None else None
         outputs = [ChoiceOutput(splitter_for(tokenizer, prompt) if chat else None, logprob_format, tools, i)

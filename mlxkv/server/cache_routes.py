@@ -33,18 +33,21 @@ from mlxkv.server.tenancy import CacheResetRequest, reset_scope
 
 #: How often an events stream looks for new events (seconds).
 EVENTS_POLL_S = 0.1
+#: Event numbers are counted in a 63-bit range: a larger cursor cannot name an event.
+MAX_CURSOR = 2**63 - 1
+MAX_CURSOR_DIGITS = len(str(MAX_CURSOR))
 
 
 def _cursor(value: str | None, name: str) -> int | None:
     if value is None or value == "":
         return None
     try:
-        n = int(value)
+        n = int(value) if len(value) <= MAX_CURSOR_DIGITS else -1
     except ValueError:
         n = -1
-    if n < 0:
-        raise APIError(400, f"{name} must be an event sequence number (an integer >= 0), got {value!r}",
-                       "invalid_value", name)
+    if not 0 <= n <= MAX_CURSOR:
+        raise APIError(400, f"{name} must be an event sequence number (an integer in [0, 2**63)), got "
+                       f"{value[:40]!r}", "invalid_value", name)
     return n
 
 

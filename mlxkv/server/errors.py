@@ -36,9 +36,16 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
+def _encodable(text: str | None) -> str | None:
+    """``text`` with any lone surrogate written as a ``\\udXXX`` escape: a message quoting a hostile key or value
+    must still encode as UTF-8."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None, *,
                path: str = "") -> dict:
     """The error body for ``status`` in the shape of ``path``'s API (OpenAI's unless :func:`is_anthropic`)."""
+    message, param = _encodable(message), _encodable(param)
     if is_anthropic(path):
         return anthropic_error_body(status, message)
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),

@@ -34,12 +34,23 @@ def max_new_tokens(body: Any, defaults: SamplingDefaults, prompt_tokens: int, co
     return max(1, (context_length or DEFAULT_CHAT_TOKENS + prompt_tokens) - prompt_tokens)
 
 
-def sampling_params(body: Any, defaults: SamplingDefaults, max_tokens: int, vocab_size: int | None) -> SamplingParams:
+#: The request fields that size a window over the token history.
+WINDOW_FIELDS = ("presence_context_size", "frequency_context_size", "repetition_context_size")
+
+
+def sampling_params(body: Any, defaults: SamplingDefaults, max_tokens: int, vocab_size: int | None,
+                    context_length: int | None = None) -> SamplingParams:
     """The engine's sampling settings for ``body`` (a chat or completions request).
 
     Raises:
-        APIError: 400 for a ``logit_bias`` token outside the vocabulary, or settings the engine refuses.
+        APIError: 400 for a penalty window wider than the model's context (``context_length``), a ``logit_bias``
+            token outside the vocabulary, or settings the engine refuses.
     """
+    for name in WINDOW_FIELDS:
+        size = getattr(body, name)
+        if size is not None and context_length is not None and size > context_length:
+            raise APIError(400, f"{name} must be at most the model's context of {context_length} tokens, got {size}",
+                           "invalid_value", name)
     bias = body.bias()
     if bias and vocab_size is not None and max(bias) >= vocab_size:
         raise APIError(400, f"logit_bias token {max(bias)} is outside the vocabulary (ids 0-{vocab_size - 1})",

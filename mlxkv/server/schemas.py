@@ -32,12 +32,14 @@ from mlxkv.engine.request import (
     RetentionRange,
     RetentionSpec,
 )
-from mlxkv.engine.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE
+from mlxkv.engine.sampling import LOGIT_BIAS_RANGE, MAX_PENALTY_CONTEXT, PENALTY_RANGE
 from mlxkv.server.kv_overflow import KvOverflowBody
 from mlxkv.server.tool_schemas import ToolMessageFields, ToolRequestFields
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
+#: A token id has at most this many digits (ids are below 2**31).
+MAX_TOKEN_ID_DIGITS = 10
 
 
 class _NullIsDefault(BaseModel):
@@ -127,9 +129,12 @@ class _Common(_NullIsDefault):
     presence_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     frequency_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     repetition_penalty: Optional[float] = Field(None, gt=0.0, description="mlx-lm's multiplicative penalty; 1 is off")
-    presence_context_size: Optional[int] = Field(None, ge=1, description="tokens the presence penalty looks back")
-    frequency_context_size: Optional[int] = Field(None, ge=1, description="tokens the frequency penalty looks back")
-    repetition_context_size: Optional[int] = Field(None, ge=1, description="tokens the repetition penalty looks back")
+    presence_context_size: Optional[int] = Field(None, ge=1, le=MAX_PENALTY_CONTEXT,
+                                                  description="tokens the presence penalty looks back")
+    frequency_context_size: Optional[int] = Field(None, ge=1, le=MAX_PENALTY_CONTEXT,
+                                                   description="tokens the frequency penalty looks back")
+    repetition_context_size: Optional[int] = Field(None, ge=1, le=MAX_PENALTY_CONTEXT,
+                                                    description="tokens the repetition penalty looks back")
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="prefix-cache isolation: only requests with the same salt share KV")
@@ -163,7 +168,9 @@ class _Common(_NullIsDefault):
     def _bias(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
         for key, value in (v or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys must be token ids written as strings of digits, got {key!r}")
+                raise ValueError(f"keys must be token ids written as strings of digits, got {key[:40]!r}")
+            if len(key) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"keys must be token ids below 2**31, got a key of {len(key)} digits")
             if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
         return v
@@ -231,11 +238,18 @@ class ChatCompletionRequest(ToolRequestFields, _Common):
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is text, a one-element list of text, or token ids."""
 
-    prompt: Union[str, list[str], list[int]]
+    prompt: Union[str, list[str], list[StrictInt]]
     echo: Literal[False] = Field(False, description="echoing the prompt is not supported")
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                           description="report each output token's log-probability and this many "
                                                       "most likely alternatives")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_boolean_ids(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(t, bool) for t in v):
+            raise ValueError("prompt token ids must be integers, not true/false")
+        return v
 
     @field_validator("prompt")
     @classmethod

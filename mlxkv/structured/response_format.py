@@ -36,6 +36,11 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 #: What ``json_object`` means: any JSON object (llguidance allows any properties when none are listed).
 _ANY_OBJECT = {"type": "object"}
+#: Bounds on a schema, checked before the grammar engine sees it (its compile and mask costs grow with them).
+MAX_SCHEMA_BRANCHES = 256  # the branches of one anyOf / oneOf / allOf
+MAX_SCHEMA_NODES = 10_000  # objects, arrays and values in the whole schema
+MAX_SCHEMA_DEPTH = 64
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +132,7 @@ def json_schema_format(schema: Any, *, name: str | None = None) -> ResponseForma
     """
     if not isinstance(schema, Mapping):
         raise ValueError(f"the JSON schema must be an object, got {type(schema).__name__}")
+    _check_size(schema)
     fmt = ResponseFormat("json_schema", _canonical(schema), name)
     grammar_for(fmt.schema_text)
     return fmt
@@ -191,6 +197,31 @@ def schema_problem(message: str) -> str:
         keys = ", ".join(k.strip().strip('"') for k in unimplemented.group(1).split(","))
         return f"JSON schema feature not supported for constrained decoding: {keys}"
     return f"invalid JSON schema: {' '.join(message.split())}"
+
+
+def _check_size(schema: Mapping) -> None:
+    """Refuse a schema over the ``MAX_SCHEMA_*`` bounds (iterative: a deep schema cannot exhaust the stack).
+
+    Raises:
+        ValueError: naming the bound and where the schema passes it.
+    """
+    nodes = 0
+    stack: list[tuple[Any, int, str]] = [(schema, 1, "schema")]
+    while stack:
+        node, depth, where = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"the JSON schema is too large: over {MAX_SCHEMA_NODES} values")
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {where[:200]})")
+        if isinstance(node, Mapping):
+            for key in _COMBINATORS:
+                branches = node.get(key)
+                if isinstance(branches, list) and len(branches) > MAX_SCHEMA_BRANCHES:
+                    raise ValueError(f"{where}.{key} has {len(branches)} branches: at most {MAX_SCHEMA_BRANCHES}")
+            stack.extend((v, depth + 1, f"{where}.{k}") for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1, f"{where}.{i}") for i, v in enumerate(node))
 
 
 def _canonical(schema: Mapping) -> str:

@@ -53,6 +53,11 @@ class GrammarVocabulary:
                 self._matchers.move_to_end(grammar)
                 return pristine.deep_copy()
         pristine = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if not pristine.is_error():
+            first = pristine.deep_copy()
+            first.compute_bitmask()  # a grammar that admits no first token (a $ref cycle) fails here, not mid-decode
+            if first.is_error():
+                raise ValueError(f"the schema admits no output: {first.get_error().strip().splitlines()[0]}")
         if pristine.is_error():
             from mlxkv.structured.response_format import schema_problem
 

@@ -32,12 +32,14 @@ def dequantized(w: np.ndarray, qtype_name: str) -> np.ndarray:
 
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2", tokenizer: bool = True,
-               extra_tensors: dict[str, np.ndarray] | None = None, architecture: str | None = None) -> Path:
+               extra_tensors: dict[str, np.ndarray] | None = None, architecture: str | None = None,
+               extra_metadata: dict[str, int] | None = None) -> Path:
     """Write the Hugging Face test model in ``folder`` as a GGUF file at ``out``.
 
     Matrices are stored as ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1), vectors as F32; llama's q/k rows are
     permuted as llama.cpp writes them. The tokenizer (byte-level BPE) is written from ``tokenizer.json`` with
-    pre-tokenizer name ``pre``.
+    pre-tokenizer name ``pre``. ``extra_metadata`` adds uint32 keys (``general.alignment``: the value is
+    only recorded; the file keeps the writer's own 32-byte alignment).
     """
     import gguf
     import mlx.core as mx
@@ -62,6 +64,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    for key, value in (extra_metadata or {}).items():
+        writer.add_uint32(key, value)
     if tokenizer:
         _write_tokenizer(writer, folder, pre)
 
@@ -79,6 +83,33 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def scalar_fields(path: Path) -> dict[str, tuple[int, str]]:
+    """``{key: (byte offset of its value, struct format)}`` for every scalar metadata value of the GGUF file at
+    ``path`` (read with llama.cpp's reader), so a test can patch a value in place (:func:`patched`)."""
+    import gguf
+
+    formats = {gguf.GGUFValueType.UINT8: "B", gguf.GGUFValueType.INT8: "b", gguf.GGUFValueType.UINT16: "H",
+               gguf.GGUFValueType.INT16: "h", gguf.GGUFValueType.UINT32: "I", gguf.GGUFValueType.INT32: "i",
+               gguf.GGUFValueType.FLOAT32: "f", gguf.GGUFValueType.BOOL: "?", gguf.GGUFValueType.UINT64: "Q",
+               gguf.GGUFValueType.INT64: "q", gguf.GGUFValueType.FLOAT64: "d"}
+    fields = {}
+    for name, field in gguf.GGUFReader(str(path)).fields.items():
+        if len(field.types) == 1 and field.types[0] in formats and not name.startswith("GGUF."):
+            fields[name] = (field.offset + 8 + len(name.encode()) + 4, formats[field.types[0]])
+    return fields
+
+
+def patched(data: bytes, fields: dict[str, tuple[int, str]], values: dict[str, int | float]) -> bytes:
+    """``data`` (a GGUF file's bytes) with the scalar metadata ``values`` written over their own (same type)."""
+    import struct
+
+    out = bytearray(data)
+    for key, value in values.items():
+        offset, fmt = fields[key]
+        struct.pack_into("<" + fmt, out, offset, value)
+    return bytes(out)
 
 
 def _add(writer, name: str, w: np.ndarray, qtype: str) -> None:
