@@ -84,7 +84,7 @@ class BatchEngine:
         self.vocab_size = vocab_size_of(model)
         self._scheduler = Scheduler(model, tokenizer, self.pool, max_sequences=self.config.max_sequences,
                                     prefill_chunk_size=self.config.prefill_chunk_size, observer=observer,
-                                    on_dequeue=self._dequeued)
+                                    on_dequeue=self._dequeued, intake=self._take_submissions)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted (or dropped)
@@ -295,6 +295,13 @@ class BatchEngine:
             log.warning("batched prefill unavailable (%s): prefilling sequences one by one", reason)
         return ok, reason
 
+    def _take_submissions(self) -> bool:
+        """The scheduler's intake (between a step's plans): handle what reached the inbox; whether any request
+        was submitted."""
+        before = self._scheduler.totals["requests"]
+        self._handle_commands(block=False)
+        return self._scheduler.totals["requests"] > before
+
     def _handle_commands(self, block: bool) -> None:
         try:
             if block:  # idle: wake for the tier's next sweep too, if one is due
@@ -315,7 +322,7 @@ class BatchEngine:
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 future.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
-            elif kind == "drain":  # run once the commands are handled: see _run_drains
+            elif kind == "drain":  # not between a step's plans (this may be the scheduler's intake): see _run_drains
                 self._drains.append(payload)
             elif kind == "stop":
                 self._flush_timeout = payload

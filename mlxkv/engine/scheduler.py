@@ -60,12 +60,16 @@ class Scheduler:
         batched_prefill: prefill chunks of up to ``MAX_BATCHED_CHUNK`` tokens of different sequences in one
             forward; switched off by the first step that cannot.
         runner: executes the plans (default: a :class:`~mlxkv.engine.runner.ModelRunner` over ``model``).
+        intake: called by :meth:`schedule` once the step's prefills are planned, to :meth:`add` requests that
+            arrived meanwhile, True if it added any: those are admitted and their short prompts prefilled before the
+            step's decode, up to ``PREFILL_FIRST_S`` after the step began.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
                  prefill_chunk_size: int = 512,
                  observer: EngineObserver | None = None, on_dequeue: Callable[[], None] = lambda: None,
-                 batched: bool = True, batched_prefill: bool = False, runner: Any = None):
+                 batched: bool = True, batched_prefill: bool = False, runner: Any = None,
+                 intake: Callable[[], bool] | None = None):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.tokenizer = tokenizer
@@ -87,6 +91,7 @@ class Scheduler:
         self.runner = runner if runner is not None else ModelRunner(model, batched=batched,
                                                                     batched_prefill=batched_prefill, totals=self.totals)
         self.decode_loop = DecodeLoop()
+        self.intake = intake
         self._plans: Iterator[StepPlan] = iter(())
 
     @property
@@ -136,7 +141,7 @@ class Scheduler:
         (:meth:`schedule`, :meth:`schedule_decode`), executed by the runner, and applied (:meth:`update`)."""
         self.begin_step()
         while (plan := self.schedule()) is not None:
-            self.update(plan, self.runner.execute(plan))
+            self.update(plan, self._execute(plan))
         flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
         self._decode()
 
@@ -152,10 +157,36 @@ class Scheduler:
                           "cancelled")
         # Sequences already decoding wait for this step's prefills: none starts past the limit (a burst of
         # prompts into a busy engine spreads over steps instead of stalling every running stream for all of them).
-        deadline = time.perf_counter() + PREFILL_FIRST_S if self.running else None
+        limit = time.perf_counter() + PREFILL_FIRST_S
         head.admitted = self._admit()
-        self._plans = self._prefill_plans(deadline)
+        self._plans = self._step_plans(limit, deadline=limit if self.running else None)
         return head
+
+    def _step_plans(self, limit: float, deadline: float | None) -> Iterator[StepPlan]:
+        """The step's prefill plans; then, while the running sequences' token has waited < ``PREFILL_FIRST_S``,
+        those of requests the intake brought meanwhile (new short prompts only: a long uncached prompt waits for
+        the next step)."""
+        yield from self._prefill_plans(deadline)
+        flush_wakeups()  # anything the prefills emitted goes out before the intake's prefills
+        while self.intake is not None and time.perf_counter() < limit and self.intake():
+            self._admit()
+            new = [t for t in self.prefilling if t.seq is None]
+            if not new:
+                break
+            yield from self._prefill_plans(deadline, new, short_only=True)
+            flush_wakeups()
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        """``plan`` through the runner (a single chunk as :meth:`_forward_chunk`)."""
+        if len(plan.prefills) == 1 and not plan.together:
+            return self._forward_chunk(plan.prefills[0].task, len(plan.prefills[0]))
+        return self.runner.execute(plan)
+
+    def _forward_chunk(self, task: Prefill, n: int) -> StepOutput:
+        """``task``'s next ``n`` prompt tokens through the runner; the chunk's logits kept when it ends a request's
+        own prompt (its first token is sampled from them)."""
+        ends = task.first_from_prefill and task.done + n == task.target
+        return self.runner.execute(StepPlan(prefills=[PrefillChunk(task, task.done, task.done + n, ends)]))
 
     def schedule(self) -> StepPlan | None:
         """This step's next prefill forward (None: its prefills are done). Each is decided after the one before
@@ -186,7 +217,7 @@ class Scheduler:
                 return
             for chunk in plan.prefills:
                 single = StepPlan(prefills=[chunk])
-                self.update(single, self.runner.execute(single))
+                self.update(single, self._execute(single))
 
     def _sequences_held(self) -> int:
         """Sequences counted against ``max_sequences``: running, and those prefilling (``n`` for a request)."""
@@ -285,15 +316,17 @@ class Scheduler:
         choice.seq = None
 
     # ---- prefill -------------------------------------------------------------------------------------------
-    def _prefill_plans(self, deadline: float | None) -> Iterator[StepPlan]:
-        """This step's prefill forwards: up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks, in
+    def _prefill_plans(self, deadline: float | None, tasks: list[Prefill] | None = None,
+                       short_only: bool = False) -> Iterator[StepPlan]:
+        """Prefill forwards: up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in
         order, each planned after the previous plan was applied; with batched prefill on, chunks of at most
-        ``MAX_BATCHED_CHUNK`` tokens are planned together, last (their slots taken in turn). ``deadline``
-        (``perf_counter`` time): no task starts past it, but the first always does."""
+        ``MAX_BATCHED_CHUNK`` tokens are planned together, last (their slots taken in turn). ``short_only``: longer
+        tasks wait for the next step. ``deadline`` (``perf_counter`` time): no task starts past it, but the first
+        always does."""
         budget = self.prefill_chunk_size
         together: list[PrefillChunk] = []
         ran = False
-        for task in list(self.prefilling):
+        for task in list(self.prefilling) if tasks is None else tasks:
             if task not in self.prefilling:  # preempted by an earlier task of this step
                 continue
             if ran and deadline is not None and time.perf_counter() >= deadline:
@@ -302,6 +335,8 @@ class Scheduler:
             if (task.seq is None or task.seq.preempted) and not self._open(task):
                 continue  # it failed
             target = task.target
+            if short_only and target - task.done > MAX_BATCHED_CHUNK:
+                continue
             plan = None
             try:
                 n = min(budget, target - task.done)
