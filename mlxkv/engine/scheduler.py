@@ -1,7 +1,9 @@
 """The continuous-batching scheduler: who is admitted, who is preempted, which prompt chunks prefill, who decodes.
 
-Runs on the engine thread only. It decides; :class:`~mlxkv.engine.runner.ModelRunner` executes forwards and
-sampling, :class:`~mlxkv.engine.decode_loop.DecodeLoop` overlaps decode steps, :mod:`mlxkv.engine.output` turns
+Runs on the engine thread only. It decides each forward as a :class:`~mlxkv.engine.plan.StepPlan` (:meth:`Scheduler.
+schedule`, :meth:`Scheduler.schedule_decode`), :meth:`~mlxkv.engine.runner.ModelRunner.execute` runs its forwards
+and sampling, and :meth:`Scheduler.update` applies the output; :mod:`mlxkv.engine.decode_loop` holds the tokens in
+flight between decode steps, :mod:`mlxkv.engine.output` turns
 tokens into text and events, and the KV cache is reached only through its facade (:mod:`mlxkv.kv`). A step drops
 cancelled requests; admits preempted sequences, then waiting requests by priority, while their sequences fit
 ``max_sequences`` and their blocks the pool; prefills up to ``prefill_chunk_size`` prompt tokens in admission order
