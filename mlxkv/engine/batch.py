@@ -235,8 +235,10 @@ class BatchEngine:
         sched = self._scheduler
         try:
             fast_exp2_ready()  # the attention's compiled exponential: checked (built, on a new machine) before requests
-            sched.runner.batched, self._batched_reason = self._decide_batching()
-            sched.runner.batched_prefill, self._batched_prefill_reason = self._decide_prefill_batching(sched.batched)
+            batched, self._batched_reason = self._decide_batching()
+            sched.set_batching(batched, False)
+            batched_prefill, self._batched_prefill_reason = self._decide_prefill_batching(batched)
+            sched.set_batching(batched, batched_prefill)
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._start_error = exc
             self._running = False
@@ -253,12 +255,11 @@ class BatchEngine:
                             sched.step()
                     except Exception:  # noqa: BLE001 - the scheduler contains per-request failures; this is a bug
                         log.exception("engine step failed")
-                        for job in sched.jobs():
-                            sched._fail(job, RuntimeError("internal engine error"))
+                        sched.end_all(Event("error", finish_reason="error",
+                                            message="RuntimeError: internal engine error"))
                 self._publish()
         finally:
-            for job in sched.jobs():
-                sched._end(job, Event("error", finish_reason="error", message="the engine stopped"), "failed")
+            sched.end_all(Event("error", finish_reason="error", message="the engine stopped"))
             try:
                 self.last_flush = self.pool.flush_tier(self._flush_timeout)
             except Exception:  # noqa: BLE001 - a failed flush loses cached blocks, never the shutdown
@@ -295,7 +296,8 @@ class BatchEngine:
         return ok, reason
 
     def _take_submissions(self) -> bool:
-        """Mid-step (the scheduler's intake): handle what reached the inbox; whether any request was submitted."""
+        """The scheduler's intake (between a step's plans): handle what reached the inbox; whether any request
+        was submitted."""
         before = self._scheduler.totals["requests"]
         self._handle_commands(block=False)
         return self._scheduler.totals["requests"] > before
@@ -320,7 +322,7 @@ class BatchEngine:
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 future.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
-            elif kind == "drain":  # not mid-step (this may be the scheduler's intake): see _run_drains
+            elif kind == "drain":  # not between a step's plans (this may be the scheduler's intake): see _run_drains
                 self._drains.append(payload)
             elif kind == "stop":
                 self._flush_timeout = payload
@@ -334,10 +336,7 @@ class BatchEngine:
         """End every unfinished request with the shutdown event, for each drain command received."""
         while self._drains:
             message, future = self._drains.pop(0)
-            jobs = self._scheduler.jobs()
-            for job in jobs:
-                self._scheduler._end(job, Event("error", finish_reason="shutdown", message=message), "failed")
-            future.set_result(len(jobs))
+            future.set_result(self._scheduler.end_all(Event("error", finish_reason="shutdown", message=message)))
 
     def _paged_stats(self, force: bool) -> dict:
         """Block and prefix-cache figures from the pool (its block scan is O(blocks): at most every 0.25 s

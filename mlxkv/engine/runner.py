@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxkv.engine.plan import StepOutput, StepPlan
 from mlxkv.engine.prefill_batch import prefill_together
 from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
 from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
@@ -34,6 +35,25 @@ class ModelRunner:
         self.batched = batched
         self.batched_prefill = batched_prefill
         self.totals = totals
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run ``plan``'s forwards and sampling: its prefill chunks (one forward each, or all in one when
+        ``plan.together``), else its decode rows (one forward, then each row's token under its grammar mask, the
+        masks computed once the forward is queued). A failed forward is returned as ``error``, not raised."""
+        out = StepOutput()
+        try:
+            if plan.together:
+                last = self.prefill_together([c.task.seq for c in plan.prefills], [c.tokens for c in plan.prefills])
+                out.prefill_logits = [last[b : b + 1] if c.want_logits else None for b, c in enumerate(plan.prefills)]
+            elif plan.prefills:
+                out.prefill_logits = [self.prefill(c.task.seq, c.tokens, c.want_logits) for c in plan.prefills]
+            elif plan.decode:
+                logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs)  # (B, vocab)
+                masks = plan.masks(logits) if plan.masks is not None else None
+                out.tokens = self.sample(logits, [c.sampler for c in plan.decode], masks)  # (B,)
+        except Exception as exc:  # noqa: BLE001 - the scheduler fails the requests the forward touched
+            out.error = exc
+        return out
 
     def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool) -> mx.array | None:
         """``tokens`` through the model into ``seq``'s caches, evaluated; the last position's logits

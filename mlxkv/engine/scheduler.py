@@ -1,7 +1,9 @@
 """The continuous-batching scheduler: who is admitted, who is preempted, which prompt chunks prefill, who decodes.
 
-Runs on the engine thread only. It decides; :class:`~mlxkv.engine.runner.ModelRunner` executes forwards and
-sampling, :class:`~mlxkv.engine.decode_loop.DecodeLoop` overlaps decode steps, :mod:`mlxkv.engine.output` turns
+Runs on the engine thread only. It decides each forward as a :class:`~mlxkv.engine.plan.StepPlan` (:meth:`Scheduler.
+schedule`, :meth:`Scheduler.schedule_decode`), :meth:`~mlxkv.engine.runner.ModelRunner.execute` runs its forwards
+and sampling, and :meth:`Scheduler.update` applies the output; :mod:`mlxkv.engine.decode_loop` holds the tokens in
+flight between decode steps, :mod:`mlxkv.engine.output` turns
 tokens into text and events, and the KV cache is reached only through its facade (:mod:`mlxkv.kv`). A step drops
 cancelled requests; admits preempted sequences, then waiting requests by priority, while their sequences fit
 ``max_sequences`` and their blocks the pool; prefills up to ``prefill_chunk_size`` prompt tokens in admission order
@@ -20,20 +22,22 @@ import collections
 import heapq
 import itertools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
 from mlxkv.engine.constraints import consume, constraints_for, step_masks
-from mlxkv.engine.decode_loop import DecodeLoop
+from mlxkv.engine.decode_loop import DecodeLoop, decode_inputs, ends_in_flight
 from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, cache_request
 from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
+from mlxkv.engine.plan import PrefillChunk, StepOutput, StepPlan
 from mlxkv.engine.request import Event
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.engine.runner import ModelRunner
 from mlxkv.kv import CachePool, Sequence
 
-__all__ = ["MAX_BATCHED_CHUNK", "Choice", "EngineObserver", "Job", "Prefill", "Scheduler"]
+__all__ = ["MAX_BATCHED_CHUNK", "Choice", "EngineObserver", "Job", "Prefill", "PrefillChunk", "Scheduler", "StepOutput",
+           "StepPlan"]
 
 #: How long past a step's start prefills may still start before that step's decode (seconds): new arrivals when the
 #: engine was idle, any prompt when sequences are decoding (they wait at most this long plus one prefill).
@@ -57,14 +61,17 @@ class Scheduler:
         batched: ``False`` decodes sequences one by one; ``True`` uses batch views.
         batched_prefill: prefill chunks of up to ``MAX_BATCHED_CHUNK`` tokens of different sequences in one
             forward; switched off by the first step that cannot.
-        intake: called mid-step to :meth:`add` requests that arrived meanwhile, True if it added any: those
-            are admitted and prefilled before the step's decode, up to ``PREFILL_FIRST_S`` after the step began.
+        runner: executes the plans (default: a :class:`~mlxkv.engine.runner.ModelRunner` over ``model``).
+        intake: called by :meth:`schedule` once the step's prefills are planned, to :meth:`add` requests that
+            arrived meanwhile, True if it added any: those are admitted and their short prompts prefilled before the
+            step's decode, up to ``PREFILL_FIRST_S`` after the step began.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
                  prefill_chunk_size: int = 512,
                  observer: EngineObserver | None = None, on_dequeue: Callable[[], None] = lambda: None,
-                 batched: bool = True, batched_prefill: bool = False, intake: Callable[[], bool] | None = None):
+                 batched: bool = True, batched_prefill: bool = False, runner: Any = None,
+                 intake: Callable[[], bool] | None = None):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.tokenizer = tokenizer
@@ -72,7 +79,6 @@ class Scheduler:
         self.max_sequences = pool.max_sequences if max_sequences is None else min(max_sequences, pool.max_sequences)
         self.prefill_chunk_size = prefill_chunk_size
         self.observer = observer or EngineObserver()
-        self.intake = intake
         self._on_dequeue = on_dequeue
         self._order = itertools.count()
         self.waiting: list[tuple[int, int, Job]] = []  # heap of (priority, arrival, job)
@@ -84,8 +90,11 @@ class Scheduler:
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
                            batched_prefills=0, prefills_joined_decode=0)
-        self.runner = ModelRunner(model, batched=batched, batched_prefill=batched_prefill, totals=self.totals)
-        self.decode_loop = DecodeLoop(self)
+        self.runner = runner if runner is not None else ModelRunner(model, batched=batched,
+                                                                    batched_prefill=batched_prefill, totals=self.totals)
+        self.decode_loop = DecodeLoop()
+        self.intake = intake
+        self._plans: Iterator[StepPlan] = iter(())
 
     @property
     def batched(self) -> bool:
@@ -96,6 +105,10 @@ class Scheduler:
     def batched_prefill(self) -> bool:
         """Whether short prefill chunks of several sequences share one forward; the runner's switch."""
         return self.runner.batched_prefill
+
+    def set_batching(self, decode: bool, prefill: bool) -> None:
+        """Switch batched decode and batched prefill (the engine's start-up probes decide them)."""
+        self.runner.batched, self.runner.batched_prefill = decode, prefill
 
     # ---- queue ---------------------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -113,48 +126,119 @@ class Scheduler:
         seen.update({id(c.job): c.job for c in self.running})
         return list(seen.values())
 
+    def fail(self, job: Job, exc: BaseException) -> None:
+        """End ``job`` with an error event naming ``exc``; its sequences are released."""
+        self._fail(job, exc)
+
+    def end_all(self, event: Event, outcome: str = "failed") -> int:
+        """End every unfinished job with ``event`` (counted as ``outcome``); returns how many."""
+        jobs = self.jobs()
+        for job in jobs:
+            self._end(job, event, outcome)
+        return len(jobs)
+
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> None:
-        """Cancel, admit, prefill a chunk, decode one token for every running sequence."""
+        """Cancel, admit, prefill a chunk, decode one token for every running sequence: each forward planned
+        (:meth:`schedule`, :meth:`schedule_decode`), executed by the runner, and applied (:meth:`update`)."""
+        self.begin_step()
+        while (plan := self.schedule()) is not None:
+            self.update(plan, self._execute(plan))
+        flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
+        self._decode()
+
+    def begin_step(self) -> StepPlan:
+        """Start a step: drop cancelled requests and admit what fits (requests added since the last step join
+        here); returns those decisions. :meth:`schedule` then gives the step's prefill forwards."""
         self.totals["steps"] += 1
+        head = StepPlan()
         for job in self.jobs():
             if job.handle.cancelled:
+                head.cancelled.append(job)
                 self._end(job, Event("error", finish_reason="cancelled", message="the request was cancelled"),
                           "cancelled")
-        limit = time.perf_counter() + PREFILL_FIRST_S
         # Sequences already decoding wait for this step's prefills: none starts past the limit (a burst of
         # prompts into a busy engine spreads over steps instead of stalling every running stream for all of them).
-        deadline = limit if self.running else None
-        self._admit()
-        self._prefill(deadline=deadline)
-        flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
-        # Requests that arrived meanwhile prefill before this step's decode (new prompts first, short ones: a long
-        # uncached prompt waits for the next step), while the running sequences' token has waited < PREFILL_FIRST_S.
+        limit = time.perf_counter() + PREFILL_FIRST_S
+        head.admitted = self._admit()
+        self._plans = self._step_plans(limit, deadline=limit if self.running else None)
+        return head
+
+    def _step_plans(self, limit: float, deadline: float | None) -> Iterator[StepPlan]:
+        """The step's prefill plans; then, while the running sequences' token has waited < ``PREFILL_FIRST_S``,
+        those of requests the intake brought meanwhile (new short prompts only: a long uncached prompt waits for
+        the next step)."""
+        yield from self._prefill_plans(deadline)
+        flush_wakeups()  # anything the prefills emitted goes out before the intake's prefills
         while self.intake is not None and time.perf_counter() < limit and self.intake():
             self._admit()
             new = [t for t in self.prefilling if t.seq is None]
             if not new:
                 break
-            self._prefill(new, short_only=True, deadline=deadline)
+            yield from self._prefill_plans(deadline, new, short_only=True)
             flush_wakeups()
-        self._decode()
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
+        """``plan`` through the runner (a single chunk as :meth:`_forward_chunk`)."""
+        if len(plan.prefills) == 1 and not plan.together:
+            return self._forward_chunk(plan.prefills[0].task, len(plan.prefills[0]))
+        return self.runner.execute(plan)
+
+    def _forward_chunk(self, task: Prefill, n: int) -> StepOutput:
+        """``task``'s next ``n`` prompt tokens through the runner; the chunk's logits kept when it ends a request's
+        own prompt (its first token is sampled from them)."""
+        ends = task.first_from_prefill and task.done + n == task.target
+        return self.runner.execute(StepPlan(prefills=[PrefillChunk(task, task.done, task.done + n, ends)]))
+
+    def schedule(self) -> StepPlan | None:
+        """This step's next prefill forward (None: its prefills are done). Each is decided after the one before
+        it was applied: a sequence opens, taking its prefix hit, when its turn comes, so requests admitted
+        together share what the first computes."""
+        return next(self._plans, None)
+
+    def update(self, plan: StepPlan, out: StepOutput) -> None:
+        """Apply ``out``, what the runner produced for ``plan``: prefilled positions committed and prompts that
+        are complete start decoding (a request's own sampling its first token); decode tokens held in flight,
+        the previous step's read and emitted; a failed forward fails the requests it touched."""
+        if plan.decode:
+            self._decoded(plan, out)
+            return
+        for task in plan.started:
+            self._start(task)
+        if not plan.prefills:
+            return
+        if out.error is None:
+            self._prefilled(plan.prefills, out.prefill_logits)
+        elif not plan.together:
+            self._fail(plan.prefills[0].task.job, out.error)
+        else:  # rewind, then one by one: only a request that fails alone fails
+            tasks = [c.task for c in plan.prefills]
+            if not all(t.seq.rewind_to(t.done) for t in tasks):
+                for job in {id(t.job): t.job for t in tasks}.values():
+                    self._fail(job, out.error)
+                return
+            for chunk in plan.prefills:
+                single = StepPlan(prefills=[chunk])
+                self.update(single, self._execute(single))
 
     def _sequences_held(self) -> int:
         """Sequences counted against ``max_sequences``: running, and those prefilling (``n`` for a request)."""
         return len(self.running) + sum(t.sequences for t in self.prefilling)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Prefill]:
         """Preempted sequences first (in preemption order), then waiting jobs by priority; each while its
-        sequences fit in ``max_sequences`` and its blocks in the pool's free capacity."""
+        sequences fit in ``max_sequences`` and its blocks in the pool's free capacity. Returns the admitted."""
+        admitted: list[Prefill] = []
         free = self.pool.free_capacity()
         while self.preempted:
             task = self.preempted[0]
             need = self.pool.admission_cost(len(task.tokens) + 1)
             if self._sequences_held() + task.sequences > self.max_sequences or need > free:
-                return  # nothing new is admitted before the preempted sequences are back
+                return admitted  # nothing new is admitted before the preempted sequences are back
             self.preempted.popleft()
             free -= need
-            self.prefilling.append(task)  # opened when its turn to prefill comes (see _prefill)
+            self.prefilling.append(task)  # opened when its turn to prefill comes (see _prefill_plans)
+            admitted.append(task)
         while self.waiting:
             job = self.waiting[0][2]
             if job.request.n > self.max_sequences:
@@ -162,12 +246,14 @@ class Scheduler:
                 continue
             need = self.pool.admission_cost(len(job.request.prompt) + 1)
             if self._sequences_held() + job.request.n > self.max_sequences or (need > free and self._sequences_held()):
-                return
+                return admitted
             heapq.heappop(self.waiting)
             self._on_dequeue()
             free -= need
             self.totals["prompt_tokens"] += len(job.request.prompt)
             self.prefilling.append(Prefill(job, list(job.request.prompt), sequences=job.request.n))
+            admitted.append(self.prefilling[-1])
+        return admitted
 
     def _open(self, task: Prefill) -> bool:
         """Open ``task``'s sequence, or resume it after a preemption (prefix hit taken). False if that failed
@@ -232,14 +318,15 @@ class Scheduler:
         choice.seq = None
 
     # ---- prefill -------------------------------------------------------------------------------------------
-    def _prefill(self, tasks: list[Prefill] | None = None, short_only: bool = False,
-                 deadline: float | None = None) -> None:
-        """Up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in order; with batched
-        prefill on, chunks of at most ``MAX_BATCHED_CHUNK`` tokens run together after the loop (their slots taken in
-        turn). ``short_only``: longer tasks wait for the next step. ``deadline`` (``perf_counter`` time): no task
-        starts past it, but the first always does."""
+    def _prefill_plans(self, deadline: float | None, tasks: list[Prefill] | None = None,
+                       short_only: bool = False) -> Iterator[StepPlan]:
+        """Prefill forwards: up to ``prefill_chunk_size`` prompt tokens over the prefilling tasks (or ``tasks``), in
+        order, each planned after the previous plan was applied; with batched prefill on, chunks of at most
+        ``MAX_BATCHED_CHUNK`` tokens are planned together, last (their slots taken in turn). ``short_only``: longer
+        tasks wait for the next step. ``deadline`` (``perf_counter`` time): no task starts past it, but the first
+        always does."""
         budget = self.prefill_chunk_size
-        together: list[tuple[Prefill, int]] = []
+        together: list[PrefillChunk] = []
         ran = False
         for task in list(self.prefilling) if tasks is None else tasks:
             if task not in self.prefilling:  # preempted by an earlier task of this step
@@ -252,28 +339,37 @@ class Scheduler:
             target = task.target
             if short_only and target - task.done > MAX_BATCHED_CHUNK:
                 continue
+            plan = None
             try:
                 n = min(budget, target - task.done)
                 if n == 1 and task.done == target - 1 and self._last_token_decodes(task):
                     self.totals["prefills_joined_decode"] += 1
-                    self._start_decoding(task)  # its first decode step, with the running batch, feeds that token
+                    plan = StepPlan(started=[task])  # its first decode step, with the running batch, feeds that token
                 elif n > 0:
                     n = self._room_for_chunk(task, task.seq.prefill_chunk(task.done, n))
                     if n == 0:
                         continue  # preempted: it waits for blocks
                     budget -= n
+                    chunk = PrefillChunk(task, task.done, task.done + n,
+                                         want_logits=task.first_from_prefill and task.done + n == target)
                     if self.batched_prefill and n <= MAX_BATCHED_CHUNK and task.seq.overflow is None:
                         task.seq.reserve(task.done, task.done + n)  # the next task's room check sees them
-                        together.append((task, n))
+                        together.append(chunk)
                     else:
-                        self._prefilled([task], [n], self._forward_chunk(task, n))
+                        plan = StepPlan(prefills=[chunk])
                 elif task.done == target:
-                    self._start_decoding(task)
+                    plan = StepPlan(started=[task])
             except Exception as exc:  # noqa: BLE001
                 self._fail(task.job, exc)
+            if plan is not None:
+                yield plan
             if budget == 0:
                 break
-        self._prefill_together([(t, n) for t, n in together if t in self.prefilling and t.seq is not None])
+        together = [c for c in together if c.task in self.prefilling and c.task.seq is not None]
+        if len(together) > 1:
+            yield StepPlan(prefills=together, together=True)
+        else:
+            yield from (StepPlan(prefills=[c]) for c in together)
 
     def _room_for_chunk(self, task: Prefill, n: int) -> int:
         """How many of ``task``'s next ``n`` tokens to prefill now, making room by preemption; 0 when the task
@@ -294,47 +390,27 @@ class Scheduler:
         of a one-token prefill forward, which would cost about a whole decode step of its own."""
         return self.pool.is_paged and self.batched and task.first_from_prefill
 
-    def _forward_chunk(self, task: Prefill, n: int) -> mx.array | None:
-        """Task's next ``n`` prompt tokens through the model; the last position's logits ``(1, vocab)`` when the
-        chunk ends a request's own prompt (its first token is sampled from them), else None."""
-        ends = task.first_from_prefill and task.done + n == task.target
-        return self.runner.prefill(task.seq, task.tokens[task.done : task.done + n], want_logits=ends)
-
-    def _prefill_together(self, together: list[tuple[Prefill, int]]) -> None:
-        """The chunks ``together`` in one batched forward (one by one when fewer than two, or when the model's
-        layers cannot be batched)."""
-        if len(together) > 1:
-            tasks, lengths = [t for t, _ in together], [n for _, n in together]
-            try:
-                last = self.runner.prefill_together([t.seq for t in tasks],
-                                                    [t.tokens[t.done : t.done + n] for t, n in together])
-            except Exception as exc:  # noqa: BLE001 - rewind, then one by one: only a request that fails alone fails
-                if not all(t.seq.rewind_to(t.done) for t in tasks):
-                    for job in {id(t.job): t.job for t in tasks}.values():
-                        self._fail(job, exc)
-                    return
-            else:
-                return self._prefilled(tasks, lengths, last)
-        for task, n in together:
-            try:
-                self._prefilled([task], [n], self._forward_chunk(task, n))
-            except Exception as exc:  # noqa: BLE001
-                self._fail(task.job, exc)
-
-    def _prefilled(self, tasks: list[Prefill], lengths: list[int], last: mx.array | None) -> None:
-        """``tasks`` wrote their next ``lengths`` tokens; those whose prompt is complete start decoding, a request's
-        own sampling its first token from its row of ``last`` ``(B, vocab)`` and waking its client at once."""
-        for b, (task, n) in enumerate(zip(tasks, lengths)):
+    def _prefilled(self, chunks: list[PrefillChunk], last: list[mx.array | None]) -> None:
+        """``chunks`` were written; tasks whose prompt is complete start decoding, a request's own sampling its
+        first token from its chunk's logits ``(1, vocab)`` and waking its client at once."""
+        for chunk, first in zip(chunks, last):
+            task = chunk.task
             try:
                 task.seq.commit()
-                task.done += n
+                task.done = chunk.end
                 if task.done == task.target:
-                    first = last[b : b + 1] if last is not None and task.first_from_prefill else None
                     self._start_decoding(task, first)
                     if first is not None:
                         flush_wakeups()  # its first token goes out now, not after the step's other prefills
             except Exception as exc:  # noqa: BLE001
                 self._fail(task.job, exc)
+
+    def _start(self, task: Prefill) -> None:
+        """``task``'s prompt is cached (but for its last token, which its first decode step feeds)."""
+        try:
+            self._start_decoding(task)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(task.job, exc)
 
     def _start_decoding(self, task: Prefill, last_logits: mx.array | None = None) -> None:
         """``task``'s prompt is in its caches: its choices start decoding. ``last_logits`` ``(1, vocab)`` (a
@@ -371,12 +447,94 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------------------------
     def _decode(self) -> None:
-        """One decode step for every running choice (see :class:`~mlxkv.engine.decode_loop.DecodeLoop`)."""
-        self.decode_loop.step()
+        """One decode step for every running choice: planned, executed, applied."""
+        plan = self.schedule_decode()
+        if plan is not None:
+            self.update(plan, self.runner.execute(plan))
+
+    def schedule_decode(self) -> StepPlan | None:
+        """The decode rows of this step (None: nobody decodes; the tokens in flight have been read). Paged: room
+        for every row's next input, preempting as needed. When room is short, the tokens in flight are read
+        first: a preemption must see every emitted token (:mod:`mlxkv.engine.decode_loop`)."""
+        if self.decode_loop.in_flight and not self.pool.has_decode_headroom(len(self.running)):
+            self._read_in_flight()
+        choices = self._reserve() if self.pool.is_paged else [c for c in self.running if not ends_in_flight(c)]
+        if not choices:
+            self._read_in_flight()
+            return None
+        self.totals["decode_steps"] += 1
+        self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
+        plan = StepPlan(decode=choices, decode_inputs=decode_inputs(choices))
+        if any(c.constraint is not None for c in choices):
+            plan.masks = lambda logits: self._masks(choices, logits)
+        return plan
+
+    def _masks(self, choices: list[Choice], logits: mx.array) -> list | None:
+        """The rows' grammar masks. A mask follows its row's previous token: with tokens in flight, the forward is
+        queued, then they are read (emitted, so consumed by their grammars) while it runs."""
+        if self.decode_loop.in_flight:
+            mx.async_eval(logits)
+            self.totals["overlapped_steps"] += 1
+            self._read_in_flight()
+        return step_masks(choices, logits.shape[-1], self._fail)
+
+    def _reserve(self) -> list[Choice]:
+        """Paged: room for every running choice's next input, preempting as needed; returns who decodes."""
+        for choice in list(self.running):
+            if choice not in self.running or ends_in_flight(choice):  # preempted meanwhile / nothing to feed
+                continue
+            if not self._make_room(choice.seq, 1):
+                self._read_in_flight()  # (normally done already: schedule_decode reads them first when blocks are short)
+                if choice.done or choice.job.finished:
+                    continue
+                if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
+                    choice.job.handle.put(Event("token", index=choice.index, finish_reason="length"))
+                    self._close_choice(choice, "length")
+                else:
+                    self._preempt_choice(choice)
+                continue
+            if choice.input_known_to_pool:  # the opened tokens' last: known to the pool, its slot only is taken
+                choice.seq.reserve_last()
+            elif choice.in_flight is not None:  # its value is still being computed: named when it is read
+                choice.placeholder_at = choice.seq.feed_placeholder()
+            else:
+                choice.seq.feed([choice.next_input])
+            choice.input_known_to_pool = False
+        return [c for c in self.running if not ends_in_flight(c)]
+
+    def _decoded(self, plan: StepPlan, out: StepOutput) -> None:
+        """The decode rows' tokens are held in flight (read next step); the previous step's are read now. A step
+        that computes some request's first token (a prompt that joined the decode batch) is read at once."""
+        choices = plan.decode
+        if out.error is not None:  # the shared forward failed: fail the requests in it
+            self._read_in_flight()
+            for job in {id(c.job): c.job for c in choices}.values():
+                self._fail(job, out.error)
+            return
+        if self.decode_loop.in_flight:
+            self.totals["overlapped_steps"] += 1
+        self._read_in_flight()  # the previous step's tokens (named before this step's positions are committed)
+        for b, c in enumerate(choices):
+            if c.done or c.job.finished:
+                continue  # closed by its previous token: this step's token is dropped
+            c.seq.commit()
+            self.decode_loop.hold(c, out.tokens, b)
+        if any(c.job.first_token_at is None for c in choices):
+            self._read_in_flight()  # a request's first token: out now, not a step late
 
     def _read_in_flight(self) -> None:
         """Read and emit the last decode step's tokens (a preemption must see every emitted token)."""
-        self.decode_loop.read_in_flight()
+        self.decode_loop.read(self._read_token)
+
+    def _read_token(self, choice: Choice, token: int, now: float) -> None:
+        """A token read from flight: its placeholder named in the pool, then emitted."""
+        try:
+            if choice.placeholder_at is not None:
+                choice.seq.name_token(choice.placeholder_at, token)
+                choice.placeholder_at = None
+            self._emit(choice, token, now)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(choice.job, exc)
 
     def _emit(self, choice: Choice, token: int, now: float) -> None:
         consume(choice, token)  # its grammar follows emitted tokens only (none is emitted twice)

@@ -1,0 +1,85 @@
+"""What one forward of an engine step runs, and what it produced: :class:`StepPlan` and :class:`StepOutput`.
+
+The scheduler decides a plan (:meth:`~mlxkv.engine.scheduler.Scheduler.schedule` for prefill chunks,
+:meth:`~mlxkv.engine.scheduler.Scheduler.schedule_decode` for the decode rows) without running the model; the
+runner executes it (:meth:`~mlxkv.engine.runner.ModelRunner.execute`) and the scheduler applies the output
+(:meth:`~mlxkv.engine.scheduler.Scheduler.update`). Plain data: what is named here is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from mlxkv.engine.jobs import Choice, Job, Prefill
+
+
+@dataclass(slots=True, eq=False)
+class PrefillChunk:
+    """Prompt tokens ``task.tokens[start:end]`` into ``task.seq``; ``want_logits``: the chunk ends a request's own
+    prompt, so the last position's logits are kept (its first token is sampled from them)."""
+
+    task: Prefill
+    start: int
+    end: int
+    want_logits: bool
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.task.tokens[self.start : self.end]
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(slots=True, eq=False)
+class StepPlan:
+    """One forward of a step and the decisions taken to reach it.
+
+    Attributes:
+        cancelled: jobs ended because their client cancelled (before anything ran).
+        admitted: tasks moved from the waiting queue (or back from preemption) to prefilling.
+        preempted: sequences' owners (:class:`Prefill` or :class:`Choice`) preempted to make room.
+        failed: jobs failed while deciding (an open that failed, a prompt that does not fit).
+        prefills: prompt chunks; one by one, or in one forward when ``together``.
+        together: the chunks share one batched forward.
+        started: tasks whose prompt is fully cached: their choices start decoding without a forward (a request
+            cached but for its last token joins the decode batch).
+        decode: the choices decoding one token each (``decode_inputs`` ``(B, 1)``, lazily built).
+        masks: the decode rows' grammar masks, computed once the forward is queued (None: no constrained row).
+        overlap: the previous decode step's tokens are read while this step's forward runs.
+    """
+
+    cancelled: list[Job] = field(default_factory=list)
+    admitted: list[Prefill] = field(default_factory=list)
+    preempted: list[Any] = field(default_factory=list)
+    failed: list[Job] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    together: bool = False
+    started: list[Prefill] = field(default_factory=list)
+    decode: list[Choice] = field(default_factory=list)
+    decode_inputs: mx.array | None = None
+    masks: Callable[[int], list] | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to run or apply."""
+        return not (self.prefills or self.started or self.decode)
+
+
+@dataclass(slots=True, eq=False)
+class StepOutput:
+    """What :meth:`~mlxkv.engine.runner.ModelRunner.execute` produced for a plan.
+
+    Attributes:
+        prefill_logits: per chunk of ``plan.prefills``, its last position's logits ``(1, vocab)`` (None where not
+            wanted).
+        tokens: the decode rows' sampled tokens ``(B,)`` uint32, evaluated asynchronously (read them later).
+        error: the exception the forward raised (the scheduler fails the requests it touches).
+    """
+
+    prefill_logits: list[mx.array | None] = field(default_factory=list)
+    tokens: mx.array | None = None
+    error: BaseException | None = None
