@@ -133,50 +133,74 @@ def test_not_installed_off_the_cpu_or_with_the_flag_off(monkeypatch):
     assert install_decode_projections(_Block()) == []
 
 
-def test_loaded_model_generates_the_same_logits_fused_and_unfused():
-    """The demo model through ``mlxkv.models.load`` (fused) against the same weights with plain projections:
-    greedy decode logits equal bit for bit (prefill rows run each member's own rows, decode rows the fused one),
-    the fused model running on a thread other than the one that loaded it."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
+def _greedy_logits(model, steps: int = 10) -> mx.array:
+    """Greedy decode logits ``(steps, 1, vocab)`` of a fixed prompt, evaluated on the calling thread."""
     from mlxkv.kv import make_caches
-    from mlxkv.models import load
 
-    model = load(None, progress=False).model
-    fused = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedLinear)]
-    assert fused, "the demo model's projections are fused on the CPU"
+    caches = make_caches(model)
+    tokens, seen = mx.array([[5, 9, 13, 2, 7, 11, 3] * 5]), []
+    for _ in range(steps):
+        logits = model(tokens, cache=caches)[:, -1]
+        seen.append(logits)
+        tokens = mx.argmax(logits, axis=-1, keepdims=True)
+    out = mx.stack(seen)
+    mx.eval(out)
+    return out
 
-    def greedy(steps=10):
-        caches = make_caches(model)
-        tokens, seen = mx.array([[5, 9, 13, 2, 7, 11, 3] * 5]), []
-        for _ in range(steps):
-            logits = model(tokens, cache=caches)[:, -1]
-            seen.append(logits)
-            tokens = mx.argmax(logits, axis=-1, keepdims=True)
-        out = mx.stack(seen)
-        mx.eval(out)  # on the thread that built it
-        return out
 
-    outcome = []  # on another thread, as the server's engine runs: every weight must be evaluated already
+def _on_another_thread(model) -> mx.array:
+    """:func:`_greedy_logits` on a thread other than the one that loaded ``model``, as the server's engine runs it:
+    every weight must be evaluated already (MLX: "There is no Stream(cpu, N) in current thread" for a lazy one)."""
+    outcome = []
 
     def run():
         try:
-            outcome.append(greedy())
-        except RuntimeError as exc:  # MLX: "There is no Stream(cpu, N) in current thread" for a lazy weight
+            outcome.append(_greedy_logits(model))
+        except RuntimeError as exc:
             outcome.append(exc)
 
     worker = threading.Thread(target=run)
     worker.start()
     worker.join()
-    with_fusion = outcome[0]
-    assert isinstance(with_fusion, mx.array), with_fusion
+    assert isinstance(outcome[0], mx.array), outcome[0]
+    return outcome[0]
+
+
+def _unfused(model) -> None:
+    """Put plain ``nn.Linear`` projections back in place of ``model``'s fused ones (the same weights)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
     plain = []
-    for name, m in fused:
-        linear = nn.Linear(m.weight.shape[1], m.weight.shape[0], bias="bias" in m)
-        linear.update(dict(tree_flatten({k: m[k] for k in ("weight", "bias") if k in m})))
-        plain.append((name, linear))
+    for name, m in model.named_modules():
+        if isinstance(m, FusedLinear):
+            linear = nn.Linear(m.weight.shape[1], m.weight.shape[0], bias="bias" in m)
+            linear.update(dict(tree_flatten({k: m[k] for k in ("weight", "bias") if k in m})))
+            plain.append((name, linear))
     model.update_modules(tree_unflatten(plain))
-    assert mx.array_equal(greedy(), with_fusion).item()
+
+
+def test_loaded_model_generates_the_same_logits_fused_and_unfused():
+    """The demo model through ``mlxkv.models.load``, with what the install check fused on this BLAS, against the same
+    weights with plain projections: greedy decode logits equal bit for bit (prefill rows run each member's own rows,
+    decode rows the fused one), the loaded model running on another thread."""
+    from mlxkv.models import load
+
+    model = load(None, progress=False).model
+    loaded = _on_another_thread(model)
+    _unfused(model)
+    assert mx.array_equal(_greedy_logits(model), loaded).item()
+
+
+def test_a_loaded_model_with_fused_projections_runs_on_another_thread(forced):
+    """Fused on any BLAS (the check forced): the fused weight views are evaluated at load, so the model runs on a
+    thread other than the loader's (the server's engine thread), within float32 rounding of the plain model."""
+    from mlxkv.models import load
+
+    model = load(None, progress=False).model
+    assert any(isinstance(m, FusedLinear) for _, m in model.named_modules())
+    fused = _on_another_thread(model)
+    _unfused(model)
+    assert _close(_greedy_logits(model), fused)
 
 
 @pytest.mark.parametrize("kind", ["embedding", "linear"])
