@@ -6,6 +6,8 @@ Parametrize over architectures with ``from testkit.archs import ARCH_NAMES``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +38,29 @@ def _fresh_flags():
     env.reload()
     yield
     env.reload()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_module_memory():
+    """After each module (its own fixtures torn down first: this one is set up first), what its servers and models
+    held goes back to the system. FastAPI keeps every route function it classified in module-level LRU caches
+    (``fastapi.dependencies.models``), and a route's closure holds its server's engine, pool and model: one test
+    server on the real model would otherwise keep ~1 GB for the rest of the run. Then MLX's cache of freed buffers
+    is released, and glibc returns the freed heap to the system (it keeps it otherwise)."""
+    yield
+    import gc
+
+    import mlx.core as mx
+    from fastapi.dependencies import models as fastapi_models
+
+    for name in dir(fastapi_models):
+        cached = getattr(fastapi_models, name)
+        if name.endswith("_cached") and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    gc.collect()
+    mx.clear_cache()
+    if sys.platform == "linux":
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 @pytest.fixture(autouse=True, scope="session")
