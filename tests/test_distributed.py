@@ -30,8 +30,9 @@ pytestmark = [
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog " * 2, "hello world, how are you today?",
            "a b c d e f g h i j k l m n o p q r s t u v w x y z", "0 1 2 3 4 5 6 7 8 9 10 11 12 13"]
-#: Per-rank KV budget of the distributed launch: 12 blocks of 16 tokens per rank, fewer than the concurrent
-#: requests below need together (so some are preempted and resumed), each alone fits.
+#: Per-rank KV budget of the distributed launch: 12 blocks of 16 tokens per rank (11 usable). The prompts below are
+#: 20-50 tokens; each request alone fits, but any three of them decoding 40 tokens need 14 blocks or more, so some
+#: are preempted and resumed whatever the order they arrive in.
 BUDGET = str(12 * 4096)
 
 
@@ -40,7 +41,7 @@ def _stats(url: str) -> dict:
         return json.load(r)
 
 
-def _complete_all(client, prompts: list[str], max_tokens: int = 24) -> list[str]:
+def _complete_all(client, prompts: list[str], max_tokens: int = 40) -> list[str]:
     def one(prompt: str) -> str:
         return client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
 
