@@ -9,7 +9,7 @@ runner executes it (:meth:`~mlxkv.engine.runner.ModelRunner.execute`) and the sc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import mlx.core as mx
 
@@ -41,32 +41,23 @@ class StepPlan:
     Attributes:
         cancelled: jobs ended because their client cancelled (before anything ran).
         admitted: tasks moved from the waiting queue (or back from preemption) to prefilling.
-        preempted: sequences' owners (:class:`Prefill` or :class:`Choice`) preempted to make room.
-        failed: jobs failed while deciding (an open that failed, a prompt that does not fit).
         prefills: prompt chunks; one by one, or in one forward when ``together``.
         together: the chunks share one batched forward.
         started: tasks whose prompt is fully cached: their choices start decoding without a forward (a request
             cached but for its last token joins the decode batch).
         decode: the choices decoding one token each (``decode_inputs`` ``(B, 1)``, lazily built).
-        masks: the decode rows' grammar masks, computed once the forward is queued (None: no constrained row).
-        overlap: the previous decode step's tokens are read while this step's forward runs.
+        masks: ``masks(logits)`` gives the decode rows' grammar masks, called once the forward is queued (None: no
+            constrained row).
     """
 
     cancelled: list[Job] = field(default_factory=list)
     admitted: list[Prefill] = field(default_factory=list)
-    preempted: list[Any] = field(default_factory=list)
-    failed: list[Job] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     together: bool = False
     started: list[Prefill] = field(default_factory=list)
     decode: list[Choice] = field(default_factory=list)
     decode_inputs: mx.array | None = None
-    masks: Callable[[int], list] | None = None
-
-    @property
-    def empty(self) -> bool:
-        """Nothing to run or apply."""
-        return not (self.prefills or self.started or self.decode)
+    masks: Callable[[mx.array], list | None] | None = None
 
 
 @dataclass(slots=True, eq=False)
