@@ -201,13 +201,8 @@ def generate(
             engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
         except ModelLoadError as exc:
             raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
-        processors = ()
-        if fmt is not None:
-            from mlxkv.structured.constraint import make_constraint
-
-            processors = (make_constraint(fmt, loaded.tokenizer),)
         output = []
-        for chunk in engine.generate(tokens, params, logits_processors=processors):
+        for chunk in engine.generate(tokens, params, response_format=fmt):
             output.append(chunk.text)
             sys.stdout.write(chunk.text)
             sys.stdout.flush()

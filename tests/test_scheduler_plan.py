@@ -183,7 +183,7 @@ def test_admission_follows_priority_then_arrival():
 def test_chunked_prefill_ranges_then_the_first_token_from_the_last_chunk():
     runner = FakeRunner()
     sched = scheduler(FakePool(64), runner, prefill_chunk_size=4)
-    a = job(range(10, 20))  # 10 tokens: chunks [0, 4), [4, 8), [8, 10)
+    a = job(range(10, 20))  # 10 tokens: chunks [0, 4), [4, 8), [8, 10) — its last token alone, as mlx-lm runs it
     sched.add(a)
     ranges = []
     for _ in range(3):
@@ -191,8 +191,8 @@ def test_chunked_prefill_ranges_then_the_first_token_from_the_last_chunk():
         while (plan := sched.schedule()) is not None:
             ranges += [(c.start, c.end, c.want_logits) for c in plan.prefills]
             sched.update(plan, runner.execute(plan))
-    assert ranges == [(0, 4, False), (4, 8, False), (8, 10, True)]
-    assert len(sched.running) == 1 and a.first_token_at is not None  # sampled from the last chunk's logits
+    assert ranges == [(0, 4, False), (4, 8, False), (8, 9, False), (9, 10, True)]
+    assert len(sched.running) == 1 and a.first_token_at is not None  # sampled from the last token's logits
 
 
 def test_decode_plans_name_every_running_row_and_release_at_max_tokens():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -9,10 +10,12 @@ from typing import Sequence as Seq
 
 import mlx.core as mx
 
-from mlxkv.engine.output import TextStream
-from mlxkv.engine.prefill import prefill
-from mlxkv.engine.sampling import SamplingParams, mlx_seed
-from mlxkv.kv import CachePool, CacheRequest
+from mlxkv.engine.jobs import Job
+from mlxkv.engine.output import Event, TextStream
+from mlxkv.engine.request import GenerationRequest, RequestHandle
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.kv import CachePool
+from mlxkv.structured.response_format import ResponseFormat
 
 
 #: mlx-lm's logits-processor protocol: ``(tokens so far, logits (1, vocab)) -> logits (1, vocab)``.
@@ -50,11 +53,17 @@ class GenerationStats:
 
 
 class DirectEngine:
-    """Generates for one sequence at a time over a :class:`CachePool`.
+    """Generates for one sequence at a time over a :class:`CachePool`, on the engine step ``mlxkv serve`` runs.
+
+    Each generation is one request to a :class:`~mlxkv.engine.scheduler.Scheduler` of one sequence, stepped in the
+    caller's thread: the same plan, execute and update as the batch engine (prefill chunks, the decode loop with
+    its tokens in flight, row samplers, grammar masks, text and stop strings), so a prompt gives the same tokens
+    through ``mlxkv generate``, ``mlxkv chat`` and ``mlxkv serve``.
 
     Args:
         model: the mlx-lm model.
-        tokenizer: mlx-lm's ``TokenizerWrapper`` (EOS ids and the streaming detokenizer come from it).
+        tokenizer: mlx-lm's ``TokenizerWrapper`` (EOS ids and the streaming detokenizer come from it; ``None``:
+            tokens only, no EOS).
         pool: the CachePool to draw sequences from (default: a one-sequence pool over mlxkv's layouts).
         prefill_step_size: prompt tokens per prefill forward.
     """
@@ -68,98 +77,96 @@ class DirectEngine:
         self.pool = pool if pool is not None else CachePool(model, max_sequences=1)
         self.prefill_step_size = prefill_step_size
         self.last_stats = GenerationStats()
+        self._scheduler: Any = None  # made at the first generation (the speculative subclass never needs one)
+
+    @property
+    def scheduler(self) -> Any:
+        """The one-sequence scheduler generations run on (made on first use)."""
+        if self._scheduler is None:
+            from mlxkv.engine.scheduler import Scheduler
+
+            self._scheduler = Scheduler(self.model, self.tokenizer, self.pool, max_sequences=1,
+                                        prefill_chunk_size=self.prefill_step_size, batched=False)
+        return self._scheduler
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
-                        logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[int]:
-        """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
+                        logits_processors: Seq[LogitsProcessor] = (),
+                        response_format: ResponseFormat | None = None) -> Iterator[int]:
+        """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``; stop strings are
+        left to the caller (:meth:`generate` applies them).
 
-        The sequence is opened in the pool on the first ``next`` and released when the generator finishes
-        or is closed, whatever happens in between. With a paged pool, a cached prefix of the prompt is not
-        recomputed (``salt`` isolates caches: different salts never share blocks).
+        The sequence is opened in the pool when the generator starts and released when it finishes or is
+        closed, whatever happens in between. With a paged pool, a cached prefix of the prompt is not recomputed
+        (``salt`` isolates caches: different salts never share blocks).
 
-        ``logits_processors`` (mlx-lm's protocol, e.g. a structured-output constraint) map ``(tokens, logits)``
-        to logits before sampling, ``tokens`` being the prompt and the tokens generated so far. With any, each
-        step reads its token back before the next step's logits are processed (the forward still runs while
-        they are), so the processors see every token.
+        ``logits_processors`` (mlx-lm's protocol) map ``(tokens, logits)`` to logits before sampling, ``tokens``
+        being the prompt and the tokens generated so far, after the penalties and logit bias ``params`` turn on.
+        ``response_format`` constrains the output to its grammar (the engine's grammar masks, as in serve).
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if params.seed is not None:
-            mx.random.seed(mlx_seed(params.seed))
-        sampler = params.make_sampler()
-        processors = _Processors(prompt, logits_processors) if logits_processors else None
-        stats = GenerationStats(prompt_tokens=len(prompt))
+        salt = salt.hex() if isinstance(salt, bytes) else salt
+        request = GenerationRequest(prompt=list(prompt), params=dataclasses.replace(params, stop=()),
+                                    cache_salt=salt or None, response_format=response_format,
+                                    logits_processors=tuple(logits_processors))
+        for event in self._run(request):
+            if event.kind == "token":
+                yield event.token
+
+    def _run(self, request: GenerationRequest) -> Iterator[Event]:
+        """Step the scheduler for ``request`` until it ends, yielding its events as they come; its sequence is
+        released however the consumer stops."""
+        sched = self.scheduler
+        stats = GenerationStats(prompt_tokens=len(request.prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
-        seq = self.pool.open(prompt_length=len(prompt), prompt=list(prompt), cache_request=CacheRequest(salt=salt))
-        # Paged: one pool array per layer holds every sequence's K/V, so step n must finish before step n+1's
-        # write is scheduled (else MLX copies the whole pool); decode tokens are fed to the block manager.
-        paged = self.pool.is_paged
+        handle = RequestHandle(request)
+        job = Job(request=request, handle=handle, max_tokens=request.params.max_tokens)
+        sched.add(job)
+        start = time.perf_counter()
         try:
-            caches = seq.caches
-
-            def pick(logits: mx.array) -> mx.array:  # (1, vocab) -> (1,)
-                return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-            def step(token: mx.array) -> mx.array:
-                return pick(self.model(token.reshape(1, 1), cache=caches)[:, -1, :])  # (1,)
-
-            start = time.perf_counter()
-            cached = stats.cached_prompt_tokens = seq.num_cached  # < len(prompt): the last token is recomputed
-            logits = prefill(self.model, caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size, seq=seq, start=cached)[None]  # (1, vocab)
-            if processors:
-                logits = processors.process(logits)
-            y = pick(logits)  # (1,)
-            mx.eval(y)
-            seq.commit()
-            stats.prompt_seconds = time.perf_counter() - start
-            start = time.perf_counter()
-            for n in range(params.max_tokens):
-                more = n + 1 < params.max_tokens
-                if processors:
-                    token, next_y = y.item(), None
-                    if more:
-                        if paged:
-                            seq.feed([token])
-                        logits = self.model(y.reshape(1, 1), cache=caches)[:, -1, :]  # (1, vocab)
-                        mx.async_eval(logits)  # the forward runs while the processors work on the CPU
-                        if paged:
-                            seq.commit()
-                        next_y = pick(processors.process(logits, token))
-                elif paged:
-                    token, next_y = y.item(), None
-                    if more:
-                        seq.feed([token])  # slots for the token the next step appends
-                        next_y = step(y)
-                        mx.async_eval(next_y)
-                        seq.commit()
-                else:
-                    # Build the next step's graph while this token computes, but schedule it only after
-                    # reading the token: MLX decides at scheduling time whether the K/V write can reuse the
-                    # buffer, and the running step's attention still holds it (see mlxkv.kv.layouts docs).
-                    next_y = step(y) if more else None
-                    token = y.item()
-                    if next_y is not None:
-                        mx.async_eval(next_y)
-                stats.generation_tokens += 1
-                stats.generation_seconds = time.perf_counter() - start
-                yield token
-                y = next_y
+            while True:
+                if job.finished and not sched.has_work() and handle.empty():
+                    break
+                if not handle.empty():
+                    event = handle.get()
+                    if event.kind == "token":
+                        self._count(stats, job, start)
+                    elif event.kind == "error":
+                        raise _error_of(event)
+                    yield event
+                    continue
+                if sched.has_work():
+                    sched.step()
+                    stats.kv_bytes = max(stats.kv_bytes, self.pool.memory_usage_bytes())
         finally:
-            stats.kv_bytes = self.pool.memory_usage_bytes()
+            if not job.finished:  # the consumer stopped early (a stop string, Ctrl-C): end it, release its sequence
+                sched.end_all(Event("error", finish_reason="cancelled", message="the request was cancelled"),
+                              "cancelled")
+                sched.decode_loop.in_flight.clear()
+            stats.cached_prompt_tokens = job.cached_tokens
             stats.peak_memory_bytes = mx.get_peak_memory()
-            self.pool.release(seq.id)
+
+    @staticmethod
+    def _count(stats: GenerationStats, job: Job, start: float) -> None:
+        """A token reached the consumer: the prompt phase ends at the first, the generation phase runs from it."""
+        now = time.perf_counter()
+        if stats.generation_tokens == 0:
+            stats.prompt_seconds = now - start
+        stats.generation_tokens += 1
+        stats.generation_seconds = now - start - stats.prompt_seconds
 
     def generate(self, prompt: Seq[int], params: SamplingParams, *,
-                 logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[GenerationChunk]:
+                 logits_processors: Seq[LogitsProcessor] = (),
+                 response_format: ResponseFormat | None = None) -> Iterator[GenerationChunk]:
         """Stream text for ``prompt``; stops on EOS, on a stop string, or after ``max_tokens``.
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
-        ``logits_processors``: as in :meth:`generate_tokens`.
+        ``logits_processors``, ``response_format``: as in :meth:`generate_tokens`.
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
-        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors)
+        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors,
+                                      response_format=response_format)
         try:
             for token in tokens:
                 text, finish = stream.feed(token)
@@ -170,18 +177,10 @@ class DirectEngine:
             tokens.close()  # releases the sequence even when the consumer stops early
 
 
-class _Processors:
-    """Logits processors of one generation and the token history they are shown (prompt, then each token)."""
-
-    def __init__(self, prompt: Seq[int], processors: Seq[LogitsProcessor]):
-        self.history = list(prompt)
-        self.processors = tuple(processors)
-
-    def process(self, logits: mx.array, token: int | None = None) -> mx.array:
-        """``logits`` (1, vocab) after every processor; ``token`` is the one sampled since the last call."""
-        if token is not None:
-            self.history.append(token)
-        tokens = mx.array(self.history, dtype=mx.uint32)  # (L,)
-        for processor in self.processors:
-            logits = processor(tokens, logits)
-        return logits
+def _error_of(event: Event) -> Exception:
+    """The exception a failed generation raises in the consumer: the engine's message, as ``ValueError`` when the
+    request was refused (a bad input), else ``RuntimeError``."""
+    kind, _, message = event.message.partition(": ")
+    if kind == "ValueError":
+        return ValueError(message)
+    return RuntimeError(event.message)

@@ -107,6 +107,8 @@ class GenerationRequest:
         snapshot_at: prompt token positions worth a recurrent-state snapshot (the end of each chat message): a
             model with recurrent layers on paged storage snapshots at the last block boundary at or before each,
             so prompts sharing those messages (a system prompt) resume there. Ignored by other models.
+        logits_processors: mlx-lm logits processors applied to every choice after the penalties and logit bias of
+            ``params`` (callers inside the process: ``mlxkv generate``; the HTTP routes never set them).
         kv_overflow: this request's per-sequence KV budget policy (a :class:`mlxkv.config.KvOverflowConfig`;
             ``None``: the engine's pool default, ``mlxkv serve --kv-overflow``); every choice gets it.
         request_id: identifies the request in logs and events.
@@ -123,6 +125,7 @@ class GenerationRequest:
     response_format: ResponseFormat | None = None
     snapshot_at: tuple[int, ...] = ()
     kv_overflow: Any = None
+    logits_processors: tuple = ()
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:
@@ -185,6 +188,11 @@ class RequestHandle:
         """Next event (asyncio mode). Raises ``asyncio.TimeoutError`` after ``timeout`` seconds."""
         assert self._loop is not None, "this handle delivers into a thread queue: use `handle.get()`"
         return await asyncio.wait_for(self._queue.get(), timeout)
+
+    def empty(self) -> bool:
+        """Whether no event is waiting (thread mode)."""
+        assert self._loop is None, "this handle delivers into an event loop"
+        return self._queue.empty()
 
     def get_nowait(self) -> Event | None:
         """The next event if one has arrived, else ``None`` (asyncio mode; call on the handle's loop)."""

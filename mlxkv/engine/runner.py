@@ -61,7 +61,9 @@ class ModelRunner:
         chunk = mx.array(list(tokens), dtype=mx.uint32)
         logits = self.model(chunk[None], cache=seq.caches)  # (1, n, vocab)
         last = logits[:, -1, :] if want_logits else None
-        mx.eval(cache_arrays(seq.caches), *([last] if last is not None else []))
+        # a pipeline-parallel rank's caches do not need the hidden state it sends on: its outputs do
+        outputs = [logits] if getattr(self.model, "eval_outputs", False) else [last] if last is not None else []
+        mx.eval(cache_arrays(seq.caches), *outputs)
         return last
 
     def prefill_together(self, seqs: Sequence[Any], chunks: Sequence[Sequence[int]]) -> mx.array:

@@ -355,6 +355,8 @@ class Scheduler:
                     if self.batched_prefill and n <= MAX_BATCHED_CHUNK and task.seq.overflow is None:
                         task.seq.reserve(task.done, task.done + n)  # the next task's room check sees them
                         together.append(chunk)
+                    elif chunk.want_logits and n > 1:
+                        yield from self._body_then_last(chunk)
                     else:
                         plan = StepPlan(prefills=[chunk])
                 elif task.done == target:
@@ -370,6 +372,15 @@ class Scheduler:
             yield StepPlan(prefills=together, together=True)
         else:
             yield from (StepPlan(prefills=[c]) for c in together)
+
+    def _body_then_last(self, chunk: PrefillChunk) -> Iterator[StepPlan]:
+        """A chunk that ends a request's prompt, in mlx-lm's order: every token but the last fills the caches (no
+        logits), then the last runs alone for the logits its first token is sampled from — so the first token and
+        the cache contents are those of ``mlx_lm.generate`` on the same prompt, bit for bit."""
+        task = chunk.task
+        yield StepPlan(prefills=[PrefillChunk(task, chunk.start, chunk.end - 1, want_logits=False)])
+        if task in self.prefilling and task.seq is not None and task.done == chunk.end - 1:
+            yield StepPlan(prefills=[PrefillChunk(task, chunk.end - 1, chunk.end, want_logits=True)])
 
     def _room_for_chunk(self, task: Prefill, n: int) -> int:
         """How many of ``task``'s next ``n`` tokens to prefill now, making room by preemption; 0 when the task
@@ -429,7 +440,10 @@ class Scheduler:
             seqs += self.pool.fork(task.seq.id, request.n - 1)
             job.opened.extend(seqs[1:])
         for i, seq in enumerate(seqs):
-            choice = Choice(job=job, index=i, seq=seq, sampler=RowSampler.for_choice(request, i),
+            sampler = RowSampler.for_choice(request, i)
+            for processor in request.logits_processors:
+                sampler.add_processor(processor)
+            choice = Choice(job=job, index=i, seq=seq, sampler=sampler,
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
                             next_input=request.prompt[-1], constraint=constraints[i])
             job.choices.append(choice)

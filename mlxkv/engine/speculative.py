@@ -104,16 +104,18 @@ class SpeculativeEngine(DirectEngine):
         self.last_stats = SpeculativeStats()
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
-                        logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[int]:
+                        logits_processors: Seq[LogitsProcessor] = (),
+                        response_format: Any = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The target's sequence and the drafter's state are released when the generator finishes or is closed.
         With a paged pool a cached prefix of the prompt is not recomputed (``salt`` isolates caches).
 
         Raises:
-            ValueError: ``logits_processors`` given (a constraint would have to mask every drafted position).
+            ValueError: ``logits_processors`` or a constrained ``response_format`` given (a constraint would have to
+                mask every drafted position).
         """
-        if logits_processors:
+        if logits_processors or (response_format is not None and response_format.constrained):
             raise ValueError("speculative decoding does not apply logits processors such as structured output: "
                              "generate without a draft model or prompt lookup")
         if len(prompt) == 0:
