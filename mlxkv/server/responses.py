@@ -11,9 +11,14 @@ from mlxkv.engine.request import Usage
 from mlxkv.server.choice_output import ChoiceOutput, Delta
 
 
-def usage_dict(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def usage_dict(usage: Usage, predicted: bool = False) -> dict:
+    """OpenAI's ``usage``; with a ``prediction`` in the request, ``completion_tokens_details`` says none of it was
+    accepted (``mlxkv serve`` does not draft from it) nor rejected (it was never checked)."""
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if predicted:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    return out
 
 
 def _message(text: str, tool_calls: list[dict] | None) -> dict:
@@ -36,6 +41,7 @@ class ResponseBuilder:
     model: str
     id: str = ""
     system_fingerprint: str | None = None
+    predicted: bool = False  # the request sent a prediction (reported in usage)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -47,7 +53,7 @@ class ResponseBuilder:
         if self.system_fingerprint is not None:
             out["system_fingerprint"] = self.system_fingerprint
         if usage is not None:
-            out["usage"] = usage_dict(usage)
+            out["usage"] = usage_dict(usage, self.predicted)
         return out
 
     # ---- whole responses -----------------------------------------------------------------------------------
