@@ -21,9 +21,11 @@ def usage_dict(usage: Usage, predicted: bool = False) -> dict:
     return out
 
 
-def _message(text: str, tool_calls: list[dict] | None) -> dict:
+def _message(text: str, tool_calls: list[dict] | None, dropped_call: bool = False) -> dict:
+    """A choice's message: its content is ``null`` when empty beside calls, or when all it wrote was a call cut
+    off by ``max_tokens`` (its markup is dropped, see :class:`~mlxkv.server.tools.ToolCallParser`)."""
     if not tool_calls:
-        return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or (None if dropped_call else text)}
     return {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
 
 
@@ -63,7 +65,7 @@ class ResponseBuilder:
         if self.chat:
             choices = []
             for i, out in enumerate(outputs):
-                message = _message(out.text(), out.calls)
+                message = _message(out.text(), out.calls, out.dropped_call)
                 if out.splitter is not None:
                     message["reasoning_content"] = out.reasoning_text()
                 choices.append({"index": i, "message": message, "logprobs": out.logprobs(),
