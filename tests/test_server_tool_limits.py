@@ -97,3 +97,14 @@ def test_anthropic_any_answers_tool_use_blocks_only(server):
             assert message.stop_reason == "max_tokens"
             assert all(b.type == "tool_use" or (b.type == "text" and no_markup(b.text) and not b.text.strip())
                        for b in message.content), message.content
+
+
+def test_anthropic_structured_output_with_a_forced_call_is_refused_naming_it(server):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client(server.url).messages.create(
+            model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}],
+            tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "any"},
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
+    assert "output_config.format" in info.value.message
