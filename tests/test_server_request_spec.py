@@ -45,7 +45,7 @@ CHAT = {
     "prompt_cache_key": ("conversation-1", None),
     "prompt_cache_options": ({"mode": "implicit", "ttl": "30m"}, None),
     "prompt_cache_retention": ("24h", None),
-    "reasoning_effort": ("none", None),
+    "reasoning_effort": ("minimal", None),  # the test llama does not reason: none and minimal are what it does
     "response_format": ({"type": "json_object"}, None),
     "safety_identifier": ("user-hash-1", None), "seed": (7, None), "service_tier": ("auto", None),
     "stop": (["\n\n"], None), "store": (True, None), "stream": (False, None),
@@ -200,11 +200,28 @@ def test_reasoning_effort_switches_the_templates_thinking(thinking):
     off = len(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, enable_thinking=False))
     on = len(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, enable_thinking=True))
     assert off != on
-    assert prompt_tokens(client, reasoning_effort="none") == off
-    for effort in ("minimal", "low", "high"):
+    for effort in ("none", "minimal"):
+        assert prompt_tokens(client, reasoning_effort=effort) == off
+    for effort in ("low", "high", "max"):
         assert prompt_tokens(client, reasoning_effort=effort) == on
     agreeing = {"chat_template_kwargs": {"enable_thinking": False}}
     assert prompt_tokens(client, reasoning_effort="none", extra_body=agreeing) == off
     with pytest.raises(openai.BadRequestError) as info:
         prompt_tokens(client, reasoning_effort="high", extra_body=agreeing)
     assert info.value.body["param"] == "reasoning_effort" and "enable_thinking" in info.value.body["message"]
+
+
+def test_a_template_reading_reasoning_effort_gets_the_level(served, tmp_path_factory):
+    """gpt-oss style: the template itself reads ``reasoning_effort`` (here it writes it into the system turn)."""
+    from testkit.tokenizer import CHAT_TEMPLATE
+
+    path = tmp_path_factory.mktemp("effort-template") / "effort.jinja"
+    path.write_text("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}" + CHAT_TEMPLATE,
+                    encoding="utf-8")
+    server = served(**ENGINE, chat_template=str(path))
+    client = openai_client(server.url)
+    tokenizer = server.parts.loaded.tokenizer
+    for effort in ("none", "high"):
+        expected = len(tokenizer.apply_chat_template(ASK, add_generation_prompt=True, reasoning_effort=effort))
+        assert prompt_tokens(client, reasoning_effort=effort) == expected
+    assert prompt_tokens(client) == len(tokenizer.apply_chat_template(ASK, add_generation_prompt=True))

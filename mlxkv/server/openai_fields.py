@@ -80,7 +80,7 @@ class ChatSpecFields(BaseModel):
     safety_identifier: Optional[str] = Field(None, max_length=64, description="accepted; changes no output")
     verbosity: Optional[Literal["low", "medium", "high"]] = Field(None, description="accepted; no effect")
     reasoning_effort: Optional[Literal[REASONING_EFFORTS]] = Field(  # type: ignore[valid-type]
-        None, description="none: thinking off; any other level: on (the chat template's thinking switch)")
+        None, description="none, minimal: thinking off; low and above: on (the chat template's thinking switch)")
     prompt_cache_key: Optional[str] = Field(
         None, min_length=1, max_length=MAX_PROMPT_CACHE_KEY,
         description="only requests with the same key (and the same cache_salt) share prefix-cache blocks")

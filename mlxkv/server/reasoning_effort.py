@@ -4,11 +4,12 @@ A local model's thinking is switched by its chat template, not tuned by a budget
 switch (the mapping vLLM and mlx_lm.server users expect):
 
 - a template that reads a ``reasoning_effort`` variable (gpt-oss style) gets the level itself;
-- a template with an ``enable_thinking`` switch (Qwen3 style) gets ``false`` for ``"none"`` and ``true`` for any
-  other level (the levels above none are all "thinking on": there is no budget to scale);
+- a template with an ``enable_thinking`` switch (Qwen3 style) gets ``false`` for ``"none"`` and ``"minimal"``
+  (OpenAI's "few or no reasoning tokens": a switched-on think block is not few) and ``true`` for ``"low"`` and
+  above (all "thinking on": there is no budget to scale);
 - a template with neither: the request is honoured only when it asks for what the model does anyway — ``"none"``
-  from a model without think markers; any level but ``"none"`` from a model with them (it thinks whenever it
-  likes). The other way round is a 400 naming ``reasoning_effort``, since nothing could honour it.
+  or ``"minimal"`` from a model without think markers; ``"low"`` or above from a model with them (it thinks
+  whenever it likes). The other way round is a 400 naming ``reasoning_effort``, since nothing could honour it.
 
 The request's own ``chat_template_kwargs`` may set the same variable; when it disagrees with the effort the request
 is refused (400), never resolved silently.
@@ -24,6 +25,8 @@ from mlxkv.server.errors import APIError
 #: The template variables read as a thinking switch, in order of preference.
 EFFORT_VARIABLE = "reasoning_effort"
 SWITCH_VARIABLE = "enable_thinking"
+#: The levels that mean thinking off.
+OFF_LEVELS = ("none", "minimal")
 
 
 def template_source(tokenizer: Any) -> str:
@@ -58,15 +61,15 @@ def apply_reasoning_effort(tokenizer: Any, effort: str | None, kwargs: dict[str,
     if _reads(source, EFFORT_VARIABLE):
         variable, value = EFFORT_VARIABLE, effort
     elif _reads(source, SWITCH_VARIABLE):
-        variable, value = SWITCH_VARIABLE, effort != "none"
+        variable, value = SWITCH_VARIABLE, effort not in OFF_LEVELS
     else:
         thinks = bool(getattr(tokenizer, "has_thinking", False))
-        if thinks == (effort != "none"):
+        if thinks == (effort not in OFF_LEVELS):
             return
         why = ("this model does not reason (no think markers, and its chat template has no thinking switch): send "
-               '"none" or omit reasoning_effort') if not thinks else \
-            ("this model's chat template has no thinking switch to turn its reasoning off: send a level other than "
-             '"none" or omit reasoning_effort')
+               '"none" or "minimal", or omit reasoning_effort') if not thinks else \
+            ("this model's chat template has no thinking switch to turn its reasoning off: send \"low\" or above, "
+             "or omit reasoning_effort")
         raise APIError(400, f"reasoning_effort {effort!r}: {why}", "unsupported_value", "reasoning_effort")
     if requested and variable in requested and requested[variable] != value:
         raise APIError(400, f"reasoning_effort {effort!r} sets the chat template's {variable} to {value!r}, but "
