@@ -10,6 +10,7 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from openai.types import completion_create_params
@@ -159,7 +160,7 @@ def test_max_completion_tokens_and_max_tokens_agreeing_are_one_limit(client):
 def own_server(llama_dir):
     """A server of its own: the test reads what its cache shares."""
     with serve_in_thread(run_config(llama_dir, engine=EngineConfig(max_sequences=2), kv_backend="paged")) as srv:
-        yield openai_client(srv.url)
+        yield srv
 
 
 LONG = [{"role": "user", "content": "Tell me about caching. " * 12}]
@@ -171,12 +172,18 @@ def cached(client, **extra) -> int:
 
 
 def test_prompt_cache_key_shares_only_within_the_same_key_and_tenant(own_server):
-    assert cached(own_server, prompt_cache_key="a") == 0
-    assert cached(own_server, prompt_cache_key="a") > 0  # the same key shares
-    assert cached(own_server, prompt_cache_key="b") == 0  # another key does not
-    assert cached(own_server) == 0  # nor does a request without one
-    assert cached(own_server, prompt_cache_key="a", extra_body={"cache_salt": "tenant-2"}) == 0  # nor another tenant
-    assert cached(own_server, prompt_cache_key="a", extra_body={"cache_salt": "tenant-2"}) > 0
+    client = openai_client(own_server.url)
+    assert cached(client, prompt_cache_key="a") == 0
+    assert cached(client, prompt_cache_key="a") > 0  # the same key shares
+    assert cached(client, prompt_cache_key="b") == 0  # another key does not
+    assert cached(client) == 0  # nor does a request without one
+    tenant = {"cache_salt": "tenant-2"}
+    assert cached(client, prompt_cache_key="a", extra_body=tenant) == 0  # nor another tenant with the same key
+    assert cached(client, prompt_cache_key="a", extra_body=tenant) > 0
+    # the keyed blocks are still the tenant's: its reset drops them
+    assert httpx.post(own_server.url + "/v1/cache/reset", json=tenant, timeout=30).json()["scope"] == "tenant"
+    assert cached(client, prompt_cache_key="a", extra_body=tenant) == 0
+    assert cached(client, prompt_cache_key="a") > 0  # another tenant's keep theirs
 
 
 # ---- reasoning_effort: the template's thinking switch ----------------------------------------------------------
