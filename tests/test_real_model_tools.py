@@ -99,3 +99,24 @@ def test_round_trip_call_result_answer(client, ours):
     answer = r.choices[0]
     assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
     assert answer.message.content == expected and expected.strip()
+
+
+def test_forced_calls_end_without_repeats_cut_calls_leave_no_markup_and_a_bare_function_takes_nothing(client):
+    """SmolLM2 under ``tool_choice: "required"`` writes its call twice before it ends: it is given once. Cut by
+    ``max_tokens`` inside the call: no content, no calls, finish ``length``. A function without ``parameters``
+    (get_time) is called with ``{}``."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    bare = {"type": "function", "function": {"name": "get_time", "description": "Get the current time"}}
+    r = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=80, temperature=0)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert r.usage.completion_tokens > 40  # the model wrote the call again, as it does
+    cut = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER], tool_choice="required",
+                                         max_tokens=12, temperature=0).choices[0]
+    assert (cut.finish_reason, cut.message.content, cut.message.tool_calls) == ("length", None, None)
+    r = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER, bare], max_tokens=80,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                       temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", "{}")

@@ -322,7 +322,7 @@ def test_calls_become_tool_use_blocks_after_the_text(tokenizer):
 def test_the_stream_sends_each_call_as_a_tool_use_block(tokenizer):
     events = parse_sse(sse_bytes(tokenizer, scripted_events(tokenizer, SCRIPT)))
     kinds = [e["type"] for e in events]
-    assert kinds[:3] == ["message_start", "ping", "content_block_start"]  # the text block waits for text
+    assert kinds[:3] == ["ping", "message_start", "content_block_start"]  # the text block waits for text
     assert events[2] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     blocks = [e for e in events if e["type"].startswith("content_block")]
     text_deltas = [e for e in blocks if e["type"] == "content_block_delta" and e["index"] == 0]
@@ -363,11 +363,11 @@ def test_the_official_client_rebuilds_the_tool_use_blocks(tokenizer):
     assert [b["type"] for b in oslo] == ["tool_use", "text"] and oslo[1]["text"] == "\nDone, see above."
 
 
-def test_without_tools_the_stream_is_one_text_block_opened_at_once(tokenizer):
+def test_without_tools_the_stream_is_one_text_block_opened_with_the_first_token(tokenizer):
     events = parse_sse(sse_bytes(tokenizer, scripted_events(tokenizer, "Hello there."), tools=False))
     kinds = [e["type"] for e in events]
     deltas = kinds.count("content_block_delta")
-    assert kinds == ["message_start", "content_block_start", "ping", *["content_block_delta"] * deltas,
+    assert kinds == ["ping", "message_start", "content_block_start", *["content_block_delta"] * deltas,
                      "content_block_stop", "message_delta", "message_stop"]
     empty = whole_message(tokenizer, scripted_events(tokenizer, ""), tools=True)  # nothing at all: one empty block
     assert empty["content"] == [{"type": "text", "text": ""}] and empty["stop_reason"] == "end_turn"
@@ -375,13 +375,13 @@ def test_without_tools_the_stream_is_one_text_block_opened_at_once(tokenizer):
         [{"type": "text", "text": ""}]
 
 
-def test_a_call_cut_off_by_max_tokens_is_text_and_a_bad_call_too(tokenizer):
+def test_a_call_cut_off_by_max_tokens_is_dropped_and_a_bad_call_is_text(tokenizer):
     script = "Sure. " + call_text("get_weather", {"city": "Paris"})
     ids = tokenizer.encode(script, add_special_tokens=False)
     cut = max(k for k in range(len(ids)) if "Paris" not in tokenizer.decode(ids[:k]))
     message = whole_message(tokenizer, scripted_events(tokenizer, script, max_tokens=cut), max_tokens=cut)
     assert [b["type"] for b in message["content"]] == ["text"] and message["stop_reason"] == "max_tokens"
-    assert message["content"][0]["text"] == tokenizer.decode(ids[:cut])
+    assert message["content"][0]["text"] == "Sure."  # the cut call's markup is dropped
     not_object = '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>'  # arguments not an object
     message = whole_message(tokenizer, scripted_events(tokenizer, not_object))
     assert message["content"] == [{"type": "text", "text": not_object}] and message["stop_reason"] == "end_turn"

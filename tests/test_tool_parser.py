@@ -112,7 +112,7 @@ def test_text_without_calls_comes_through_unchanged(tokenizer, script):
     assert calls == [] and reason == "stop"
 
 
-def test_a_call_that_does_not_parse_is_content_and_a_cut_off_one_too(tokenizer):
+def test_a_call_that_does_not_parse_is_content_and_a_cut_off_one_is_dropped(tokenizer):
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
     pieces, calls, reason = generate(tokenizer, "Hmm. " + bad)
     assert calls == [] and reason == "stop" and "".join(pieces) == "Hmm. " + bad
@@ -120,8 +120,11 @@ def test_a_call_that_does_not_parse_is_content_and_a_cut_off_one_too(tokenizer):
     ids = tokenizer.encode(script, add_special_tokens=False)
     cut = max(k for k in range(len(ids)) if "Paris" not in tokenizer.decode(ids[:k]))  # stopped inside the JSON
     pieces, calls, reason = generate(tokenizer, script, max_tokens=cut)
-    assert calls == [] and reason == "length"
-    assert "".join(pieces) == tokenizer.decode(ids[:cut]) and "<tool_call>" in tokenizer.decode(ids[:cut])
+    assert calls == [] and reason == "length" and "<tool_call>" in tokenizer.decode(ids[:cut])
+    assert "".join(pieces) == "Sure."  # no markup, nor the blank before it
+    for k in range(len(ids)):  # cut anywhere in the call, even inside its start marker: never markup
+        pieces, _, _ = generate(tokenizer, script, max_tokens=k + 1)
+        assert "<" not in "".join(pieces) and "tool_call" not in "".join(pieces), (k, pieces)
 
 
 def test_a_call_without_its_end_marker_still_reads_when_its_text_is_whole(tokenizer):
@@ -240,3 +243,11 @@ def test_template_files_and_parser_names_are_checked(tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")
     with pytest.raises(ValueError, match="not valid Jinja"):
         read_chat_template(tmp_path / "broken.jinja")
+
+
+def test_a_call_repeated_verbatim_is_given_once(tokenizer):
+    paris, rome = call_text("get_weather", {"city": "Paris"}), call_text("get_weather", {"city": "Rome"})
+    respelled = '<tool_call>\n{"arguments": {"city":"Paris"}, "name": "get_weather"}\n</tool_call>'
+    _, calls, reason = generate(tokenizer, "\n".join([paris, rome, paris, respelled]))
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
+    assert reason == "tool_calls"

@@ -136,7 +136,8 @@ class Event:
 
     ``kind`` is ``"token"`` (choice ``index`` produced ``token``; ``text`` is the newly safe text, possibly
     empty; ``finish_reason`` is set on the choice's last token; ``logprob`` when the request asked for
-    log-probabilities), ``"done"`` (every choice finished; carries
+    log-probabilities; the request's first token carries ``usage`` with no completion tokens yet, so a stream
+    can report the prompt's cached share before the end), ``"done"`` (every choice finished; carries
     ``usage``; always the last event of a successful request) or ``"error"`` (the request failed or was
     cancelled; ``message`` says why; terminal).
     """
@@ -161,14 +162,17 @@ def emit_token(choice: Any, token: int, now: float, observer: Any) -> str | None
     request's timings (first token: ``observer``). Returns the finish
     reason when the choice is done, else None."""
     job = choice.job
+    usage = None
     if job.first_token_at is None:
         job.first_token_at = now
         observer.on_first_token(now - job.submitted_at)
+        usage = Usage(len(job.request.prompt), 0, job.cached_tokens)
     job.last_token_at = now
     job.completion_tokens += 1
     text, finish = choice.text.feed(token)
     logprob = choice.sampler.pop_logprob(token)
-    job.handle.put(Event("token", index=choice.index, text=text, token=token, finish_reason=finish, logprob=logprob))
+    job.handle.put(Event("token", index=choice.index, text=text, token=token, finish_reason=finish, logprob=logprob,
+                         usage=usage))
     choice.generated.append(token)
     if finish is None:
         choice.next_input = token

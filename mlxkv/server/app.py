@@ -29,8 +29,10 @@ from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, failure
 from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.openai_fields import cache_key_span
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
+from mlxkv.server.reasoning_effort import apply_reasoning_effort
 from mlxkv.server.responses import ResponseBuilder, sse
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -143,6 +145,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         check_retention(body.retention, max_client_priority)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
+        conflict = body.conflicting_max()
+        if conflict:
+            raise APIError(400, conflict, "invalid_value", "max_completion_tokens")
         fmt = parse_format(body.response_format)
         tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
         try:
@@ -156,6 +161,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             raise APIError(400, f"assistant tool_calls in the history: {no_tools}", "tools_unsupported", "messages")
         parallel = body.parallel_tool_calls is not False
         kwargs = template_kwargs(body, defaults)
+        apply_reasoning_effort(tokenizer, body.reasoning_effort, kwargs, body.chat_template_kwargs)
         if use_tools:
             kwargs["tools"] = render_tools(tools)
         prepared = await prep.prepare(PromptSource(messages=messages, template_kwargs=kwargs),
@@ -185,14 +191,17 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         outputs = [ChoiceOutput(splitter_for(tokenizer, prompt) if chat else None, logprob_format, tools, i)
                    for i in range(body.n)]
 
+        cache_key = getattr(body, "prompt_cache_key", None)  # chat only: narrows sharing within the tenant
+
         def build(p: Prepared) -> GenerationRequest:
             return p.request(params, n=body.n, cache_salt=body.cache_salt,
-                             cache_salt_ranges=body.salt_ranges(len(prompt)),
+                             cache_salt_ranges=body.salt_ranges(len(prompt)) + cache_key_span(cache_key, len(prompt)),
                              retention=body.retention.to_spec() if body.retention else None,
                              priority=body.priority, logprobs=logprobs)
 
         handle = prep.submit(prepared, build)
-        builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint)
+        builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint,
+                                  predicted=getattr(body, "prediction", None) is not None)
         if body.stream:
             return StreamingResponse(_stream(handle, builder, outputs, body.include_usage, keepalive_s),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -131,6 +131,11 @@ class ChoiceOutput:
     def text(self) -> str:
         return "".join(self.content)
 
+    @property
+    def dropped_call(self) -> bool:
+        """The choice ended in a tool call cut off by ``max_tokens`` that did not read (its markup dropped)."""
+        return self.tools is not None and self.tools.dropped(self.index)
+
     def reasoning_text(self) -> str | None:
         """The reasoning, ``None`` when there is none or the model has no think markers."""
         return "".join(self.reasoning) or None

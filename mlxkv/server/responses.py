@@ -11,14 +11,21 @@ from mlxkv.engine.request import Usage
 from mlxkv.server.choice_output import ChoiceOutput, Delta
 
 
-def usage_dict(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def usage_dict(usage: Usage, predicted: bool = False) -> dict:
+    """OpenAI's ``usage``; with a ``prediction`` in the request, ``completion_tokens_details`` says none of it was
+    accepted (``mlxkv serve`` does not draft from it) nor rejected (it was never checked)."""
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if predicted:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    return out
 
 
-def _message(text: str, tool_calls: list[dict] | None) -> dict:
+def _message(text: str, tool_calls: list[dict] | None, dropped_call: bool = False) -> dict:
+    """A choice's message: its content is ``null`` when empty beside calls, or when all it wrote was a call cut
+    off by ``max_tokens`` (its markup is dropped, see :class:`~mlxkv.server.tools.ToolCallParser`)."""
     if not tool_calls:
-        return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or (None if dropped_call else text)}
     return {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
 
 
@@ -36,6 +43,7 @@ class ResponseBuilder:
     model: str
     id: str = ""
     system_fingerprint: str | None = None
+    predicted: bool = False  # the request sent a prediction (reported in usage)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -47,7 +55,7 @@ class ResponseBuilder:
         if self.system_fingerprint is not None:
             out["system_fingerprint"] = self.system_fingerprint
         if usage is not None:
-            out["usage"] = usage_dict(usage)
+            out["usage"] = usage_dict(usage, self.predicted)
         return out
 
     # ---- whole responses -----------------------------------------------------------------------------------
@@ -57,7 +65,7 @@ class ResponseBuilder:
         if self.chat:
             choices = []
             for i, out in enumerate(outputs):
-                message = _message(out.text(), out.calls)
+                message = _message(out.text(), out.calls, out.dropped_call)
                 if out.splitter is not None:
                     message["reasoning_content"] = out.reasoning_text()
                 choices.append({"index": i, "message": message, "logprobs": out.logprobs(),

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic (the OpenAPI spec comes from them).
 
-Fields follow OpenAI's chat and completions APIs; a field this server does not implement is refused with a 400
-naming it (OpenAI refuses unknown fields too), never accepted and ignored. ``user`` is accepted: it names the end
-user and changes no output. Message objects pass their other fields (``name``) on to the chat template.
+Fields follow OpenAI's chat and completions APIs: every field of OpenAI's reference is implemented, accepted with
+the meaning it has on a local server (:mod:`mlxkv.server.openai_fields`; docs/api.md lists them all), or refused
+with a 400 naming it; a field outside the reference is refused with a 400 naming it (OpenAI refuses unknown fields
+too), never accepted and ignored. ``user`` is accepted: it names the end user and changes no output. Message objects pass their other fields (``name``) on to the chat template.
 ``null`` means the field's default for every optional field (the server's default where ``mlxkv serve`` sets
 one). mlxkv extensions: ``cache_salt``, ``retention`` and ``priority`` (prefix-cache isolation, block retention
 and scheduling; they act on the paged KV backend, the default, and are carried but unused with ``--kv-backend
@@ -34,6 +35,7 @@ from mlxkv.engine.request import (
 )
 from mlxkv.engine.sampling import LOGIT_BIAS_RANGE, MAX_PENALTY_CONTEXT, PENALTY_RANGE
 from mlxkv.server.kv_overflow import KvOverflowBody
+from mlxkv.server.openai_fields import ChatSpecFields
 from mlxkv.server.tool_schemas import ToolMessageFields, ToolRequestFields
 
 MAX_STOP_STRINGS = 16
@@ -54,7 +56,10 @@ class _NullIsDefault(BaseModel):
 
 
 class StreamOptions(_NullIsDefault):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool = Field(False, description="accepted; no obfuscation padding is added (a local "
+                                                         "stream has no network side channel to hide)")
 
 
 class RetentionRangeBody(_NullIsDefault):
@@ -125,7 +130,6 @@ class _Common(_NullIsDefault):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, description="the end user's id (accepted; changes no output)")
-    store: Optional[Literal[False]] = Field(None, description="false only: this server stores no completions")
     presence_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     frequency_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     repetition_penalty: Optional[float] = Field(None, gt=0.0, description="mlx-lm's multiplicative penalty; 1 is off")
@@ -204,7 +208,7 @@ class ChatMessage(ToolMessageFields):
         return self.content or ""
 
 
-class ChatCompletionRequest(ToolRequestFields, _Common):
+class ChatCompletionRequest(ToolRequestFields, ChatSpecFields, _Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -227,6 +231,14 @@ class ChatCompletionRequest(ToolRequestFields, _Common):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
+    def conflicting_max(self) -> Optional[str]:
+        """Why ``max_tokens`` and ``max_completion_tokens`` cannot both be honoured (``None``: they agree or one
+        is unset)."""
+        if None in (self.max_tokens, self.max_completion_tokens) or self.max_tokens == self.max_completion_tokens:
+            return None
+        return (f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) differ: "
+                "max_tokens is the older name of max_completion_tokens, send one")
+
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -239,7 +251,32 @@ class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is text, a one-element list of text, or token ids."""
 
     prompt: Union[str, list[str], list[StrictInt]]
-    echo: Literal[False] = Field(False, description="echoing the prompt is not supported")
+    echo: Optional[bool] = Field(None, description="false only: echoing the prompt is not supported")
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N, description="n (or unset) only: candidates are not ranked")
+    suffix: Optional[str] = Field(None, description="empty (or unset) only: insertion is not supported")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: Optional[bool]) -> Optional[bool]:
+        if v:
+            raise ValueError("echoing the prompt is not supported: send echo false or omit it")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: Optional[str]) -> Optional[str]:
+        if v:
+            raise ValueError("insertion (text after the completion) is not supported: omit suffix")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of ({v}) other than n ({n}) is not supported (candidates are not ranked): omit "
+                             "best_of or send it equal to n")
+        return v
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                           description="report each output token's log-probability and this many "
                                                       "most likely alternatives")

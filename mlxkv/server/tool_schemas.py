@@ -93,14 +93,19 @@ class ToolRequestFields(BaseModel):
             raise ValueError(f"{v!r} is not one of {', '.join(TOOL_CHOICES)} (or a named function)")
         return v
 
-    @model_validator(mode="before")
+    functions: Optional[Any] = Field(None, description="OpenAI's deprecated form of tools: refused (send tools)")
+    function_call: Optional[Any] = Field(None, description="OpenAI's deprecated form of tool_choice: refused (send "
+                                                           "tool_choice)")
+
+    @field_validator("functions")
     @classmethod
-    def _no_legacy_functions(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
-                if data.get(old) is not None:
-                    raise ValueError(f"{old} is OpenAI's deprecated form: send {new}")
-        return data
+    def _no_functions(cls, v: Any) -> Any:
+        raise ValueError("functions is OpenAI's deprecated form of tools: send tools")
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, v: Any) -> Any:
+        raise ValueError("function_call is OpenAI's deprecated form of tool_choice: send tool_choice")
 
     def tool_dicts(self) -> list[dict]:
         """The tool definitions as plain dicts (unset fields left out)."""

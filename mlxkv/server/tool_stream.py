@@ -4,11 +4,15 @@ ToolCallParser`, as whole messages or as OpenAI's streamed deltas.
 A streamed call is sent whole in one delta, once its end marker has been generated: ``{"index", "id", "type":
 "function", "function": {"name", "arguments"}}`` (the official clients accumulate deltas by ``index``, so one
 delta with every field rebuilds the call). A choice that made a call and stopped by itself finishes with
-``"tool_calls"``.
+``"tool_calls"``; one cut by ``max_tokens`` keeps ``"length"`` and the calls that read whole, never a cut call's
+markup (:class:`~mlxkv.server.tools.ToolCallParser`). A call repeated verbatim within a choice (same function,
+same arguments) is the same call and is given once: small models asked for calls tend to write it again before
+they end.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mlxkv.server.tools import Part, ToolCallParser, split_parts
@@ -30,6 +34,7 @@ class ToolOutput:
                  id_prefix: str = "call_"):
         self._parsers = [ToolCallParser(tokenizer, tools, id_prefix=id_prefix) for _ in range(n)]
         self._sent = [0] * n  # calls given out per choice
+        self._seen: list[set[tuple[str, str]]] = [set() for _ in range(n)]  # (name, arguments) given out
         self._parallel = parallel
         self._streaming = streaming
 
@@ -44,19 +49,33 @@ class ToolOutput:
         parser = self._parsers[index]
         parts = parser.feed_parts(text)
         if finish_reason is not None:
-            parts += parser.finish_parts()
+            parts += parser.finish_parts(cut=finish_reason == "length")
             if finish_reason == "stop" and parser.calls:
                 finish_reason = "tool_calls"
         return self._number(index, parts), finish_reason
+
+    def dropped(self, index: int) -> bool:
+        """Whether choice ``index`` ended in a call cut off by ``max_tokens`` that did not read (so dropped)."""
+        return self._parsers[index].dropped
 
     def _number(self, index: int, parts: list[Part]) -> list[Part]:
         out: list[Part] = []
         for part in parts:
             if isinstance(part, dict):
-                if not self._parallel and self._sent[index]:
+                key = (part["function"]["name"], _canonical(part["function"]["arguments"]))
+                if (not self._parallel and self._sent[index]) or key in self._seen[index]:
                     continue
+                self._seen[index].add(key)
                 if self._streaming:
                     part = {"index": self._sent[index], **part}
                 self._sent[index] += 1
             out.append(part)
         return out
+
+
+def _canonical(arguments: str) -> str:
+    """A call's serialized arguments in one spelling (key order and spacing aside), to tell a repeat."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return arguments

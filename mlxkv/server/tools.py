@@ -172,8 +172,11 @@ class ToolCallParser:
     left at the end. :meth:`feed_parts` / :meth:`finish_parts` give the same content and calls in the order they
     were generated (an API whose answer is a sequence of blocks needs it). Calls are OpenAI's ``{"id", "type":
     "function", "function": {"name", "arguments"}}`` with ``arguments`` a JSON object, serialized. A call whose text
-    the parser cannot read (cut off by ``max_tokens``, malformed, or arguments that are not a JSON object) comes back
-    as content, markers included, so no generated text is lost; :attr:`calls` counts the good ones.
+    the parser cannot read once its end marker came (malformed, or arguments that are not a JSON object) comes back
+    as content, markers included, so no generated text is lost; :attr:`calls` counts the good ones. A call cut off
+    by ``max_tokens`` (``finish_parts(cut=True)``) is never content: it is a call if its text reads whole, else it
+    is dropped (:attr:`dropped` says so), and so is the start of a start marker the cut left; a client gets no
+    markup to show.
 
     Trailing whitespace is held until more content follows (dropped when a call follows it, and at the end when
     calls were made), so the blank lines models write around calls do not become content.
@@ -200,14 +203,16 @@ class ToolCallParser:
         self._call_text = ""  # the current call's text so far
         self._held = ""  # trailing whitespace of the content, not given out yet
         self.calls = 0
+        self.dropped = False  # a call cut off by max_tokens was dropped (it did not read)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """Content and completed calls of the next piece of generated text."""
         return split_parts(self.feed_parts(text))
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """What is left when generation ends: held-back text, and a call still open (read if it parses)."""
-        return split_parts(self.finish_parts())
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """What is left when generation ends (``cut``: by ``max_tokens``): held-back text, and a call still open
+        (read if it parses)."""
+        return split_parts(self.finish_parts(cut))
 
     def feed_parts(self, text: str) -> list[Part]:
         """:meth:`feed`'s content and calls in generated order (no empty texts)."""
@@ -224,25 +229,31 @@ class ToolCallParser:
             previous = state
         return parts
 
-    def finish_parts(self) -> list[Part]:
+    def finish_parts(self, cut: bool = False) -> list[Part]:
         """:meth:`finish`'s content and calls in generated order."""
         self._state, rest, state = TextStateMachine.flush(self._state)
         parts: list[Part] = []
         if state == "tool":
             self._call_text += rest
-            self._close(parts, ended=False)
+            self._close(parts, ended=False, cut=cut)
+        elif cut and rest:  # held back as the start of a start marker: a call the cut stopped at its first token
+            self.dropped = True
         else:
             _append(parts, self._release(rest))
-        if self._held and not self.calls:
+        if self._held and not self.calls and not self.dropped:
             _append(parts, self._held)
         self._held = ""
         return parts
 
-    def _close(self, parts: list[Part], ended: bool = True) -> None:
-        """The current call's text is complete (``ended``: its end marker seen) or cut off: its calls are appended
-        to ``parts``; one that does not read is content (appended, markers included)."""
+    def _close(self, parts: list[Part], ended: bool = True, cut: bool = False) -> None:
+        """The current call's text is complete (``ended``: its end marker seen) or not: its calls are appended to
+        ``parts``; one that does not read is content (appended, markers included), unless ``cut`` by
+        ``max_tokens`` (dropped)."""
         text, self._call_text = self._call_text, ""
-        parsed = self._read(text)  # a cut-off call whose text reads whole is a call (mlx_lm.server does the same)
+        parsed = self._read(text, quiet=cut)  # a cut call whose text reads whole is a call (as mlx_lm.server)
+        if parsed is None and cut:
+            self.dropped = True
+            return
         if parsed is None:
             _append(parts, self._release(self._start + text + (self._end if ended else "")))
             return
@@ -250,10 +261,12 @@ class ToolCallParser:
         self.calls += len(parsed)
         self._held = ""  # the blank lines before a call separate it: not content
 
-    def _read(self, text: str) -> list[dict] | None:
+    def _read(self, text: str, quiet: bool = False) -> list[dict] | None:
         try:
             parsed = self._parse(text, self._tools)
         except Exception as exc:  # noqa: BLE001 - mlx-lm's parsers raise ValueError, JSON and regex errors
+            if quiet:
+                return None
             log.warning("a tool call did not parse (%s: %s); returned as content", type(exc).__name__, exc)
             return None
         items = parsed if isinstance(parsed, list) else [parsed]

@@ -28,7 +28,10 @@ from mlxkv.structured.response_format import JSON_OPTIONS, ResponseFormat, json_
 
 #: mlx-lm tool parsers whose call format these grammars write.
 PARSERS_WITH_GRAMMAR = ("json_tools",)
-#: Any JSON object: the arguments of a function that declares no ``parameters``.
+#: The arguments of a function declared without ``parameters``: none (OpenAI reads an omitted ``parameters`` as an
+#: empty parameter list), so a call's arguments are ``{}``.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+#: Any JSON object: the arguments of a function whose ``parameters`` is the empty schema ``{}``.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -82,7 +85,8 @@ def call_schema(tools: Sequence[dict], names: Iterable[str] | None = None) -> di
         function = tool.get("function") or {}
         if wanted is not None and function.get("name") not in wanted:
             continue
-        parameters = function.get("parameters") or _ANY_OBJECT
+        parameters = function.get("parameters")
+        parameters = NO_PARAMETERS if parameters is None else parameters or _ANY_OBJECT
         try:
             json_schema_format(parameters)  # checked alone, so a bad one is named
         except ValueError as exc:

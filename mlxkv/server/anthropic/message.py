@@ -123,11 +123,12 @@ class Reply:
         return {**self._envelope(self.blocks.content), "stop_reason": reason,
                 "stop_sequence": sequence, "usage": usage_body(usage)}
 
-    def started(self) -> dict[str, Any]:
-        """The ``message`` of a stream's ``message_start``: no content yet, and the prompt's length as its input
-        tokens (the prefix cache's share is known at the end: ``message_delta`` carries the final usage)."""
-        return {**self._envelope([]), "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+    def started(self, usage: Usage | None = None) -> dict[str, Any]:
+        """The ``message`` of a stream's ``message_start``: no content yet, and ``usage`` (the first token's: the
+        prompt split into new and cached tokens, as the final ``message_delta`` reports it) with no output yet
+        (``None``: the whole prompt as new input)."""
+        usage = Usage(self.prompt_tokens, 0) if usage is None else Usage(usage.prompt_tokens, 0, usage.cached_tokens)
+        return {**self._envelope([]), "stop_reason": None, "stop_sequence": None, "usage": usage_body(usage)}
 
     def _envelope(self, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content}

@@ -24,10 +24,11 @@ from mlxkv.server.anthropic.message import Reply
 from mlxkv.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mlxkv.server.anthropic.stream import message_events
 from mlxkv.server.anthropic.tool_use import ToolPlan, anthropic_tool_error, plan_tools
-from mlxkv.server.anthropic.translate import Conversation, to_conversation
+from mlxkv.server.anthropic.translate import Conversation, response_format, to_conversation
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, failure
 from mlxkv.server.preparation import Constraint, Prepared, Preparation, PromptSource
+from mlxkv.server.structured_output import parse_format
 from mlxkv.server.tools import check_template_renders_tools
 
 def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
@@ -64,9 +65,13 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
     async def create_message(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API: one answer (text and tool_use blocks), whole or streamed."""
         source, plan, conv = translate(body)
-        # the Messages API has no response_format: only a forced tool_choice or strict tools constrain
-        constraint = Constraint(tools=plan.tools, tool_choice=conv.tool_choice, parallel=plan.parallel,
-                                tool_error=lambda exc: anthropic_tool_error(exc, conv))
+        fmt_body, fmt_field = response_format(body)
+        try:
+            fmt = parse_format(fmt_body)
+        except APIError as exc:  # named as this request sent it
+            raise APIError(exc.status, f"{fmt_field}: {exc.message}", exc.code, fmt_field) from None
+        constraint = Constraint(fmt=fmt, tools=plan.tools, tool_choice=conv.tool_choice, parallel=plan.parallel,
+                                tool_error=lambda exc: anthropic_tool_error(exc, conv, fmt_field))
         prepared = await prep.prepare(source, constraint, body.kv_overflow)
         stops = tuple(body.stop_sequences or ())
 

@@ -1,11 +1,14 @@
 """Request bodies of the Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
 
 As Anthropic's API does, a field it does not define is refused (400, "Extra inputs are not permitted"). Fields it
-defines that mlxkv cannot honour (images, extended thinking, structured output, containers, server tools) are
+defines that mlxkv cannot honour (images, extended thinking, containers, server tools) are
 declared here so they parse, and refused here or by :mod:`mlxkv.server.anthropic.translate` with a message naming
 them. Accepted without effect on the output: ``cache_control`` (mlxkv caches every prompt's prefix by itself),
-``metadata.user_id``, ``service_tier``, ``inference_geo`` and ``speed`` (one local machine, one speed), and a tool's
+``metadata.user_id``, ``service_tier``, ``inference_geo`` and ``speed`` (one local machine, one speed),
+``output_config.effort`` (a local model has one effort level; its thinking is ``thinking``'s), and a tool's
 ``eager_input_streaming`` (each call's input is streamed whole, in one delta, as soon as the call is generated).
+Structured output — ``output_config.format`` (and the beta's top-level ``output_format``), ``{"type": "json_schema",
+"schema": {...}}`` — is enforced by constrained decoding, as the OpenAI routes' ``response_format``.
 mlxkv extension: ``kv_overflow`` (the request's per-sequence KV budget policy, :mod:`mlxkv.server.kv_overflow`).
 """
 
@@ -149,6 +152,20 @@ class ThinkingConfig(_Strict):
     display: Optional[str] = None
 
 
+class OutputFormat(_Strict):
+    """A JSON schema the answer's text follows (constrained decoding)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(..., alias="schema", description="the JSON schema of the answer")
+
+
+class OutputConfig(_Strict):
+    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = Field(
+        None, description="accepted; a local model has one effort level")
+    format: Optional[OutputFormat] = None
+
+
 class Metadata(_Strict):
     user_id: Optional[str] = Field(None, max_length=256)
 
@@ -163,7 +180,9 @@ class CountTokensRequest(_Strict):
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[ThinkingConfig] = None
     cache_control: Optional[CacheControl] = None
-    output_config: Optional[dict[str, Any]] = Field(None, description="structured output: not supported yet")
+    output_config: Optional[OutputConfig] = None
+    output_format: Optional[OutputFormat] = Field(None, description="the structured-outputs beta's form of "
+                                                                    "output_config.format")
     speed: Optional[Literal["standard", "fast"]] = None
 
     @field_validator("tools")

@@ -74,11 +74,15 @@ def plan_tools(conv: Conversation, no_tools: str | None) -> ToolPlan:
     return ToolPlan(messages, kwargs, conv.tools if use else None, conv.parallel_tool_calls is not False)
 
 
-def anthropic_tool_error(exc: ToolRequestError, conv: Conversation) -> APIError:
+def anthropic_tool_error(exc: ToolRequestError, conv: Conversation,
+                         format_field: str = "output_config.format") -> APIError:
     """The chat route's refusal with the Messages API's field names (``tools.0.function.strict`` is
-    ``tools.0.strict`` here; a ``tool_choice`` refusal names the choice as it was sent)."""
+    ``tools.0.strict`` here; a ``tool_choice`` refusal names the choice as it was sent; ``response_format`` is
+    ``format_field``, where the request's structured output came from)."""
     param = re.sub(r"^(tools\.\d+)\.function\.", r"\1.", exc.param or "") or None
     message = exc.message
+    if param == "response_format":
+        param, message = format_field, message.replace("response_format", format_field)
     if param == "tool_choice" and conv.anthropic_tool_choice is not None:
         message = f"tool_choice {json.dumps(conv.anthropic_tool_choice)}: {message}"
     elif param and param.startswith("tools."):

@@ -70,8 +70,8 @@ def to_conversation(body: CountTokensRequest) -> Conversation:
     """``body``'s conversation in chat form.
 
     Raises:
-        APIError: 400 for what mlxkv cannot honour (images and other non-text blocks, extended thinking, output
-            configuration, containers, diagnostics, citations) or Anthropic refuses (an empty message, a prefill
+        APIError: 400 for what mlxkv cannot honour (images and other non-text blocks, extended thinking,
+            containers, diagnostics, citations) or Anthropic refuses (an empty message, a prefill
             that ends with whitespace, a tool_result without its tool_use, a conversation ending in tool calls).
     """
     _refuse_unsupported(body)
@@ -121,8 +121,6 @@ def _refuse_unsupported(body: CountTokensRequest) -> None:
     if body.thinking is not None and body.thinking.type != "disabled":
         raise APIError(400, "extended thinking is not supported: omit thinking or send {\"type\": \"disabled\"}",
                        "unsupported_parameter", "thinking")
-    if body.output_config is not None:
-        raise APIError(400, "output_config is not supported", "unsupported_parameter", "output_config")
     if isinstance(body, MessagesRequest):
         for name in ("container", "diagnostics"):
             if getattr(body, name) is not None:
@@ -213,3 +211,22 @@ def _check_prefill(messages: list[dict[str, Any]]) -> bool:
         raise APIError(400, "final assistant content cannot end with trailing whitespace", "invalid_value",
                        "messages")
     return True
+
+
+def response_format(body: CountTokensRequest) -> tuple[dict[str, Any] | None, str]:
+    """The request's structured output as the OpenAI routes' ``response_format`` (``None``: free text), and the
+    field it came from (for errors): ``output_config.format``, or the beta's ``output_format``.
+
+    Raises:
+        APIError: 400 when both are sent and differ.
+    """
+    config = body.output_config.format if body.output_config is not None else None
+    beta = body.output_format
+    if config is not None and beta is not None and config.json_schema != beta.json_schema:
+        raise APIError(400, "output_format and output_config.format differ: send one of them", "invalid_value",
+                       "output_format")
+    chosen, where = (config, "output_config.format") if config is not None else (beta, "output_format")
+    if chosen is None:
+        return None, where
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": chosen.json_schema,
+                                                   "strict": True}}, where
