@@ -1,12 +1,20 @@
-"""Keyed integrity for the disk tier: a per-installation secret and the HMAC-SHA256 tags made with it.
+"""The disk tier's secret and what is made with it: AES-GCM encryption of every file, keyed names and tags.
 
 The secret (32 random bytes) lives *beside* the tier folder, as ``<folder>.secret`` (mode 0600, created on first
-use), so clearing or copying the folder never takes it along. With it:
+use), so clearing or copying the folder never takes it along. Without it, a tier file tells nothing about the
+prompt that made it, and cannot be changed unnoticed:
 
-- every file carries a tag over its header and one over the whole file, so a file edited or replaced by
-  anyone without the secret (a payload swapped and re-checksummed with plain sha256, say) is refused;
-- a block's token ids and extra-keys digest (which carries the cache salt) are stored only as keyed tags, so
-  the folder's content neither shows the prompt nor lets anyone check a guessed salt offline.
+- a file's header (layout, block hashes, tenant, priority) and its payload (the K/V rows) are each encrypted and
+  authenticated with AES-GCM (``cryptography``) under a key derived from the secret, with a fresh random nonce
+  per write; the payload's associated data binds it to its header, so K/V rows never appear in clear (the rows
+  of layer 0's values, which are a function of the token alone, cannot be matched against the vocabulary) and
+  a file edited, truncated, spliced from two files or written under another secret fails to decrypt and is
+  refused, never served;
+- a file's name is an HMAC of its model, group and block hash, and every block hash (a chained sha256 of the
+  tokens and salt) is stored only inside the encrypted header, so a guessed prompt cannot be confirmed offline by
+  hashing it, under any salt;
+- inside the header a block's token ids, extra-keys digest (which carries the cache salt) and tenant are kept
+  only as keyed tags (HMAC-SHA256): restore compares them with the prompt's without storing them.
 """
 
 from __future__ import annotations
@@ -21,9 +29,14 @@ import time
 import uuid
 from pathlib import Path
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 SECRET_BYTES = 32
 SECRET_SUFFIX = ".secret"
 TAG_BYTES = 32  # HMAC-SHA256
+NONCE_BYTES = 12  # AES-GCM
+AEAD_TAG_BYTES = 16  # AES-GCM's authentication tag, appended to each ciphertext
 _READ_RETRIES = 20  # another process may be creating the secret right now
 
 
@@ -94,16 +107,41 @@ def load_secret(folder: str | Path, *, create: bool = True) -> bytes | None:
     raise SecretError(f"{path}: expected {SECRET_BYTES} bytes: remove it (a new one is made, the tier starts empty)")
 
 
-class Seal:
-    """HMAC-SHA256 tags under one secret, each with its own domain label (a tag of one kind never passes as
-    another kind)."""
+class SealError(ValueError):
+    """A ciphertext that does not decrypt under this secret (edited, truncated, spliced, or another secret's)."""
 
-    __slots__ = ("_key",)
+
+class Seal:
+    """HMAC-SHA256 tags and AES-GCM encryption under one secret. Each tag kind has its own domain label (a tag of
+    one kind never passes as another kind); the encryption key is derived from the secret under a label of its
+    own, so no tag ever equals key material."""
+
+    __slots__ = ("_key", "_aead")
 
     def __init__(self, key: bytes):
         if len(key) != SECRET_BYTES:
             raise ValueError(f"a tier secret has {SECRET_BYTES} bytes, not {len(key)}")
         self._key = key
+        self._aead = AESGCM(self.tag(b"aes-gcm key", b""))
+
+    def encrypt(self, data: bytes, associated: bytes) -> tuple[bytes, bytes]:
+        """``(nonce, ciphertext with its tag)`` of ``data``, authenticated together with ``associated``."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        return nonce, self._aead.encrypt(nonce, data, associated)
+
+    def decrypt(self, nonce: bytes, ciphertext: bytes, associated: bytes) -> bytes:
+        """The plaintext of :meth:`encrypt`'s output. Raises SealError when anything was changed."""
+        if len(nonce) != NONCE_BYTES or len(ciphertext) < AEAD_TAG_BYTES:
+            raise SealError("truncated ciphertext")
+        try:
+            return self._aead.decrypt(nonce, ciphertext, associated)
+        except InvalidTag:
+            raise SealError("does not decrypt under this tier secret (corrupt, forged, truncated or "
+                            "written under another secret)") from None
+
+    def name_tag(self, fingerprint_digest: str, group_id: int, block_hash: bytes) -> str:
+        """Hex tag naming the file of a block: nothing in a file name can be recomputed without the secret."""
+        return self.tag(b"name", f"{fingerprint_digest}:{group_id}:".encode() + block_hash).hex()
 
     def tag(self, label: bytes, data: bytes) -> bytes:
         """The 32-byte tag of ``data`` under ``label``."""
