@@ -62,7 +62,7 @@ def _read(path: Path) -> bytes:
             raise SecretError(f"{path}: owned by uid {st.st_uid}, not by this user: remove it")
         if st.st_mode & 0o077:
             raise SecretError(f"{path}: mode {stat.S_IMODE(st.st_mode):o} lets others read it: "
-                              f"remove it (a new one is made, and the tier starts empty)")
+                              f"remove it (a new one is made; what it sealed can no longer be read)")
         return os.read(fd, SECRET_BYTES + 1)
     finally:
         os.close(fd)
@@ -85,13 +85,13 @@ def _create(path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_secret(folder: str | Path, *, create: bool = True) -> bytes | None:
-    """The secret of tier folder ``folder``; made on first use when ``create`` (else None when absent).
+def load_secret_file(path: Path, *, create: bool = True) -> bytes | None:
+    """The 32-byte secret kept in the file ``path`` (mode 0600); made on first use when ``create`` (else None when
+    absent). Shared by the disk tier (:func:`load_secret`) and saved chat sessions (mlxkv.chat.store).
 
     Raises:
         SecretError: the secret file is not private to this user or has the wrong size.
     """
-    path = secret_path(folder)
     for _ in range(_READ_RETRIES):
         try:
             key = _read(path)
@@ -104,7 +104,18 @@ def load_secret(folder: str | Path, *, create: bool = True) -> bytes | None:
         if len(key) == SECRET_BYTES:
             return key
         time.sleep(0.01)
-    raise SecretError(f"{path}: expected {SECRET_BYTES} bytes: remove it (a new one is made, the tier starts empty)")
+    raise SecretError(f"{path}: expected {SECRET_BYTES} bytes: remove it "
+                      f"(a new one is made; what it sealed can no longer be read)")
+
+
+def load_secret(folder: str | Path, *, create: bool = True) -> bytes | None:
+    """The secret of tier folder ``folder`` (beside it, :func:`secret_path`); made on first use when ``create``
+    (else None when absent).
+
+    Raises:
+        SecretError: the secret file is not private to this user or has the wrong size.
+    """
+    return load_secret_file(secret_path(folder), create=create)
 
 
 class SealError(ValueError):
@@ -136,7 +147,7 @@ class Seal:
         try:
             return self._aead.decrypt(nonce, ciphertext, associated)
         except InvalidTag:
-            raise SealError("does not decrypt under this tier secret (corrupt, forged, truncated or "
+            raise SealError("does not decrypt under this secret (corrupt, forged, truncated or "
                             "written under another secret)") from None
 
     def name_tag(self, fingerprint_digest: str, group_id: int, block_hash: bytes) -> str:
