@@ -9,7 +9,8 @@ embedded demo model):
 - an edited, truncated or spliced file is dropped with one log line and counted, never served: the answer is the
   one computed without it;
 - blocks written behind carry their tenant, so the per-tenant quota holds at the default write interval: a tenant
-  at retention priority 100 cannot push out the blocks of a tenant within its share.
+  at retention priority 100 cannot push out the blocks of a tenant within its share;
+- every write takes a fresh nonce, and a file does not decrypt under another secret.
 """
 
 from __future__ import annotations
@@ -205,3 +206,19 @@ def test_blocks_written_behind_keep_their_tenant_and_the_quota_holds(tmp_path):
     assert len(a) >= 3, log  # A wrote, up to its quota
     assert len(b) == 7, (len(a), len(b))  # every block of B is still there
     assert len({h.tenant_tag for h in b}) == 1 and {h.tenant_tag for h in a}.isdisjoint({h.tenant_tag for h in b})
+
+
+def test_each_write_uses_a_fresh_nonce_and_a_file_moved_between_secrets_does_not_decrypt(tmp_path):
+    from test_tier_store import FP, make_block
+
+    from mlxkv.kv.tier.format import PREFIX, FormatError, encode_block
+    from mlxkv.kv.tier.seal import NONCE_BYTES, Seal
+
+    seal, block = Seal(b"k" * 32), make_block(1)
+    one, two = encode_block(block, FP, seal), encode_block(block, FP, seal)
+    assert one != two and len(one) == len(two)  # the same block twice: nothing in common past the prefix
+    assert one[PREFIX.size:PREFIX.size + NONCE_BYTES] != two[PREFIX.size:PREFIX.size + NONCE_BYTES]
+    for data in (one, two):
+        assert decode_block(data, seal, FP["digest"]).arrays[0].tobytes() == block.arrays[0].tobytes()
+    with pytest.raises(FormatError, match="does not decrypt"):
+        decode_block(one, Seal(b"j" * 32), FP["digest"])
