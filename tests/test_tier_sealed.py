@@ -15,6 +15,7 @@ embedded demo model):
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -26,8 +27,8 @@ from testkit.serve_signals import server
 
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes, make_hash_fn
 from mlxkv.kv.tier.disk_store import read_header_file
-from mlxkv.kv.tier.format import decode_block, open_header, parse_header
-from mlxkv.kv.tier.seal import open_seal
+from mlxkv.kv.tier.format import decode_block, parse_header
+from mlxkv.kv.tier.seal import open_seal, secret_path
 
 pytestmark = pytest.mark.server
 
@@ -97,25 +98,41 @@ def attack_raw(data: bytes, vocab: np.ndarray) -> float:
     return best
 
 
-def test_the_v_row_attack_reads_only_ciphertext_and_names_are_keyed(tmp_path, vocab_v_rows):
-    folder = tmp_path / "tier"
-    args = (*PAGED, "--kv-disk-cache", str(folder), "--kv-disk-write-interval", "3600")
-    with server(*args) as s:
+ARGS = (*PAGED, "--kv-disk-write-interval", "3600")  # only the flush at the graceful stop writes the blocks
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> tuple[Path, str]:
+    """A tier folder (and its secret beside it) written by a server that answered PROMPT, and that answer."""
+    folder = tmp_path_factory.mktemp("written") / "tier"
+    with server(*ARGS, "--kv-disk-cache", str(folder)) as s:
         reference, cached = complete(s, PROMPT)
         assert cached == 0
         rc, log = s.stop()
     assert rc == 0 and "Traceback" not in log, log
-    written = files(folder)
-    assert len(written) == 4, log
+    assert len(files(folder)) == 4, log
+    return folder, reference
+
+
+def copy_of(written, tmp_path: Path) -> Path:
+    folder = tmp_path / "tier"
+    shutil.copytree(written[0], folder)
+    shutil.copy2(secret_path(written[0]), secret_path(folder))
+    return folder
+
+
+def test_the_v_row_attack_reads_only_ciphertext_and_names_are_keyed(written, tmp_path, vocab_v_rows):
+    folder = copy_of(written, tmp_path)
+    stored = files(folder)
     seal = open_seal(folder, create=False)
 
     # with the secret, each file's layer-0 V rows give back its 16 prompt tokens: the attack works on clear rows ...
-    recovered = {tuple(attack_clear(p.read_bytes(), seal, vocab_v_rows)) for p in written}
+    recovered = {tuple(attack_clear(p.read_bytes(), seal, vocab_v_rows)) for p in stored}
     assert recovered == {tuple(PROMPT[i * BS:(i + 1) * BS]) for i in range(4)}
     # ... and on the files as stored no window comes near the row of any prompt token (the only rows that could
     # give the prompt away: the search is over them, not the whole vocabulary, to keep the test fast)
     targets = vocab_v_rows[PROMPT]
-    for p in written:
+    for p in stored:
         raw = p.read_bytes()
         assert attack_raw(raw, targets) > 1e-2
         assert not any(r.tobytes() in raw for r in decode_block(raw, seal, read_header_file(p, seal)[0]
@@ -123,60 +140,45 @@ def test_the_v_row_attack_reads_only_ciphertext_and_names_are_keyed(tmp_path, vo
 
     # the chained sha256 of the prompt's blocks (what the header holds, decrypted) is nowhere in names or bytes
     hashes = extend_block_hashes(make_hash_fn("sha256"), PROMPT, 4 * BS, BS, HashContext(), [])
-    headers = {read_header_file(p, seal)[0].block_hash for p in written}
+    headers = {read_header_file(p, seal)[0].block_hash for p in stored}
     assert headers == {h.hex() for h in hashes}  # the guess is right: the test computes what the server hashed
-    for p in written:
+    for p in stored:
         raw = p.read_bytes()
         for h in hashes:
             assert h.hex() not in p.name and h.hex()[:16] not in p.name
             assert h not in raw and h.hex().encode() not in raw and h.hex()[:16].encode() not in raw
         assert b"block_hash" not in raw and b"fingerprint" not in raw  # the header is not readable either
 
-    with server(*args) as s:  # restart warmth: the sealed files are found and served
-        assert complete(s, PROMPT) == (reference, 4 * BS)
+    with server(*ARGS, "--kv-disk-cache", str(folder)) as s:  # restart warmth: the sealed files are served
+        assert complete(s, PROMPT) == (written[1], 4 * BS)
         assert tier_stats(s)["hits_disk"] >= 4
         assert s.stop()[0] == 0
 
 
-def test_a_tampered_or_truncated_tier_file_is_dropped_with_one_line_never_served(tmp_path):
-    folder = tmp_path / "tier"
-    args = (*PAGED, "--kv-disk-cache", str(folder), "--kv-disk-write-interval", "3600")
-    with server(*args) as s:
-        reference, _ = complete(s, PROMPT)
-        assert s.stop()[0] == 0
+def test_a_tampered_or_truncated_tier_file_is_dropped_with_one_line_never_served(written, tmp_path):
+    """A bit of the first block's K/V flipped (found when restored), one file truncated and a bit of another's
+    encrypted header flipped (found by the start-up scan). A payload spliced from another file:
+    tests/test_tier_files.py::test_replaced_payload_rechecksummed_or_retagged_is_refused."""
+    folder = copy_of(written, tmp_path)
     seal = open_seal(folder, create=False)
-    by_hash = {read_header_file(p, seal)[0].block_hash: p for p in files(folder)}
     first = next(p for p in files(folder) if read_header_file(p, seal)[0].parent_hash is None)
-    others = [p for p in by_hash.values() if p != first]
-    assert len(others) == 3
-
-    raw = bytearray(first.read_bytes())  # one bit of the first block's K/V flipped: its header still reads
+    others = [p for p in files(folder) if p != first]
+    raw = bytearray(first.read_bytes())
     raw[-100] ^= 0x01
     first.write_bytes(bytes(raw))
-    others[0].write_bytes(others[0].read_bytes()[:-100])  # truncated
+    others[0].write_bytes(others[0].read_bytes()[:-100])
     raw = bytearray(others[1].read_bytes())
-    raw[20] ^= 0x01  # inside the encrypted header
+    raw[20] ^= 0x01
     others[1].write_bytes(bytes(raw))
-    donor = others[2].read_bytes()  # the first block's header with another block's (sealed) K/V
-    start = open_header(donor, seal)[2]
-    spliced = first.read_bytes()[:open_header(first.read_bytes(), seal)[2]] + donor[start:]
 
-    with server(*args) as s:
-        assert complete(s, PROMPT) == (reference, 0)  # the same answer, computed afresh: nothing bad was served
+    with server(*ARGS, "--kv-disk-cache", str(folder)) as s:
+        assert complete(s, PROMPT) == (written[1], 0)  # the same answer, computed afresh: nothing bad was served
         assert tier_stats(s)["disk"]["corrupt_dropped"] == 3
         rc, log = s.stop()
     assert rc == 0 and "Traceback" not in log, log
     dropped = [line for line in log.splitlines() if "dropping" in line]
     assert len(dropped) == 3, log
     assert sum("does not decrypt" in line for line in dropped) == 2 and sum("header says" in line for line in dropped) == 1
-
-    for p in files(folder):
-        p.unlink()
-    first.write_bytes(spliced)  # a splice of two genuine files is refused too
-    with server(*args) as s:
-        assert complete(s, PROMPT) == (reference, 0)
-        assert tier_stats(s)["disk"]["corrupt_dropped"] == 1
-        assert s.stop()[0] == 0
 
 
 def test_blocks_written_behind_keep_their_tenant_and_the_quota_holds(tmp_path):
@@ -222,3 +224,18 @@ def test_each_write_uses_a_fresh_nonce_and_a_file_moved_between_secrets_does_not
         assert decode_block(data, seal, FP["digest"]).arrays[0].tobytes() == block.arrays[0].tobytes()
     with pytest.raises(FormatError, match="does not decrypt"):
         decode_block(one, Seal(b"j" * 32), FP["digest"])
+
+
+def test_a_full_disk_while_making_the_secret_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from mlxkv.kv.tier.seal import load_secret
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        load_secret(tmp_path / "tier")
+    assert list(tmp_path.iterdir()) == []  # neither the secret nor a stray .tmp

@@ -72,15 +72,17 @@ def _create(path: Path) -> None:
     """Write a fresh secret to ``path`` unless one appears there first (temp file + hard link: never partial)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        os.write(fd, secrets.token_bytes(SECRET_BYTES))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass  # another process made it first: use theirs
+    try:  # whatever fails (a full disk while writing, say), no temp file stays behind
+        try:
+            if os.write(fd, secrets.token_bytes(SECRET_BYTES)) != SECRET_BYTES:
+                raise OSError(f"{tmp}: short write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
     finally:
         tmp.unlink(missing_ok=True)
 
