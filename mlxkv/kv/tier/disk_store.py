@@ -1,12 +1,13 @@
 """DiskStore: the secondary tier's disk folder, one verified file per block (format.py), byte-capped.
 
 The folder is private (mode 0700, tightened if it exists), its files 0600, each encrypted and authenticated
-under the folder's secret and named by a keyed tag of its block (seal.py; the secret is kept beside the folder). Writes are atomic (temp file in the folder, fsync, rename, fsync of
-the folder), so a crash leaves either the whole file or none (plus at most a temp file, removed by a later scan
-once stale). The index is rebuilt by scanning the folder at start, so the tier survives restarts; other models'
-files are skipped (never served, never deleted); a file of ours that fails verification, at the scan or when
-read, is dropped with one warning, and files of an older format version with one warning for all of them:
-no file can stop the scan. Eviction follows host_store.PriorityLRU.
+under the folder's secret and named by a keyed tag of its block (seal.py; the secret is kept beside the folder).
+Writes are atomic (temp file in the folder, fsync, rename, fsync of the folder), so a crash leaves either the
+whole file or none (plus at most a temp file, removed by a later scan once stale). The index is rebuilt by
+scanning the folder at start, so the tier survives restarts; other models' files are skipped (never served, never
+deleted); a file of ours that fails verification, at the scan or when read, is dropped with one warning, and files
+of an older format version with one warning for all of them: no file can stop the scan. Eviction follows
+host_store.PriorityLRU.
 """
 
 from __future__ import annotations
