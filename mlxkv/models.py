@@ -193,6 +193,11 @@ def _check_files(path: Path) -> dict:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"config.json in {path} is not valid JSON: {exc}") from None
+    from mlxkv.model_bounds import config_problem
+
+    problem = config_problem(config)  # before mlx-lm builds anything from it
+    if problem is not None:
+        raise ModelLoadError(f"config.json in {path}: {problem}")
     if not any(path.glob("model*.safetensors")):
         raise ModelLoadError(f"no model*.safetensors weights in {path}")
     if "model_type" not in config:

@@ -92,6 +92,7 @@ LAYERS = (
     "mlxkv.kv",  # the facade: CachePool, Sequence
     "mlxkv.precision",  # model loading: dtypes
     "mlxkv.gguf",  # model loading: GGUF files
+    "mlxkv.model_bounds",  # model loading: a model folder's config.json sizes bounded
     "mlxkv.gguf_registry",  # the GGUF files a user has run
     "mlxkv.hub",  # model loading: Hugging Face specs and progress
     "mlxkv.chat_template",  # model loading: chat template and tool parser

@@ -1,5 +1,5 @@
-"""Tier files that cannot hurt: private modes, a keyed MAC under a secret beside the folder, no token ids or
-salt digests in clear, and malformed / hostile files dropped with one warning by the store's scan and by
+"""Tier files that cannot hurt: private modes, AES-GCM under a secret beside the folder, no token ids or
+salt digests even inside the encrypted header, and malformed / hostile files dropped with one warning by the store's scan and by
 ``mlxkv cache ls / clear``, never fatal."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from test_tier_store import FP, B, h, make_block
 from typer.testing import CliRunner
 
 from mlxkv.kv.tier import DiskStore, FormatError, SecretError, secret_path
-from mlxkv.kv.tier.format import MAGIC, PREFIX, encode_block, parse_header
+from mlxkv.kv.tier.format import FORMAT_VERSION, MAGIC, PREFIX, encode_block, open_header, parse_header, seal_file
 from mlxkv.kv.tier.header import MAX_HEADER_BYTES
 from mlxkv.kv.tier.seal import Seal
 
@@ -31,18 +31,13 @@ def mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def sealed(seal: Seal, header: bytes, payload: bytes = b"", version: int = 2) -> bytes:
-    """A file whose tags are right for ``seal`` around any header bytes: what only the secret's holder can make."""
-    head = PREFIX.pack(MAGIC, version, len(header)) + header
-    head += seal.tag(b"header", head)
-    body = head + payload
-    return body + seal.tag(b"file", body)
+def sealed(seal: Seal, header: bytes, payload: bytes = b"") -> bytes:
+    """A file encrypted under ``seal`` around any header bytes: what only the secret's holder can make."""
+    return seal_file(seal, header, payload)
 
 
 def good_header(block, seal) -> dict:
-    data = encode_block(block, FP, seal)
-    _, hlen = PREFIX.unpack_from(data)[1:]
-    return json.loads(data[PREFIX.size:PREFIX.size + hlen])
+    return json.loads(open_header(encode_block(block, FP, seal), seal)[1])
 
 
 def hostile_headers(seal) -> dict[str, bytes]:
@@ -70,7 +65,7 @@ def hostile_headers(seal) -> dict[str, bytes]:
         "bad hex": edit(block_hash="zz" * 32),
         "not an object": b"[1, 2, 3]",
         "not json": b"{not json",
-        "not utf-8": b'{"version": 2, "x": "\xff\xfe"}',
+        "not utf-8": b'{"version": 3, "x": "\xff\xfe"}',
         "extra field": edit(token_ids=[1, 2, 3, 4]),
         "missing field": json.dumps({k: v for k, v in base.items() if k != "priority"}).encode(),
     }
@@ -132,17 +127,17 @@ def test_replaced_payload_rechecksummed_or_retagged_is_refused(tmp_path, caplog)
     path = s.path_for((0, h(1)))
     raw = path.read_bytes()
     other = encode_block(make_block(2), FP, s.seal)
-    forged = raw[:len(raw) - 32 - 256] + other[len(other) - 32 - 256:-32]  # another block's K/V bytes
-    path.write_bytes(forged + hashlib.sha256(forged).digest())  # re-checksummed as format v1 did
+    _, _, start = open_header(raw, s.seal)
+    path.write_bytes(raw[:start] + other[len(other) - (len(raw) - start):])  # another block's sealed K/V
     with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         assert s.get((0, h(1))) is None
-    assert "file tag mismatch" in caplog.text and not path.exists()
+    assert "payload does not decrypt" in caplog.text and not path.exists()
     # a whole file made with a guessed secret: refused at the scan, from its header alone
     path.write_bytes(encode_block(make_block(1, priority=100), FP, Seal(b"g" * 32)))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         assert len(DiskStore(tmp_path, FP, 1 << 20)) == 0
-    assert "header tag mismatch" in caplog.text and not path.exists()
+    assert "header does not decrypt" in caplog.text and not path.exists()
 
 
 @pytest.mark.parametrize("case", list(hostile_headers(Seal(b"k" * 32))))
@@ -173,9 +168,9 @@ def test_oversized_header_length_and_old_format_files(tmp_path, caplog):
     folder = tmp_path / "tier"
     s = DiskStore(folder, FP, 1 << 20)
     big = folder / f"{FP['digest'][:16]}-g0-{h(7).hex()}.mlxkvblk"
-    big.write_bytes(PREFIX.pack(MAGIC, 2, MAX_HEADER_BYTES + 1) + b"{" * 64)
-    for i in range(3):  # format v1 files: token ids in clear, plain sha256
-        (folder / f"old{i}.mlxkvblk").write_bytes(PREFIX.pack(MAGIC, 1, 2) + b"{}" + b"\0" * 32)
+    big.write_bytes(PREFIX.pack(MAGIC, FORMAT_VERSION, MAX_HEADER_BYTES + 17) + b"{" * 64)
+    for i in range(3):  # format v1 files (token ids in clear, plain sha256) and v2 (K/V in clear, unkeyed names)
+        (folder / f"old{i}.mlxkvblk").write_bytes(PREFIX.pack(MAGIC, 1 + i % 2, 2) + b"{}" + b"\0" * 32)
     with caplog.at_level(logging.WARNING, logger="mlxkv.kv.tier"):
         s2 = DiskStore(folder, FP, 1 << 20)
     assert len(s2) == 0 and s2.num_old_format == 3 and s2.num_corrupt == 1 and list(folder.iterdir()) == []

@@ -93,9 +93,13 @@ def check_hyperparameters(arch: str, values: dict[str, Any], dims: dict[str, tup
     embedding = dims.get("token_embd.weight", ())
     need(embedding[:1] == (hidden,), "embedding_length", hidden,
          f"the token embedding's rows have {embedding[0] if embedding else 'no'} values")
-    for tensor, rows, key, value in (("attn_q", heads * head_dim, "attention.key_length", head_dim),
-                                     ("attn_k", kv_heads * head_dim, "attention.head_count_kv", kv_heads),
-                                     ("ffn_up", ffn, "feed_forward_length", ffn)):
-        shape = dims.get(f"blk.0.{tensor}.weight", ())
-        need(shape == (hidden, rows), key, value,
-             f"blk.0.{tensor}.weight is {list(shape)}, not [{hidden}, {rows}] as the metadata implies")
+    for layer in range(layers):  # every block: q and k rows are un-permuted by head before any shape check
+        for tensor, rows, key, value in (("attn_q", heads * head_dim, "attention.key_length", head_dim),
+                                         ("attn_k", kv_heads * head_dim, "attention.head_count_kv", kv_heads),
+                                         ("ffn_up", ffn, "feed_forward_length", ffn)):
+            name = f"blk.{layer}.{tensor}.weight"
+            if layer and name not in dims:
+                continue  # an architecture without it (checked on block 0); the weights load says what is missing
+            shape = dims.get(name, ())
+            need(shape == (hidden, rows), key, value,
+                 f"{name} is {list(shape)}, not [{hidden}, {rows}] as the metadata implies")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxkv.gguf.config import build_config, end_of_turn_ids
-from mlxkv.gguf.reader import GGUFError, read
+from mlxkv.gguf.reader import GGUFError, first_line, read
 from mlxkv.gguf.tokenizer import build_tokenizer
 from mlxkv.gguf.weights import hf_weights, quantization
 
@@ -39,8 +39,13 @@ def translate(path: str | Path) -> Translated:
     quant = quantization(weights)
     if quant is not None:
         config["quantization"] = quant
-    return Translated(config=config, weights=weights, tokenizer=build_tokenizer(gguf.metadata),
-                      eos_token_ids=end_of_turn_ids(gguf.metadata))
+    try:
+        tokenizer = build_tokenizer(gguf.metadata)
+    except GGUFError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers / tokenizers refusing the file's vocabulary or ids
+        raise GGUFError(f"the GGUF tokenizer cannot be built: {first_line(exc)}") from None
+    return Translated(config=config, weights=weights, tokenizer=tokenizer, eos_token_ids=end_of_turn_ids(gguf.metadata))
 
 
 def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
@@ -62,7 +67,11 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
                 return quant[path]
             return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=quantized)
+        try:
+            nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=quantized)
+        except ValueError as exc:  # a quantized tensor where the layer cannot be quantized (a norm, say)
+            raise GGUFError(f"the GGUF tensors do not fit a {config['model_type']} model: {first_line(exc)}") \
+                from None
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:

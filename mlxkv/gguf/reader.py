@@ -53,7 +53,7 @@ def header(path: Path) -> Header:
         with open(path, "rb") as f:
             return read_header(f)
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise GGUFError(f"{path} is not a readable GGUF file: {_first_line(exc)}") from None
+        raise GGUFError(f"{path} is not a readable GGUF file: {first_line(exc)}") from None
 
 
 def tensor_types(path: Path) -> dict[str, str]:
@@ -95,7 +95,7 @@ def read(path: str | Path) -> GGUFFile:
     try:
         tensors, raw_meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as exc:
-        raise GGUFError(f"MLX could not read {path.name}: {_first_line(exc)}") from None
+        raise GGUFError(f"MLX could not read {path.name}: {first_line(exc)}") from None
     return GGUFFile(path=path, tensors=tensors, metadata={k: _plain(v) for k, v in raw_meta.items()}, types=types,
                     dims={t.name: t.dims for t in head.tensors})
 
@@ -109,7 +109,8 @@ def _plain(value: Any) -> Any:
     return value.tolist()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when empty): what a one-line error quotes."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
 

@@ -1,7 +1,7 @@
 """Secondary KV tier: blocks evicted from the primary pool kept in host memory and/or on disk.
 
 - fingerprint.py: model identity (architecture + weights identity) so files never cross models;
-- seal.py: the per-installation secret beside a tier folder and the HMAC-SHA256 tags made with it;
+- seal.py: the per-installation secret beside a tier folder, the AES-GCM sealing and HMAC-SHA256 tags made with it;
 - header.py: a file header's bounded, typed parsing (no file can crash or stall its reader);
 - format.py: ``TierBlock`` and the verified one-file-per-block disk format;
 - host_store.py / disk_store.py: ``HostMemoryStore`` / ``DiskStore`` (byte caps, priority-LRU, atomic private

@@ -196,7 +196,8 @@ class TierBridge:
                 out.append(TierBlock(
                     block_hash=b.block_hash, parent_hash=parent_hash, group_id=g, layers=layers,
                     token_ids=tuple(b.token_ids), extra_digest=extra_digest(b.extra_keys), priority=prio,
-                    arrays=[a[i] for a, _ in per_layer], dtypes=[d for _, d in per_layer]))
+                    arrays=[a[i] for a, _ in per_layer], dtypes=[d for _, d in per_layer],
+                    tenant=tenant_digest(b.tenant)))  # the per-tenant quota holds for blocks written behind too
         return out
 
     def flush(self, timeout: float) -> dict:

@@ -1,12 +1,13 @@
 """DiskStore: the secondary tier's disk folder, one verified file per block (format.py), byte-capped.
 
-The folder is private (mode 0700, tightened if it exists), its files 0600; their tags use the folder's
-secret (seal.py, kept beside the folder). Writes are atomic (temp file in the folder, fsync, rename, fsync of
-the folder), so a crash leaves either the whole file or none (plus at most a temp file, removed by a later scan
-once stale). The index is rebuilt by scanning the folder at start, so the tier survives restarts; other models'
-files are skipped (never served, never deleted); a file of ours that fails verification, at the scan or when
-read, is dropped with one warning, and files of an older format version with one warning for all of them:
-no file can stop the scan. Eviction follows host_store.PriorityLRU.
+The folder is private (mode 0700, tightened if it exists), its files 0600, each encrypted and authenticated
+under the folder's secret and named by a keyed tag of its block (seal.py; the secret is kept beside the folder).
+Writes are atomic (temp file in the folder, fsync, rename, fsync of the folder), so a crash leaves either the
+whole file or none (plus at most a temp file, removed by a later scan once stale). The index is rebuilt by
+scanning the folder at start, so the tier survives restarts; other models' files are skipped (never served, never
+deleted); a file of ours that fails verification, at the scan or when read, is dropped with one warning, and files
+of an older format version with one warning for all of them: no file can stop the scan. Eviction follows
+host_store.PriorityLRU.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class DiskStore:
 
     # ---- index -------------------------------------------------------------------------------------
     def path_for(self, key: Key) -> Path:
-        return self.folder / f"{self.digest[:16]}-g{key[0]}-{key[1].hex()}{FILE_SUFFIX}"
+        """The file of ``key``: named by a keyed tag, so the name cannot be recomputed from a guessed prompt."""
+        return self.folder / f"{self.seal.name_tag(self.digest, key[0], key[1])}{FILE_SUFFIX}"
 
     def _drop_file(self, path: Path, why: str) -> None:
         log.warning("secondary KV tier: dropping %s: %s", path.name, why)

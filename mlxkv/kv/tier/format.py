@@ -2,21 +2,25 @@
 
 File layout (all integers little-endian)::
 
-    magic       8 bytes   b"MLXKVBLK"
-    version     u16       FORMAT_VERSION
-    hlen        u32       length of the header (at most header.MAX_HEADER_BYTES)
-    header      hlen      UTF-8 JSON (header.TierHeader): fingerprint, group/layer layout, dtypes, shapes,
-                          offsets, block size, block hash, parent hash, keyed tags of the token ids, of the
-                          extra-keys digest and of the tenant, priority, created time
-    header tag  32 bytes  HMAC-SHA256 (seal.Seal, label "header") over everything before it
-    payload     ...       raw array bytes, in header order (bfloat16 stored as its uint16 bit pattern)
-    file tag    32 bytes  HMAC-SHA256 (label "file") over everything before it
+    magic          8 bytes   b"MLXKVBLK"
+    version        u16       FORMAT_VERSION
+    hlen           u32       length of the header's ciphertext (at most header.MAX_HEADER_BYTES + 16)
+    header nonce   12 bytes
+    header         hlen      AES-GCM ciphertext and tag (seal.Seal.encrypt) of the UTF-8 JSON header
+                             (header.TierHeader): fingerprint, group/layer layout, dtypes, shapes, offsets, block
+                             size, block hash, parent hash, keyed tags of the token ids, of the extra-keys digest
+                             and of the tenant, priority, created time; associated data: the three fields above
+    payload nonce  12 bytes
+    payload        ...       AES-GCM ciphertext and tag of the raw array bytes, in header order (bfloat16 stored as
+                             its uint16 bit pattern); associated data: everything before the payload nonce
 
-The header tag lets a folder scan trust a header without reading the payload; the file tag covers the payload.
-``decode_block`` verifies all of it (magic, version, lengths, both tags, every header field's type and bounds,
-fingerprint, expected hash, block size and layout) and raises :class:`FormatError` on any mismatch; nothing
-unverified is ever returned. Token ids and extra keys (which carry the cache salt) are never stored in clear:
-restore needs only to compare them with the prompt's, which the keyed tags allow (:meth:`TierBlock.matches`).
+A file is named by a keyed tag of its model, group and block hash (seal.Seal.name_tag), never by the hash. The
+header decrypts on its own, so a folder scan reads no payload; the payload's associated data binds it to that
+header. ``decode_block`` verifies all of it (magic, version, lengths, both ciphertexts, every header field's type
+and bounds, fingerprint, expected hash, block size and layout) and raises :class:`FormatError` on any mismatch;
+nothing unverified is ever returned. Token ids and extra keys (which carry the cache salt) are not stored even
+encrypted: restore needs only to compare them with the prompt's, which the keyed tags allow
+(:meth:`TierBlock.matches`).
 """
 
 from __future__ import annotations
@@ -32,15 +36,15 @@ import numpy as np
 
 from mlxkv.kv.blocks.hashing import encode_key
 from mlxkv.kv.tier.header import MAX_HEADER_BYTES, HeaderError, TierHeader, parse_header_json
-from mlxkv.kv.tier.seal import TAG_BYTES, Seal
+from mlxkv.kv.tier.seal import AEAD_TAG_BYTES, NONCE_BYTES, Seal, SealError
 from mlxkv.kv.tier.tenants import UNSALTED
 
 MAGIC = b"MLXKVBLK"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FILE_SUFFIX = ".mlxkvblk"
 PREFIX = struct.Struct("<8sHI")  # magic, version, header length
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # host storage dtype
-_HEADER, _FILE = b"header", b"file"  # tag labels
+MAX_SEALED_HEADER = MAX_HEADER_BYTES + AEAD_TAG_BYTES
 
 
 class FormatError(ValueError):
@@ -149,8 +153,17 @@ def file_tenant(block: TierBlock, seal: Seal, inherited: str | None = None) -> s
     return own or inherited or seal.tenant_tag(UNSALTED)
 
 
+def seal_file(seal: Seal, header: bytes, payload: bytes, version: int = FORMAT_VERSION) -> bytes:
+    """The file bytes around a header's JSON bytes and a payload, encrypted under ``seal`` (the one writer of the
+    layout; tests use it to make files only the secret's holder could make)."""
+    nonce, sealed = seal.encrypt(header, PREFIX.pack(MAGIC, version, len(header) + AEAD_TAG_BYTES))
+    head = PREFIX.pack(MAGIC, version, len(sealed)) + nonce + sealed
+    pnonce, body = seal.encrypt(payload, head)
+    return head + pnonce + body
+
+
 def encode_block(block: TierBlock, fingerprint: dict, seal: Seal, tenant_tag: str | None = None) -> bytes:
-    """The file bytes of ``block`` written by the model ``fingerprint``, tagged with ``seal`` (``tenant_tag``:
+    """The file bytes of ``block`` written by the model ``fingerprint``, sealed with ``seal`` (``tenant_tag``:
     the tenant tag to record when the block's own tenant is unknown; else the unsalted tenant's)."""
     specs, offset = [], 0
     for a, d in zip(block.arrays, block.dtypes):
@@ -167,17 +180,14 @@ def encode_block(block: TierBlock, fingerprint: dict, seal: Seal, tenant_tag: st
     if block.kind != "kv":
         header["kind"] = block.kind
     hb = json.dumps(header, separators=(",", ":")).encode()
-    head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(hb)) + hb
-    head += seal.tag(_HEADER, head)
-    body = b"".join([head, *(np.ascontiguousarray(a).tobytes() for a in block.arrays)])
-    return body + seal.tag(_FILE, body)
+    return seal_file(seal, hb, b"".join(np.ascontiguousarray(a).tobytes() for a in block.arrays))
 
 
 def read_prefix(data: bytes) -> tuple[int, int]:
-    """``(version, header length)`` from a file's first bytes.
+    """``(version, header ciphertext length)`` from a file's first bytes.
 
     Raises:
-        FormatError: not our magic, or a header over the size cap; OldFormatError: another format version.
+        FormatError: not our magic, or a header length out of bounds; OldFormatError: another format version.
     """
     if len(data) < PREFIX.size:
         raise FormatError("truncated: shorter than the file prefix")
@@ -186,27 +196,37 @@ def read_prefix(data: bytes) -> tuple[int, int]:
         raise FormatError("not an mlxkv tier file (bad magic)")
     if version != FORMAT_VERSION:
         raise OldFormatError(f"format version {version}, this mlxkv reads {FORMAT_VERSION}")
-    if hlen > MAX_HEADER_BYTES:
-        raise FormatError(f"header length {hlen}, more than {MAX_HEADER_BYTES}")
+    if not AEAD_TAG_BYTES <= hlen <= MAX_SEALED_HEADER:
+        raise FormatError(f"header length {hlen}, outside {AEAD_TAG_BYTES}..{MAX_SEALED_HEADER}")
     return version, hlen
 
 
 def header_end(hlen: int) -> int:
-    """Bytes from the file's start through the header tag, for a header of ``hlen`` bytes."""
-    return PREFIX.size + hlen + TAG_BYTES
+    """Bytes from the file's start through the header's ciphertext, for a ciphertext of ``hlen`` bytes."""
+    return PREFIX.size + NONCE_BYTES + hlen
 
 
-def parse_header(data: bytes, seal: Seal) -> tuple[TierHeader, int]:
-    """``(header, payload start)`` from a file's first :func:`header_end` bytes (more is fine): checks the
-    prefix, the header tag, then every field (header.parse_header_json). Raises FormatError."""
+def open_header(data: bytes, seal: Seal) -> tuple[int, bytes, int]:
+    """``(version, header JSON bytes, payload start)`` from a file's first :func:`header_end` bytes (more is
+    fine), decrypted and authenticated. Raises FormatError."""
     version, hlen = read_prefix(data)
     end = header_end(hlen)
     if len(data) < end:
         raise FormatError("truncated header")
-    if not seal.check(_HEADER, data[:end - TAG_BYTES], data[end - TAG_BYTES:end]):
-        raise FormatError("header tag mismatch (corrupt, forged, or written under another tier secret)")
     try:
-        header = parse_header_json(data[PREFIX.size:PREFIX.size + hlen], version)
+        raw = seal.decrypt(data[PREFIX.size:PREFIX.size + NONCE_BYTES], data[PREFIX.size + NONCE_BYTES:end],
+                           data[:PREFIX.size])
+    except SealError as exc:
+        raise FormatError(f"header {exc}") from None
+    return version, raw, end
+
+
+def parse_header(data: bytes, seal: Seal) -> tuple[TierHeader, int]:
+    """``(header, payload start)`` from a file's first :func:`header_end` bytes (more is fine): checks the
+    prefix, decrypts the header, then checks every field (header.parse_header_json). Raises FormatError."""
+    version, raw, end = open_header(data, seal)
+    try:
+        header = parse_header_json(raw, version)
     except HeaderError as exc:
         raise FormatError(f"malformed header: {exc}") from None
     return header, end
@@ -214,7 +234,7 @@ def parse_header(data: bytes, seal: Seal) -> tuple[TierHeader, int]:
 
 def file_size(header: TierHeader, payload_start: int) -> int:
     """Total bytes a file with this header must have."""
-    return payload_start + header.payload_bytes + TAG_BYTES
+    return payload_start + NONCE_BYTES + header.payload_bytes + AEAD_TAG_BYTES
 
 
 def decode_block(data: bytes, seal: Seal, fingerprint_digest: str, *, block_hash: bytes | None = None,
@@ -224,15 +244,17 @@ def decode_block(data: bytes, seal: Seal, fingerprint_digest: str, *, block_hash
     total = file_size(header, start)
     if len(data) != total:
         raise FormatError(f"size {len(data)} bytes, header says {total} (truncated or padded)")
-    if not seal.check(_FILE, data[:-TAG_BYTES], data[-TAG_BYTES:]):
-        raise FormatError("file tag mismatch (corrupt or replaced payload)")
+    try:
+        payload = seal.decrypt(data[start:start + NONCE_BYTES], data[start + NONCE_BYTES:], data[:start])
+    except SealError as exc:
+        raise FormatError(f"payload {exc}") from None
     if header.fingerprint.digest != fingerprint_digest:
         fp = header.fingerprint
         raise FormatError(f"written by another model ({fp.architecture}, {fp.digest[:12]})")
     arrays, dtypes = [], []
     for spec in header.arrays:  # offsets, sizes and shapes checked consistent by parse_header
-        lo = start + spec.offset
-        arrays.append(np.frombuffer(data[lo:lo + spec.nbytes], dtype=_DTYPES[spec.dtype]).reshape(spec.shape).copy())
+        lo = spec.offset
+        arrays.append(np.frombuffer(payload[lo:lo + spec.nbytes], dtype=_DTYPES[spec.dtype]).reshape(spec.shape).copy())
         dtypes.append(spec.dtype)
     block = TierBlock(
         block_hash=bytes.fromhex(header.block_hash),

@@ -55,7 +55,7 @@ class ArraySpec(BaseModel):
 
 
 class TierHeader(BaseModel):
-    """Every field of a version-2 tier file's header, typed and bounded."""
+    """Every field of a tier file's header (decrypted), typed and bounded."""
 
     model_config = _Strict
     version: int
