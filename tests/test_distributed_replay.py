@@ -138,3 +138,29 @@ def test_replayed_journal_keeps_every_block_the_same(llama):
         assert kind in channel.kinds, kind  # the workload went through every journaled path it is meant to test
     assert stats["preemptions"] >= 1 and stats["prefix_cache"]["hits"] > 0
     assert follower_pool.free_capacity() == leader_pool.free_capacity()
+
+
+def test_every_pool_and_sequence_method_is_journaled_or_declared_read_only(llama):
+    """A pool or sequence method the journal does not know would change the leader's pool unseen by the followers:
+    each public method is either journaled or declared read-only, and an unclassified one is refused when called."""
+    import inspect
+
+    from mlxkv.distributed.journal import POOL_READS, SEQUENCE_OPS, SEQUENCE_READS, UnjournaledCall
+    from mlxkv.kv import Sequence
+
+    def methods(cls):
+        return {n for n in dir(cls) if not n.startswith("_") and inspect.isfunction(inspect.getattr_static(cls, n))}
+
+    assert methods(Sequence) == set(SEQUENCE_OPS) | set(SEQUENCE_READS)
+    own = {n for n in vars(LeaderPool) if not n.startswith("_")}  # journaled or handled by the leader itself
+    assert methods(CachePool) <= own | set(POOL_READS), methods(CachePool) - own - set(POOL_READS)
+    pool = LeaderPool(CachePool(llama.model, max_sequences=2), Journal(), on_idle=lambda: None,
+                      on_stop=lambda timeout: None, heartbeat_s=1.0, extra_stats=dict)
+    seq = pool.open(prompt_length=3, prompt=[1, 2, 3])
+    seq._seq.snapshot = lambda: None  # as if a new method appeared on the sequence, unclassified
+    with pytest.raises(UnjournaledCall, match="Sequence.snapshot"):
+        seq.snapshot()
+    pool._pool.shrink = lambda: None
+    with pytest.raises(UnjournaledCall, match="CachePool.shrink"):
+        pool.shrink()
+    assert seq.nbytes() >= 0 and pool.free_capacity() >= 0  # declared reads pass through

@@ -16,6 +16,25 @@ from typing import Any
 
 #: Sequence-handle methods that change the pool's state (replayed by followers, in order).
 SEQUENCE_OPS = ("feed", "feed_placeholder", "name_token", "reserve", "reserve_last", "commit", "rewind_to")
+#: Sequence-handle methods that change nothing (called through unrecorded). A method in neither tuple is refused
+#: when the leader calls it: a change the followers never see would desynchronise the ranks without a sound.
+SEQUENCE_READS = ("nbytes", "prefill_chunk")
+#: CachePool methods :class:`LeaderPool` passes through unrecorded (they change nothing); the pool's changes are
+#: its own methods, journaled. Any other pool method is refused, as for sequences.
+POOL_READS = ("admission_cost", "check_invariants", "free_capacity", "has_decode_headroom", "kv_events",
+              "max_sequence_tokens", "memory_usage_bytes")
+
+
+class UnjournaledCall(AttributeError):
+    """The leader called a pool or sequence method that is neither journaled nor declared read-only."""
+
+
+def _classified(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> Any:
+    """``value``, unless it is a public method outside ``allowed`` (see :data:`SEQUENCE_READS`)."""
+    if callable(value) and not name.startswith("_") and name not in allowed:
+        raise UnjournaledCall(f"{owner}.{name} is neither journaled nor declared read-only in "
+                              f"mlxkv.distributed.journal: the followers would not see what it does")
+    return value
 
 
 class Journal:
@@ -80,7 +99,7 @@ class LeaderSequence:
                 self._journal.add("seq", name, self._seq.id.value, args)
                 return value(*args)
             return call
-        return value
+        return _classified("Sequence", name, value, SEQUENCE_READS)
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._seq, name, value)
@@ -114,7 +133,7 @@ class LeaderPool:
         use_plan_clock(pool, journal)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
+        return _classified("CachePool", name, getattr(self._pool, name), POOL_READS)
 
     def check_overflow(self, overflow: Any) -> None:
         """A request's ``kv_overflow`` policy is refused: each rank would rank and drop its own pages."""
