@@ -40,6 +40,7 @@ from mlxkv.server.tenancy import check_max_client_priority, check_retention
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes
 from mlxkv.server.tool_stream import ToolOutput
+from mlxkv.server.ui_routes import ui_router
 from mlxkv.server.unicode_guard import reject_invalid_unicode
 from mlxkv.server.tools import (
     ToolRequestError,
@@ -55,7 +56,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
-               flush_timeout_s: float = 10.0, metrics_key: str | None = None) -> FastAPI:
+               flush_timeout_s: float = 10.0, metrics_key: str | None = None, ui: bool = True) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -74,6 +75,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
         metrics_key: require it (or ``api_key``) on ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
             (``None``: those stay open).
+        ui: serve the built-in page at ``/`` (ui_routes.py).
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
@@ -201,6 +203,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults))
     app.include_router(v1)
+    if ui:
+        app.include_router(ui_router())
     return app
 
 

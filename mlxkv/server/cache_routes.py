@@ -1,4 +1,8 @@
-"""The KV cache over HTTP: ``/v1/cache/stats``, ``/v1/cache/reset`` and ``/v1/cache/events``.
+"""The KV cache over HTTP: ``/v1/cache/stats``, ``/v1/cache/blocks``, ``/v1/cache/reset`` and ``/v1/cache/events``.
+
+``GET /v1/cache/blocks`` is the block pool as a picture: each block's state, owner and priority, and the prefix tree
+of cached chains with hit counts and text, filtered per viewer (``?cache_salt=``: the viewer's own prompts; see
+cache_view.py). The built-in page and ``mlxkv top`` draw it.
 
 ``POST /v1/cache/reset`` takes an optional ``{"cache_salt": ...}`` that limits it to one tenant's blocks (see
 tenancy.py). On a server with an admin key, a reset of every tenant and the events stream (which carries every
@@ -28,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT
 from mlxkv.server.auth import key_matches, request_key
+from mlxkv.server.cache_view import viewer_view
 from mlxkv.server.errors import APIError
 from mlxkv.server.tenancy import CacheResetRequest, reset_scope
 
@@ -64,6 +69,18 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
     async def cache_stats() -> dict:
         return engine.stats()
 
+    @router.get("/cache/blocks")
+    async def cache_blocks(request: Request, cache_salt: str | None = None) -> dict:
+        if cache_salt is not None and not 1 <= len(cache_salt) <= 256:
+            raise APIError(400, "cache_salt must be 1 to 256 characters", "invalid_value", "cache_salt")
+        raw = await run_in_threadpool(engine.block_map)
+        if raw is None:
+            return {"paged": False}
+        stats = engine.stats().get("kv_blocks", {})
+        sees_all = admin_key is None or key_matches(request_key(request), admin_key)
+        view = await run_in_threadpool(viewer_view, raw, sees_all=sees_all, scope=cache_salt, decode=_decoder(engine))
+        return {"paged": True, "block_size": stats.get("block_size"), "total": len(raw["states"]), **view}
+
     @router.post("/cache/reset")
     async def cache_reset(request: Request, body: Optional[CacheResetRequest] = None) -> dict:
         salt = reset_scope(body, request, admin_key)
@@ -92,6 +109,13 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
                                  headers={"Cache-Control": "no-cache"})
 
     return router
+
+
+def _decoder(engine: BatchEngine):
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        return lambda ids: ""
+    return lambda ids: tokenizer.decode(ids)
 
 
 async def _events(request: Request, engine: BatchEngine, batch: dict, keepalive_s: float) -> AsyncIterator[str]:
