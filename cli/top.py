@@ -91,8 +91,8 @@ def summary(stats: dict, blocks: dict, tps: float | None) -> dict[str, Any]:
     }
 
 
-def render(snap: dict, url: str, width: int) -> Group:
-    """The view of one snapshot (rich renderables)."""
+def render(snap: dict, url: str, width: int, live: bool = False) -> Group:
+    """The view of one snapshot (rich renderables; ``live``: with the key that quits)."""
     r, p, pool, tier = snap["requests"], snap["prefix_cache"], snap["pool"], snap["tier"]
     head = Table.grid(padding=(0, 3))
     for _ in range(6):
@@ -115,7 +115,7 @@ def render(snap: dict, url: str, width: int) -> Group:
         parts.append(legend)
     else:
         parts.append(Text("dense KV backend: no block pool (serve with --kv-backend paged)"))
-    return Group(Panel(Group(*parts), title=f"mlxkv top — {url}", subtitle="q quits"))
+    return Group(Panel(Group(*parts), title=f"mlxkv top — {url}", subtitle="q quits" if live else None))
 
 
 def pool_map(pool: dict, width: int) -> Text:
@@ -205,7 +205,7 @@ def _live(reader: Snapshot, url: str, interval: float) -> None:
     console = Console()
     with _keys() as key, Live(console=console, auto_refresh=False, screen=False, transient=False) as live:
         while True:
-            live.update(render(reader.read(), url, console.width), refresh=True)
+            live.update(render(reader.read(), url, console.width, live=True), refresh=True)
             deadline = time.monotonic() + interval
             while (left := deadline - time.monotonic()) > 0:
                 pressed = key(left)
