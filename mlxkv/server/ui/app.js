@@ -279,7 +279,11 @@ function drawTree(blocks) {
   const hits = nodes.reduce((a, n) => a + n.hits, 0);
   $("tree-summary").textContent = `${nodes.length} cached blocks shown, ${hits} hits` +
     (blocks.tree.truncated ? `, ${blocks.tree.truncated} more not shown` : "");
+  // a chain without branches stays at one indent: a level is added where a block has several children
+  const children = {}, indent = {};
+  for (const n of nodes) if (n.parent !== null) children[n.parent] = (children[n.parent] || 0) + 1;
   for (const n of nodes) {
+    indent[n.block] = n.parent === null ? 0 : indent[n.parent] + (children[n.parent] > 1 ? 1 : 0);
     const li = document.createElement("li");
     li.dataset.block = n.block;
     li.dataset.hits = n.hits;
@@ -288,7 +292,7 @@ function drawTree(blocks) {
     const hitSpan = document.createElement("span");
     hitSpan.className = "hits";
     hitSpan.textContent = `${n.hits} hits`;
-    li.append(`${"  ".repeat(n.depth)}${n.depth ? "└ " : ""}#${n.block} ${n.tokens} tok ${n.held ? "held " : ""}`,
+    li.append(`${"  ".repeat(indent[n.block])}${n.parent !== null ? "└ " : ""}#${n.block} ${n.tokens} tok ${n.held ? "held " : ""}`,
       hitSpan, ` ${label} ${JSON.stringify(n.text.slice(0, 60))}`);
     list.appendChild(li);
   }
