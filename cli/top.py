@@ -84,6 +84,9 @@ def summary(stats: dict, blocks: dict, tps: float | None) -> dict[str, Any]:
                  "blocks": secondary.get("blocks", 0) if secondary else 0,
                  "hits": secondary.get("hits", 0) if secondary else 0,
                  "hit_rate": secondary.get("hit_rate", 0.0) if secondary else 0.0},
+        "overflow": {"dropped_blocks": kv.get("overflow_dropped", 0),
+                     "restored_blocks": kv.get("overflow_restored", 0)},
+        "state_snapshots": stats.get("state_snapshots"),
         "evictions": stats.get("evictions", 0),
         "preemptions": stats.get("preemptions", 0),
         "generation_tokens_total": stats.get("generation_tokens_total", 0),
@@ -108,6 +111,15 @@ def render(snap: dict, url: str, width: int, live: bool = False) -> Group:
         parts.append(Text(f"pool: {pool['total']} blocks of {pool['block_size']} tokens — {pool['free']} free, "
                           f"{pool['cached']} cached, {pool['in_use']} in use, {pool['shared']} in use and shared; "
                           f"evictions {snap['evictions']}, preemptions {snap['preemptions']}"))
+        extra = []
+        if snap["overflow"]["dropped_blocks"] or snap["overflow"]["restored_blocks"]:
+            extra.append(f"overflow: {snap['overflow']['dropped_blocks']} blocks dropped, "
+                         f"{snap['overflow']['restored_blocks']} restored")
+        snaps = snap["state_snapshots"] or {}
+        if snaps.get("enabled"):
+            extra.append(f"state snapshots {snaps.get('count', 0)} ({snaps.get('hits', 0)} hits)")
+        if extra:
+            parts.append(Text("; ".join(extra)))
         parts.append(pool_map(pool, max(10, width - 4)))
         legend = Text("· free  ", style="grey50") + Text("█ in use  ", style="dark_orange")
         for i, tenant in enumerate(pool["tenants"]):
@@ -177,7 +189,8 @@ def top(url: str = typer.Option("http://127.0.0.1:8080", "--url", help="Base URL
                                                  help="Your prompts' cache salt: your blocks are shown as yours."),
         interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between readings."),
         once: bool = typer.Option(False, "--once", metavar=FLAG, help="Print one reading and exit."),
-        as_json: bool = typer.Option(False, "--json", metavar=FLAG, help="With --once: print the reading as JSON.")) -> None:
+        as_json: bool = typer.Option(False, "--json", metavar=FLAG,
+                                     help="With --once: print the reading as JSON.")) -> None:
     """A running server's KV cache live: requests, the block pool map, hit rate, tier and tok/s (q quits)."""
     if as_json and not once:
         _fail("--json prints one reading: use it with --once")

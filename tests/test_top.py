@@ -53,6 +53,7 @@ def test_once_json_prints_one_snapshot_over_a_pipe(srv):
     assert snap["prefix_cache"]["hits"] > 0 and 0 < snap["prefix_cache"]["hit_rate"] <= 1
     assert any(n["hits"] >= 1 for n in snap["tree"]["nodes"])
     assert snap["tokens_per_second"] is not None and snap["tier"]["enabled"] is False
+    assert snap["overflow"] == {"dropped_blocks": 0, "restored_blocks": 0} and snap["state_snapshots"] is None
 
 
 def test_errors_are_one_line_and_a_non_zero_exit(srv):
@@ -74,7 +75,8 @@ def test_live_view_in_a_terminal_quits_on_q_and_ctrl_c(srv, leave):
     term = Terminal(["top", "--url", srv.url, "--api-key", KEY, "--interval", "0.2"], {"PYTHONPATH": str(ROOT)}, ROOT)
     try:
         screen = term.wait_for(r"pool: \d+ blocks of 16 tokens", timeout=60)
-        assert "mlxkv top" in screen and "q quits" in screen and "running" in screen and "hit rate" in screen and "tok/s" in screen
+        for part in ("mlxkv top", "q quits", "running", "waiting", "hit rate", "tok/s", "tier"):
+            assert part in screen, screen
         assert "▪" in screen  # cached blocks in the pool map
         term.key(leave)
         screen = term.wait_for(r"\[exited 0\]", timeout=20)

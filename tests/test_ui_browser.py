@@ -83,6 +83,10 @@ def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     assert curl.startswith("curl -N http://127.0.0.1:") and "/v1/chat/completions" in curl
     assert "$MLXKV_API_KEY" in curl and KEY not in curl and '"stream":true' in curl
 
+    browser.js("document.getElementById('use-schema').click(); document.getElementById('copy-curl').click()")
+    assert browser.js("document.getElementById('schema').hidden") is False
+    assert '"response_format":{"type":"json_schema"' in browser.js("document.getElementById('curl').textContent")
+
     browser.wait_for("document.getElementById('t-pool').textContent.includes('cached')")
     png = browser.screenshot(Path(os.environ.get("MLXKV_TEST_SCREENSHOT", tmp_path / "page.png")))
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1400, 1000)

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxkv.engine.batch import BatchEngine
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT
 from mlxkv.server.auth import key_matches, request_key
-from mlxkv.server.cache_view import viewer_view
+from mlxkv.server.cache_view import viewer, viewer_view
 from mlxkv.server.errors import APIError
 from mlxkv.server.tenancy import CacheResetRequest, reset_scope
 
@@ -77,8 +77,8 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
         if raw is None:
             return {"paged": False}
         stats = engine.stats().get("kv_blocks", {})
-        sees_all = admin_key is None or key_matches(request_key(request), admin_key)
-        view = await run_in_threadpool(viewer_view, raw, sees_all=sees_all, scope=cache_salt, decode=_decoder(engine))
+        sees_all, scope = viewer(request, cache_salt, admin_key)
+        view = await run_in_threadpool(viewer_view, raw, sees_all=sees_all, scope=scope, decode=_decoder(engine))
         return {"paged": True, "block_size": stats.get("block_size"), "total": len(raw["states"]), **view}
 
     @router.post("/cache/reset")

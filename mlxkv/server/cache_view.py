@@ -15,6 +15,10 @@ import hashlib
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from fastapi import Request
+
+from mlxkv.server.auth import key_matches, request_key
+
 #: The label of the unsalted prompts' blocks.
 UNSALTED = "unsalted"
 #: The label every block of another tenant gets in a tenant's view.
@@ -26,6 +30,11 @@ def tenant_label(salt: Hashable) -> str:
     if salt is None:
         return UNSALTED
     return "t-" + hashlib.sha256(str(salt).encode()).hexdigest()[:8]
+
+
+def viewer(request: Request, cache_salt: str | None, admin_key: str | None) -> tuple[bool, Hashable]:
+    """Whether ``request``'s caller sees the whole cache, and the salt its own prompts' blocks are keyed by."""
+    return admin_key is None or key_matches(request_key(request), admin_key), cache_salt
 
 
 def viewer_view(raw: dict[str, Any], *, sees_all: bool, scope: Hashable,

@@ -309,8 +309,14 @@ function tiles(stats, rates) {
   const tier = stats.tier || {};
   const sec = tier.secondary;
   $("t-tier").textContent = tier.enabled && sec ? `${sec.blocks ?? 0} blocks, ${sec.hits} hits` : "none";
-  $("extra").textContent = `evictions ${stats.evictions} · preemptions ${stats.preemptions} · ` +
-    `requests ${stats.requests_total ?? 0} · generated ${stats.generation_tokens_total ?? 0} tokens`;
+  const parts = [`evictions ${stats.evictions}`, `preemptions ${stats.preemptions}`,
+    `requests ${stats.requests_total ?? 0}`, `generated ${stats.generation_tokens_total ?? 0} tokens`];
+  if (b.overflow_dropped || b.overflow_restored) {
+    parts.push(`overflow: ${b.overflow_dropped} blocks dropped, ${b.overflow_restored} restored`);
+  }
+  const snaps = stats.state_snapshots;
+  if (snaps && snaps.enabled) parts.push(`state snapshots ${snaps.count} (${snaps.hits} hits)`);
+  $("extra").textContent = parts.join(" · ");
 }
 
 // The TTFT histogram's [sum, count] from the Prometheus text (null when /metrics is not readable).
