@@ -53,10 +53,11 @@ from mlxkv.server.tools import (
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
+               ui: bool = True,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
-               flush_timeout_s: float = 10.0, metrics_key: str | None = None, ui: bool = True) -> FastAPI:
+               flush_timeout_s: float = 10.0, metrics_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -66,6 +67,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         max_body_bytes: larger request bodies get 413.
         metrics: the Prometheus registry fed by the engine (the engine's observer); a fresh one if ``None``.
         manage_engine: start the engine when the app starts and stop it when the app stops.
+        ui: serve the built-in page at ``/`` (ui_routes.py).
         allowed_origins: CORS origins (``*``: any); none: no CORS headers.
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
@@ -75,7 +77,6 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
         metrics_key: require it (or ``api_key``) on ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
             (``None``: those stay open).
-        ui: serve the built-in page at ``/`` (ui_routes.py).
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
@@ -122,6 +123,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    if ui:
+        app.include_router(ui_router())
 
     @v1.get("/models")
     async def models() -> dict:
@@ -203,8 +207,6 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults))
     app.include_router(v1)
-    if ui:
-        app.include_router(ui_router())
     return app
 
 
