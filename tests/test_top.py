@@ -56,6 +56,18 @@ def test_once_json_prints_one_snapshot_over_a_pipe(srv):
     assert snap["overflow"] == {"dropped_blocks": 0, "restored_blocks": 0} and snap["state_snapshots"] is None
 
 
+def test_cache_salt_shows_only_that_tenants_blocks(srv):
+    """On a server without an admin key every caller sees every tenant (as /v1/cache/events); ``--cache-salt``
+    marks one's own blocks."""
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
+                                                       "cache_salt": "mine"},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200
+    snap = json.loads(top("--url", srv.url, "--api-key", KEY, "--cache-salt", "mine", "--once", "--json").stdout)
+    own = [i for i, t in enumerate(snap["pool"]["tenants"]) if t["own"]]
+    assert len(own) == 1 and snap["pool"]["owners"].count(own[0]) >= 3
+
+
 def test_errors_are_one_line_and_a_non_zero_exit(srv):
     bad = top("--url", srv.url, "--api-key", "wrong", "--once", "--json")
     assert bad.returncode == 1 and bad.stdout == ""

@@ -87,6 +87,13 @@ def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     assert browser.js("document.getElementById('schema').hidden") is False
     assert '"response_format":{"type":"json_schema"' in browser.js("document.getElementById('curl').textContent")
 
+    # the view of one's own cache salt: the blocks of the prompts sent without it are another tenant's
+    browser.js("document.getElementById('cache-salt').value = 'nobody-yet'")
+    browser.wait_for("document.getElementById('legend').textContent.includes('t-') && "
+                     "document.getElementById('legend').textContent.includes('(you)') === false")
+    browser.js("document.getElementById('cache-salt').value = ''")
+    browser.wait_for("document.getElementById('legend').textContent.includes('unsalted (you)')")
+
     browser.wait_for("document.getElementById('t-pool').textContent.includes('cached')")
     png = browser.screenshot(Path(os.environ.get("MLXKV_TEST_SCREENSHOT", tmp_path / "page.png")))
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1400, 1000)

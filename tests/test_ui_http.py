@@ -12,12 +12,20 @@ import pytest
 from testkit.run_config import run_config
 from testkit.serve_thread import serve_in_thread
 
+from mlxkv.server import cache_routes
 from mlxkv.server.ui_routes import ASSETS
 
 pytestmark = pytest.mark.server
 
 KEY, ADMIN = "user-key", "admin-key"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 6  # a few whole blocks of 16 tokens
+
+
+@pytest.fixture(autouse=True)
+def fresh_block_maps(monkeypatch):
+    """Every read draws the map anew (the route reuses one for BLOCK_MAP_REUSE_S; these tests read right after
+    their requests)."""
+    monkeypatch.setattr(cache_routes, "BLOCK_MAP_REUSE_S", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +140,12 @@ def test_block_map_refuses_a_bad_salt_and_is_plain_on_the_dense_backend(srv, lla
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
     with serve_in_thread(run_config(llama_dir, kv_backend="dense"), model_name="tiny") as s:
         assert httpx.get(s.url + "/v1/cache/blocks").json() == {"paged": False}
+
+
+def test_viewers_within_the_reuse_window_share_one_map(srv, monkeypatch):
+    monkeypatch.setattr(cache_routes, "BLOCK_MAP_REUSE_S", 60.0)
+    first = blocks(srv, KEY).json()
+    complete(srv, salt="late")
+    assert blocks(srv, KEY).json()["states"] == first["states"]  # the map drawn a moment ago
+    monkeypatch.setattr(cache_routes, "BLOCK_MAP_REUSE_S", 0.0)
+    assert blocks(srv, KEY).json()["states"] != first["states"]
