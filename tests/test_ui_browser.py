@@ -78,6 +78,11 @@ def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     assert hits >= 1
     assert "quick brown fox" in browser.js("[...document.querySelectorAll('#tree li')].map(li => li.title).join('')")
 
+    hover = browser.js("(c => { const r = c.getBoundingClientRect(); c.dispatchEvent(new MouseEvent('mousemove', "
+                       "{clientX: r.left + 3, clientY: r.top + 3})); return c.title; })"
+                       "(document.getElementById('pool-map'))")
+    assert hover.startswith("block 1: "), hover
+
     browser.js("document.getElementById('copy-curl').click()")
     curl = browser.wait_for("document.getElementById('curl').textContent")
     assert curl.startswith("curl -N http://127.0.0.1:") and "/v1/chat/completions" in curl

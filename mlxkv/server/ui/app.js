@@ -13,6 +13,8 @@ const state = {
   abort: null,         // AbortController of the request streaming now
   history: [],         // [{t, stats, ttft}] samples, oldest first
   lastTtft: null,      // [sum, count] of the TTFT histogram at the previous sample
+  blocks: null,        // the last /v1/cache/blocks answer
+  blockAt: null,       // (x, y) on the pool map -> block index
 };
 
 // ---- HTTP ----------------------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ function drawPool(blocks) {
   }
   const s = blocks.states;
   canvas.dataset.states = s;
-  Plots.blocks(canvas, s.length, (i) => {
+  state.blockAt = Plots.blocks(canvas, s.length, (i) => {
     const c = s[i];
     if (c === "f" || c === "u") return COLOURS[c];
     const owner = blocks.owners[i];
@@ -270,6 +272,19 @@ function drawPool(blocks) {
   item(COLOURS.u, "in use");
   blocks.tenants.forEach((t, i) => item(tenantColour(t, i, 100, true), `${t.label}${t.own ? " (you)" : ""}`));
 }
+
+const STATE_NAMES = { f: "free", c: "cached", u: "in use", s: "in use, cached" };
+
+$("pool-map").addEventListener("mousemove", (e) => {
+  const b = state.blocks;
+  const i = b && b.paged && state.blockAt ? state.blockAt(e.offsetX, e.offsetY) : -1;
+  if (i < 0) { e.target.title = ""; return; }
+  const owner = b.tenants[b.owners[i]];
+  const node = b.tree.nodes.find((n) => n.block === i + 1);
+  e.target.title = `block ${i + 1}: ${STATE_NAMES[b.states[i]]}` + (owner ? `, ${owner.label}` : "") +
+    (b.priorities[i] !== null ? `, priority ${b.priorities[i]}` : "") +
+    (node ? `, ${node.hits} hits\n${node.text}` : "");
+});
 
 function drawTree(blocks) {
   const list = $("tree");
@@ -395,6 +410,7 @@ async function poll() {
       if (r.ok) ttft = ttftTotals(await r.text());
     } catch (e) { /* TTFT plot stays empty */ }
     tiles(stats, sample(stats, ttft));
+    state.blocks = blocks;
     drawPool(blocks);
     drawTree(blocks);
     drawPlots();

@@ -29,7 +29,8 @@ window.Plots = (() => {
     ctx.fillText(`max ${top.toFixed(digits)}${unit}   now ${last === null ? "–" : last.toFixed(digits) + unit}`, 4, 12 * (window.devicePixelRatio || 1));
   }
 
-  // One cell per block, row-major; colour(i) gives each block's fill.
+  // One cell per block, row-major; colour(i) gives each block's fill. Returns the block under a point of the
+  // canvas (CSS pixels), or -1.
   function blocks(canvas, count, colour) {
     const ctx = fit(canvas);
     const w = canvas.width;
@@ -42,6 +43,12 @@ window.Plots = (() => {
       ctx.fillStyle = colour(i);
       ctx.fillRect((i % perRow) * cell, Math.floor(i / perRow) * cell, cell - 1, cell - 1);
     }
+    return (x, y) => {
+      const scale = canvas.width / canvas.clientWidth;
+      const col = Math.floor((x * scale) / cell), row = Math.floor((y * scale) / cell);
+      const i = row * perRow + col;
+      return col < perRow && i >= 0 && i < count ? i : -1;
+    };
   }
 
   function fit(canvas) {
