@@ -1,7 +1,7 @@
 """The built-in page in a real browser: headless Chromium (Debian's package) driven through the DevTools Protocol
 against a server on loopback with an API key — the page asks for the key, a chat answer streams into the page, the
 pool map and prefix tree change when a second request shares the prefix, "copy as curl" gives the request without
-the key, and a screenshot shows every part with no console error."""
+the key (with the JSON-schema and tools toggles), and a screenshot shows every part with no console error."""
 
 from __future__ import annotations
 
@@ -88,9 +88,14 @@ def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     assert curl.startswith("curl -N http://127.0.0.1:") and "/v1/chat/completions" in curl
     assert "$MLXKV_API_KEY" in curl and KEY not in curl and '"stream":true' in curl
 
-    browser.js("document.getElementById('use-schema').click(); document.getElementById('copy-curl').click()")
-    assert browser.js("document.getElementById('schema').hidden") is False
-    assert '"response_format":{"type":"json_schema"' in browser.js("document.getElementById('curl').textContent")
+    browser.js("document.getElementById('use-schema').click(); document.getElementById('use-tools').click(); "
+               "document.getElementById('tool-choice').value = 'required'; document.getElementById('copy-curl').click()")
+    assert browser.js("document.getElementById('schema').hidden || document.getElementById('tools').hidden") is False
+    curl = browser.js("document.getElementById('curl').textContent")
+    assert '"response_format":{"type":"json_schema"' in curl and '"tools":[{"type":"function"' in curl
+    assert '"tool_choice":"required"' in curl
+    browser.js("document.getElementById('tools').value = '[not json'; document.getElementById('copy-curl').click()")
+    assert browser.js("document.getElementById('curl').textContent").startswith("tools: ")
 
     # the view of one's own cache salt: the blocks of the prompts sent without it are another tenant's
     browser.js("document.getElementById('cache-salt').value = 'nobody-yet'")

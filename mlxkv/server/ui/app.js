@@ -86,9 +86,22 @@ function requestBody() {
   const salt = $("cache-salt").value;
   if (salt) body.cache_salt = salt;
   if ($("use-schema").checked) {
-    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse($("schema").value) } };
+    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: parsed("schema", "JSON schema") } };
+  }
+  if ($("use-tools").checked) {
+    body.tools = parsed("tools", "tools");
+    body.tool_choice = $("tool-choice").value;
   }
   return body;
+}
+
+// The JSON in the text box `id` (an Error naming `what` when it does not parse).
+function parsed(id, what) {
+  try {
+    return JSON.parse($(id).value);
+  } catch (e) {
+    throw new Error(`${what}: ${e.message}`);
+  }
 }
 
 function addMessage(role, text) {
@@ -111,7 +124,7 @@ async function send(text) {
     body = requestBody();
   } catch (e) {
     state.chat.pop();
-    addMessage("error", `JSON schema: ${e.message}`);
+    addMessage("error", e.message);
     return;
   }
   const answer = addMessage("assistant", "");
@@ -124,6 +137,7 @@ async function send(text) {
   $("stop").disabled = false;
   const start = performance.now();
   let first = null, usage = null, text_ = "";
+  const calls = [];  // streamed tool calls: {id, name, arguments} by index
   try {
     const response = await api("/v1/chat/completions", {
       method: "POST", body: JSON.stringify(body), signal: state.abort.signal,
@@ -134,15 +148,27 @@ async function send(text) {
       if (event.usage) usage = event.usage;
       for (const choice of event.choices || []) {
         const piece = choice.delta && choice.delta.content;
+        for (const call of (choice.delta && choice.delta.tool_calls) || []) {
+          if (first === null) first = performance.now();
+          const c = calls[call.index] || (calls[call.index] = { id: call.id, name: "", arguments: "" });
+          c.name += (call.function && call.function.name) || "";
+          c.arguments += (call.function && call.function.arguments) || "";
+        }
         if (piece) {
           if (first === null) first = performance.now();
           text_ += piece;
-          content.textContent = text_;
+        }
+        if (piece || calls.length) {
+          content.textContent = text_ + calls.map((c) => `${text_ ? "\n" : ""}→ ${c.name}(${c.arguments})`).join("\n");
           $("messages").scrollTop = $("messages").scrollHeight;
         }
       }
     }
-    state.chat.push({ role: "assistant", content: text_ });
+    const message = { role: "assistant", content: text_ };
+    if (calls.length) {
+      message.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+    }
+    state.chat.push(message);
     answer.dataset.done = "true";
   } catch (e) {
     if (e.name === "AbortError") {
@@ -221,9 +247,12 @@ $("chat-input").addEventListener("keydown", (e) => {
 $("stop").addEventListener("click", () => state.abort && state.abort.abort());
 $("clear").addEventListener("click", () => { state.chat = []; $("messages").textContent = ""; });
 $("use-schema").addEventListener("change", () => { $("schema").hidden = !$("use-schema").checked; });
+$("use-tools").addEventListener("change", () => {
+  $("tools").hidden = $("tool-choice").hidden = !$("use-tools").checked;
+});
 $("copy-curl").addEventListener("click", async () => {
   let command;
-  try { command = curlCommand(); } catch (e) { command = `JSON schema: ${e.message}`; }
+  try { command = curlCommand(); } catch (e) { command = e.message; }
   $("curl").textContent = command;
   $("curl").hidden = false;
   try { await navigator.clipboard.writeText(command); } catch (e) { /* shown below the form either way */ }
