@@ -109,4 +109,9 @@ def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1400, 1000)
     for part in ("chat-input", "messages", "pool-map", "legend", "tree", "plot-tps", "plot-ttft", "t-hit"):
         assert browser.js(f"(e => !!e && e.getBoundingClientRect().width > 0)(document.getElementById('{part}'))"), part
+    # drawn, not only laid out: the first cell (a cached block) has a tenant's colour, not the free blocks' grey
+    pixels = browser.js("(c => { const x = c.getContext('2d'); const d = x.getImageData(1, 1, 1, 1).data; "
+                        "return [Array.from(d), c.width, c.height]; })(document.getElementById('pool-map'))")
+    first_cell, width, height = pixels
+    assert first_cell[3] > 0 and first_cell[:3] != [232, 232, 237] and width > 100 and height > 10
     assert browser.errors == []
