@@ -149,3 +149,10 @@ def test_viewers_within_the_reuse_window_share_one_map(srv, monkeypatch):
     assert blocks(srv, KEY).json()["states"] == first["states"]  # the map drawn a moment ago
     monkeypatch.setattr(cache_routes, "BLOCK_MAP_REUSE_S", 0.0)
     assert blocks(srv, KEY).json()["states"] != first["states"]
+
+
+def test_block_map_of_a_stopped_engine_is_a_503(llama_dir):
+    with serve_in_thread(run_config(llama_dir, kv_backend="paged"), model_name="tiny") as s:
+        s.parts.engine.stop()
+        r = httpx.get(s.url + "/v1/cache/blocks")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"

@@ -20,6 +20,7 @@ the server stops.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from typing import AsyncIterator, Optional
@@ -30,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from mlxkv.engine.batch import BatchEngine
+from mlxkv.engine.request import EngineStoppedError
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT
 from mlxkv.server.auth import key_matches, request_key
 from mlxkv.server.cache_view import viewer, viewer_view
@@ -44,6 +46,8 @@ MAX_CURSOR_DIGITS = len(str(MAX_CURSOR))
 #: Viewers asking within this many seconds of the last block map get that one: the engine draws it between steps
 #: in O(blocks) (~18 ms for 16K blocks), once however many pages and ``mlxkv top`` watch.
 BLOCK_MAP_REUSE_S = 0.5
+#: How long a viewer waits for the engine to reach a step boundary and draw the map.
+BLOCK_MAP_TIMEOUT_S = 10.0
 
 
 def _cursor(value: str | None, name: str) -> int | None:
@@ -78,7 +82,7 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
         if cache_salt is not None and not 1 <= len(cache_salt) <= 256:
             raise APIError(400, "cache_salt must be 1 to 256 characters", "invalid_value", "cache_salt")
         if time.monotonic() - taken[0] >= BLOCK_MAP_REUSE_S:
-            taken[:] = [time.monotonic(), await run_in_threadpool(engine.block_map)]
+            taken[:] = [time.monotonic(), await _block_map(engine)]
         raw = taken[1]
         if raw is None:
             return {"paged": False}
@@ -115,6 +119,17 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
                                  headers={"Cache-Control": "no-cache"})
 
     return router
+
+
+async def _block_map(engine: BatchEngine) -> dict | None:
+    """The engine's block map, or a 503 when the engine is stopped or does not answer between two steps in time."""
+    try:
+        return await run_in_threadpool(engine.block_map, BLOCK_MAP_TIMEOUT_S)
+    except EngineStoppedError as exc:
+        raise APIError(503, str(exc), "engine_stopped") from None
+    except concurrent.futures.TimeoutError:
+        raise APIError(503, f"the engine did not draw the block map within {BLOCK_MAP_TIMEOUT_S:g} s (a long step "
+                            "or a stop under way); try again", "engine_busy") from None
 
 
 def _decoder(engine: BatchEngine):
