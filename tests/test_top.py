@@ -57,15 +57,15 @@ def test_once_json_prints_one_snapshot_over_a_pipe(srv):
 
 
 def test_cache_salt_shows_only_that_tenants_blocks(srv):
-    """On a server without an admin key every caller sees every tenant (as /v1/cache/events); ``--cache-salt``
-    marks one's own blocks."""
+    """``--cache-salt`` names one's own blocks; an API key sees every other tenant's as ``others``."""
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2,
                                                        "cache_salt": "mine"},
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 200
     snap = json.loads(top("--url", srv.url, "--api-key", KEY, "--cache-salt", "mine", "--once", "--json").stdout)
-    own = [i for i, t in enumerate(snap["pool"]["tenants"]) if t["own"]]
-    assert len(own) == 1 and snap["pool"]["owners"].count(own[0]) >= 3
+    assert [t["label"] for t in snap["pool"]["tenants"]][1:] == ["others"] and snap["pool"]["tenants"][0]["own"]
+    assert snap["pool"]["owners"].count(0) >= 3 and snap["pool"]["owners"].count(1) >= 3
+    assert all(n["owner"] == 0 for n in snap["tree"]["nodes"])
 
 
 def test_errors_are_one_line_and_a_non_zero_exit(srv):

@@ -97,10 +97,13 @@ def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     browser.js("document.getElementById('tools').value = '[not json'; document.getElementById('copy-curl').click()")
     assert browser.js("document.getElementById('curl').textContent").startswith("tools: ")
 
-    # the view of one's own cache salt: the blocks of the prompts sent without it are another tenant's
+    # an API key's view: its own (unsalted) blocks by name, every other tenant's as "others"; with a cache salt
+    # that holds no blocks yet, nothing is the viewer's
+    legend = browser.js("document.getElementById('legend').textContent")
+    assert "unsalted (you)" in legend and "others" in legend and "t-" not in legend
     browser.js("document.getElementById('cache-salt').value = 'nobody-yet'")
-    browser.wait_for("document.getElementById('legend').textContent.includes('t-') && "
-                     "document.getElementById('legend').textContent.includes('(you)') === false")
+    browser.wait_for("document.getElementById('legend').textContent.includes('others') && "
+                     "!document.getElementById('legend').textContent.includes('(you)')")
     browser.js("document.getElementById('cache-salt').value = ''")
     browser.wait_for("document.getElementById('legend').textContent.includes('unsalted (you)')")
 

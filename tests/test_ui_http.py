@@ -10,6 +10,7 @@ from testkit.run_config import run_config
 from testkit.serve_thread import serve_in_thread
 
 from mlxkv.server import cache_routes
+from mlxkv.server.cache_view import OTHERS as OTHERS_LABEL
 from mlxkv.server.ui_routes import ASSETS
 
 pytestmark = pytest.mark.server
@@ -156,3 +157,15 @@ def test_block_map_of_a_stopped_engine_is_a_503(llama_dir):
         s.parts.engine.stop()
         r = httpx.get(s.url + "/v1/cache/blocks")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_a_server_without_keys_shows_every_tenant_to_anonymous_callers_only(llama_dir):
+    with serve_in_thread(run_config(llama_dir, kv_backend="paged"), model_name="tiny") as s:
+        for salt in ("x", "y"):
+            assert httpx.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
+                                                               "cache_salt": salt}).status_code == 200
+        anonymous = httpx.get(s.url + "/v1/cache/blocks").json()
+        assert anonymous["view"] == "all" and OTHERS_LABEL not in [t["label"] for t in anonymous["tenants"]]
+        keyed = httpx.get(s.url + "/v1/cache/blocks", params={"cache_salt": "x"},
+                          headers={"Authorization": "Bearer unused"}).json()  # as the openai client sends
+        assert keyed["view"] == "tenant" and [t["label"] for t in keyed["tenants"]][1:] == [OTHERS_LABEL]

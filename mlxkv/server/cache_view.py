@@ -4,9 +4,11 @@ Every viewer sees each block's state (free / cached / in use / shared): the pool
 ``/v1/cache/stats`` for every key already, and the map is the same figures laid out. Who holds a block, its
 retention priority, hit count and text are shown only for the viewer's own blocks — those of prompts sent with the
 viewer's cache salt (``?cache_salt=``; none: the unsalted prompts), since knowing the salt is what makes one the
-tenant (tenancy.py) — unless the viewer sees the whole cache: a caller presenting the admin key, or any caller of a
-server without one (as for ``/v1/cache/events``). Cache salts themselves are never shown: another tenant appears
-as a short fingerprint of its salt to a whole-cache viewer, as ``others`` to everyone else.
+tenant (tenancy.py) — unless the viewer sees the whole cache: a caller presenting the admin key, or, on a server
+without an admin key, a caller presenting no key at all (the server has none: everyone is one principal). A caller
+presenting an API key is a tenant: it never sees another tenant's text, whatever the server's other settings.
+Cache salts themselves are never shown: another tenant appears as a short fingerprint of its salt to a
+whole-cache viewer, as ``others`` to everyone else.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def tenant_label(salt: Hashable) -> str:
 
 def viewer(request: Request, cache_salt: str | None, admin_key: str | None) -> tuple[bool, Hashable]:
     """Whether ``request``'s caller sees the whole cache, and the salt its own prompts' blocks are keyed by."""
-    return admin_key is None or key_matches(request_key(request), admin_key), cache_salt
+    token = request_key(request)
+    return key_matches(token, admin_key) or (admin_key is None and not token), cache_salt
 
 
 def viewer_view(raw: dict[str, Any], *, sees_all: bool, scope: Hashable,
