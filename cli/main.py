@@ -258,6 +258,7 @@ def convert(
 from mlxkv.cli.cache import cache_app  # noqa: E402  (registered after generate: help lists generate first)
 from mlxkv.cli.chat import chat  # noqa: E402
 from mlxkv.cli.serve import serve  # noqa: E402
+from mlxkv.cli.top import top  # noqa: E402
 
 from mlxkv.cli.models import models_app  # noqa: E402
 
@@ -266,6 +267,7 @@ app.add_typer(models_app, name="models", help="List the models on this machine (
                                               "used before) with sizes; rm deletes one.")
 app.command()(chat)
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
+app.command()(top)
 
 
 def main() -> None:  # pragma: no cover - entry point

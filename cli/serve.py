@@ -62,6 +62,8 @@ def serve(
     batched_prefill: bool = typer.Option(False, "--batched-prefill", metavar=FLAG, rich_help_panel=SERVER_PANEL,
                                          help="Prefill the short prompt chunks of requests admitted together in "
                                               "one forward (checked against one-by-one at start)."),
+    no_ui: bool = typer.Option(False, "--no-ui", metavar=FLAG, rich_help_panel=SERVER_PANEL,
+                               help="Do not serve the built-in web page at / (chat playground, live KV view)."),
     sse_keepalive_s: float = typer.Option(10.0, "--sse-keepalive-s", min=0.01, rich_help_panel=SERVER_PANEL,
                                           help="Seconds a stream may stay silent (a long prefill) before a "
                                                "keep-alive comment is sent."),
@@ -202,6 +204,7 @@ def serve(
             leader = Leader(group, distributed, distributed_timeout)
         parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
+                      ui=not no_ui,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
                       distributed=leader)
     except (ModelLoadError, ValueError) as exc:

@@ -26,3 +26,15 @@ def test_cli_is_importable_as_mlxkv_cli_not_top_level():
     import mlxkv.cli.main  # noqa: F401
 
     assert importlib.util.find_spec("mlxkv.cli") is not None
+
+
+def test_the_page_files_ship_as_package_data():
+    """Every file the built-in page serves lies in mlxkv/server/ui/ and the package data pattern covers it."""
+    import fnmatch
+
+    from mlxkv.server.ui_routes import ASSETS
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for name in ASSETS:
+        assert (ROOT / "mlxkv" / "server" / "ui" / name).is_file()
+        assert any(fnmatch.fnmatch(f"ui/{name}", p) for p in patterns["mlxkv.server"])

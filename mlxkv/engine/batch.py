@@ -216,6 +216,21 @@ class BatchEngine:
         self._inbox.put(("reset", (future, salt)))
         return future.result(timeout)
 
+    def block_map(self, timeout: float = 10.0) -> dict | None:
+        """The block pool's picture (:func:`mlxkv.kv.blocks.block_map.block_map`), taken on the engine thread
+        between steps (any thread; None without a paged pool).
+
+        Raises:
+            EngineStoppedError: the engine is not running.
+        """
+        if not self.pool.is_paged:
+            return None
+        if not self.alive:
+            raise EngineStoppedError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("block_map", future))
+        return future.result(timeout)
+
     def kv_events(self, since: int = 0) -> dict | None:
         """The KV cache's events numbered above ``since`` (see :meth:`mlxkv.kv.CachePool.kv_events`; any thread;
         None without a paged pool).
@@ -322,6 +337,11 @@ class BatchEngine:
                 freed = mx.get_cache_memory()
                 mx.clear_cache()
                 future.set_result({"mlx_cache_bytes_freed": int(freed), "prefix_cache_blocks_freed": blocks})
+            elif kind == "block_map":
+                try:
+                    payload.set_result(self.pool.block_map())
+                except Exception as exc:  # noqa: BLE001 - the reader's error, not the engine's
+                    payload.set_exception(exc)
             elif kind == "drain":  # not between a step's plans (this may be the scheduler's intake): see _run_drains
                 self._drains.append(payload)
             elif kind == "stop":

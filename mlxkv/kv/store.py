@@ -18,6 +18,7 @@ import functools
 import itertools
 from typing import Any, Callable, Iterator
 
+from mlxkv.kv.blocks.block_map import block_map
 from mlxkv.kv.blocks.cache_request import CacheRequest
 from mlxkv.kv.sequence import Sequence, SequenceId
 from mlxkv.rules import KV_BACKENDS as BACKENDS
@@ -340,6 +341,11 @@ class CachePool:
         }
         stats["kv_blocks"].update(self._kv_quantization())
         return stats
+
+    def block_map(self) -> dict | None:
+        """Each block's state and owner and the prefix tree (:func:`mlxkv.kv.blocks.block_map.block_map`;
+        paged; dense: None)."""
+        return None if self.paged is None else block_map(self.paged.manager.pool)
 
     def _kv_quantization(self) -> dict:
         """How the pages store K/V: ``kv_bits`` (None: unquantized) and ``kv_group_size`` (None then too), and

@@ -42,6 +42,7 @@ from mlxkv.server.tenancy import check_max_client_priority, check_retention
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes
 from mlxkv.server.tool_stream import ToolOutput
+from mlxkv.server.ui_routes import ui_router
 from mlxkv.server.unicode_guard import reject_invalid_unicode
 from mlxkv.server.tools import (
     ToolRequestError,
@@ -54,6 +55,7 @@ from mlxkv.server.tools import (
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
+               ui: bool = True,
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
@@ -67,6 +69,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         max_body_bytes: larger request bodies get 413.
         metrics: the Prometheus registry fed by the engine (the engine's observer); a fresh one if ``None``.
         manage_engine: start the engine when the app starts and stop it when the app stops.
+        ui: serve the built-in page at ``/`` (ui_routes.py).
         allowed_origins: CORS origins (``*``: any); none: no CORS headers.
         keepalive_s: a stream silent this long (a long prefill, a wait for admission) gets a keep-alive comment.
         defaults: the server's sampling defaults (``mlxkv serve --temp`` ...); a request's own values win.
@@ -122,6 +125,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    if ui:
+        app.include_router(ui_router())
 
     @v1.get("/models")
     async def models() -> dict:

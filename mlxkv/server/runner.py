@@ -28,6 +28,7 @@ class ServerParts:
 
 def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
+          ui: bool = True,
           keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
           metrics_key: str | None = None, distributed: Any = None) -> ServerParts:
@@ -36,6 +37,8 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
     ``metrics_key``: see :func:`mlxkv.server.app.create_app`). ``distributed``: rank 0's
     :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model, builds the pool and engine).
+
+    ``ui``: serve the built-in page at ``/`` (see :func:`mlxkv.server.app.create_app`).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -58,6 +61,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                          observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
+                     ui=ui,
                      keepalive_s=keepalive_s, defaults=run.sampling, max_client_priority=max_client_priority,
                      admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key)
     return ServerParts(loaded, engine, app, metrics)
