@@ -21,7 +21,7 @@ SEQUENCE_OPS = ("feed", "feed_placeholder", "name_token", "reserve", "reserve_la
 SEQUENCE_READS = ("nbytes", "prefill_chunk")
 #: CachePool methods :class:`LeaderPool` passes through unrecorded (they change nothing); the pool's changes are
 #: its own methods, journaled. Any other pool method is refused, as for sequences.
-POOL_READS = ("admission_cost", "check_invariants", "free_capacity", "has_decode_headroom", "kv_events",
+POOL_READS = ("admission_cost", "block_map", "check_invariants", "free_capacity", "has_decode_headroom", "kv_events",
               "max_sequence_tokens", "memory_usage_bytes")
 
 
