@@ -47,9 +47,18 @@ def serve(
                              help="Address to bind (loopback by default; :: for every IPv6 and IPv4 address)."),
     port: int = typer.Option(8080, min=0, max=65535, rich_help_panel=SERVER_PANEL,
                              help="Port to listen on (0: one the system picks, printed at start)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", rich_help_panel=SERVER_PANEL,
-                                          help="Require 'Authorization: Bearer KEY' on /v1 routes "
-                                               "(default: the MLXKV_API_KEY environment variable)."),
+    api_key: Optional[list[str]] = typer.Option(
+        None, "--api-key", rich_help_panel=SERVER_PANEL,
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: the MLXKV_API_KEY environment variable). "
+             "Repeatable: each key is its own tenant, whose cached prompts no other key reaches; one key: one "
+             "tenant, its clients share the prefix cache."),
+    api_keys_file: Optional[str] = typer.Option(
+        None, "--api-keys-file", metavar="FILE", rich_help_panel=SERVER_PANEL,
+        help="File of 'TENANT: KEY' lines (# comments): each key's tenant; several tenants are isolated from "
+             "each other in the prefix cache."),
+    public_metrics: bool = typer.Option(False, "--public-metrics", metavar=FLAG, rich_help_panel=SERVER_PANEL,
+                                        help="Leave /metrics open on a server with API keys (default: it needs a "
+                                             "key, as /docs and /openapi.json do)."),
     allowed_origins: Optional[list[str]] = typer.Option(None, "--allowed-origins", rich_help_panel=SERVER_PANEL,
                                                         help="CORS: origins browsers may call from (repeatable or "
                                                              "comma-separated; * for any; default: no CORS)."),
@@ -67,8 +76,8 @@ def serve(
                                                "keep-alive comment is sent."),
     metrics_key: Optional[str] = typer.Option(
         None, "--metrics-key", rich_help_panel=SERVER_PANEL,
-        help="Require 'Authorization: Bearer KEY' (or the API key) on /metrics, /docs, /redoc and /openapi.json "
-             "(default: open)."),
+        help="A key that opens /metrics, /docs, /redoc and /openapi.json besides the API keys (with neither: "
+             "those routes are open)."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, rich_help_panel=SERVER_PANEL,
                                       help="Largest request body in MB; larger ones get HTTP 413."),
     max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100, rich_help_panel=SERVER_PANEL,
@@ -149,10 +158,16 @@ def serve(
     try:
         flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
         origins = parse_origins(allowed_origins)
+        from mlxkv.server.tenancy import Tenants
+
+        keys = api_key or ([flags.api_key] if flags.api_key and not api_keys_file else [])
+        tenants = Tenants.from_options(keys, api_keys_file, admin_key)
+        if public_metrics and metrics_key is not None:
+            raise ValueError("--public-metrics and --metrics-key contradict each other: /metrics is open or needs "
+                             "a key")
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
-    key = api_key or flags.api_key
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                    host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
@@ -192,7 +207,7 @@ def serve(
         sock.close()
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
         raise typer.Exit(code=1) from None
-    if host not in _LOOPBACK and key is None:
+    if host not in _LOOPBACK and not tenants.required:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
     try:
         leader = None
@@ -200,7 +215,7 @@ def serve(
             from mlxkv.distributed.leader import Leader
 
             leader = Leader(group, distributed, distributed_timeout)
-        parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
+        parts = build(run, tenants=tenants, public_metrics=public_metrics, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
                       distributed=leader)

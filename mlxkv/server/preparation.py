@@ -13,9 +13,12 @@ API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) a
 4. **message ends**: the positions worth a recurrent-state snapshot (:mod:`mlxkv.server.message_ends`), when the
    KV store takes them;
 5. **overflow policy**: the request's ``kv_overflow`` (:mod:`mlxkv.server.kv_overflow`), checked against the
-   pool's facts captured when the engine was built (:class:`mlxkv.engine.pool_facts.PoolFacts`).
+   pool's facts captured when the engine was built (:class:`mlxkv.engine.pool_facts.PoolFacts`);
+6. **cache fields** (:class:`mlxkv.server.schemas.CacheFields`: ``cache_salt``, ``cache_salt_ranges``,
+   ``retention``, ``priority``): the retention cap checked, the salts derived from the request's tenant
+   (:func:`mlxkv.server.tenancy.cache_identity`) — on every route, so no route can leave a prompt unsalted.
 
-The result, a :class:`Prepared`, becomes the engine request with the route's own fields (sampling, ``n``, salts)
+The result, a :class:`Prepared`, becomes the engine request with the route's own fields (sampling, ``n``)
 in :meth:`Preparation.submit`. Nothing here touches the engine's pool: the engine thread owns it.
 """
 
@@ -33,7 +36,9 @@ from mlxkv.server.generation import submit
 from mlxkv.server.kv_overflow import KvOverflowBody, request_overflow
 from mlxkv.server.message_ends import message_ends
 from mlxkv.server.prompts import PromptEncoder
+from mlxkv.server.schemas import CacheFields
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tenancy import Tenant, cache_identity, check_retention
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tools import ToolRequestError
 from mlxkv.structured import ResponseFormat
@@ -96,6 +101,8 @@ class Prepared:
         snapshot_at: message ends worth a recurrent-state snapshot.
         overflow: the request's own ``kv_overflow`` policy (``None``: the server's).
         param: the request field an over-long prompt is blamed on.
+        cache: the engine request's cache fields (``cache_salt`` and ``cache_salt_ranges`` as the tenant's,
+            ``retention``, ``priority``).
     """
 
     prompt: list[int]
@@ -103,15 +110,16 @@ class Prepared:
     snapshot_at: tuple[int, ...] = ()
     overflow: KvOverflowConfig | None = None
     param: str = "messages"
+    cache: dict[str, Any] = field(default_factory=dict)
 
     def request(self, params: SamplingParams, **fields: Any) -> GenerationRequest:
-        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, salts, ...).
+        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, logprobs).
 
         Raises:
             ValueError: settings the request refuses.
         """
         return GenerationRequest(self.prompt, params, response_format=self.grammar, snapshot_at=self.snapshot_at,
-                                 kv_overflow=self.overflow, **fields)
+                                 kv_overflow=self.overflow, **self.cache, **fields)
 
 
 class Preparation:
@@ -122,9 +130,12 @@ class Preparation:
         prompts: the app's prompt encoder (a long shared system prompt is tokenized once for every route).
         lanes: the app's tokenizing lanes.
         vocab: the vocabulary size token-id prompts are checked against (``None``: unchecked).
+        max_client_priority: the highest retention priority a request may ask for (``--max-client-priority``).
     """
 
-    def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None):
+    def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None,
+                 max_client_priority: int = 100):
+        self.max_client_priority = max_client_priority
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.prompts = prompts
@@ -133,19 +144,27 @@ class Preparation:
         self.facts = engine.pool_facts
 
     async def prepare(self, source: PromptSource, constraint: Constraint | None = None,
-                      kv_overflow: KvOverflowBody | None = None) -> Prepared:
-        """The request's prompt, grammar, message ends and overflow policy.
+                      kv_overflow: KvOverflowBody | None = None, *, tenant: Tenant,
+                      cache: CacheFields | None = None) -> Prepared:
+        """The request's prompt, grammar, message ends, overflow policy and cache fields, for ``tenant``
+        (:func:`mlxkv.server.tenancy.request_tenant`).
 
         Raises:
             APIError: 400 for a prompt too long by its characters, a refused constraint, a template that rejects
-                the messages, token ids outside the vocabulary, an empty prompt, an invalid ``kv_overflow``.
+                the messages, token ids outside the vocabulary, an empty prompt, an invalid ``kv_overflow``, a
+                retention priority above the cap.
         """
+        cache = cache or CacheFields()
+        check_retention(cache.retention, self.max_client_priority)
         self.check_chars(source)
         grammar = await self.grammar(constraint) if constraint is not None else None
         prompt = await self.tokens(source, checked=True)
         ends = await self.message_ends(source, prompt)
         overflow = request_overflow(kv_overflow, self.facts)
-        return Prepared(prompt, grammar, ends, overflow, source.param)
+        salt, ranges = cache_identity(tenant, cache.cache_salt, cache.salt_ranges(len(prompt)), len(prompt))
+        fields = {"cache_salt": salt, "cache_salt_ranges": ranges, "priority": cache.priority,
+                  "retention": cache.retention.to_spec() if cache.retention else None}
+        return Prepared(prompt, grammar, ends, overflow, source.param, fields)
 
     def check_chars(self, source: PromptSource) -> None:
         """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``)."""

@@ -28,6 +28,7 @@ from mlxkv.server.anthropic.translate import Conversation, to_conversation
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, failure
 from mlxkv.server.preparation import Constraint, Prepared, Preparation, PromptSource
+from mlxkv.server.tenancy import request_tenant
 from mlxkv.server.tools import check_template_renders_tools
 
 def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
@@ -67,7 +68,7 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         # the Messages API has no response_format: only a forced tool_choice or strict tools constrain
         constraint = Constraint(tools=plan.tools, tool_choice=conv.tool_choice, parallel=plan.parallel,
                                 tool_error=lambda exc: anthropic_tool_error(exc, conv))
-        prepared = await prep.prepare(source, constraint, body.kv_overflow)
+        prepared = await prep.prepare(source, constraint, body.kv_overflow, tenant=request_tenant(request), cache=body)
         stops = tuple(body.stop_sequences or ())
 
         def build(p: Prepared) -> GenerationRequest:

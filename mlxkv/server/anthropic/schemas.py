@@ -6,7 +6,9 @@ declared here so they parse, and refused here or by :mod:`mlxkv.server.anthropic
 them. Accepted without effect on the output: ``cache_control`` (mlxkv caches every prompt's prefix by itself),
 ``metadata.user_id``, ``service_tier``, ``inference_geo`` and ``speed`` (one local machine, one speed), and a tool's
 ``eager_input_streaming`` (each call's input is streamed whole, in one delta, as soon as the call is generated).
-mlxkv extension: ``kv_overflow`` (the request's per-sequence KV budget policy, :mod:`mlxkv.server.kv_overflow`).
+mlxkv extensions, as on the OpenAI routes: ``kv_overflow`` (the request's per-sequence KV budget policy,
+:mod:`mlxkv.server.kv_overflow`) and the cache fields ``cache_salt``, ``cache_salt_ranges``, ``retention`` and
+``priority`` (:class:`mlxkv.server.schemas.CacheFields`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlxkv.server.kv_overflow import KvOverflowBody
+from mlxkv.server.schemas import CacheFields
 
 #: Stop sequences per request, and characters per stop sequence.
 MAX_STOP_SEQUENCES = 16
@@ -175,7 +178,7 @@ class CountTokensRequest(_Strict):
         return v
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, CacheFields):
     """``POST /v1/messages``."""
 
     max_tokens: int = Field(..., ge=1, description="most tokens to generate (required)")
