@@ -7,6 +7,7 @@ model are imported inside the command so ``mlxkv --help`` stays instant.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -78,6 +79,12 @@ def serve(
         None, "--metrics-key", rich_help_panel=SERVER_PANEL,
         help="A key that opens /metrics, /docs, /redoc and /openapi.json besides the API keys (with neither: "
              "those routes are open)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.01, rich_help_panel=SERVER_PANEL,
+                                         help="Seconds a client may take to send a request's headers; slower "
+                                              "ones get 408 and are disconnected."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", min=0.01, rich_help_panel=SERVER_PANEL,
+                                       help="Seconds a client may take to send a request's body; slower ones get "
+                                            "408 and are disconnected."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, rich_help_panel=SERVER_PANEL,
                                       help="Largest request body in MB; larger ones get HTTP 413."),
     max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100, rich_help_panel=SERVER_PANEL,
@@ -209,19 +216,28 @@ def serve(
         raise typer.Exit(code=1) from None
     if host not in _LOOPBACK and not tenants.required:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
+    tier_existed = kv_disk_cache is not None and Path(kv_disk_cache).expanduser().exists()
     try:
         leader = None
         if group is not None:
             from mlxkv.distributed.leader import Leader
 
             leader = Leader(group, distributed, distributed_timeout)
-        parts = build(run, tenants=tenants, public_metrics=public_metrics, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
+        parts = build(run, tenants=tenants, public_metrics=public_metrics, body_timeout_s=body_timeout,
+                      max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
                       distributed=leader)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    except OSError as exc:  # the tier folder or its secret on a full disk, a read-only or forbidden folder
+        sock.close()
+        _remove_if_made(kv_disk_cache, tier_existed)
+        where = f" (--kv-disk-cache {kv_disk_cache})" if kv_disk_cache else ""
+        typer.echo(f"error: cannot write the server's files{where}: {exc.strerror or exc}"
+                   + (f": {exc.filename}" if exc.filename else ""), err=True)
         raise typer.Exit(code=1) from None
     from mlxkv.cli.models import remember_gguf
 
@@ -231,7 +247,7 @@ def serve(
                f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV"
                + (f", {distributed} parallel over {group.size()} ranks" if group is not None else "") + ")", err=True)
     started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock), log_level=log_level,
-                                    sockets=[sock])
+                                    sockets=[sock], header_timeout_s=header_timeout)
     flushed = parts.engine.last_flush
     if flushed:
         typer.echo(f"mlxkv serve: KV tier saved: {flushed['on_disk']} block(s) on disk ({flushed['written']} written "
@@ -244,6 +260,16 @@ def serve(
     mx.clear_streams()  # MLX asks each thread that used it to clean up, else the process may abort at exit
     if not started:
         raise typer.Exit(code=3)  # uvicorn's startup-failure code (it logged why)
+
+
+def _remove_if_made(folder: Optional[str], existed: bool) -> None:
+    """Remove the tier folder a failed start made, when it is still empty (nothing of a failed start stays)."""
+    if folder is None or existed:
+        return
+    try:
+        Path(folder).expanduser().rmdir()
+    except OSError:
+        pass  # not empty, or already gone: leave it
 
 
 def _distributed_group(mode: str):

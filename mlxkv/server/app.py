@@ -27,7 +27,7 @@ from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, failure
-from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
@@ -56,7 +56,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
                flush_timeout_s: float = 10.0, metrics_key: str | None = None, tenants: Tenants | None = None,
-               public_metrics: bool = False) -> FastAPI:
+               public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -77,6 +77,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             ``/openapi.json``; on a server with API keys or a metrics key, those routes need one of them.
         tenants: the API keys and their tenants (:class:`mlxkv.server.tenancy.Tenants`; instead of ``api_key``).
         public_metrics: ``/metrics`` stays open on a server with keys (the API description does not).
+        body_timeout_s: a request body not whole this many seconds after the request's start gets 408.
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
@@ -113,7 +114,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     app = FastAPI(title="mlxkv", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     operator_keys = tenants.keys + ([metrics_key] if metrics_key else [])
     if operator_keys:
         paths = OPERATOR_PATHS - {"/metrics"} if public_metrics else OPERATOR_PATHS

@@ -11,6 +11,7 @@ use), so clearing or copying the folder never takes it along. With it:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -60,8 +61,12 @@ def _create(path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
-        os.write(fd, secrets.token_bytes(SECRET_BYTES))
+        if os.write(fd, secrets.token_bytes(SECRET_BYTES)) != SECRET_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
         os.fsync(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial secret behind
+        raise
     finally:
         os.close(fd)
     try:
