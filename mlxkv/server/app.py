@@ -27,7 +27,15 @@ from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, failure
-from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from mlxkv.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    BodySizeLimit,
+    limit_messages,
+    max_messages,
+    template_cost,
+    with_body,
+)
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
@@ -100,6 +108,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     fingerprint = system_fingerprint(model_name, tokenizer)
     no_tools = check_template_renders_tools(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxkv"}
+    cost = template_cost(tokenizer)  # what the chat template adds per message: limits counted before rendering
+    most = max_messages(engine.context_length, cost)
+    ChatBody = limit_messages(ChatCompletionRequest, most, engine.context_length, cost)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -148,9 +159,10 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     # One preparation for every route (preparation.py): tokenizing on the loop or the worker lane, the grammar,
     # message ends and the overflow policy checked against the pool's facts; each route translates its shape only.
-    prep = Preparation(engine, prompts, lanes, vocab, max_client_priority)
+    prep = Preparation(engine, prompts, lanes, vocab, max_client_priority, cost)
 
     @v1.post("/chat/completions")
+    @with_body(ChatBody)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
@@ -207,7 +219,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         return await _collect(request, handle, builder, outputs)
 
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
-                                       defaults=defaults))
+                                       defaults=defaults, max_messages=most))
     app.include_router(v1)
     return app
 

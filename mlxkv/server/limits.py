@@ -1,13 +1,18 @@
-"""Request body limits as ASGI middleware: bodies over the size limit get 413, bodies slower than the read
-deadline 408, before any route runs."""
+"""Request limits that run before any route: as ASGI middleware, bodies over the size limit get 413 and bodies
+slower than the read deadline 408 (:class:`BodySizeLimit`); as a body model, conversations with more messages than
+the model's chat template can fit in its context get 400 before a message is validated (:func:`limit_messages`,
+with :func:`template_cost` measuring what the template adds per message)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from mlxkv.server.errors import error_body
+from pydantic import BaseModel, model_validator
+
+from mlxkv.server.errors import APIError, error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -115,3 +120,78 @@ class BodySizeLimit:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateCost:
+    """What a model's chat template adds around each message, at the least (0: unknown).
+
+    Attributes:
+        tokens_per_message: tokens the template adds per message besides its content (its role markers).
+        chars_per_message: characters it adds per message.
+    """
+
+    tokens_per_message: int = 0
+    chars_per_message: int = 0
+
+
+def template_cost(tokenizer: Any) -> TemplateCost:
+    """Measure :class:`TemplateCost` by rendering one and three alternating one-character messages: what two more
+    messages add, less their content. Token counts of rendered text are not additive when pieces merge across
+    their boundaries, so one token per message is taken off (the role markers are special tokens on most models,
+    which never merge). A template that refuses the probe costs 0 (unknown: no limit from it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return TemplateCost()
+    one = [{"role": "user", "content": "x"}]
+    three = one + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "x"}]
+    try:
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in (one, three)]
+        ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in (one, three)]
+    except Exception:  # noqa: BLE001 - templates raise anything; the content-only limits still hold
+        return TemplateCost()
+    content_tokens = len(tokenizer.encode("x", add_special_tokens=False)) if hasattr(tokenizer, "encode") else 1
+    tokens = (len(ids[1]) - len(ids[0])) // 2 - content_tokens - 1
+    chars = (len(texts[1]) - len(texts[0])) // 2 - 1
+    return TemplateCost(max(tokens, 0), max(chars, 0))
+
+
+def max_messages(context_length: int | None, cost: TemplateCost) -> int | None:
+    """The most messages a conversation may have before its template alone overflows the context (every message
+    taken as one token at least); None without a context."""
+    if context_length is None:
+        return None
+    return max(1, context_length // max(1, cost.tokens_per_message))
+
+
+def limit_messages(model: type[BaseModel], limit: int | None, context_length: int | None,
+                   cost: TemplateCost) -> type[BaseModel]:
+    """``model`` (a request body with a ``messages`` list) refusing more than ``limit`` messages before any of them
+    is validated: counting costs nothing, validating and rendering 130,000 messages costs seconds of the event
+    loop. The refusal is a 400 ``too_many_messages`` naming the limit (``limit`` None: ``model`` as it is)."""
+    if limit is None:
+        return model
+
+    def count(cls: type, data: Any) -> Any:
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list) and len(messages) > limit:
+            per = max(1, cost.tokens_per_message)
+            raise APIError(400, f"the conversation has {len(messages)} messages: at most {limit} fit this model's "
+                                f"{context_length}-token context (its chat template adds at least {per} token"
+                                f"{'s' if per > 1 else ''} per message)", "too_many_messages", "messages")
+        return data
+
+    limited = type(model.__name__, (model,), {
+        "__module__": model.__module__, "__doc__": model.__doc__,
+        "_message_count": model_validator(mode="before")(classmethod(count))})
+    return limited
+
+
+def with_body(model: type[BaseModel]) -> Callable[[Callable], Callable]:
+    """Decorator: the route's ``body`` parameter is validated as ``model`` (a class built at app creation, such as
+    :func:`limit_messages`' — FastAPI reads a route's annotations, which name module-level classes only)."""
+
+    def apply(route: Callable) -> Callable:
+        route.__annotations__["body"] = model
+        return route
+
+    return apply

@@ -5,7 +5,9 @@ API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) a
 ``response_format`` and tools, in OpenAI's chat form); out, the events rendered as its API answers them.
 :meth:`Preparation.prepare` does the rest, in this order, the same way for every route:
 
-1. **limits**: a prompt whose characters alone cannot fit the context is refused before it is tokenized;
+1. **limits**: a prompt whose characters (with what the chat template adds per message) cannot fit the context is
+   refused before it is tokenized (a conversation with too many messages never gets here:
+   :func:`mlxkv.server.limits.limit_messages`);
 2. **constraint**: the grammar its choices follow (:mod:`mlxkv.server.structured_output`), built on the tokenizer
    lane;
 3. **tokenizing** (:mod:`mlxkv.server.tokenizing`: a short prompt on the event loop, a long one on the worker),
@@ -34,6 +36,7 @@ from mlxkv.config import KvOverflowConfig
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import submit
 from mlxkv.server.kv_overflow import KvOverflowBody, request_overflow
+from mlxkv.server.limits import TemplateCost
 from mlxkv.server.message_ends import message_ends
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.schemas import CacheFields
@@ -131,11 +134,14 @@ class Preparation:
         lanes: the app's tokenizing lanes.
         vocab: the vocabulary size token-id prompts are checked against (``None``: unchecked).
         max_client_priority: the highest retention priority a request may ask for (``--max-client-priority``).
+        cost: what the chat template adds per message (:func:`mlxkv.server.limits.template_cost`), counted with
+            the messages' characters before rendering.
     """
 
     def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None,
-                 max_client_priority: int = 100):
+                 max_client_priority: int = 100, cost: TemplateCost | None = None):
         self.max_client_priority = max_client_priority
+        self.cost = cost or TemplateCost()
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.prompts = prompts
@@ -167,9 +173,10 @@ class Preparation:
         return Prepared(prompt, grammar, ends, overflow, source.param, fields)
 
     def check_chars(self, source: PromptSource) -> None:
-        """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``)."""
+        """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``): for a
+        conversation, its content and what the template adds around each message."""
         if source.messages is not None:
-            chars = content_chars(source.messages)
+            chars = content_chars(source.messages) + len(source.messages) * self.cost.chars_per_message
         elif source.text is not None:
             chars = len(source.text)
         else:
