@@ -183,7 +183,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             kwargs["tools"] = render_tools(tools)
         prepared = await prep.prepare(PromptSource(messages=messages, template_kwargs=kwargs),
                                       Constraint(fmt, tools if use_tools else None, tool_choice, parallel),
-                                      body.kv_overflow, tenant=request_tenant(request), cache=body)
+                                      body.kv_overflow, tenant=request_tenant(request), body=body)
         output = ToolOutput(tokenizer, tools, body.n, parallel=parallel, streaming=body.stream) if use_tools else None
         return await _generate(request, body, prepared, chat=True, tools=output)
 
@@ -195,7 +195,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         else:
             source = PromptSource(text=body.prompt if isinstance(body.prompt, str) else body.prompt[0], param="prompt")
         prepared = await prep.prepare(source, constraint, body.kv_overflow, tenant=request_tenant(request),
-                                      cache=body)
+                                      body=body)
         return await _generate(request, body, prepared, chat=False)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prepared: Prepared,

@@ -5,6 +5,7 @@ API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) a
 ``response_format`` and tools, in OpenAI's chat form); out, the events rendered as its API answers them.
 :meth:`Preparation.prepare` does the rest, in this order, the same way for every route:
 
+0. **sizes**: the body's size-like fields against the model and its context (:mod:`mlxkv.server.admission`);
 1. **limits**: a prompt whose characters (with what the chat template adds per message) cannot fit the context is
    refused before it is tokenized (a conversation with too many messages never gets here:
    :func:`mlxkv.server.limits.limit_messages`);
@@ -33,6 +34,7 @@ from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.config import KvOverflowConfig
+from mlxkv.server.admission import check_sizes
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import submit
 from mlxkv.server.kv_overflow import KvOverflowBody, request_overflow
@@ -151,16 +153,18 @@ class Preparation:
 
     async def prepare(self, source: PromptSource, constraint: Constraint | None = None,
                       kv_overflow: KvOverflowBody | None = None, *, tenant: Tenant,
-                      cache: CacheFields | None = None) -> Prepared:
+                      body: CacheFields | None = None) -> Prepared:
         """The request's prompt, grammar, message ends, overflow policy and cache fields, for ``tenant``
-        (:func:`mlxkv.server.tenancy.request_tenant`).
+        (:func:`mlxkv.server.tenancy.request_tenant`); ``body``: the request body, whose cache fields apply and
+        whose size-like fields are checked against the model first (:func:`mlxkv.server.admission.check_sizes`).
 
         Raises:
             APIError: 400 for a prompt too long by its characters, a refused constraint, a template that rejects
                 the messages, token ids outside the vocabulary, an empty prompt, an invalid ``kv_overflow``, a
-                retention priority above the cap.
+                retention priority above the cap, a size-like field beyond the model.
         """
-        cache = cache or CacheFields()
+        cache = body or CacheFields()
+        check_sizes(cache, context_length=self.engine.context_length, vocab_size=self.vocab)
         check_retention(cache.retention, self.max_client_priority)
         self.check_chars(source)
         grammar = await self.grammar(constraint) if constraint is not None else None

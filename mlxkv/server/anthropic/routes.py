@@ -75,7 +75,7 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         # the Messages API has no response_format: only a forced tool_choice or strict tools constrain
         constraint = Constraint(tools=plan.tools, tool_choice=conv.tool_choice, parallel=plan.parallel,
                                 tool_error=lambda exc: anthropic_tool_error(exc, conv))
-        prepared = await prep.prepare(source, constraint, body.kv_overflow, tenant=request_tenant(request), cache=body)
+        prepared = await prep.prepare(source, constraint, body.kv_overflow, tenant=request_tenant(request), body=body)
         stops = tuple(body.stop_sequences or ())
 
         def build(p: Prepared) -> GenerationRequest:
