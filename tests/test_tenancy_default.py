@@ -118,7 +118,7 @@ def test_ranges_from_token_zero_share_a_prefix_across_tenants_by_opt_in(two_tena
     # a range salt cannot name a tenant's own salt: the victim's unshared prompt stays out of reach
     secret = [(19 * i + 5) % 900 + 10 for i in range(40)]
     assert completions_cached(two_tenants, VICTIM, secret) == 0
-    forged = {"cache_salt_ranges": [{"start": 0, "salt": f'["mlxkv-tenant", "key-x", null]'}]}
+    forged = {"cache_salt_ranges": [{"start": 0, "salt": '["mlxkv-tenant", "key-x", null]'}]}
     assert completions_cached(two_tenants, ATTACKER, secret, **forged) == 0
 
 

@@ -68,7 +68,7 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
 
     @router.post("/cache/reset")
     async def cache_reset(request: Request, body: Optional[CacheResetRequest] = None) -> dict:
-        salt = reset_scope(body, request, admin_key)
+        salt = reset_scope(body, request, admin_key, key_matches(request_key(request), admin_key))
         freed = await run_in_threadpool(engine.reset_cache, 60.0, salt)
         return {"reset": True, "scope": "all" if salt is None else "tenant", **freed}
 

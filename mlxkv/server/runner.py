@@ -14,6 +14,7 @@ from mlxkv.engine.batch import BatchEngine, context_length_of
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S
 from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.read_timeouts import DEFAULT_HEADER_TIMEOUT_S, protocol_class
+from mlxkv.server.tenancy import Tenants
 from mlxkv.server.metrics import ServerMetrics
 
 
@@ -31,13 +32,14 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
           keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
-          metrics_key: str | None = None, distributed: Any = None, tenants: Any = None,
+          metrics_key: str | None = None, distributed: Any = None, tenants: Tenants | None = None,
           public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
-    ``metrics_key``, ``tenants``, ``public_metrics``, ``body_timeout_s``: see :func:`mlxkv.server.app.create_app`). ``distributed``: rank 0's
-    :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model, builds the pool and engine).
+    ``metrics_key``, ``tenants``, ``public_metrics``, ``body_timeout_s``: see :func:`mlxkv.server.app.create_app`).
+    ``distributed``: rank 0's :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model,
+    builds the pool and engine).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.

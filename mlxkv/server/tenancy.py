@@ -247,17 +247,10 @@ class CacheResetRequest(BaseModel):
                                       description="reset only the blocks of prompts sent with this salt")
 
 
-def is_admin(request: Request, admin_key: str | None) -> bool:
-    """Whether ``request`` presents the admin key (never when none is set)."""
-    from mlxkv.server.auth import key_matches, request_key  # auth imports this module
-
-    return key_matches(request_key(request), admin_key)
-
-
-def reset_scope(body: CacheResetRequest | None, request: Request, admin_key: str | None) -> str | None:
+def reset_scope(body: CacheResetRequest | None, request: Request, admin_key: str | None, admin: bool) -> str | None:
     """The cache salt a reset is limited to, or None for every tenant — which, on a server with an admin key,
     only the admin key may ask for; on a multi-tenant server without the admin key, a reset without a salt is
-    limited to the caller's tenant's unsalted prompts.
+    limited to the caller's tenant's unsalted prompts. ``admin``: the request presents the admin key.
 
     Raises:
         APIError: 403 ``admin_key_required`` for a reset of every tenant without the admin key.
@@ -265,7 +258,7 @@ def reset_scope(body: CacheResetRequest | None, request: Request, admin_key: str
     tenant = request_tenant(request)
     if body is not None and body.cache_salt is not None:
         return own_salt(tenant, body.cache_salt)
-    if is_admin(request, admin_key):
+    if admin:
         return None
     if tenant.isolated:
         return own_salt(tenant, None)
