@@ -49,7 +49,7 @@ def serve(
     port: int = typer.Option(8080, min=0, max=65535, rich_help_panel=SERVER_PANEL,
                              help="Port to listen on (0: one the system picks, printed at start)."),
     api_key: Optional[list[str]] = typer.Option(
-        None, "--api-key", rich_help_panel=SERVER_PANEL,
+        None, "--api-key", metavar="KEY", rich_help_panel=SERVER_PANEL,
         help="Require 'Authorization: Bearer KEY' on /v1 routes (default: the MLXKV_API_KEY environment variable). "
              "Repeatable: each key is its own tenant, whose cached prompts no other key reaches; one key: one "
              "tenant, its clients share the prefix cache."),
