@@ -7,6 +7,7 @@ model are imported inside the command so ``mlxkv --help`` stays instant.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -47,9 +48,18 @@ def serve(
                              help="Address to bind (loopback by default; :: for every IPv6 and IPv4 address)."),
     port: int = typer.Option(8080, min=0, max=65535, rich_help_panel=SERVER_PANEL,
                              help="Port to listen on (0: one the system picks, printed at start)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", rich_help_panel=SERVER_PANEL,
-                                          help="Require 'Authorization: Bearer KEY' on /v1 routes "
-                                               "(default: the MLXKV_API_KEY environment variable)."),
+    api_key: Optional[list[str]] = typer.Option(
+        None, "--api-key", metavar="KEY", rich_help_panel=SERVER_PANEL,
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: the MLXKV_API_KEY environment variable). "
+             "Repeatable: each key is its own tenant, whose cached prompts no other key reaches; one key: one "
+             "tenant, its clients share the prefix cache."),
+    api_keys_file: Optional[str] = typer.Option(
+        None, "--api-keys-file", metavar="FILE", rich_help_panel=SERVER_PANEL,
+        help="File of 'TENANT: KEY' lines (# comments): each key's tenant; several tenants are isolated from "
+             "each other in the prefix cache."),
+    public_metrics: bool = typer.Option(False, "--public-metrics", metavar=FLAG, rich_help_panel=SERVER_PANEL,
+                                        help="Leave /metrics open on a server with API keys (default: it needs a "
+                                             "key, as /docs and /openapi.json do)."),
     allowed_origins: Optional[list[str]] = typer.Option(None, "--allowed-origins", rich_help_panel=SERVER_PANEL,
                                                         help="CORS: origins browsers may call from (repeatable or "
                                                              "comma-separated; * for any; default: no CORS)."),
@@ -69,8 +79,14 @@ def serve(
                                                "keep-alive comment is sent."),
     metrics_key: Optional[str] = typer.Option(
         None, "--metrics-key", rich_help_panel=SERVER_PANEL,
-        help="Require 'Authorization: Bearer KEY' (or the API key) on /metrics, /docs, /redoc and /openapi.json "
-             "(default: open)."),
+        help="A key that opens /metrics, /docs, /redoc and /openapi.json besides the API keys (with neither: "
+             "those routes are open)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.01, rich_help_panel=SERVER_PANEL,
+                                         help="Seconds a client may take to send a request's headers; slower "
+                                              "ones get 408 and are disconnected."),
+    body_timeout: float = typer.Option(60.0, "--body-timeout", min=0.01, rich_help_panel=SERVER_PANEL,
+                                       help="Seconds a client may take to send a request's body; slower ones get "
+                                            "408 and are disconnected."),
     max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001, rich_help_panel=SERVER_PANEL,
                                       help="Largest request body in MB; larger ones get HTTP 413."),
     max_client_priority: int = typer.Option(100, "--max-client-priority", min=0, max=100, rich_help_panel=SERVER_PANEL,
@@ -151,10 +167,16 @@ def serve(
     try:
         flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
         origins = parse_origins(allowed_origins)
+        from mlxkv.server.tenancy import Tenants
+
+        keys = api_key or ([flags.api_key] if flags.api_key and not api_keys_file else [])
+        tenants = Tenants.from_options(keys, api_keys_file, admin_key)
+        if public_metrics and metrics_key is not None:
+            raise ValueError("--public-metrics and --metrics-key contradict each other: /metrics is open or needs "
+                             "a key")
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
-    key = api_key or flags.api_key
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                    host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
@@ -194,15 +216,17 @@ def serve(
         sock.close()
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
         raise typer.Exit(code=1) from None
-    if host not in _LOOPBACK and key is None:
+    if host not in _LOOPBACK and not tenants.required:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
+    tier_existed = kv_disk_cache is not None and Path(kv_disk_cache).expanduser().exists()
     try:
         leader = None
         if group is not None:
             from mlxkv.distributed.leader import Leader
 
             leader = Leader(group, distributed, distributed_timeout)
-        parts = build(run, api_key=key, max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
+        parts = build(run, tenants=tenants, public_metrics=public_metrics, body_timeout_s=body_timeout,
+                      max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
                       ui=not no_ui,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
@@ -210,6 +234,13 @@ def serve(
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    except OSError as exc:  # the tier folder or its secret on a full disk, a read-only or forbidden folder
+        sock.close()
+        _remove_if_made(kv_disk_cache, tier_existed)
+        where = f" (--kv-disk-cache {kv_disk_cache})" if kv_disk_cache else ""
+        typer.echo(f"error: cannot write the server's files{where}: {exc.strerror or exc}"
+                   + (f": {exc.filename}" if exc.filename else ""), err=True)
         raise typer.Exit(code=1) from None
     from mlxkv.cli.models import remember_gguf
 
@@ -219,7 +250,7 @@ def serve(
                f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV"
                + (f", {distributed} parallel over {group.size()} ranks" if group is not None else "") + ")", err=True)
     started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock), log_level=log_level,
-                                    sockets=[sock])
+                                    sockets=[sock], header_timeout_s=header_timeout)
     flushed = parts.engine.last_flush
     if flushed:
         typer.echo(f"mlxkv serve: KV tier saved: {flushed['on_disk']} block(s) on disk ({flushed['written']} written "
@@ -232,6 +263,16 @@ def serve(
     mx.clear_streams()  # MLX asks each thread that used it to clean up, else the process may abort at exit
     if not started:
         raise typer.Exit(code=3)  # uvicorn's startup-failure code (it logged why)
+
+
+def _remove_if_made(folder: Optional[str], existed: bool) -> None:
+    """Remove the tier folder a failed start made, when it is still empty (nothing of a failed start stays)."""
+    if folder is None or existed:
+        return
+    try:
+        Path(folder).expanduser().rmdir()
+    except OSError:
+        pass  # not empty, or already gone: leave it
 
 
 def _distributed_group(mode: str):

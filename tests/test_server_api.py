@@ -90,7 +90,7 @@ def test_concurrent_greedy_requests_equal_sequential_direct_engine(server, clien
 def test_disconnect_mid_stream_releases_the_sequence(server):
     cancelled = stats(server)["cancelled_total"]
     # greedy from this prompt runs > 1000 tokens before EOS
-    body = {"messages": [{"role": "user", "content": "The import statement"}], "max_tokens": 100000,
+    body = {"messages": [{"role": "user", "content": "The import statement"}], "max_tokens": 4096,
             "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
@@ -176,7 +176,7 @@ def test_queue_full_answers_429(served):
     srv = served(max_sequences=1, max_queue_depth=1)
     url = srv.url + "/v1/completions"
     with httpx.Client(timeout=60) as http:
-        long_body = {"prompt": "The import statement", "max_tokens": 100000, "temperature": 0, "stream": True}
+        long_body = {"prompt": "The import statement", "max_tokens": 4096, "temperature": 0, "stream": True}
         with http.stream("POST", url, json=long_body) as long:  # greedy: no EOS for > 2000 tokens
             lines = long.iter_lines()  # keep it: dropping the iterator closes the connection
             next(lines)  # decoding: the one slot is taken

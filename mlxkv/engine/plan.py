@@ -69,8 +69,11 @@ class StepOutput:
             wanted).
         tokens: the decode rows' sampled tokens ``(B,)`` uint32, evaluated asynchronously (read them later).
         error: the exception the forward raised (the scheduler fails the requests it touches).
+        row_errors: decode rows whose own sampling raised (row -> exception; their tokens are placeholders): the
+            scheduler fails those rows' requests only.
     """
 
     prefill_logits: list[mx.array | None] = field(default_factory=list)
     tokens: mx.array | None = None
     error: BaseException | None = None
+    row_errors: dict[int, BaseException] = field(default_factory=dict)

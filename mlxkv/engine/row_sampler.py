@@ -123,7 +123,8 @@ class RowSampler:
 
 
 def sample_rows(logits: mx.array, samplers: list[RowSampler],
-                masks: Sequence[np.ndarray | None] | None = None) -> mx.array:
+                masks: Sequence[np.ndarray | None] | None = None,
+                failed: dict[int, BaseException] | None = None) -> mx.array:
     """Next token of every row of ``logits`` (B, vocab) with its own sampler; returns (B,) uint32 (lazy).
 
     ``masks[i]`` (``None``: row ``i`` is free) is the allowed-next-token bitmask of row ``i``'s grammar, as uint32
@@ -133,7 +134,9 @@ def sample_rows(logits: mx.array, samplers: list[RowSampler],
 
     If a sampler raises, MLX's global generator is reseeded before the error propagates: mlx-lm's filters are
     compiled with the generator's state as input and output, and an exception while one is traced leaves that state
-    a placeholder, so every later random draw in the process would fail ("eval an array without a primitive")."""
+    a placeholder, so every later random draw in the process would fail ("eval an array without a primitive").
+    With ``failed`` given, a row whose sampler raises is recorded there (row -> exception, its token a placeholder
+    0) and the other rows are drawn as usual: one request's bad settings end that request only."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, vocab)
     masked = [i for i, m in enumerate(masks or ()) if m is not None]
     if not masked and all(s.plain for s in samplers):
@@ -144,12 +147,17 @@ def sample_rows(logits: mx.array, samplers: list[RowSampler],
         allowed = apply_words(logits[mx.array(masked)], words)  # (M, vocab)
         rows_of = {i: allowed[j : j + 1] for j, i in enumerate(masked)}
     own = [i for i, s in enumerate(samplers) if i in rows_of or not s.plain]
-    try:
-        drawn = [samplers[i](rows_of.get(i, logits[i : i + 1]), logprobs[i : i + 1], masked=i in rows_of)
-                 .astype(mx.uint32) for i in own]  # len(own) x (1,)
-    except Exception:
-        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        raise
+    drawn = []  # len(own) x (1,)
+    for i in own:
+        try:
+            drawn.append(samplers[i](rows_of.get(i, logits[i : i + 1]), logprobs[i : i + 1], masked=i in rows_of)
+                         .astype(mx.uint32))
+        except Exception as exc:
+            mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+            if failed is None:
+                raise
+            failed[i] = exc
+            drawn.append(mx.zeros((1,), dtype=mx.uint32))
     if len(own) == len(samplers):
         return mx.concatenate(drawn)  # (B,)
     tokens = mx.argmax(logprobs, axis=-1).astype(mx.uint32)  # (B,): the plain rows' shared argmax

@@ -50,7 +50,7 @@ class ModelRunner:
             elif plan.decode:
                 logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs)  # (B, vocab)
                 masks = plan.masks(logits) if plan.masks is not None else None
-                out.tokens = self.sample(logits, [c.sampler for c in plan.decode], masks)  # (B,)
+                out.tokens = self.sample(logits, [c.sampler for c in plan.decode], masks, out.row_errors)  # (B,)
         except Exception as exc:  # noqa: BLE001 - the scheduler fails the requests the forward touched
             out.error = exc
         return out
@@ -92,12 +92,14 @@ class ModelRunner:
         return self._forward(seqs, inputs)
 
     def sample(self, logits: mx.array, samplers: Sequence[RowSampler],
-               masks: Sequence[np.ndarray | None] | None = None) -> mx.array:
+               masks: Sequence[np.ndarray | None] | None = None,
+               failed: dict[int, BaseException] | None = None) -> mx.array:
         """Each row's next token from ``logits`` ``(B, vocab)`` by its own sampler, under its grammar mask if it has
         one (:func:`~mlxkv.engine.row_sampler.sample_rows`); returns the tokens ``(B,)`` uint32, handed to MLX with
         ``async_eval`` together with what the samplers recorded (read them later: building the next step may
-        overlap their evaluation)."""
-        tokens = sample_rows(logits, list(samplers), masks)  # (B,)
+        overlap their evaluation). ``failed``: rows whose sampler raised go there (see
+        :func:`~mlxkv.engine.row_sampler.sample_rows`) instead of failing every row."""
+        tokens = sample_rows(logits, list(samplers), masks, failed)  # (B,)
         mx.async_eval(tokens, *lazy_outputs(samplers))
         return tokens
 

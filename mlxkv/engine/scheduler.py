@@ -529,6 +529,8 @@ class Scheduler:
             self.totals["overlapped_steps"] += 1
         self._read_in_flight()  # the previous step's tokens (named before this step's positions are committed)
         for b, c in enumerate(choices):
+            if b in out.row_errors and not c.job.finished:
+                self._fail(c.job, out.row_errors[b])  # its own sampling failed: the other rows go on
             if c.done or c.job.finished:
                 continue  # closed by its previous token: this step's token is dropped
             c.seq.commit()

@@ -21,15 +21,22 @@ from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
-from mlxkv.server.auth import KeyProtectedPaths, bearer_auth
+from mlxkv.server.auth import OPERATOR_PATHS, KeyProtectedPaths, bearer_auth
 from mlxkv.server.cache_routes import cache_router
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, failure
-from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from mlxkv.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    BodySizeLimit,
+    limit_messages,
+    max_messages,
+    template_cost,
+    with_body,
+)
 from mlxkv.server.metrics import ServerMetrics
-from mlxkv.server.openai_fields import cache_key_span
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.reasoning_effort import apply_reasoning_effort
@@ -38,7 +45,7 @@ from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.structured_output import parse_format
 from mlxkv.server.preparation import Constraint, Prepared, Preparation, PromptSource, tool_error
-from mlxkv.server.tenancy import check_max_client_priority, check_retention
+from mlxkv.server.tenancy import Tenants, check_max_client_priority, key_fingerprint, request_tenant
 from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes
 from mlxkv.server.tool_stream import ToolOutput
@@ -59,13 +66,14 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
-               flush_timeout_s: float = 10.0, metrics_key: str | None = None) -> FastAPI:
+               flush_timeout_s: float = 10.0, metrics_key: str | None = None, tenants: Tenants | None = None,
+               public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
         engine: the batch engine (its tokenizer encodes prompts).
         model_name: the id reported by ``/v1/models`` and in responses.
-        api_key: require ``Authorization: Bearer <api_key>`` on /v1 routes (``None``: open).
+        api_key: require ``Authorization: Bearer <api_key>`` on /v1 routes (``None``: open; one tenant).
         max_body_bytes: larger request bodies get 413.
         metrics: the Prometheus registry fed by the engine (the engine's observer); a fresh one if ``None``.
         manage_engine: start the engine when the app starts and stop it when the app stops.
@@ -77,12 +85,21 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         admin_key: the key a whole-cache ``/v1/cache/reset`` needs (``None``: anyone may; tenancy.py); also
             accepted wherever ``api_key`` is.
         flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
-        metrics_key: require it (or ``api_key``) on ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
-            (``None``: those stay open).
+        metrics_key: a key (besides the API keys) that opens ``/metrics``, ``/docs``, ``/redoc`` and
+            ``/openapi.json``; on a server with API keys or a metrics key, those routes need one of them.
+        tenants: the API keys and their tenants (:class:`mlxkv.server.tenancy.Tenants`; instead of ``api_key``).
+        public_metrics: ``/metrics`` stays open on a server with keys (the API description does not).
+        body_timeout_s: a request body not whole this many seconds after the request's start gets 408.
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
         raise ValueError("the metrics key must not be empty")
+    if tenants is not None and api_key is not None:
+        raise ValueError("give the API key as tenants or as api_key, not both")
+    if tenants is None:
+        tenants = Tenants({api_key: key_fingerprint(api_key)} if api_key else {}, admin_key)
+    if public_metrics and metrics_key is not None:
+        raise ValueError("--public-metrics and --metrics-key contradict each other: /metrics is open or needs a key")
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
     defaults = defaults or SamplingDefaults()
@@ -95,6 +112,9 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     fingerprint = system_fingerprint(model_name, tokenizer)
     no_tools = check_template_renders_tools(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxkv"}
+    cost = template_cost(tokenizer)  # what the chat template adds per message: limits counted before rendering
+    most = max_messages(engine.context_length, cost)
+    ChatBody = limit_messages(ChatCompletionRequest, most, engine.context_length, cost)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -109,11 +129,13 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     app = FastAPI(title="mlxkv", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    if metrics_key is not None:
-        app.add_middleware(KeyProtectedPaths, keys=[k for k in (metrics_key, api_key) if k])
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    operator_keys = tenants.keys + ([metrics_key] if metrics_key else [])
+    if operator_keys:
+        paths = OPERATOR_PATHS - {"/metrics"} if public_metrics else OPERATOR_PATHS
+        app.add_middleware(KeyProtectedPaths, keys=operator_keys, paths=paths)
     install_cors(app, allowed_origins)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key, admin_key)),
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(tenants)),
                                                Depends(reject_invalid_unicode)])
 
     @app.get("/health")
@@ -140,15 +162,15 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                            "model")
         return card
 
-    v1.include_router(cache_router(engine, keepalive_s=keepalive_s, admin_key=admin_key))
+    v1.include_router(cache_router(engine, keepalive_s=keepalive_s, admin_key=admin_key, multi_tenant=tenants.multi))
 
     # One preparation for every route (preparation.py): tokenizing on the loop or the worker lane, the grammar,
     # message ends and the overflow policy checked against the pool's facts; each route translates its shape only.
-    prep = Preparation(engine, prompts, lanes, vocab)
+    prep = Preparation(engine, prompts, lanes, vocab, max_client_priority, cost)
 
     @v1.post("/chat/completions")
+    @with_body(ChatBody)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        check_retention(body.retention, max_client_priority)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "no_chat_template")
         conflict = body.conflicting_max()
@@ -172,19 +194,19 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
             kwargs["tools"] = render_tools(tools)
         prepared = await prep.prepare(PromptSource(messages=messages, template_kwargs=kwargs),
                                       Constraint(fmt, tools if use_tools else None, tool_choice, parallel),
-                                      body.kv_overflow)
+                                      body.kv_overflow, tenant=request_tenant(request), body=body)
         output = ToolOutput(tokenizer, tools, body.n, parallel=parallel, streaming=body.stream) if use_tools else None
         return await _generate(request, body, prepared, chat=True, tools=output)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_retention(body.retention, max_client_priority)
         constraint = Constraint(parse_format(body.response_format))
         if isinstance(body.prompt, list) and isinstance(body.prompt[0], int):
             source = PromptSource(token_ids=list(body.prompt), param="prompt")
         else:
             source = PromptSource(text=body.prompt if isinstance(body.prompt, str) else body.prompt[0], param="prompt")
-        prepared = await prep.prepare(source, constraint, body.kv_overflow)
+        prepared = await prep.prepare(source, constraint, body.kv_overflow, tenant=request_tenant(request),
+                                      body=body)
         return await _generate(request, body, prepared, chat=False)
 
     async def _generate(request: Request, body: Union[ChatCompletionRequest, CompletionRequest], prepared: Prepared,
@@ -197,13 +219,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         outputs = [ChoiceOutput(splitter_for(tokenizer, prompt) if chat else None, logprob_format, tools, i)
                    for i in range(body.n)]
 
-        cache_key = getattr(body, "prompt_cache_key", None)  # chat only: narrows sharing within the tenant
-
         def build(p: Prepared) -> GenerationRequest:
-            return p.request(params, n=body.n, cache_salt=body.cache_salt,
-                             cache_salt_ranges=body.salt_ranges(len(prompt)) + cache_key_span(cache_key, len(prompt)),
-                             retention=body.retention.to_spec() if body.retention else None,
-                             priority=body.priority, logprobs=logprobs)
+            return p.request(params, n=body.n, logprobs=logprobs)
 
         handle = prep.submit(prepared, build)
         builder = ResponseBuilder(chat=chat, model=model_name, system_fingerprint=fingerprint,
@@ -214,7 +231,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         return await _collect(request, handle, builder, outputs)
 
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
-                                       defaults=defaults))
+                                       defaults=defaults, max_messages=most))
     app.include_router(v1)
     return app
 

@@ -1,6 +1,7 @@
-"""API-key check for the /v1 routes (``--api-key`` or ``MLXKV_API_KEY``): ``Authorization: Bearer <key>`` (OpenAI's
-clients) or ``x-api-key: <key>`` (Anthropic's); and :class:`KeyProtectedPaths`, which puts the operator's routes
-(``/metrics``, ``/docs``, ``/openapi.json``, ``/redoc``) behind ``--metrics-key``."""
+"""API-key check for the /v1 routes (``--api-key``, ``--api-keys-file`` or ``MLXKV_API_KEY``): ``Authorization:
+Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's), which also tells the request's tenant
+(:mod:`mlxkv.server.tenancy`); and :class:`KeyProtectedPaths`, which puts the operator's routes (``/metrics``,
+``/docs``, ``/openapi.json``, ``/redoc``) behind the API keys and ``--metrics-key``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Callable
 from fastapi import Request
 
 from mlxkv.server.errors import APIError, error_body
+from mlxkv.server.tenancy import Tenants
 
 
 def request_key(request: Request) -> str:
@@ -23,19 +25,21 @@ def key_matches(token: str, key: str | None) -> bool:
     return key is not None and bool(token) and hmac.compare_digest(token.encode(), key.encode())
 
 
-def bearer_auth(api_key: str | None, admin_key: str | None = None) -> Callable[[Request], None]:
-    """A FastAPI dependency: with ``api_key`` set, require ``Authorization: Bearer <api_key>`` or
-    ``x-api-key: <api_key>`` (401 otherwise); the ``admin_key``, when set, is accepted as well."""
+def bearer_auth(tenants: Tenants) -> Callable[[Request], None]:
+    """A FastAPI dependency: on a server with keys, require ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+    with one of ``tenants``' keys (401 otherwise), and record the key's tenant as ``request.state.tenant``."""
 
     def check(request: Request) -> None:
-        if api_key is None:
+        if not tenants.required:
             return
         token = request_key(request)
         if not token:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            "missing_api_key")
-        if not (key_matches(token, api_key) or key_matches(token, admin_key)):
+        tenant = tenants.resolve(token)
+        if tenant is None:
             raise APIError(401, "invalid API key", "invalid_api_key")
+        request.state.tenant = tenant
 
     return check
 
@@ -64,8 +68,9 @@ class KeyProtectedPaths:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             token = _token(headers.get("authorization", ""), headers.get("x-api-key", "")).strip().encode()
             if not (token and any(hmac.compare_digest(token, k) for k in self.keys)):
-                body = json.dumps(error_body(401, "this route needs the metrics key: send 'Authorization: Bearer "
-                                                  "<key>'", "invalid_api_key" if token else "missing_api_key")).encode()
+                body = json.dumps(error_body(401, "this route needs an API key or the metrics key: send "
+                                                  "'Authorization: Bearer <key>'",
+                                             "invalid_api_key" if token else "missing_api_key")).encode()
                 await send({"type": "http.response.start", "status": 401,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(body)).encode())]})

@@ -6,7 +6,7 @@ cache_view.py). The built-in page and ``mlxkv top`` draw it.
 
 ``POST /v1/cache/reset`` takes an optional ``{"cache_salt": ...}`` that limits it to one tenant's blocks (see
 tenancy.py). On a server with an admin key, a reset of every tenant and the events stream (which carries every
-tenant's block hashes and token ids) need that key.
+tenant's block hashes and token ids) need that key; on a multi-tenant server the events stream always does.
 
 ``GET /v1/cache/events`` streams the block manager's events as server-sent events: each has ``id:`` its sequence
 number, ``event:`` its type (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) and ``data:`` its JSON
@@ -68,8 +68,10 @@ def _sse(event: dict) -> str:
 
 
 def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 admin_key: str | None = None) -> APIRouter:
-    """The cache routes over ``engine`` (mounted under /v1, behind its API key; ``admin_key``: see above)."""
+                 admin_key: str | None = None, multi_tenant: bool = False) -> APIRouter:
+    """The cache routes over ``engine`` (mounted under /v1, behind its API key; ``admin_key``: see above;
+    ``multi_tenant``: the server's keys name several tenants, whose blocks the events stream must not show to
+    one another: it then needs the admin key, and is refused on a server without one)."""
     router = APIRouter()
     taken: list = [float("-inf"), None]  # when the engine last drew the block map, and the map
 
@@ -93,15 +95,15 @@ def cache_router(engine: BatchEngine, *, keepalive_s: float = DEFAULT_KEEPALIVE_
 
     @router.post("/cache/reset")
     async def cache_reset(request: Request, body: Optional[CacheResetRequest] = None) -> dict:
-        salt = reset_scope(body, request, admin_key)
+        salt = reset_scope(body, request, admin_key, key_matches(request_key(request), admin_key))
         freed = await run_in_threadpool(engine.reset_cache, 60.0, salt)
         return {"reset": True, "scope": "all" if salt is None else "tenant", **freed}
 
     @router.get("/cache/events")
     async def cache_events(request: Request, since: str | None = None) -> object:
-        if admin_key is not None and not key_matches(request_key(request), admin_key):
-            raise APIError(403, "the KV events stream shows every tenant's blocks: it needs the admin key",
-                           "admin_key_required")
+        if (admin_key is not None or multi_tenant) and not key_matches(request_key(request), admin_key):
+            raise APIError(403, "the KV events stream shows every tenant's blocks: it needs the admin key"
+                           + ("" if admin_key else " (start the server with --admin-key)"), "admin_key_required")
         stream = request.query_params.get("stream")
         if stream is None:
             stream = "true" if "text/event-stream" in request.headers.get("accept", "") else "false"

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 
 from mlxkv.server.auth import key_matches, request_key
+from mlxkv.server.tenancy import own_salt, request_tenant
 
 #: The label of the unsalted prompts' blocks.
 UNSALTED = "unsalted"
@@ -37,7 +38,8 @@ def tenant_label(salt: Hashable) -> str:
 def viewer(request: Request, cache_salt: str | None, admin_key: str | None) -> tuple[bool, Hashable]:
     """Whether ``request``'s caller sees the whole cache, and the salt its own prompts' blocks are keyed by."""
     token = request_key(request)
-    return key_matches(token, admin_key) or (admin_key is None and not token), cache_salt
+    return key_matches(token, admin_key) or (admin_key is None and not token), own_salt(request_tenant(request),
+                                                                                         cache_salt)
 
 
 def viewer_view(raw: dict[str, Any], *, sees_all: bool, scope: Hashable,

@@ -5,7 +5,10 @@ API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) a
 ``response_format`` and tools, in OpenAI's chat form); out, the events rendered as its API answers them.
 :meth:`Preparation.prepare` does the rest, in this order, the same way for every route:
 
-1. **limits**: a prompt whose characters alone cannot fit the context is refused before it is tokenized;
+0. **sizes**: the body's size-like fields against the model and its context (:mod:`mlxkv.server.admission`);
+1. **limits**: a prompt whose characters (with what the chat template adds per message) cannot fit the context is
+   refused before it is tokenized (a conversation with too many messages never gets here:
+   :func:`mlxkv.server.limits.limit_messages`);
 2. **constraint**: the grammar its choices follow (:mod:`mlxkv.server.structured_output`), built on the tokenizer
    lane;
 3. **tokenizing** (:mod:`mlxkv.server.tokenizing`: a short prompt on the event loop, a long one on the worker),
@@ -13,9 +16,12 @@ API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) a
 4. **message ends**: the positions worth a recurrent-state snapshot (:mod:`mlxkv.server.message_ends`), when the
    KV store takes them;
 5. **overflow policy**: the request's ``kv_overflow`` (:mod:`mlxkv.server.kv_overflow`), checked against the
-   pool's facts captured when the engine was built (:class:`mlxkv.engine.pool_facts.PoolFacts`).
+   pool's facts captured when the engine was built (:class:`mlxkv.engine.pool_facts.PoolFacts`);
+6. **cache fields** (:class:`mlxkv.server.schemas.CacheFields`: ``cache_salt``, ``cache_salt_ranges``,
+   ``retention``, ``priority``): the retention cap checked, the salts derived from the request's tenant
+   (:func:`mlxkv.server.tenancy.cache_identity`) — on every route, so no route can leave a prompt unsalted.
 
-The result, a :class:`Prepared`, becomes the engine request with the route's own fields (sampling, ``n``, salts)
+The result, a :class:`Prepared`, becomes the engine request with the route's own fields (sampling, ``n``)
 in :meth:`Preparation.submit`. Nothing here touches the engine's pool: the engine thread owns it.
 """
 
@@ -28,12 +34,17 @@ from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.config import KvOverflowConfig
+from mlxkv.server.admission import check_sizes
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import submit
 from mlxkv.server.kv_overflow import KvOverflowBody, request_overflow
+from mlxkv.server.limits import TemplateCost
 from mlxkv.server.message_ends import message_ends
+from mlxkv.server.openai_fields import cache_key_span
 from mlxkv.server.prompts import PromptEncoder
+from mlxkv.server.schemas import CacheFields
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
+from mlxkv.server.tenancy import Tenant, cache_identity, check_retention
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
 from mlxkv.server.tools import ToolRequestError
 from mlxkv.structured import ResponseFormat
@@ -96,6 +107,8 @@ class Prepared:
         snapshot_at: message ends worth a recurrent-state snapshot.
         overflow: the request's own ``kv_overflow`` policy (``None``: the server's).
         param: the request field an over-long prompt is blamed on.
+        cache: the engine request's cache fields (``cache_salt`` and ``cache_salt_ranges`` as the tenant's,
+            ``retention``, ``priority``).
     """
 
     prompt: list[int]
@@ -103,15 +116,16 @@ class Prepared:
     snapshot_at: tuple[int, ...] = ()
     overflow: KvOverflowConfig | None = None
     param: str = "messages"
+    cache: dict[str, Any] = field(default_factory=dict)
 
     def request(self, params: SamplingParams, **fields: Any) -> GenerationRequest:
-        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, salts, ...).
+        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, logprobs).
 
         Raises:
             ValueError: settings the request refuses.
         """
         return GenerationRequest(self.prompt, params, response_format=self.grammar, snapshot_at=self.snapshot_at,
-                                 kv_overflow=self.overflow, **fields)
+                                 kv_overflow=self.overflow, **self.cache, **fields)
 
 
 class Preparation:
@@ -122,9 +136,15 @@ class Preparation:
         prompts: the app's prompt encoder (a long shared system prompt is tokenized once for every route).
         lanes: the app's tokenizing lanes.
         vocab: the vocabulary size token-id prompts are checked against (``None``: unchecked).
+        max_client_priority: the highest retention priority a request may ask for (``--max-client-priority``).
+        cost: what the chat template adds per message (:func:`mlxkv.server.limits.template_cost`), counted with
+            the messages' characters before rendering.
     """
 
-    def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None):
+    def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None,
+                 max_client_priority: int = 100, cost: TemplateCost | None = None):
+        self.max_client_priority = max_client_priority
+        self.cost = cost or TemplateCost()
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.prompts = prompts
@@ -133,24 +153,37 @@ class Preparation:
         self.facts = engine.pool_facts
 
     async def prepare(self, source: PromptSource, constraint: Constraint | None = None,
-                      kv_overflow: KvOverflowBody | None = None) -> Prepared:
-        """The request's prompt, grammar, message ends and overflow policy.
+                      kv_overflow: KvOverflowBody | None = None, *, tenant: Tenant,
+                      body: CacheFields | None = None) -> Prepared:
+        """The request's prompt, grammar, message ends, overflow policy and cache fields, for ``tenant``
+        (:func:`mlxkv.server.tenancy.request_tenant`); ``body``: the request body, whose cache fields apply and
+        whose size-like fields are checked against the model first (:func:`mlxkv.server.admission.check_sizes`).
 
         Raises:
             APIError: 400 for a prompt too long by its characters, a refused constraint, a template that rejects
-                the messages, token ids outside the vocabulary, an empty prompt, an invalid ``kv_overflow``.
+                the messages, token ids outside the vocabulary, an empty prompt, an invalid ``kv_overflow``, a
+                retention priority above the cap, a size-like field beyond the model.
         """
+        cache = body or CacheFields()
+        check_sizes(cache, context_length=self.engine.context_length, vocab_size=self.vocab)
+        check_retention(cache.retention, self.max_client_priority)
         self.check_chars(source)
         grammar = await self.grammar(constraint) if constraint is not None else None
         prompt = await self.tokens(source, checked=True)
         ends = await self.message_ends(source, prompt)
         overflow = request_overflow(kv_overflow, self.facts)
-        return Prepared(prompt, grammar, ends, overflow, source.param)
+        salt, ranges = cache_identity(tenant, cache.cache_salt, cache.salt_ranges(len(prompt)), len(prompt))
+        # a prompt_cache_key narrows sharing within what the tenant's salts allow, never widens it
+        ranges += cache_key_span(getattr(body, "prompt_cache_key", None), len(prompt))
+        fields = {"cache_salt": salt, "cache_salt_ranges": ranges, "priority": cache.priority,
+                  "retention": cache.retention.to_spec() if cache.retention else None}
+        return Prepared(prompt, grammar, ends, overflow, source.param, fields)
 
     def check_chars(self, source: PromptSource) -> None:
-        """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``)."""
+        """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``): for a
+        conversation, its content and what the template adds around each message."""
         if source.messages is not None:
-            chars = content_chars(source.messages)
+            chars = content_chars(source.messages) + len(source.messages) * self.cost.chars_per_message
         elif source.text is not None:
             chars = len(source.text)
         else:

@@ -12,7 +12,9 @@ from typing import Any, Sequence
 from mlxkv.config import RunConfig
 from mlxkv.engine.batch import BatchEngine, context_length_of
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S
-from mlxkv.server.limits import DEFAULT_MAX_BODY_BYTES
+from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from mlxkv.server.read_timeouts import DEFAULT_HEADER_TIMEOUT_S, protocol_class
+from mlxkv.server.tenancy import Tenants
 from mlxkv.server.metrics import ServerMetrics
 
 
@@ -31,12 +33,14 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           ui: bool = True,
           keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
-          metrics_key: str | None = None, distributed: Any = None) -> ServerParts:
+          metrics_key: str | None = None, distributed: Any = None, tenants: Tenants | None = None,
+          public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
-    ``metrics_key``: see :func:`mlxkv.server.app.create_app`). ``distributed``: rank 0's
-    :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model, builds the pool and engine).
+    ``metrics_key``, ``tenants``, ``public_metrics``, ``body_timeout_s``: see :func:`mlxkv.server.app.create_app`).
+    ``distributed``: rank 0's :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model,
+    builds the pool and engine).
 
     ``ui``: serve the built-in page at ``/`` (see :func:`mlxkv.server.app.create_app`).
 
@@ -63,7 +67,8 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                      metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
                      ui=ui,
                      keepalive_s=keepalive_s, defaults=run.sampling, max_client_priority=max_client_priority,
-                     admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key)
+                     admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
+                     public_metrics=public_metrics, body_timeout_s=body_timeout_s)
     return ServerParts(loaded, engine, app, metrics)
 
 
@@ -90,17 +95,20 @@ class ServerThread:
     """Serve ``app`` with uvicorn on a background thread, on an already-bound loopback socket.
 
     ``port=0`` picks a free port; :attr:`url` tells which. Use as a context manager or call
-    :meth:`start` / :meth:`stop`.
+    :meth:`start` / :meth:`stop`. A client not done sending its request headers ``header_timeout_s`` seconds
+    after connecting (or after its previous response) is dropped (:mod:`mlxkv.server.read_timeouts`).
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S):
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+                                http=protocol_class(header_timeout_s))
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="mlxkv-http", daemon=True)

@@ -113,7 +113,26 @@ class RetentionBody(_NullIsDefault):
         return self
 
 
-class _Common(_NullIsDefault):
+class CacheFields(BaseModel):
+    """The prefix-cache and scheduling fields every generating route takes (OpenAI's and Anthropic's alike; the
+    request preparation applies them, :mod:`mlxkv.server.preparation`; tenancy: :mod:`mlxkv.server.tenancy`)."""
+
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
+                                      description="prefix-cache isolation: only requests with the same salt (of the "
+                                                  "same tenant) share KV")
+    cache_salt_ranges: Optional[list[SaltRangeBody]] = Field(
+        None, max_length=16, description="per-range salts: prompt token ranges shared only under their salt; ranges "
+                                         "covering the prompt from token 0 share it across tenants (opt-in)")
+    retention: Optional[RetentionBody] = None
+    priority: int = Field(0, ge=-(2**31), lt=2**31, description="admission order: lower values first")
+
+    def salt_ranges(self, prompt_length: int) -> tuple[tuple[int, int, str], ...]:
+        """``cache_salt_ranges`` as the engine's ``(start, end, salt)`` tuples (``end`` null: the prompt's end)."""
+        return tuple((r.start, prompt_length if r.end is None else r.end, r.salt)
+                     for r in self.cache_salt_ranges or ())
+
+
+class _Common(CacheFields, _NullIsDefault):
     """Sampling, stopping and mlxkv extension fields shared by both endpoints (``None``: not set; the server's
     default applies, see :mod:`mlxkv.server.sampling_args`)."""
 
@@ -140,24 +159,12 @@ class _Common(_NullIsDefault):
     repetition_context_size: Optional[int] = Field(None, ge=1, le=MAX_PENALTY_CONTEXT,
                                                     description="tokens the repetition penalty looks back")
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
-    cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
-                                      description="prefix-cache isolation: only requests with the same salt share KV")
-    cache_salt_ranges: Optional[list[SaltRangeBody]] = Field(
-        None, max_length=16, description="per-range salts: prompt token ranges shared only under their salt (e.g. "
-                                         "the system prompt unsalted, the rest under the tenant's salt)")
-    retention: Optional[RetentionBody] = None
     kv_overflow: Optional[KvOverflowBody] = Field(
         None, description='this request\'s KV budget policy, e.g. {"policy": "h2o", "budget": 2048}; fields left out: '
                           "the server's --kv-overflow*")
-
-    def salt_ranges(self, prompt_length: int) -> tuple[tuple[int, int, str], ...]:
-        """``cache_salt_ranges`` as the engine's ``(start, end, salt)`` tuples (``end`` null: the prompt's end)."""
-        return tuple((r.start, prompt_length if r.end is None else r.end, r.salt)
-                     for r in self.cache_salt_ranges or ())
     response_format: Optional[dict[str, Any]] = Field(
         None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
                           '{"name", "schema", "strict"}}: the output follows it by constrained decoding')
-    priority: int = Field(0, ge=-(2**31), lt=2**31, description="admission order: lower values first")
 
     @field_validator("stop")
     @classmethod

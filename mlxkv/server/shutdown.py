@@ -19,6 +19,8 @@ from typing import Any
 
 import uvicorn
 
+from mlxkv.server.read_timeouts import DEFAULT_HEADER_TIMEOUT_S, protocol_class
+
 log = logging.getLogger("mlxkv.server")
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -54,11 +56,14 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve_until_signalled(app: Any, engine: Any, *, host: str, port: int, log_level: str,
-                          grace_s: float = 5.0, sockets: list | None = None) -> bool:
+                          grace_s: float = 5.0, sockets: list | None = None,
+                          header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> bool:
     """Run ``app`` under :class:`GracefulServer` until SIGTERM / SIGINT; ``sockets``: already bound listening
-    sockets to serve on (else uvicorn binds ``host``:``port``). Returns whether the server had started (False:
-    its start-up failed, and uvicorn logged why)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s)
+    sockets to serve on (else uvicorn binds ``host``:``port``); ``header_timeout_s``: see
+    :mod:`mlxkv.server.read_timeouts`. Returns whether the server had started (False: its start-up failed, and
+    uvicorn logged why)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s,
+                            http=protocol_class(header_timeout_s))
     server = GracefulServer(config, engine)
     server.run(sockets=sockets)
     return server.started

@@ -27,12 +27,15 @@ from mlxkv.server.anthropic.tool_use import ToolPlan, anthropic_tool_error, plan
 from mlxkv.server.anthropic.translate import Conversation, response_format, to_conversation
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import collect, failure
+from mlxkv.server.limits import limit_messages, with_body
 from mlxkv.server.preparation import Constraint, Prepared, Preparation, PromptSource
 from mlxkv.server.structured_output import parse_format
+from mlxkv.server.tenancy import request_tenant
 from mlxkv.server.tools import check_template_renders_tools
 
 def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
-                     keepalive_s: float | None = None, defaults: SamplingDefaults | None = None) -> APIRouter:
+                     keepalive_s: float | None = None, defaults: SamplingDefaults | None = None,
+                     max_messages: int | None = None) -> APIRouter:
     """The Messages routes over ``engine`` (mount under ``/v1``, behind the API-key check).
 
     Args:
@@ -43,6 +46,7 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         keepalive_s: a stream silent this long gets a ``ping`` event (``None``: none).
         defaults: the server's sampling defaults and chat-template variables (``mlxkv serve --temp`` ...), for
             what a request leaves unset, as on the OpenAI routes.
+        max_messages: the most messages a request may have (:func:`mlxkv.server.limits.limit_messages`).
     """
     defaults = defaults or SamplingDefaults()
     kwargs = dict(defaults.chat_template_kwargs)
@@ -50,6 +54,9 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
     has_template = bool(getattr(tokenizer, "chat_template", None))
     no_tools = check_template_renders_tools(tokenizer) if has_template else None
     router = APIRouter(tags=["anthropic"])
+    cost = prep.cost
+    MessagesBody = limit_messages(MessagesRequest, max_messages, engine.context_length, cost)
+    CountBody = limit_messages(CountTokensRequest, max_messages, engine.context_length, cost)
 
     def translate(body: CountTokensRequest) -> tuple[PromptSource, ToolPlan, Conversation]:
         """The request's prompt in chat form and its tool use (400 for what cannot be honoured)."""
@@ -62,6 +69,7 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         return source, plan, conv
 
     @router.post("/messages")
+    @with_body(MessagesBody)
     async def create_message(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API: one answer (text and tool_use blocks), whole or streamed."""
         source, plan, conv = translate(body)
@@ -72,7 +80,7 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
             raise APIError(exc.status, f"{fmt_field}: {exc.message}", exc.code, fmt_field) from None
         constraint = Constraint(fmt=fmt, tools=plan.tools, tool_choice=conv.tool_choice, parallel=plan.parallel,
                                 tool_error=lambda exc: anthropic_tool_error(exc, conv, fmt_field))
-        prepared = await prep.prepare(source, constraint, body.kv_overflow)
+        prepared = await prep.prepare(source, constraint, body.kv_overflow, tenant=request_tenant(request), body=body)
         stops = tuple(body.stop_sequences or ())
 
         def build(p: Prepared) -> GenerationRequest:
@@ -100,6 +108,7 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         return reply.message(events[-1].usage)
 
     @router.post("/messages/count_tokens")
+    @with_body(CountBody)
     async def count_tokens(body: CountTokensRequest) -> dict:
         """The rendered prompt's length in tokens (tools included)."""
         return {"input_tokens": len(await prep.tokens(translate(body)[0]))}

@@ -9,7 +9,9 @@ them. Accepted without effect on the output: ``cache_control`` (mlxkv caches eve
 ``eager_input_streaming`` (each call's input is streamed whole, in one delta, as soon as the call is generated).
 Structured output — ``output_config.format`` (and the beta's top-level ``output_format``), ``{"type": "json_schema",
 "schema": {...}}`` — is enforced by constrained decoding, as the OpenAI routes' ``response_format``.
-mlxkv extension: ``kv_overflow`` (the request's per-sequence KV budget policy, :mod:`mlxkv.server.kv_overflow`).
+mlxkv extensions, as on the OpenAI routes: ``kv_overflow`` (the request's per-sequence KV budget policy,
+:mod:`mlxkv.server.kv_overflow`) and the cache fields ``cache_salt``, ``cache_salt_ranges``, ``retention`` and
+``priority`` (:class:`mlxkv.server.schemas.CacheFields`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlxkv.server.kv_overflow import KvOverflowBody
+from mlxkv.server.schemas import CacheFields
 
 #: Stop sequences per request, and characters per stop sequence.
 MAX_STOP_SEQUENCES = 16
@@ -194,7 +197,7 @@ class CountTokensRequest(_Strict):
         return v
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, CacheFields):
     """``POST /v1/messages``."""
 
     max_tokens: int = Field(..., ge=1, description="most tokens to generate (required)")
