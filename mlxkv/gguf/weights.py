@@ -1,8 +1,9 @@
 """GGUF tensors renamed and reordered into the Hugging Face layout mlx-lm's model classes load.
 
-Quantized tensors stay quantized: a ``Q4_0`` / ``Q4_1`` / ``Q8_0`` tensor is MLX's affine triplet
-(``weight`` packed uint32, ``scales``, ``biases``; groups of 32), so each linear layer becomes an
-``nn.QuantizedLinear`` with the bits its own tensor has (a file may mix 4- and 8-bit layers).
+Quantized tensors stay quantized: each block type arrives as MLX's affine triplet (``weight`` packed uint32,
+``scales``, ``biases``; groups of 32; see :mod:`mlxkv.gguf.kquants` for the bits each type becomes), so each
+linear layer becomes an ``nn.QuantizedLinear`` with the bits its own tensor has (a Q4_K_M file mixes 4- and
+8-bit layers).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any
 from mlxkv.gguf.config import PERMUTED_QK
 from mlxkv.gguf.reader import GGUFError, GGUFFile
 
-#: GGUF quantization group size (every block type MLX reads holds 32 weights).
+#: MLX group size of every quantized GGUF tensor (:data:`mlxkv.gguf.kquants.GROUP_SIZE`).
 GROUP_SIZE = 32
+#: The bit widths MLX's affine quantization packs.
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -101,6 +104,6 @@ def layer_bits(weights: dict[str, Any], layer: str) -> int:
     packed = weights[f"{layer}.weight"].shape[-1]
     columns = weights[f"{layer}.scales"].shape[-1] * GROUP_SIZE
     bits, rem = divmod(packed * 32, columns)
-    if rem or bits not in (4, 8):
+    if rem or bits not in AFFINE_BITS:
         raise GGUFError(f"quantized tensor {layer} has an unexpected packing ({packed} words for {columns} columns)")
     return bits

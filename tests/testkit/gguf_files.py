@@ -33,16 +33,19 @@ def dequantized(w: np.ndarray, qtype_name: str) -> np.ndarray:
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2", tokenizer: bool = True,
                extra_tensors: dict[str, np.ndarray] | None = None, architecture: str | None = None,
-               extra_metadata: dict[str, int] | None = None) -> Path:
+               extra_metadata: dict[str, int] | None = None,
+               blocks: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:
     """Write the Hugging Face test model in ``folder`` as a GGUF file at ``out``.
 
     Matrices are stored as ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1), vectors as F32; llama's q/k rows are
     permuted as llama.cpp writes them. The tokenizer (byte-level BPE) is written from ``tokenizer.json`` with
     pre-tokenizer name ``pre``. ``extra_metadata`` adds uint32 keys (``general.alignment``: the value is
-    only recorded; the file keeps the writer's own 32-byte alignment).
+    only recorded; the file keeps the writer's own 32-byte alignment). ``blocks`` gives some tensors (by Hugging
+    Face name) as ready ggml blocks instead: ``(type name, uint8 array of one row of blocks per weight row)``.
     """
     import gguf
     import mlx.core as mx
+    from gguf import GGMLQuantizationType
 
     config = json.loads((folder / "config.json").read_text())
     arch = getattr(gguf.MODEL_ARCH, ARCHES[config["model_type"]])
@@ -73,9 +76,15 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     for hf, w in sorted(weights.items()):
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"llama.cpp's name map has no {hf}"
+        kind = qtype if w.ndim == 2 else "F32"
+        if hf in (blocks or {}):
+            kind, w = blocks[hf]  # rows of blocks: the row permutation below moves them like float rows
         if config["model_type"] == "llama" and (".attn_q." in name or ".attn_k." in name):
             w = llama_cpp_permute(w, heads if ".attn_q." in name else kv_heads)
-        _add(writer, name, w, qtype if w.ndim == 2 else "F32")
+        if hf in (blocks or {}):
+            writer.add_tensor(name, np.ascontiguousarray(w), raw_shape=w.shape, raw_dtype=GGMLQuantizationType[kind])
+        else:
+            _add(writer, name, w, kind)
     for name, w in (extra_tensors or {}).items():
         _add(writer, name, w, "F32")
     writer.write_header_to_file()
