@@ -73,7 +73,8 @@ class Codes:
         """The float32 weights (exact: every product fits float32's 24-bit significand)."""
         rows, cols = self.q.shape
         q = self.q.reshape(rows, -1, self.width).astype(np.float32)
-        return (q * self.scale[..., None] + self.bias[..., None]).reshape(rows, cols)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return (q * self.scale[..., None] + self.bias[..., None]).reshape(rows, cols)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -106,7 +107,8 @@ def decode(kind: str, raw: np.ndarray, rows: int, cols: int) -> Codes:
     per_block, size = BLOCKS[kind]
     n = rows * cols // per_block
     b = np.asarray(raw, dtype=np.uint8).reshape(n, size)
-    q, scale, bias, bits, width = _DECODERS[kind](b, n)
+    with np.errstate(invalid="ignore", over="ignore"):  # a file's NaN / infinite scales stay what the file says
+        q, scale, bias, bits, width = _DECODERS[kind](b, n)
     return Codes(q=q.reshape(rows, cols), scale=scale.reshape(rows, -1), bias=bias.reshape(rows, -1), bits=bits,
                  width=width)
 
@@ -208,10 +210,17 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """MLX's affine packing of ``bits``-wide codes along the last axis: one little-endian bit stream per row, read as
-    uint32 words (so 3-, 5- and 6-bit codes straddle words exactly as ``mx.quantize`` writes them)."""
+    uint32 words (so 3-, 5- and 6-bit codes straddle words exactly as ``mx.quantize`` writes them).
+
+    Eight codes fill ``bits`` whole bytes, so each run of eight is gathered into one uint64 and its low ``bits``
+    bytes kept."""
     rows, cols = q.shape
-    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, cols * bits)
-    return np.packbits(stream, axis=1, bitorder="little").view(np.uint32)
+    runs = q.reshape(rows, cols // 8, 8)
+    acc = runs[..., 0].astype(np.uint64)
+    for k in range(1, 8):
+        acc |= runs[..., k].astype(np.uint64) << np.uint64(bits * k)
+    stream = acc[..., None].view(np.uint8)[..., :bits] if bits < 8 else acc[..., None].view(np.uint8)
+    return np.ascontiguousarray(stream).reshape(rows, cols * bits // 8).view(np.uint32)
 
 
 def affine(codes: Codes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -236,8 +245,10 @@ def requantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.nda
     (``mx.quantize`` also snaps zero onto the grid, which can double that.)"""
     rows, cols = w.shape
     g = w.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    low, high = g.min(-1), g.max(-1)
-    scale = (high - low) / np.float32((1 << bits) - 1)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.rint((g - low[..., None]) / safe[..., None]), 0, (1 << bits) - 1).astype(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        low, high = g.min(-1), g.max(-1)
+        scale = (high - low) / np.float32((1 << bits) - 1)
+        safe = np.where(scale > 0, scale, np.float32(1))  # a constant group: every code 0, the weight is the bias
+        q = np.nan_to_num(np.rint((g - low[..., None]) / safe[..., None]))
+        q = np.clip(q, 0, (1 << bits) - 1).astype(np.uint8)
     return pack(q.reshape(rows, cols), bits), scale, low, bits
