@@ -63,6 +63,8 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
             return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=quantized)
+    if hasattr(model, "sanitize"):  # e.g. gemma3_text drops its lm_head when the file ties it to the embedding
+        weights = model.sanitize(dict(weights))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:

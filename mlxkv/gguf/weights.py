@@ -37,25 +37,35 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: Families whose GGUF block tensors are named differently from llama's (GGUF part -> Hugging Face module):
+#: Gemma 2/3 have four norms per block (llama.cpp's ``ffn_norm`` is Gemma's *pre*-feed-forward norm), Phi-3 keeps
+#: its fused q/k/v and gate/up projections as ``attn_qkv`` and ``ffn_up``.
+_GEMMA_LAYER = {**_LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+LAYER_NAMES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER,
+               "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+#: Families whose RMSNorm computes ``x * (1 + w)``: llama.cpp's converter stores ``1 + w``, mlx-lm's model expects ``w``.
+NORM_SHIFT = {"gemma2", "gemma3"}
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(\w+)$")
 _TOP = re.compile(r"^(\w+)\.(\w+)$")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """The Hugging Face parameter name for a GGUF tensor name (``blk.3.attn_q.scales`` ->
-    ``model.layers.3.self_attn.q_proj.scales``).
+    ``model.layers.3.self_attn.q_proj.scales``) in the family of GGUF architecture ``arch``.
 
     Raises:
         GGUFError: a tensor this mapping does not know (another architecture's, or a MoE expert tensor).
     """
+    layer_names = LAYER_NAMES.get(arch, _LAYER)
     if m := _BLOCK.match(name):
         layer, part, suffix = m.groups()
-        if part in _LAYER and suffix in _SUFFIXES:
-            return f"model.layers.{layer}.{_LAYER[part]}.{suffix}"
+        if part in layer_names and suffix in _SUFFIXES:
+            return f"model.layers.{layer}.{layer_names[part]}.{suffix}"
     elif (m := _TOP.match(name)) and m.group(1) in _GLOBAL and m.group(2) in _SUFFIXES:
         return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
-    raise GGUFError(f"GGUF tensor {name!r} has no counterpart in mlxkv's llama-family mapping")
+    raise GGUFError(f"GGUF tensor {name!r} has no counterpart in mlxkv's {arch or 'llama'}-family mapping")
 
 
 def unpermute_rows(w: Any, heads: int) -> Any:
@@ -74,12 +84,15 @@ def hf_weights(gguf: GGUFFile, config: dict) -> dict[str, Any]:
     """Every tensor of ``gguf`` under its Hugging Face name, q/k rows in Hugging Face order."""
     permute = gguf.architecture in PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    shift = gguf.architecture in NORM_SHIFT
     out: dict[str, Any] = {}
     for name, w in gguf.tensors.items():
         m = _BLOCK.match(name)
         if permute and m and m.group(2) in heads:
             w = unpermute_rows(w, heads[m.group(2)])
-        out[hf_name(name)] = w
+        if shift and name.endswith("norm.weight"):
+            w = w - 1  # exact: the stored 1 + w lies in [1/2, 2] for any norm weight in [-1/2, 1]
+        out[hf_name(name, gguf.architecture)] = w
     return out
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 #: mlx-lm model_type -> llama.cpp architecture.
-ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3",
+          "phi3": "PHI3"}
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -67,6 +68,11 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    if config["model_type"] in ("gemma2", "gemma3_text"):  # llama.cpp's Gemma2Model / Gemma3Model parameters
+        writer.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     for key, value in (extra_metadata or {}).items():
         writer.add_uint32(key, value)
     if tokenizer:
@@ -77,6 +83,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"llama.cpp's name map has no {hf}"
         kind = qtype if w.ndim == 2 else "F32"
+        if config["model_type"] in ("gemma2", "gemma3_text") and hf.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w
         if hf in (blocks or {}):
             kind, w = blocks[hf]  # rows of blocks: the row permutation below moves them like float rows
         if config["model_type"] == "llama" and (".attn_q." in name or ".attn_k." in name):
