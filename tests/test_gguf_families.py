@@ -102,6 +102,9 @@ def test_other_architectures_and_longrope_are_refused_in_one_line(family, tmp_pa
             assert fragment in line, line
 
     fails(write_gguf(folder, tmp_path / "a.gguf", "F32", architecture="falcon"), "'falcon'", "gemma3", "phi3")
+    gemma3, _ = family("gemma3")
+    fails(write_gguf(gemma3, tmp_path / "c.gguf", "F32", extra_metadata={"gemma3.attention.sliding_window_pattern": 7}),
+          "sliding_window_pattern is 7", "6 layers")
     import numpy as np
 
     fails(write_gguf(folder, tmp_path / "b.gguf", "F32",

@@ -271,3 +271,64 @@ def test_an_i_quant_is_refused_naming_its_type(tmp_path):
     line = result.stderr.strip()
     assert result.exit_code == 1 and "\n" not in line and line.startswith("error: "), result.output
     assert "blk.0.attn_q.weight" in line and "IQ2_XXS" in line and "Q4_K" in line and "Q6_K" in line
+
+
+def test_the_block_reader_reads_float_tensors_as_they_are_and_3d_blocks_by_row(tmp_path):
+    """A file the block reader handles (it holds a K-quant) with F32, F16 and BF16 tensors beside it."""
+    from gguf import GGMLQuantizationType
+
+    from mlxkv.gguf.reader import read
+
+    rng = np.random.default_rng(3)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    f16 = rng.standard_normal((4, 6)).astype(np.float16)
+    bf16 = (rng.standard_normal((2, 8)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    q4k = _random_blocks("Q4_K", 6, 256, seed=4)  # six rows, kept as a (2, 3, 256) tensor
+    writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+    writer.add_tensor("a.weight", f32)
+    writer.add_tensor("b.weight", f16)
+    writer.add_tensor("c.weight", bf16, raw_dtype=GGMLQuantizationType.BF16)
+    writer.add_tensor("d.weight", q4k.reshape(2, 3, -1), raw_shape=(2, 3, q4k.shape[1]),
+                      raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = read(tmp_path / "mixed.gguf")
+    t = file.tensors
+    assert np.array_equal(np.array(t["a.weight"]), f32) and np.array_equal(np.array(t["b.weight"]), f16)
+    assert t["c.weight"].dtype == mx.bfloat16
+    assert np.array_equal(np.array(t["c.weight"].astype(mx.float32)), (bf16.astype(np.uint32) << 16).view(np.float32))
+    assert t["d.weight"].shape == (2, 3, 32) and t["d.scales"].shape == (2, 3, 8)
+    w = mx.dequantize(t["d.weight"], t["d.scales"], t["d.biases"], group_size=32, bits=4)
+    assert np.array_equal(np.array(w).reshape(6, 256), _oracle("Q4_K", q4k, 6))
+    dense = read(tmp_path / "mixed.gguf", dequantize=True).tensors["d.weight"]
+    assert dense.shape == (2, 3, 256) and np.array_equal(np.array(dense).reshape(6, 256), _oracle("Q4_K", q4k, 6))
+
+
+def test_a_q4_k_gemma3_keeps_its_tied_quantized_embedding_and_shifted_norms(tmp_path):
+    """Gemma 3 as Q4_K: the tied token embedding is the (quantized) output layer too, the norms come back from the
+    stored 1 + w; exact codes, so the logits are mlx-lm's on the dequantized folder up to the order of float sums."""
+    from mlx_lm.utils import load as mlx_lm_load
+    from testkit.archs import ARCHITECTURES, build_from_config
+    from testkit.gguf_files import write_gguf
+    from testkit.kquant_files import kquant_model
+    from testkit.models import write_model
+
+    from mlxkv.models import load
+
+    config = {**ARCHITECTURES["gemma3_text"], **LLAMA_256, "num_key_value_heads": 1, "head_dim": 64,
+              "query_pre_attn_scalar": 64, "sliding_window_pattern": 2}
+    base = write_model(*build_from_config(config), tmp_path / "base")
+    weights = mx.load(str(base / "model.safetensors"))
+    del weights["lm_head.weight"]  # tied, as Gemma's releases are
+    mx.save_safetensors(str(base / "model.safetensors"), weights, metadata={"format": "mlx"})
+    matrices = [k for k, v in weights.items() if v.ndim == 2]
+    ref, blocks = kquant_model(base, tmp_path / "ref", dict.fromkeys(matrices, "Q4_K"))
+    pattern = {"gemma3.attention.sliding_window_pattern": 2}  # the key llama.cpp reads when a converter writes it
+    ours = load(str(write_gguf(ref, tmp_path / "g.gguf", "F32", blocks=blocks, extra_metadata=pattern)))
+    assert ours.model.model.embed_tokens.bits == 4 and "lm_head" not in dict(ours.model.named_modules())
+    model, tokenizer = mlx_lm_load(str(ref))
+    tokens = tokenizer.encode(PROMPT)
+    a, b = _logits(ours.model, tokens), _logits(model, tokens)
+    assert (mx.abs(a - b).max() / mx.abs(b).max()).item() <= 1e-5

@@ -164,6 +164,9 @@ def _family(arch: str, meta: dict[str, Any], config: dict[str, Any]) -> dict[str
             if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
                 raise GGUFError(f"{arch}.attention.sliding_window_pattern is {str(pattern)[:40]!r}: mlxkv maps a "
                                 "repeating pattern given as one integer (a global layer every N)")
+            if pattern > config["num_hidden_layers"]:  # mlx-lm's gemma3_text indexes the first global layer's cache
+                raise GGUFError(f"{arch}.attention.sliding_window_pattern is {pattern} (llama.cpp's default 6 when "
+                                f"absent), more than the {config['num_hidden_layers']} layers mlx-lm's gemma3_text needs")
             out["sliding_window_pattern"] = pattern
             out["rope_local_base_freq"] = _positive(meta, arch, "rope.freq_base_swa", 10000.0, required=False)
         return out
