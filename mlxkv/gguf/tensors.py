@@ -16,7 +16,7 @@ import numpy as np
 
 from mlxkv.gguf.bounds import alignment
 from mlxkv.gguf.header import Header
-from mlxkv.gguf.kquants import BLOCKS, affine, decode
+from mlxkv.gguf.kquants import BLOCKS, affine, decode, dequantized
 from mlxkv.gguf.metadata import read_metadata
 
 #: Float types read as they are -> (numpy dtype of a stored element, bytes per element).
@@ -58,12 +58,15 @@ def read_tensors(path: Path, head: Header, *, dequantize: bool = False) -> tuple
         raw = data[offset:offset + rows * cols // per_block * size]
         codes = decode(t.kind, raw, rows, cols)
         if dequantize:
-            tensors[t.name] = mx.array(codes.dequantize().reshape(shape)).astype(
-                mx.float32 if dtype == mx.float32 else mx.float16)
+            tensors[t.name] = dequantized(codes).reshape(shape).astype(mx.float32 if dtype == mx.float32 else mx.float16)
+            mx.eval(tensors[t.name])  # one tensor's codes at a time, not the whole file's
             continue
         w, scales, biases, _ = affine(codes)
         lead = shape[:-1]
         tensors[t.name] = mx.array(w.reshape(*lead, -1))
-        tensors[t.name.removesuffix(".weight") + ".scales"] = mx.array(scales.reshape(*lead, -1)).astype(dtype)
-        tensors[t.name.removesuffix(".weight") + ".biases"] = mx.array(biases.reshape(*lead, -1)).astype(dtype)
+        base = t.name.removesuffix(".weight")
+        tensors[f"{base}.scales"] = mx.array(scales.reshape(*lead, -1)).astype(dtype)
+        tensors[f"{base}.biases"] = mx.array(biases.reshape(*lead, -1)).astype(dtype)
+        mx.eval(tensors[f"{base}.scales"], tensors[f"{base}.biases"])  # frees this tensor's float32 temporaries now
+    mx.eval(list(tensors.values()))  # materialised on this thread: a lazy graph is bound to its thread's stream
     return tensors, read_metadata(memoryview(data))
