@@ -109,3 +109,15 @@ def test_other_architectures_and_longrope_are_refused_in_one_line(family, tmp_pa
 
     fails(write_gguf(folder, tmp_path / "b.gguf", "F32",
                      extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)}), "LongRoPE")
+
+
+@pytest.mark.parametrize("merges", [["a c"], ["ab"]])
+def test_a_vocabulary_the_tokenizers_library_rejects_is_one_gguf_error(merges):
+    """A corrupted vocabulary (a merge naming a token the vocabulary lacks, a merge that is not a pair) ends in the
+    loader's one-line error, not the tokenizers library's exception (found by flipping header bytes)."""
+    from mlxkv.gguf.reader import GGUFError
+    from mlxkv.gguf.tokenizer import build_tokenizer
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": merges}
+    with pytest.raises(GGUFError, match="gpt2 tokenizer cannot be built"):
+        build_tokenizer(meta)
