@@ -22,16 +22,16 @@ Q2_K    16     2-bit, 4-bit scale and min     8 / 32, re-quantized
 
 "Exact" means the codes are kept and the scale and bias computed in float32 (products of a float16 and small
 integers, so float32 holds them without rounding; Q8_K's scale is already float32, so ``scale * code + bias``
-may round, by at most 2^-15 of that scale); stored as float16 (what MLX's own GGUF reader does for Q4_0)
-they round to 11 significant bits. MLX has no group of 16, so the three types with 16-weight sub-blocks cannot
+may round, by at most 2^-15 of that scale). Off the CPU backend they are stored as float16, as MLX's own GGUF
+reader stores Q4_0's, and round to 11 significant bits there. MLX has no group of 16, so the three types with 16-weight sub-blocks cannot
 keep their codes: two sub-blocks with unrelated scales share one MLX group. They are dequantized (exactly, in
 float32) and quantized again at 8 bits in groups of 32 (:func:`requantize`), the nearest form that stays
 quantized; each weight moves by at most half an 8-bit step of its group's range: for Q6_K at most 32/255 (~1/8)
 of the larger of the two sub-blocks' own steps (a group spans at most 64 of them), for Q3_K 4/255, for Q2_K more
 as the two sub-blocks' minimums differ (measured in ``tests/test_gguf_kquants.py`` on random blocks, whose
 adjacent scales are unrelated, a worst case: at most 0.126 / 0.016 / 0.052 of that step, RMS 0.41% / 0.39% /
-0.21% of the weights' RMS for Q6_K / Q3_K / Q2_K). ``--dequantize`` (or
-:func:`dequantize`) gives the exact float weights instead.
+0.21% of the weights' RMS for Q6_K / Q3_K / Q2_K). ``--dequantize`` (:func:`dequantized`) gives the exact float
+weights instead.
 
 Decoding is vectorised over all blocks of a tensor (numpy), never a Python loop per block.
 """
