@@ -229,11 +229,11 @@ def _load_folder(path: Path) -> tuple[Any, dict, Any]:
     return model, config, tokenizer
 
 
-def _load_gguf(path: Path) -> tuple[Any, dict, Any]:
+def _load_gguf(path: Path, dequantize: bool) -> tuple[Any, dict, Any]:
     from mlxkv.gguf import GGUFError, load_gguf
 
     try:
-        return load_gguf(path)
+        return load_gguf(path, dequantize=dequantize)
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from None
 
@@ -271,7 +271,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     path = resolve_model_path(spec, progress=progress)
-    model, config, tokenizer = _load_gguf(path) if path.is_file() else _load_folder(path)
+    model, config, tokenizer = _load_gguf(path, dequantize) if path.is_file() else _load_folder(path)
     tokenizer = with_chat_template(tokenizer, template, tool_parser)
     if dequantize:
         config = dequantize_in_place(model, config)

@@ -181,22 +181,6 @@ def _fails_with(spec: str, *fragments: str) -> None:
         assert fragment in line, line
 
 
-def test_a_k_quant_tensor_is_refused_naming_its_type(tmp_path):
-    # A Q4_K tensor written as raw blocks (MLX alone would silently dequantize it to float16).
-    import gguf
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K]
-    writer = gguf.GGUFWriter(str(tmp_path / "kq.gguf"), "llama")
-    writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 256 // block * size), np.uint8),
-                      raw_shape=(64, 256 // block * size), raw_dtype=GGMLQuantizationType.Q4_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    _fails_with(str(tmp_path / "kq.gguf"), "blk.0.attn_q.weight", "Q4_K", "Q4_0, Q4_1 or Q8_0")
-
-
 def test_bad_ggufs_fail_with_one_line(hf_folder, tmp_path):
     folder = hf_folder("llama")
     _fails_with(str(write_gguf(folder, tmp_path / "a.gguf", "F32", architecture="gpt2")), "'gpt2'", "llama")

@@ -1,8 +1,19 @@
 """An mlx-lm ``config.json`` built from a GGUF file's metadata, for the architectures mlxkv maps.
 
 GGUF spells a model's hyper-parameters as ``<arch>.<key>`` (``llama.block_count``, ``qwen2.rope.freq_base``);
-this module renames them to the Hugging Face names mlx-lm's model classes read. Mistral models are written by
-llama.cpp with the ``llama`` architecture, so they load as llama.
+this module renames them to the Hugging Face names mlx-lm's model classes read. Mistral models (Mistral-Nemo's
+explicit ``head_dim`` included: ``llama.attention.key_length``) are written by llama.cpp with the ``llama``
+architecture, so they load as llama.
+
+Per family, what llama.cpp's converter writes and mlx-lm's model needs:
+
+* ``gemma2`` / ``gemma3`` -> mlx-lm ``gemma2`` / ``gemma3_text``: ``key_length`` is ``head_dim``; the attention
+  scale is not stored, llama.cpp derives it (``1/sqrt(head_dim)``, or ``1/sqrt(hidden/heads)`` for the 27B models,
+  told apart by their layer count), so ``query_pre_attn_scalar`` is derived the same way; ``attention.sliding_window``
+  is the window; Gemma 3's pattern is ``attention.sliding_window_pattern`` when present, else llama.cpp's fixed 6,
+  its local layers' RoPE base ``rope.freq_base_swa`` or llama.cpp's fixed 10000; Gemma 2's soft caps are
+  ``attn_logit_softcapping`` / ``final_logit_softcapping`` (mlx-lm's gemma2 attends globally in every layer).
+* ``phi3`` -> mlx-lm ``phi3``: full-width RoPE only, no ``rope_factors_long`` / ``_short`` (LongRoPE) tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +25,10 @@ from mlxkv.gguf.bounds import check_hyperparameters
 from mlxkv.gguf.reader import GGUFError, GGUFFile
 
 #: GGUF architecture -> mlx-lm ``model_type``.
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+               "phi3": "phi3"}
+#: Layer counts of the Gemma models whose attention scale uses ``hidden / heads`` (the 27B ones), as llama.cpp has it.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 #: Architectures whose q/k projection rows llama.cpp's converter permutes for its RoPE ("normal" rope
 #: type, rotating adjacent pairs); the NeoX-style ones (qwen2, qwen3) are written unpermuted.
@@ -42,6 +56,9 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
             f"GGUF architecture {arch or '(none)'!r} is not supported; mlxkv loads GGUF files of the "
             f"{', '.join(sorted(MODEL_TYPES))} architectures (or convert the original model to MLX with mlx_lm.convert)"
         )
+    if "rope_factors_long.weight" in gguf.tensors or "rope_factors_short.weight" in gguf.tensors:
+        raise GGUFError("this GGUF carries LongRoPE factors (rope_factors_long / rope_factors_short, as Phi-3's 128K "
+                        "models do), which mlxkv cannot map to mlx-lm's rope_scaling; use a 4K-context release instead")
     if "rope_freqs.weight" in gguf.tensors:
         raise GGUFError(
             "this GGUF carries per-frequency RoPE factors (rope_freqs, as Llama 3.1+ files do), which mlxkv cannot "
@@ -67,7 +84,7 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
         "rope_theta": _positive(meta, arch, "rope.freq_base", 10000.0, required=False),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
     }
-    check_hyperparameters(arch, config, gguf.dims)
+    check_hyperparameters(arch, config, _checked_dims(arch, gguf.dims, config))
     rope_dims = _int(meta, arch, "rope.dimension_count", head_dim, required=False)
     if rope_dims != head_dim:
         raise GGUFError(f"partial RoPE ({rope_dims} of {head_dim} dimensions) is not supported for {arch}")
@@ -77,6 +94,7 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in gguf.tensors
+    config.update(_family(arch, meta, config))
     for key, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
         value = meta.get(f"tokenizer.ggml.{meta_key}")
@@ -128,3 +146,47 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
     if kind == "linear" and factor:
         return {"type": "linear", "factor": float(factor)}
     raise GGUFError(f"RoPE scaling {kind!r} in this GGUF is not supported for {arch}")
+
+
+def _family(arch: str, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The config keys only ``arch``'s mlx-lm model reads (see the module docstring)."""
+    if arch in ("gemma2", "gemma3"):
+        hidden, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+        out: dict[str, Any] = {
+            "query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else config["head_dim"],
+            "sliding_window": _int(meta, arch, "attention.sliding_window"),
+        }
+        if arch == "gemma2":
+            out["attn_logit_softcapping"] = _positive(meta, arch, "attn_logit_softcapping", 50.0, required=False)
+            out["final_logit_softcapping"] = _positive(meta, arch, "final_logit_softcapping", 30.0, required=False)
+        else:
+            pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+            if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+                raise GGUFError(f"{arch}.attention.sliding_window_pattern is {str(pattern)[:40]!r}: mlxkv maps a "
+                                "repeating pattern given as one integer (a global layer every N)")
+            if pattern > config["num_hidden_layers"]:  # mlx-lm's gemma3_text indexes the first global layer's cache
+                raise GGUFError(f"{arch}.attention.sliding_window_pattern is {pattern} (llama.cpp's default 6 when "
+                                f"absent), more than the {config['num_hidden_layers']} layers mlx-lm's gemma3_text needs")
+            out["sliding_window_pattern"] = pattern
+            out["rope_local_base_freq"] = _positive(meta, arch, "rope.freq_base_swa", 10000.0, required=False)
+        return out
+    if arch == "phi3":
+        if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+            raise GGUFError(f"phi3.attention.key_length is {config['head_dim']}: mlx-lm's phi3 needs hidden_size / heads")
+        return {"rope_traditional": False}
+    return {}
+
+
+def _checked_dims(arch: str, dims: dict[str, tuple[int, ...]], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``dims`` as :func:`check_hyperparameters` reads them (separate q / k / up projections): Phi-3's fused
+    ``attn_qkv`` and ``ffn_up`` (gate and up) are checked here and split into the shapes their parts have."""
+    if arch != "phi3":
+        return dims
+    hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, ffn = config["head_dim"], config["intermediate_size"]
+    for tensor, rows in (("attn_qkv", (heads + 2 * kv) * head_dim), ("ffn_up", 2 * ffn)):
+        shape = dims.get(f"blk.0.{tensor}.weight", ())
+        if shape != (hidden, rows):
+            raise GGUFError(f"blk.0.{tensor}.weight is {list(shape)}, not [{hidden}, {rows}] as the phi3 metadata implies")
+    return {**dims, "blk.0.attn_q.weight": (hidden, heads * head_dim), "blk.0.attn_k.weight": (hidden, kv * head_dim),
+            "blk.0.ffn_up.weight": (hidden, ffn)}

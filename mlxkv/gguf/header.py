@@ -25,7 +25,9 @@ GGML_TYPES = {
 
 
 #: ggml tensor types mlxkv loads -> (elements per block, bytes per block).
-BLOCK_SIZES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+BLOCK_SIZES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+               "Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
+               "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292)}
 #: Metadata strings longer than this are skipped, not kept (chat templates are the longest kept).
 MAX_KEPT_STRING = 1 << 20
 #: ggml's most dimensions per tensor.

@@ -27,13 +27,13 @@ class Translated:
     eos_token_ids: list[int]
 
 
-def translate(path: str | Path) -> Translated:
-    """Read ``path`` and translate it (nothing is written).
+def translate(path: str | Path, *, dequantize: bool = False) -> Translated:
+    """Read ``path`` and translate it (nothing is written); ``dequantize``: see :func:`mlxkv.gguf.reader.read`.
 
     Raises:
         GGUFError: anything about the file mlxkv cannot map, with a one-line message.
     """
-    gguf = read(path)
+    gguf = read(path, dequantize=dequantize)
     config = build_config(gguf)
     weights = hf_weights(gguf, config)
     quant = quantization(weights)
@@ -72,6 +72,8 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
         except ValueError as exc:  # a quantized tensor where the layer cannot be quantized (a norm, say)
             raise GGUFError(f"the GGUF tensors do not fit a {config['model_type']} model: {first_line(exc)}") \
                 from None
+    if hasattr(model, "sanitize"):  # e.g. gemma3_text drops its lm_head when the file ties it to the embedding
+        weights = model.sanitize(dict(weights))
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
@@ -80,11 +82,15 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
     return model
 
 
-def load_gguf(path: str | Path) -> tuple[Any, dict[str, Any], Any]:
-    """``(model, config, tokenizer)`` for a GGUF file; the tokenizer is mlx-lm's ``TokenizerWrapper``."""
+def load_gguf(path: str | Path, *, dequantize: bool = False) -> tuple[Any, dict[str, Any], Any]:
+    """``(model, config, tokenizer)`` for a GGUF file; the tokenizer is mlx-lm's ``TokenizerWrapper``.
+
+    ``dequantize`` decodes the K-quants straight to float weights (exact), instead of MLX affine layers that a
+    later dequantization would only approximate for the types MLX re-quantizes.
+    """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    t = translate(path)
+    t = translate(path, dequantize=dequantize)
     model = build_model(t.config, t.weights)
     return model, t.config, TokenizerWrapper(t.tokenizer, eos_token_ids=t.eos_token_ids)
 
@@ -105,7 +111,7 @@ def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False) 
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GGUFError(f"{out} already exists and is not an empty folder")
-    t = translate(path)
+    t = translate(path, dequantize=dequantize)
     model = build_model(t.config, t.weights)  # refuses before anything is written if the tensors do not fit
     weights = t.weights
     if dequantize:

@@ -1,10 +1,10 @@
 """Reading a GGUF file: its tensors (through MLX's native reader) and its metadata as plain Python values.
 
 MLX reads Q4_0, Q4_1 and Q8_0 tensors as affine-quantized triplets (``name.weight`` packed uint32,
-``name.scales`` and ``name.biases``, groups of 32 along the row) and F32 / F16 / BF16 as they are. Other
-ggml types (the K-quants, IQ-quants, ...) cannot be represented that way: the file's tensor table is read
-first so such a file is refused with its type named (MLX itself would silently dequantize some of them to
-float16).
+``name.scales`` and ``name.biases``, groups of 32 along the row) and F32 / F16 / BF16 as they are. A file
+holding any of the K-quants (or Q5_0 / Q5_1) is read by :mod:`mlxkv.gguf.tensors` instead, which decodes
+each block type by its layout into the same triplets (MLX itself would silently dequantize some of them to
+float16). Other ggml types (the IQ-quants, ...) are refused with their type named, from the tensor table alone.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any
 from mlxkv.gguf.bounds import check_layout
 from mlxkv.gguf.header import GGUFError, Header, read_header
 
-#: ggml tensor types MLX turns into arrays it can compute with (quantized ones keep their quantization).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+#: ggml tensor types MLX's own reader turns into arrays it can compute with (quantized ones keep their quantization).
+NATIVE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+#: Every ggml tensor type mlxkv loads (the others through :mod:`mlxkv.gguf.tensors`).
+SUPPORTED_TYPES = (*NATIVE_TYPES, "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
 
 
 @dataclass
@@ -72,12 +74,16 @@ def check_types(types: dict[str, str], path: Path) -> None:
             count = sum(1 for k in types.values() if k == kind)
             raise GGUFError(
                 f"{path.name}: tensor {name} is {kind} ({count} of its tensors are); mlxkv loads GGUF tensors "
-                f"of types {', '.join(SUPPORTED_TYPES)} only (re-quantize the model to Q4_0, Q4_1 or Q8_0)"
+                f"of types {', '.join(SUPPORTED_TYPES)} only (re-quantize the model to one of them)"
             )
 
 
-def read(path: str | Path) -> GGUFFile:
+def read(path: str | Path, *, dequantize: bool = False) -> GGUFFile:
     """Read a GGUF file: tensors as MLX arrays, metadata as Python values.
+
+    ``dequantize`` asks for float weights where the block decoder reads the file (K-quants and their mixes), so
+    types MLX cannot keep exactly come out exact; MLX's own reader keeps its types quantized regardless (the
+    caller dequantizes those, exactly, after loading).
 
     Raises:
         GGUFError: unreadable file or a tensor type MLX cannot represent.
@@ -92,12 +98,21 @@ def read(path: str | Path) -> GGUFFile:
         check_layout(head, path.stat().st_size)  # MLX's native reader trusts the header: bounded first
     except GGUFError as exc:
         raise GGUFError(f"{path.name}: {exc}") from None
+    dims = {t.name: t.dims for t in head.tensors}
+    if any(kind not in NATIVE_TYPES for kind in types.values()):
+        from mlxkv.gguf.tensors import read_tensors
+
+        try:
+            tensors, metadata = read_tensors(path, head, dequantize=dequantize)
+        except (ValueError, OSError, RuntimeError, struct.error) as exc:
+            raise GGUFError(f"could not read {path.name}: {first_line(exc)}") from None
+        return GGUFFile(path=path, tensors=tensors, metadata=metadata, types=types, dims=dims)
     try:
         tensors, raw_meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as exc:
         raise GGUFError(f"MLX could not read {path.name}: {first_line(exc)}") from None
     return GGUFFile(path=path, tensors=tensors, metadata={k: _plain(v) for k, v in raw_meta.items()}, types=types,
-                    dims={t.name: t.dims for t in head.tensors})
+                    dims=dims)
 
 
 def _plain(value: Any) -> Any:

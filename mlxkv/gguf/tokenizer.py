@@ -57,13 +57,16 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         raise GGUFError("this GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     kind = meta.get("tokenizer.ggml.model")
     types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-    if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, meta)
-    elif kind == "llama":
-        backend = _sentencepiece_bpe(tokens, types, meta)
-    else:
+    if kind not in ("gpt2", "llama"):
         raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported (mlxkv builds 'gpt2' and 'llama' tokenizers)")
-    _add_special_tokens(backend, tokens, types)
+    try:
+        backend = _byte_level_bpe(tokens, meta) if kind == "gpt2" else _sentencepiece_bpe(tokens, types, meta)
+        _add_special_tokens(backend, tokens, types)
+    except GGUFError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad vocabulary
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GGUFError(f"the GGUF file's {kind} tokenizer cannot be built: {first[:200]}") from None
 
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}")

@@ -1,8 +1,9 @@
 """GGUF tensors renamed and reordered into the Hugging Face layout mlx-lm's model classes load.
 
-Quantized tensors stay quantized: a ``Q4_0`` / ``Q4_1`` / ``Q8_0`` tensor is MLX's affine triplet
-(``weight`` packed uint32, ``scales``, ``biases``; groups of 32), so each linear layer becomes an
-``nn.QuantizedLinear`` with the bits its own tensor has (a file may mix 4- and 8-bit layers).
+Quantized tensors stay quantized: each block type arrives as MLX's affine triplet (``weight`` packed uint32,
+``scales``, ``biases``; groups of 32; see :mod:`mlxkv.gguf.kquants` for the bits each type becomes), so each
+linear layer becomes an ``nn.QuantizedLinear`` with the bits its own tensor has (a Q4_K_M file mixes 4- and
+8-bit layers).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any
 from mlxkv.gguf.config import PERMUTED_QK
 from mlxkv.gguf.reader import GGUFError, GGUFFile
 
-#: GGUF quantization group size (every block type MLX reads holds 32 weights).
+#: MLX group size of every quantized GGUF tensor (:data:`mlxkv.gguf.kquants.GROUP_SIZE`).
 GROUP_SIZE = 32
+#: The bit widths MLX's affine quantization packs.
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -34,25 +37,35 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: Families whose GGUF block tensors are named differently from llama's (GGUF part -> Hugging Face module):
+#: Gemma 2/3 have four norms per block (llama.cpp's ``ffn_norm`` is Gemma's *pre*-feed-forward norm), Phi-3 keeps
+#: its fused q/k/v and gate/up projections as ``attn_qkv`` and ``ffn_up``.
+_GEMMA_LAYER = {**_LAYER, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+LAYER_NAMES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER,
+               "phi3": {**_LAYER, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+#: Families whose RMSNorm computes ``x * (1 + w)``: llama.cpp's converter stores ``1 + w``, mlx-lm's model expects ``w``.
+NORM_SHIFT = {"gemma2", "gemma3"}
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(\w+)$")
 _TOP = re.compile(r"^(\w+)\.(\w+)$")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """The Hugging Face parameter name for a GGUF tensor name (``blk.3.attn_q.scales`` ->
-    ``model.layers.3.self_attn.q_proj.scales``).
+    ``model.layers.3.self_attn.q_proj.scales``) in the family of GGUF architecture ``arch``.
 
     Raises:
         GGUFError: a tensor this mapping does not know (another architecture's, or a MoE expert tensor).
     """
+    layer_names = LAYER_NAMES.get(arch, _LAYER)
     if m := _BLOCK.match(name):
         layer, part, suffix = m.groups()
-        if part in _LAYER and suffix in _SUFFIXES:
-            return f"model.layers.{layer}.{_LAYER[part]}.{suffix}"
+        if part in layer_names and suffix in _SUFFIXES:
+            return f"model.layers.{layer}.{layer_names[part]}.{suffix}"
     elif (m := _TOP.match(name)) and m.group(1) in _GLOBAL and m.group(2) in _SUFFIXES:
         return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"
-    raise GGUFError(f"GGUF tensor {name!r} has no counterpart in mlxkv's llama-family mapping")
+    raise GGUFError(f"GGUF tensor {name!r} has no counterpart in mlxkv's {arch or 'llama'}-family mapping")
 
 
 def unpermute_rows(w: Any, heads: int) -> Any:
@@ -71,12 +84,15 @@ def hf_weights(gguf: GGUFFile, config: dict) -> dict[str, Any]:
     """Every tensor of ``gguf`` under its Hugging Face name, q/k rows in Hugging Face order."""
     permute = gguf.architecture in PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    shift = gguf.architecture in NORM_SHIFT
     out: dict[str, Any] = {}
     for name, w in gguf.tensors.items():
         m = _BLOCK.match(name)
         if permute and m and m.group(2) in heads:
             w = unpermute_rows(w, heads[m.group(2)])
-        out[hf_name(name)] = w
+        if shift and name.endswith("norm.weight"):
+            w = w - 1  # exact: the stored 1 + w lies in [1/2, 2] for any norm weight in [-1/2, 1]
+        out[hf_name(name, gguf.architecture)] = w
     return out
 
 
@@ -101,6 +117,6 @@ def layer_bits(weights: dict[str, Any], layer: str) -> int:
     packed = weights[f"{layer}.weight"].shape[-1]
     columns = weights[f"{layer}.scales"].shape[-1] * GROUP_SIZE
     bits, rem = divmod(packed * 32, columns)
-    if rem or bits not in (4, 8):
+    if rem or bits not in AFFINE_BITS:
         raise GGUFError(f"quantized tensor {layer} has an unexpected packing ({packed} words for {columns} columns)")
     return bits

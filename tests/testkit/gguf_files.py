@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 #: mlx-lm model_type -> llama.cpp architecture.
-ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3",
+          "phi3": "PHI3"}
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -33,16 +34,19 @@ def dequantized(w: np.ndarray, qtype_name: str) -> np.ndarray:
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2", tokenizer: bool = True,
                extra_tensors: dict[str, np.ndarray] | None = None, architecture: str | None = None,
-               extra_metadata: dict[str, int] | None = None) -> Path:
+               extra_metadata: dict[str, int] | None = None,
+               blocks: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:
     """Write the Hugging Face test model in ``folder`` as a GGUF file at ``out``.
 
     Matrices are stored as ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1), vectors as F32; llama's q/k rows are
     permuted as llama.cpp writes them. The tokenizer (byte-level BPE) is written from ``tokenizer.json`` with
     pre-tokenizer name ``pre``. ``extra_metadata`` adds uint32 keys (``general.alignment``: the value is
-    only recorded; the file keeps the writer's own 32-byte alignment).
+    only recorded; the file keeps the writer's own 32-byte alignment). ``blocks`` gives some tensors (by Hugging
+    Face name) as ready ggml blocks instead: ``(type name, uint8 array of one row of blocks per weight row)``.
     """
     import gguf
     import mlx.core as mx
+    from gguf import GGMLQuantizationType
 
     config = json.loads((folder / "config.json").read_text())
     arch = getattr(gguf.MODEL_ARCH, ARCHES[config["model_type"]])
@@ -64,6 +68,11 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    if config["model_type"] in ("gemma2", "gemma3_text"):  # llama.cpp's Gemma2Model / Gemma3Model parameters
+        writer.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     for key, value in (extra_metadata or {}).items():
         writer.add_uint32(key, value)
     if tokenizer:
@@ -73,9 +82,17 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2"
     for hf, w in sorted(weights.items()):
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"llama.cpp's name map has no {hf}"
+        kind = qtype if w.ndim == 2 else "F32"
+        if config["model_type"] in ("gemma2", "gemma3_text") and hf.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w
+        if hf in (blocks or {}):
+            kind, w = blocks[hf]  # rows of blocks: the row permutation below moves them like float rows
         if config["model_type"] == "llama" and (".attn_q." in name or ".attn_k." in name):
             w = llama_cpp_permute(w, heads if ".attn_q." in name else kv_heads)
-        _add(writer, name, w, qtype if w.ndim == 2 else "F32")
+        if hf in (blocks or {}):
+            writer.add_tensor(name, np.ascontiguousarray(w), raw_shape=w.shape, raw_dtype=GGMLQuantizationType[kind])
+        else:
+            _add(writer, name, w, kind)
     for name, w in (extra_tensors or {}).items():
         _add(writer, name, w, "F32")
     writer.write_header_to_file()
