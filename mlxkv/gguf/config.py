@@ -179,14 +179,21 @@ def _family(arch: str, meta: dict[str, Any], config: dict[str, Any]) -> dict[str
 
 def _checked_dims(arch: str, dims: dict[str, tuple[int, ...]], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """``dims`` as :func:`check_hyperparameters` reads them (separate q / k / up projections): Phi-3's fused
-    ``attn_qkv`` and ``ffn_up`` (gate and up) are checked here and split into the shapes their parts have."""
+    ``attn_qkv`` and ``ffn_up`` (gate and up) are checked here, in every block, and split into the shapes their
+    parts have."""
     if arch != "phi3":
         return dims
     hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     head_dim, ffn = config["head_dim"], config["intermediate_size"]
-    for tensor, rows in (("attn_qkv", (heads + 2 * kv) * head_dim), ("ffn_up", 2 * ffn)):
-        shape = dims.get(f"blk.0.{tensor}.weight", ())
-        if shape != (hidden, rows):
-            raise GGUFError(f"blk.0.{tensor}.weight is {list(shape)}, not [{hidden}, {rows}] as the phi3 metadata implies")
-    return {**dims, "blk.0.attn_q.weight": (hidden, heads * head_dim), "blk.0.attn_k.weight": (hidden, kv * head_dim),
-            "blk.0.ffn_up.weight": (hidden, ffn)}
+    split = dict(dims)
+    blocks = sorted({name.split(".")[1] for name in dims if name.startswith("blk.")}, key=int)
+    for block in blocks:
+        for tensor, rows in (("attn_qkv", (heads + 2 * kv) * head_dim), ("ffn_up", 2 * ffn)):
+            name = f"blk.{block}.{tensor}.weight"
+            shape = dims.get(name, ())
+            if shape != (hidden, rows):
+                raise GGUFError(f"{name} is {list(shape)}, not [{hidden}, {rows}] as the phi3 metadata implies")
+        split.update({f"blk.{block}.attn_q.weight": (hidden, heads * head_dim),
+                      f"blk.{block}.attn_k.weight": (hidden, kv * head_dim),
+                      f"blk.{block}.ffn_up.weight": (hidden, ffn)})
+    return split
