@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 
 from mlxkv.cli import shared_options as options
+from mlxkv.cli.errors import OneLineErrors
+from mlxkv.cli.interrupt import StopOnCtrlC
 from mlxkv.cli.options import (
     FLAG,
     MODEL_PANEL,
@@ -18,10 +20,11 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import read_prompt, refuse_unused
+from mlxkv.cli.validate import read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 app = typer.Typer(
     name="mlxkv",
+    cls=OneLineErrors,
     help="Local LLM inference on MLX with a first-class KV cache.",
     no_args_is_help=True,
     add_completion=False,
@@ -129,7 +132,7 @@ def generate(
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
         raise typer.BadParameter("--chat and --raw exclude each other", param_hint="--chat")
-    refuse_unused(ctx, [("seed", "--seed", temp > 0),
+    refuse_unused(ctx, [*unused_sampling(temp),
                         ("num_draft_tokens", "--num-draft-tokens", bool(draft_model) or prompt_lookup),
                         ("ngram_size", "--ngram-size", prompt_lookup),
                         ("kv_group_size", "--kv-group-size", kv_bits is not None),
@@ -166,6 +169,7 @@ def generate(
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
     from mlxkv.distributed.generate import GenerateRanks
+    from mlxkv.engine.prefill import PrefillStopped
 
     try:
         ranks = GenerateRanks(distributed)
@@ -194,6 +198,7 @@ def generate(
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
         ranks.shard(loaded)
         remember_gguf(loaded)
+        refuse_useless_dequantize(loaded, dequantize)
         _quiet_length_warning(loaded.tokenizer)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None)
         _check_context(loaded, len(tokens), max_tokens)
@@ -206,12 +211,22 @@ def generate(
             from mlxkv.structured.constraint import make_constraint
 
             processors = (make_constraint(fmt, loaded.tokenizer),)
-        output = []
-        for chunk in engine.generate(tokens, params, logits_processors=processors):
-            output.append(chunk.text)
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+        output, finish = [], None
+        with StopOnCtrlC() as stopped:
+            try:
+                for chunk in engine.generate(tokens, params, logits_processors=processors, should_stop=stopped):
+                    output.append(chunk.text)
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    finish = chunk.finish_reason
+            except PrefillStopped:
+                pass  # Ctrl-C before the first token: nothing to show
+        sys.stdout.write("\n")  # the shell's prompt starts on a line of its own, however the text ended
+        sys.stdout.flush()
+        if stopped():
+            raise typer.Exit(code=130)  # as a shell reports a command ended by Ctrl-C
+        if finish == "length" and ranks.rank == 0:
+            typer.echo(f"[cut at --max-tokens {max_tokens}]", err=True)
         if fmt is not None:
             from mlxkv.structured.constraint import is_complete_document
 

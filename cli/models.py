@@ -60,6 +60,20 @@ def remember_gguf(loaded) -> None:
         pass  # the list is a convenience; the run the user asked for goes on
 
 
+def _gguf_spellings(model_id: str) -> list[str]:
+    """The GGUF paths ``model_id`` may name as listed: itself, the file it names, or the one GGUF file of the
+    folder it names (``-m`` takes such a folder too)."""
+    from pathlib import Path
+
+    path = Path(model_id).expanduser()
+    spellings = [model_id, str(path.resolve())]
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            spellings.append(str(found[0].resolve()))
+    return spellings
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=1)
@@ -111,13 +125,12 @@ def rm(
         listed = {g.path for g in gguf_registry.entries()}
     except ValueError as exc:
         _fail(str(exc))
-    from pathlib import Path
-
-    if model_id in listed or str(Path(model_id).expanduser().resolve()) in listed:
+    gguf = next((p for p in _gguf_spellings(model_id) if p in listed), None)
+    if gguf is not None:
         if not yes:
-            typer.confirm(f"forget {model_id}? (the file stays where it is)", abort=True, err=True)
-        gguf_registry.forget(model_id)
-        typer.echo(f"forgot {model_id}")
+            typer.confirm(f"forget {gguf}? (the file stays where it is)", abort=True, err=True)
+        gguf_registry.forget(gguf)
+        typer.echo(f"forgot {gguf}")
         return
     _fail(f"no model {model_id!r} in the Hugging Face cache or the GGUF list (`mlxkv models` lists them)")
 

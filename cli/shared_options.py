@@ -23,7 +23,7 @@ from mlxkv.cli.options import (
     SAMPLING_PANEL,
     from_rule,
 )
-from mlxkv.cli.validate import check_file_option, check_utf8
+from mlxkv.cli.validate import check_file_option, check_stop, check_utf8
 
 MODEL = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
                      help="Hugging Face repo id (owner/name or owner/name@revision), local folder or GGUF file "
@@ -55,7 +55,7 @@ MIN_P = typer.Option(0.0, "--min-p", callback=from_rule(rules.MIN_P), rich_help_
                      help=f"Min-p filter ({rules.MIN_P.notation}); 0 disables it.")
 SEED = typer.Option(None, "--seed", rich_help_panel=SAMPLING_PANEL,
                     help="Random seed for sampling (with --temp above 0).")
-STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8, rich_help_panel=SAMPLING_PANEL,
+STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_stop, rich_help_panel=SAMPLING_PANEL,
                     help="Stop string (repeatable).")
 
 KV_BACKEND = typer.Option("dense", "--kv-backend", callback=from_rule(rules.KV_BACKEND), metavar="[dense|paged]",
@@ -74,7 +74,8 @@ MAX_KV_SIZE = typer.Option(None, "--max-kv-size", callback=from_rule(rules.MAX_K
                            help=f"Cap on cached tokens per layer, rotating past it (dense; "
                                 f"{rules.MAX_KV_SIZE.notation}).")
 KV_BITS = typer.Option(None, "--kv-bits", callback=from_rule(rules.KV_BITS_RULE), metavar="[4|8]",
-                       rich_help_panel=KV_PANEL, help="Quantize the KV cache to 4 or 8 bits (paged pages or dense).")
+                       rich_help_panel=KV_PANEL,
+                       help="Quantize the KV cache to 4 or 8 bits (groups of --kv-group-size along head_dim).")
 KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=from_rule(rules.KV_GROUP_SIZE), metavar="[32|64|128]",
                              rich_help_panel=KV_PANEL, help="Group size for KV quantization (with --kv-bits).")
 KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=from_rule(rules.KV_OVERFLOW),

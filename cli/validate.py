@@ -75,9 +75,39 @@ def refuse_unused(ctx: typer.Context, rules: list[tuple[str, str, bool]]) -> Non
             raise typer.BadParameter(WHY[name], param_hint=flag)
 
 
+def unused_sampling(temp: float) -> list[tuple[str, str, bool]]:
+    """The :func:`refuse_unused` rules of the sampling options of ``generate`` and ``chat``: at ``--temp 0``
+    decoding is greedy, so a seed and the filters of the distribution do nothing."""
+    sampled = temp > 0
+    return [("seed", "--seed", sampled), ("top_p", "--top-p", sampled), ("top_k", "--top-k", sampled),
+            ("min_p", "--min-p", sampled)]
+
+
+def check_stop(value: Any) -> Any:
+    """A Typer callback for ``--stop``: UTF-8 text, and not empty (an empty stop string would match nothing)."""
+    check_utf8(value)
+    if any(item == "" for item in value or ()):
+        raise typer.BadParameter("an empty stop string matches nothing: give the text to stop at")
+    return value
+
+
+def refuse_useless_dequantize(loaded: Any, dequantize: bool) -> None:
+    """``--dequantize`` on a model stored unquantized would do nothing.
+
+    Raises:
+        ValueError: one line naming the option and the model.
+    """
+    if dequantize and not getattr(loaded, "quantized", True):
+        raise ValueError(f"--dequantize has no effect: {loaded.name} has no quantized weights (drop --dequantize)")
+
+
 #: Why an option has no effect where :func:`refuse_unused` refuses it.
+_GREEDY = "has no effect at --temp 0 (greedy decoding draws nothing at random): raise --temp or drop "
 WHY = {
-    "seed": "has no effect at --temp 0 (greedy decoding draws nothing at random): raise --temp or drop --seed",
+    "seed": _GREEDY + "--seed",
+    "top_p": _GREEDY + "--top-p",
+    "top_k": _GREEDY + "--top-k",
+    "min_p": _GREEDY + "--min-p",
     "num_draft_tokens": "needs a drafting mode: --draft-model or --prompt-lookup",
     "ngram_size": "applies to --prompt-lookup only",
     "kv_group_size": "applies to a quantized KV cache only: add --kv-bits 4 or 8",
@@ -93,5 +123,5 @@ def check_file_option(value: Optional[str]) -> Optional[str]:
     return value
 
 
-__all__ = ["given", "check_utf8", "read_prompt", "check_folder_option", "check_file_option",
-           "refuse_unused", "WHY"]
+__all__ = ["given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
+           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "WHY"]

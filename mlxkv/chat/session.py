@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from mlxkv.chat.turns import Message, fit_conversation, plan_turn
 from mlxkv.engine.output import TextStream
-from mlxkv.engine.prefill import prefill
+from mlxkv.engine.prefill import PrefillStopped, prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.kv import RewindError, each_layer_cache, make_caches
 
@@ -36,6 +36,7 @@ class TurnStats:
     generation_tokens: int = 0
     generation_seconds: float = 0.0  # first token to last (the first token's time is in prefill_seconds)
     dropped_turns: int = 0  # turns dropped from the front to make room
+    finish_reason: str | None = None  # "stop" (EOS, stop string), "length" (max tokens or the context), "interrupted"
 
     @property
     def prefill_tps(self) -> float:
@@ -137,8 +138,9 @@ class ChatSession:
         """Answer the user message ``text``, yielding the answer's text as it is produced.
 
         The answer (cut short, if ``stop_requested`` turned true between tokens or the consumer closed the
-        iterator) joins the conversation when the iterator ends; a turn that fails with an exception leaves the
-        conversation as it was.
+        iterator) joins the conversation when the iterator ends; a turn that fails with an exception, or that is
+        stopped before its prefill ends (``stop_requested`` is checked between prefill chunks too), leaves the
+        conversation as it was (the cache keeps the prefilled tokens for a repeated message).
 
         Raises:
             ValueError: an empty message, or one too long for the context.
@@ -163,6 +165,8 @@ class ChatSession:
             for piece in self._generate(prompt, params, max_new, stats, stop_requested):
                 pieces.append(piece)
                 yield piece
+        except PrefillStopped:  # nothing was answered: the message is not part of the conversation
+            failed, self.messages, stats.finish_reason = True, previous, "interrupted"
         except Exception:  # a failed turn leaves the conversation as it was (the cache keeps what is valid)
             failed, self.messages = True, previous
             raise
@@ -186,8 +190,12 @@ class ChatSession:
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
         start = time.perf_counter()
-        logits = prefill(self.model, self.caches, mx.array(new, dtype=mx.uint32),
-                         step_size=self.prefill_step_size)[None]  # (1, vocab)
+        try:
+            logits = prefill(self.model, self.caches, mx.array(new, dtype=mx.uint32), step_size=self.prefill_step_size,
+                             should_stop=stop_requested)[None]  # (1, vocab)
+        except PrefillStopped as stopped:
+            self.tokens.extend(new[:stopped.done])  # the chunks that ran are valid K/V of the prompt's prefix
+            raise
         self.tokens.extend(new)
         y = pick(logits)  # (1,)
         mx.eval(y)
@@ -202,12 +210,16 @@ class ChatSession:
                 next_y = pick(self.model(y.reshape(1, 1), cache=self.caches)[:, -1, :])  # (1,)
                 self.tokens.append(token)  # the forward just built appends its K/V
                 mx.async_eval(next_y)
+            if stop_requested():  # a token computed after Ctrl-C is not shown
+                stats.finish_reason = "interrupted"
+                return
             stats.generation_tokens += 1
             stats.generation_seconds = time.perf_counter() - start
             piece, finish = stream.feed(token)
             if piece:
                 yield piece
-            if finish is not None or stop_requested():
+            if finish is not None:
+                stats.finish_reason = finish
                 return
             y = next_y
 

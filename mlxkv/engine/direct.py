@@ -70,7 +70,8 @@ class DirectEngine:
         self.last_stats = GenerationStats()
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
-                        logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[int]:
+                        logits_processors: Seq[LogitsProcessor] = (),
+                        should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The sequence is opened in the pool on the first ``next`` and released when the generator finishes
@@ -80,7 +81,8 @@ class DirectEngine:
         ``logits_processors`` (mlx-lm's protocol, e.g. a structured-output constraint) map ``(tokens, logits)``
         to logits before sampling, ``tokens`` being the prompt and the tokens generated so far. With any, each
         step reads its token back before the next step's logits are processed (the forward still runs while
-        they are), so the processors see every token.
+        they are), so the processors see every token. ``should_stop`` (e.g. Ctrl-C) is checked between prefill
+        chunks (:func:`mlxkv.engine.prefill.prefill` raises ``PrefillStopped``).
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -107,7 +109,8 @@ class DirectEngine:
             start = time.perf_counter()
             cached = stats.cached_prompt_tokens = seq.num_cached  # < len(prompt): the last token is recomputed
             logits = prefill(self.model, caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size, seq=seq, start=cached)[None]  # (1, vocab)
+                             step_size=self.prefill_step_size, seq=seq, start=cached,
+                             should_stop=should_stop)[None]  # (1, vocab)
             if processors:
                 logits = processors.process(logits)
             y = pick(logits)  # (1,)
@@ -151,17 +154,20 @@ class DirectEngine:
             stats.peak_memory_bytes = mx.get_peak_memory()
             self.pool.release(seq.id)
 
-    def generate(self, prompt: Seq[int], params: SamplingParams, *,
-                 logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[GenerationChunk]:
-        """Stream text for ``prompt``; stops on EOS, on a stop string, or after ``max_tokens``.
+    def generate(self, prompt: Seq[int], params: SamplingParams, *, logits_processors: Seq[LogitsProcessor] = (),
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[GenerationChunk]:
+        """Stream text for ``prompt``; stops on EOS, on a stop string, after ``max_tokens``, or when
+        ``should_stop`` turns true (checked between prefill chunks and before each token is shown).
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
         ``logits_processors``: as in :meth:`generate_tokens`.
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
-        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors)
+        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors, should_stop=should_stop)
         try:
             for token in tokens:
+                if should_stop is not None and should_stop():
+                    return
                 text, finish = stream.feed(token)
                 yield GenerationChunk(text, token, finish)
                 if finish is not None:

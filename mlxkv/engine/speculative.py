@@ -104,11 +104,13 @@ class SpeculativeEngine(DirectEngine):
         self.last_stats = SpeculativeStats()
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
-                        logits_processors: Seq[LogitsProcessor] = ()) -> Iterator[int]:
+                        logits_processors: Seq[LogitsProcessor] = (),
+                        should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The target's sequence and the drafter's state are released when the generator finishes or is closed.
         With a paged pool a cached prefix of the prompt is not recomputed (``salt`` isolates caches).
+        ``should_stop``: checked between prefill chunks, as in :meth:`DirectEngine.generate_tokens`.
 
         Raises:
             ValueError: ``logits_processors`` given (a constraint would have to mask every drafted position).
@@ -130,7 +132,8 @@ class SpeculativeEngine(DirectEngine):
             start = time.perf_counter()
             cached = stats.cached_prompt_tokens = seq.num_cached  # paged prefix hit (< len(prompt)); dense: 0
             logits = prefill(self.model, seq.caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size, seq=seq, start=cached)  # (V,)
+                             step_size=self.prefill_step_size, seq=seq, start=cached,
+                             should_stop=should_stop)  # (V,)
             y = params.make_sampler()((logits - mx.logsumexp(logits, keepdims=True))[None]).item()
             seq.commit()  # paged: the prompt is verified; its full blocks become cached
             self.drafter.begin(prompt, params, vocab_size=logits.shape[-1], max_draft=self.num_draft_tokens)
