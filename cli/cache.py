@@ -11,7 +11,9 @@ from pathlib import Path
 
 import typer
 
-cache_app = typer.Typer(name="cache", help="Inspect the KV cache: tier folders and a server's stats.",
+from mlxkv.cli.errors import Command, Group
+
+cache_app = typer.Typer(cls=Group, name="cache", help="Inspect the KV cache: tier folders and a server's stats.",
                         no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -32,8 +34,11 @@ def _fmt_age(seconds: float) -> str:
 
 
 def _folder(path: Path) -> Path:
+    if not path.exists():
+        typer.echo(f"error: {path} does not exist yet: `mlxkv serve --kv-disk-cache {path}` creates it", err=True)
+        raise typer.Exit(code=1)
     if not path.is_dir():
-        typer.echo(f"error: {path} is not a folder", err=True)
+        typer.echo(f"error: {path} is a file, not a folder", err=True)
         raise typer.Exit(code=1)
     return path
 
@@ -56,8 +61,8 @@ def _listing(folder: Path):
     return listing
 
 
-@cache_app.command("ls")
-def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> None:
+@cache_app.command("ls", cls=Command)
+def ls(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-tier folder.")) -> None:
     """List the cached chains in a tier folder: blocks, tokens, priority, bytes, model, age.
 
     Only files verified with the folder's secret are listed; each other file gets one warning line.
@@ -113,8 +118,8 @@ def _distributed_note(folder: Path, command: str) -> None:
                    f"here; pass one of them (mlxkv cache {command} {folder / ranks[0]})", err=True)
 
 
-@cache_app.command("clear")
-def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
+@cache_app.command("clear", cls=Command)
+def clear(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-tier folder."),
           yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking.")) -> None:
     """Delete every tier block file in a folder (readable or not, of any model or format version) and leftover
     temp files; other files are left alone. Asks for confirmation unless --yes is given."""
@@ -167,6 +172,10 @@ def _get_json(url: str, api_key: str | None, timeout: float = 10.0):
         raise _ReadError("the URL must start with http:// or https://")
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     if api_key:
+        try:
+            api_key.encode("latin-1")  # what an HTTP header can carry
+        except UnicodeEncodeError:
+            raise _ReadError("the API key is not text an HTTP header can carry (latin-1)") from None
         request.add_unredirected_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.build_opener(NoRedirects).open(request, timeout=timeout) as resp:
@@ -197,7 +206,7 @@ def _rate(x) -> str:
     return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
 
 
-@cache_app.command("stats")
+@cache_app.command("stats", cls=Command)
 def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
                                   help="Base URL of a running mlxkv server (serve's default port)."),
           api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token.")) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from mlxkv.cli import shared_options as options
-from mlxkv.cli.errors import OneLineErrors
+from mlxkv.cli.errors import Command, OneLineErrors
 from mlxkv.cli.interrupt import StopOnCtrlC
 from mlxkv.cli.options import (
     FLAG,
@@ -84,10 +84,10 @@ def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
                    f"context of {limit} tokens; text past it may degrade", err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def generate(
     ctx: typer.Context,
-    prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
+    prompt: str = typer.Argument(..., metavar="PROMPT", help="The prompt text, or - to read it from standard input."),
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
@@ -223,8 +223,7 @@ def generate(
                 pass  # Ctrl-C before the first token: nothing to show
         sys.stdout.write("\n")  # the shell's prompt starts on a line of its own, however the text ended
         sys.stdout.flush()
-        if stopped():
-            raise typer.Exit(code=130)  # as a shell reports a command ended by Ctrl-C
+        interrupted = stopped()
         if finish == "length" and ranks.rank == 0:
             typer.echo(f"[cut at --max-tokens {max_tokens}]", err=True)
         if fmt is not None:
@@ -233,6 +232,8 @@ def generate(
             complete = is_complete_document(fmt, loaded.tokenizer, "".join(output))
     except (ModelLoadError, ValueError, RuntimeError) as exc:
         _fail(str(exc), verbose)
+    if interrupted:
+        raise typer.Exit(code=130)  # as a shell reports a command ended by Ctrl-C
     if fmt is not None and not complete:
         _fail("the JSON output is incomplete: generation stopped at --max-tokens or a --stop string before the "
               "document was closed", verbose)
@@ -251,10 +252,10 @@ def generate(
                        f"{s.tokens_per_forward:.2f} tokens per target forward", err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def convert(
-    gguf_file: str = typer.Argument(..., help="The GGUF file to convert."),
-    out_dir: str = typer.Argument(..., help="Folder to write (must not exist, or be empty)."),
+    gguf_file: str = typer.Argument(..., metavar="GGUF_FILE", help="The GGUF file to convert."),
+    out_dir: str = typer.Argument(..., metavar="OUT_DIR", help="Folder to write (must not exist, or be empty)."),
     dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG,
                                     help="Write quantized weights unquantized (float32 on the CPU backend)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, help="Tracebacks on errors."),
@@ -266,8 +267,11 @@ def convert(
     from mlxkv.gguf import convert as convert_gguf
 
     source = Path(gguf_file).expanduser()
+    if not source.exists():
+        _fail(f"no such file: {gguf_file}", verbose)
     if not source.is_file() or not is_gguf(source):
-        _fail(f"not a GGUF file: {gguf_file}", verbose)
+        _fail(f"{gguf_file} is {'a folder' if source.is_dir() else 'not a GGUF file'}: convert takes a GGUF file",
+              verbose)
     try:
         out = convert_gguf(source, out_dir, dequantize=dequantize)
     except GGUFError as exc:
@@ -281,10 +285,10 @@ from mlxkv.cli.serve import serve  # noqa: E402
 
 from mlxkv.cli.models import models_app  # noqa: E402
 
-app.command()(serve)
+app.command(cls=Command)(serve)
 app.add_typer(models_app, name="models", help="List the models on this machine (Hugging Face cache, GGUF files "
                                               "used before) with sizes; rm deletes one.")
-app.command()(chat)
+app.command(cls=Command)(chat)
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
 
 

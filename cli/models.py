@@ -9,9 +9,11 @@ from typing import Optional
 
 import typer
 
+from mlxkv.cli.errors import Command, Group
+
 from mlxkv.cli.options import FLAG
 
-models_app = typer.Typer(no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
+models_app = typer.Typer(cls=Group, no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
 
 
 def human_size(n: Optional[int]) -> str:
@@ -103,7 +105,7 @@ def models(ctx: typer.Context) -> None:
         typer.echo(f"{r.model:<{width}}  {human_size(r.size):>9}  {r.source:<8}  {used}")
 
 
-@models_app.command("rm")
+@models_app.command("rm", cls=Command)
 def rm(
     model_id: str = typer.Argument(..., metavar="ID", help="A repo id (owner/name) or a GGUF path as listed."),
     yes: bool = typer.Option(False, "--yes", "-y", metavar=FLAG, help="Do not ask for confirmation."),

@@ -99,8 +99,8 @@ def serve(
                                                 rich_help_panel=KV_PANEL,
                                                 help="Folder for an on-disk KV block tier (paged; survives restarts)."),
     kv_disk_cache_size: int = typer.Option(0, "--kv-disk-cache-size", parser=parse_size, metavar="SIZE",
-                                           rich_help_panel=KV_PANEL,
-                                           help="Cap of the on-disk KV tier (needs --kv-disk-cache; 0 = 16GiB)."),
+                                           rich_help_panel=KV_PANEL, show_default="16GiB",
+                                           help="Cap of the on-disk KV tier (needs --kv-disk-cache)."),
     kv_disk_write_interval: float = typer.Option(
         2.0, "--kv-disk-write-interval", min=0.0, max=3600.0, rich_help_panel=KV_PANEL,
         help="Seconds between writes of newly cached KV blocks to the disk tier (what a crash can lose; 0: only "
@@ -135,7 +135,10 @@ def serve(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
 ) -> None:
-    """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine.
+    """Serve the OpenAI and Anthropic HTTP APIs (streaming, tools, JSON output) from a batching engine.
+
+    OpenAI's /v1/chat/completions and /v1/completions, Anthropic's /v1/messages, over a continuous-batching engine
+    with a paged, prefix-sharing KV cache.
 
     The sampling options are the defaults of requests that leave a field out.
     """
@@ -206,7 +209,9 @@ def serve(
                       distributed=leader)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
-        typer.echo(f"error: {exc}", err=True)
+        from mlxkv.cli.options import in_cli_words
+
+        typer.echo(f"error: {in_cli_words(str(exc))}", err=True)
         raise typer.Exit(code=1) from None
     from mlxkv.cli.models import remember_gguf
 

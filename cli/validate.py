@@ -119,7 +119,8 @@ WHY = {
 def check_file_option(value: Optional[str]) -> Optional[str]:
     """A Typer callback for an option naming a file that must exist."""
     if value is not None and not Path(value).expanduser().is_file():
-        raise typer.BadParameter(f"no such file: {value}")
+        raise typer.BadParameter(f"{value} is a folder, not a file" if Path(value).expanduser().is_dir()
+                                 else f"no such file: {value}")
     return value
 
 
