@@ -150,8 +150,11 @@ def serve(
     from mlxkv.server.compat import parse_origins
 
     try:
-        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
         origins = parse_origins(allowed_origins)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--allowed-origins") from None
+    try:
+        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

@@ -39,6 +39,7 @@ CHAT_TEMPLATE = typer.Option(None, "--chat-template", metavar="FILE", callback=c
 SYSTEM = typer.Option(None, "--system", metavar="TEXT", callback=check_utf8, rich_help_panel=MODEL_PANEL,
                       help="System message (with the chat template).")
 DISTRIBUTED = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]", rich_help_panel=MODEL_PANEL,
+                           callback=from_rule(rules.OneOf(("off", "tensor", "pipeline"))),
                            help="Under mlx.launch: tensor-parallel (each rank holds its share of the weights and KV "
                                 "heads) or pipeline-parallel (each rank holds a range of the layers and their KV) "
                                 "over the launched ranks; rank 0 prints or serves HTTP. See docs/distributed.md.")
