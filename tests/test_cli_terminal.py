@@ -3,14 +3,11 @@ chat checks its settings as generate does, a GGUF used through chat is listed an
 a cut answer is marked, flags that would do nothing are refused, every bad option value is one line and a
 non-zero exit, messages name the real problem, ``--help`` reads plainly, a prefill stops between chunks.
 
-Typer's runner runs most commands in-process with the embedded demo model; chat from a pipe runs as a process.
+Typer's runner runs the commands in-process with the embedded demo model, chat reading its input as from a pipe.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -19,15 +16,21 @@ import typer
 from mlxkv.cli.main import app
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 
 
-def _chat(tmp_path: Path, *args: str, lines: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), "MLXKV_SESSIONS_DIR": str(tmp_path / "sessions"),
-               "MLXKV_MODELS_FILE": str(tmp_path / "models.json"), "COLUMNS": "300", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mlxkv", "chat", *args], input=lines, capture_output=True, text=True,
-                          env=environ, cwd=ROOT, timeout=300)
+class _Done:
+    """A chat run as the tests read it (a subprocess's names)."""
+
+    def __init__(self, result):
+        self.returncode, self.stdout, self.stderr = result.exit_code, result.stdout, result.stderr
+
+
+def _chat(tmp_path: Path, *args: str, lines: str = "") -> _Done:
+    """``mlxkv chat ARGS`` fed ``lines`` as a pipe would (in-process: the demo model loads in about a second)."""
+    env = {"MLXKV_SESSIONS_DIR": str(tmp_path / "sessions"), "MLXKV_MODELS_FILE": str(tmp_path / "models.json"),
+           "COLUMNS": "300"}
+    return _Done(runner.invoke(app, ["chat", *args], input=lines, env=env))
 
 
 def one_line(result, code: int | None = None) -> str:
