@@ -293,7 +293,18 @@ app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches
 
 
 def main() -> None:  # pragma: no cover - entry point
-    app()
+    """The ``mlxkv`` program. After Ctrl-C (exit status 130) the process ends without tearing down its objects:
+    freeing a loaded model takes the better part of a second, and Ctrl-C asks for the shell back now."""
+    try:
+        app(prog_name="mlxkv")
+    except SystemExit as exc:
+        if exc.code == 130:
+            import os
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
