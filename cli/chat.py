@@ -62,6 +62,8 @@ def chat(
     min_p: float = options.MIN_P,
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
     max_kv_size: Optional[int] = CHAT_MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
@@ -82,7 +84,8 @@ def chat(
     refuse_unused(ctx, [*unused_sampling(temp), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
     model = with_revision(model, revision)
     overflow = overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent)
-    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                                 repetition_penalty=repetition_penalty, chat_template_kwargs=chat_template_kwargs)
     if overflow.enabled and max_kv_size is not None:
         raise typer.BadParameter("--max-kv-size and --kv-overflow both cap the context: use --kv-overflow-budget",
                                  param_hint="--max-kv-size")
@@ -108,13 +111,15 @@ def chat(
     console = Console(highlight=False, stderr=True)
     try:
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
-                                top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()))
+                                top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()),
+                                repetition_penalty=sampling.repetition_penalty)
         loaded = load(model, dequantize=dequantize, chat_template=chat_template)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
-                              kv_group_size=kv_group_size, overflow=overflow)
+                              kv_group_size=kv_group_size, overflow=overflow,
+                              template_kwargs=sampling.chat_template_kwargs)
         repl = _Repl(console, session, params, folder, fingerprint_of(loaded), loaded.name)
         if resume is not None:
             load_session(session, folder, resume, repl.fingerprint)

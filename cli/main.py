@@ -104,6 +104,8 @@ def generate(
     min_p: float = options.MIN_P,
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     kv_backend: str = options.KV_BACKEND,
     max_kv_size: Optional[int] = options.MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
@@ -181,7 +183,10 @@ def generate(
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, state_snapshot_interval=state_snapshot_interval,
                    overflow=overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent))
-    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                                 repetition_penalty=repetition_penalty, chat_template_kwargs=chat_template_kwargs)
+    if chat_template_kwargs is not None and raw:
+        raise typer.BadParameter("applies to the chat template: drop --raw", param_hint="--chat-template-kwargs")
     if draft_model:
         try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
             resolve_model_path(draft_model)
@@ -200,17 +205,19 @@ def generate(
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
         _quiet_length_warning(loaded.tokenizer)
-        tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None)
+        tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None,
+                               template_kwargs=sampling.chat_template_kwargs)
         _check_context(loaded, len(tokens), max_tokens)
         try:
             engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
         except ModelLoadError as exc:
             raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
-        processors = ()
+        # The repetition penalty as a logits processor (the direct engine's sampler takes none itself).
+        processors = tuple(SamplingParams(repetition_penalty=sampling.repetition_penalty).processors())
         if fmt is not None:
             from mlxkv.structured.constraint import make_constraint
 
-            processors = (make_constraint(fmt, loaded.tokenizer),)
+            processors += (make_constraint(fmt, loaded.tokenizer),)
         output, finish = [], None
         with StopOnCtrlC() as stopped:
             try:

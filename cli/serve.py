@@ -122,14 +122,9 @@ def serve(
     top_p: float = options.TOP_P,
     top_k: int = options.TOP_K,
     min_p: float = options.MIN_P,
-    repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", rich_help_panel=SAMPLING_PANEL,
-        help="Repetition penalty (> 0; mlx-lm's, over the last 20 tokens)."),
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
     max_tokens: Optional[int] = options.SERVE_MAX_TOKENS,
-    chat_template_kwargs: Optional[str] = typer.Option(
-        None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
-        help='JSON object of extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
-             "(a request's chat_template_kwargs keys win)."),
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     distributed: str = options.DISTRIBUTED,
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,

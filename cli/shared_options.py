@@ -59,6 +59,13 @@ SEED = typer.Option(None, "--seed", rich_help_panel=SAMPLING_PANEL,
 STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_stop, rich_help_panel=SAMPLING_PANEL,
                     help="Stop string (repeatable).")
 
+REPETITION_PENALTY = typer.Option(None, "--repetition-penalty", rich_help_panel=SAMPLING_PANEL,
+                                  help="Repetition penalty (> 0; mlx-lm's, over the last 20 tokens).")
+CHAT_TEMPLATE_KWARGS = typer.Option(
+    None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
+    help='JSON object of extra chat template variables, e.g. \'{"enable_thinking": false}\' (serve: for every '
+         "request; a request's chat_template_kwargs keys win).")
+
 KV_BACKEND = typer.Option("dense", "--kv-backend", callback=from_rule(rules.KV_BACKEND), metavar="[dense|paged]",
                           rich_help_panel=KV_PANEL,
                           help="KV storage: dense buffers or paged blocks (a shared pool with prefix caching).")
@@ -117,6 +124,6 @@ SERVE_MAX_TOKENS = _with_default(MAX_TOKENS, SERVE_DEFAULTS["max_tokens"],
 SERVE_KV_BACKEND = _with_default(KV_BACKEND, SERVE_DEFAULTS["kv_backend"])
 
 __all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "SYSTEM", "DISTRIBUTED", "MAX_TOKENS", "TEMP",
-           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
+           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "REPETITION_PENALTY", "CHAT_TEMPLATE_KWARGS", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
            "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
            "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]

@@ -8,6 +8,7 @@ Typer's runner runs the commands in-process with the embedded demo model, chat r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -269,3 +270,38 @@ def test_a_prefill_stops_between_chunks_and_keeps_what_ran():
         prefill(loaded.model, caches, mx.arange(1, 400, dtype=mx.uint32), should_stop=stop_on_third)
     assert 0 < stopped.value.done < 399
     assert {c.offset for c in caches} == {stopped.value.done}  # every layer holds exactly the chunks that ran
+
+
+# ------------------------------------------------------------------------- 10: options users reach for
+def test_repetition_penalty_reaches_generate_and_chat(tmp_path):
+    def generate(*args):
+        result = runner.invoke(app, ["generate", "-n", "24", *args, "The import statement"])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    assert generate("--repetition-penalty", "1.5") != generate()
+    assert generate("--repetition-penalty", "1") == generate()  # 1 is no penalty
+    plain = _chat(tmp_path, "-n", "24", lines="Hello\nTell me more\n").stdout
+    penalized = _chat(tmp_path, "-n", "24", "--repetition-penalty", "1.5", lines="Hello\nTell me more\n").stdout
+    assert penalized != plain
+    assert "--repetition-penalty" in one_line(runner.invoke(app, ["generate", "--repetition-penalty", "0", "x"]), 2)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if long %}a b c d e f g h "
+                        "{% endif %}")
+
+    def prompt_tokens(*args):
+        result = runner.invoke(app, ["generate", "-n", "2", "--verbose", "--chat-template", str(template), *args,
+                                     "The import statement"])
+        assert result.exit_code == 0, result.output
+        return int(re.search(r"prompt: (\d+) tokens", result.stderr).group(1))
+
+    assert prompt_tokens("--chat-template-kwargs", '{"long": true}') > prompt_tokens()
+    stats = _chat(tmp_path, "-n", "2", "--chat-template", str(template), "--chat-template-kwargs",
+                  '{"long": true}', lines="Hello\n/stats\n").stderr
+    plain = _chat(tmp_path, "-n", "2", "--chat-template", str(template), lines="Hello\n/stats\n").stderr
+    count = re.compile(r"last turn: (\d+) prompt tokens")
+    assert int(count.search(stats).group(1)) > int(count.search(plain).group(1))
+    assert "not valid JSON" in one_line(runner.invoke(app, ["chat", "--chat-template-kwargs", "{"]), 2)

@@ -12,6 +12,7 @@ A single message too long for the context is refused (``ValueError``); an answer
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -62,6 +63,7 @@ class ChatSession:
         prefill_step_size: prompt tokens per prefill forward.
         overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of full-attention layers
             (see :func:`mlxkv.kv.make_caches`); the context may then outgrow the budget up to the model's limit.
+        template_kwargs: extra chat template variables for every rendering (e.g. ``{"enable_thinking": False}``).
 
     Raises:
         ValueError: no chat template, or a bad cache option.
@@ -69,7 +71,7 @@ class ChatSession:
 
     def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, max_kv_size: int | None = None,
                  model_limit: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
-                 prefill_step_size: int = 2048, overflow: Any = None):
+                 prefill_step_size: int = 2048, overflow: Any = None, template_kwargs: dict | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
         if max_kv_size is not None and max_kv_size < 2:
@@ -78,6 +80,7 @@ class ChatSession:
         self.tokenizer = tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.overflow = overflow
+        self.template_kwargs = dict(template_kwargs or {})
         limits = [n for n in (max_kv_size, model_limit) if n]
         self.limit = min(limits) if limits else None
         self.prefill_step_size = prefill_step_size
@@ -130,7 +133,8 @@ class ChatSession:
 
     def render(self, messages: Sequence[Message]) -> list[int]:
         """The prompt tokens of ``messages`` (the template's rendering, with the generation prompt)."""
-        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                       **self.template_kwargs))
 
     # -- a turn ---------------------------------------------------------------------------------------------
     def turn(self, text: str, params: SamplingParams, *, stop_requested: Callable[[], bool] = lambda: False
@@ -183,10 +187,16 @@ class ChatSession:
         stats.cached_tokens, stats.prefill_tokens = keep, len(new)
         if params.seed is not None:
             mx.random.seed(mlx_seed(params.seed))
-        sampler = params.make_sampler()
+        # Penalties (repetition) run as logits processors over the turn's tokens, the sampler draws after them.
+        processors = params.processors()
+        sampler = dataclasses.replace(params, repetition_penalty=None, presence_penalty=0.0, frequency_penalty=0.0,
+                                      logit_bias=None).make_sampler()
         stream = TextStream(self.tokenizer, params.stop, max_new)
+        history = mx.array(prompt, dtype=mx.uint32) if processors else None  # (L,) grows lazily by each token
 
         def pick(logits: mx.array) -> mx.array:  # (1, vocab) -> (1,)
+            for processor in processors:
+                logits = processor(history, logits)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
         start = time.perf_counter()
@@ -207,6 +217,8 @@ class ChatSession:
             token = int(y.item())
             next_y = None
             if more:
+                if processors:
+                    history = mx.concatenate([history, y.astype(mx.uint32)])
                 next_y = pick(self.model(y.reshape(1, 1), cache=self.caches)[:, -1, :])  # (1,)
                 self.tokens.append(token)  # the forward just built appends its K/V
                 mx.async_eval(next_y)
