@@ -28,6 +28,10 @@ HELP = """commands:
   /load NAME       continue saved session NAME
   /sessions        list the saved sessions
   /stats           context and KV cache size, the last turn's prefill and decode figures
+  /undo            drop the last message and its answer
+  /retry           answer the last message again (with --temp above 0, a new draw)
+  /set             show the sampling settings; /set NAME VALUE changes one (temp, top-p, top-k, min-p,
+                   max-tokens, repetition-penalty, seed)
   /exit, /quit     leave (Ctrl-D too); Ctrl-C stops an answer, or its prefill
   \"\"\"              on a line of its own (or starting a message): a message of several lines, ended by \"\"\"
                    (Esc then Enter also inserts a new line at a terminal)"""
@@ -175,7 +179,8 @@ class _Repl:
         self.folder, self.fingerprint, self.model_name = folder, fingerprint, model_name
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": lambda _: self.say(HELP), "/reset": self.reset, "/system": self.system, "/save": self.save,
-            "/load": self.load, "/sessions": self.sessions, "/stats": self.stats,
+            "/load": self.load, "/sessions": self.sessions, "/stats": self.stats, "/undo": self.undo,
+            "/retry": self.retry, "/set": self.set,
         }
 
     def say(self, text: str, style: str | None = None) -> None:
@@ -248,6 +253,60 @@ class _Repl:
             self.say(f"[answer cut at {cut}]", "dim")
         if last.dropped_turns:
             self.say(f"[{last.dropped_turns} earliest turn(s) dropped to fit the context]", "dim")
+
+    def undo(self, _: str) -> str:
+        """Drop the last user message and what follows it; returns that message (the cache is trimmed back to
+        the common prefix with the next turn's rendering, as for any edit of the history)."""
+        users = [i for i, m in enumerate(self.session.messages) if m["role"] == "user"]
+        if not users:
+            raise ValueError("nothing to undo: the conversation has no message yet")
+        text = self.session.messages[users[-1]]["content"]
+        del self.session.messages[users[-1]:]
+        self.say("dropped the last message and its answer")
+        return text
+
+    def retry(self, _: str) -> None:
+        users = [m for m in self.session.messages if m["role"] == "user"]
+        if not users:
+            raise ValueError("nothing to retry: the conversation has no message yet")
+        text = users[-1]["content"]
+        del self.session.messages[self.session.messages.index(users[-1]):]
+        self.answer(text)
+
+    #: ``/set`` names -> SamplingParams fields and their parsers.
+    SETTINGS = {"temp": ("temp", float), "top-p": ("top_p", float), "top-k": ("top_k", int),
+                "min-p": ("min_p", float), "max-tokens": ("max_tokens", int),
+                "repetition-penalty": ("repetition_penalty", float), "seed": ("seed", int)}
+
+    def set(self, arg: str) -> None:
+        import dataclasses
+
+        from mlxkv.config import SamplingDefaults
+
+        p = self.params
+        if not arg:
+            self.say(f"temp {p.temp}, top-p {p.top_p}, top-k {p.top_k}, min-p {p.min_p}, max-tokens "
+                     f"{p.max_tokens}, repetition-penalty {p.repetition_penalty or 'off'}, seed {p.seed or 'none'}")
+            return
+        name, _, value = arg.partition(" ")
+        if name not in self.SETTINGS or not value.strip():
+            raise ValueError(f"/set NAME VALUE, NAME one of {', '.join(self.SETTINGS)}")
+        field, parse = self.SETTINGS[name]
+        try:
+            parsed = parse(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}: {value.strip()!r} is not a{'n integer' if parse is int else ' number'}") \
+                from None
+        changed = dataclasses.replace(p, **{field: parsed})
+        if field != "seed":  # the rules the options apply (a seed is any integer)
+            SamplingDefaults(temp=changed.temp, top_p=changed.top_p, top_k=changed.top_k, min_p=changed.min_p,
+                             max_tokens=changed.max_tokens, repetition_penalty=changed.repetition_penalty)
+        greedy = changed.temp == 0
+        if greedy and field in ("top_p", "top_k", "min_p", "seed"):
+            raise ValueError(f"{name} has no effect at temp 0 (greedy decoding draws nothing at random): "
+                             "/set temp first")
+        self.params = changed
+        self.say(f"{name} set to {parsed}")
 
     def reset(self, _: str) -> None:
         self.session.reset(self.session.system)

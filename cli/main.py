@@ -20,7 +20,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
+from mlxkv.cli.validate import check_utf8, read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 app = typer.Typer(
     name="mlxkv",
@@ -87,7 +87,11 @@ def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
 @app.command(cls=Command)
 def generate(
     ctx: typer.Context,
-    prompt: str = typer.Argument(..., metavar="PROMPT", help="The prompt text, or - to read it from standard input."),
+    prompt: Optional[str] = typer.Argument(None, metavar="PROMPT", show_default=False,
+                                           help="The prompt text, or - to read it from standard input."),
+    prompt_option: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", callback=check_utf8,
+                                                rich_help_panel=MODEL_PANEL,
+                                                help="The prompt, as an option (mlx-lm's spelling); - reads stdin."),
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
@@ -134,6 +138,12 @@ def generate(
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
         raise typer.BadParameter("--chat and --raw exclude each other", param_hint="--chat")
+    if prompt is not None and prompt_option is not None:
+        raise typer.BadParameter("give the prompt once: as the argument or with --prompt", param_hint="--prompt")
+    prompt = prompt if prompt is not None else prompt_option
+    if prompt is None:
+        raise typer.BadParameter("no prompt: give it as the argument, with -p TEXT, or - to read standard input",
+                                 param_hint="PROMPT")
     refuse_unused(ctx, [*unused_sampling(temp),
                         ("num_draft_tokens", "--num-draft-tokens", bool(draft_model) or prompt_lookup),
                         ("ngram_size", "--ngram-size", prompt_lookup),

@@ -176,7 +176,7 @@ def test_every_option_refuses_a_bad_value_in_one_line(path, option, arguments, m
 
 
 def test_usage_errors_are_one_line():
-    for argv, fragment in ((["generate"], "Missing argument 'PROMPT'"),
+    for argv, fragment in ((["generate"], "no prompt: give it as the argument, with -p TEXT"),
                            (["generate", "--kv-cache-budget", "1KB", "x"], "No such option: --kv-cache-budget"),
                            (["frobnicate"], "No such command 'frobnicate'"),
                            (["generate", "--dequantize=yes", "x"], "does not take a value")):
@@ -305,3 +305,25 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     count = re.compile(r"last turn: (\d+) prompt tokens")
     assert int(count.search(stats).group(1)) > int(count.search(plain).group(1))
     assert "not valid JSON" in one_line(runner.invoke(app, ["chat", "--chat-template-kwargs", "{"]), 2)
+
+
+def test_chat_undo_retry_and_set(tmp_path):
+    lines = "Hello\n/retry\n/undo\n/undo\n/set top-p 0.5\n/set temp 0.8\n/set top-p 0.5\n/set top-k x\n/set\n"
+    done = _chat(tmp_path, "-n", "6", lines=lines)
+    assert done.returncode == 0, done.stderr
+    first, again = done.stdout.splitlines()
+    assert first == again  # greedy: the retried answer is the same
+    err = done.stderr
+    assert "dropped the last message and its answer" in err
+    assert "error: nothing to undo: the conversation has no message yet" in err
+    assert "error: top-p has no effect at temp 0" in err and "top-p set to 0.5" in err
+    assert "error: top-k: 'x' is not an integer" in err
+    assert "temp 0.8, top-p 0.5, top-k 0, min-p 0.0, max-tokens 6" in err
+    assert "/retry" in _chat(tmp_path, lines="/help\n").stderr
+
+
+def test_generate_takes_the_prompt_as_an_option():
+    by_option = runner.invoke(app, ["generate", "-n", "5", "-p", "The import statement"])
+    by_argument = runner.invoke(app, ["generate", "-n", "5", "The import statement"])
+    assert by_option.exit_code == 0 and by_option.stdout == by_argument.stdout
+    assert "give the prompt once" in one_line(runner.invoke(app, ["generate", "-p", "a", "b"]), 2)
