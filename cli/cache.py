@@ -62,7 +62,9 @@ def _listing(folder: Path):
 
 
 @cache_app.command("ls", cls=Command)
-def ls(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-tier folder.")) -> None:
+def ls(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-tier folder."),
+       as_json: bool = typer.Option(False, "--json", help="One JSON object (chains and totals) instead of a table.")
+       ) -> None:
     """List the cached chains in a tier folder: blocks, tokens, priority, bytes, model, age.
 
     Only files verified with the folder's secret are listed; each other file gets one warning line.
@@ -80,6 +82,7 @@ def ls(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-ti
         table.add_column(col, justify="left" if text else "right", no_wrap=text)
     now = time.time()
     total_blocks = total_bytes = 0
+    rows = []
     for chain in sorted(chains(listing.entries), key=lambda c: -max(e.header.created for e in c)):
         root = chain[0].header
         fp = root.fingerprint
@@ -87,12 +90,20 @@ def ls(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-ti
         nbytes = sum(e.size for e in chain)
         total_blocks += len(chain)
         total_bytes += nbytes
+        rows.append({"chain": root.block_hash, "complete": all(e.complete for e in chain), "group": root.group_id,
+                     "blocks": len(chain), "tokens": sum(e.header.block_size for e in chain),
+                     "priorities": prios, "bytes": nbytes, "architecture": fp.architecture, "model": fp.digest,
+                     "age_s": round(now - max(e.header.created for e in chain), 3)})
         table.add_row(
             root.block_hash[:12] + ("" if all(e.complete for e in chain) else " (truncated)"),
             str(root.group_id), str(len(chain)), str(sum(e.header.block_size for e in chain)),
             str(prios[0]) if len(prios) == 1 else f"{prios[0]}-{prios[-1]}", _fmt_bytes(nbytes),
             f"{fp.architecture} {fp.digest[:8]}", _fmt_age(now - max(e.header.created for e in chain)),
         )
+    if as_json:
+        typer.echo(json.dumps({"folder": str(folder), "chains": rows, "blocks": total_blocks, "bytes": total_bytes,
+                               "unreadable": len(listing.bad), "duplicates": listing.duplicates}))
+        return
     console = Console()
     console.print(table)
     notes = [f"{n} unreadable file(s)" for n in (len(listing.bad),) if n]
@@ -209,7 +220,9 @@ def _rate(x) -> str:
 @cache_app.command("stats", cls=Command)
 def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
                                   help="Base URL of a running mlxkv server (serve's default port)."),
-          api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token.")) -> None:
+          api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token."),
+          as_json: bool = typer.Option(False, "--json", help="The server's JSON as it is, instead of tables.")
+          ) -> None:
     """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""
     from rich.console import Console
     from rich.table import Table
@@ -223,6 +236,9 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
     if not isinstance(snap, dict):
         typer.echo(f"error: {endpoint} returned {type(snap).__name__}, expected a JSON object", err=True)
         raise typer.Exit(code=1)
+    if as_json:
+        typer.echo(json.dumps(snap))
+        return
     console = Console()
     tier = snap.get("tier")
     if not isinstance(tier, dict) or not isinstance(tier.get("secondary"), dict):

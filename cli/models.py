@@ -82,7 +82,9 @@ def _fail(message: str) -> None:
 
 
 @models_app.callback(invoke_without_command=True)
-def models(ctx: typer.Context) -> None:
+def models(ctx: typer.Context,
+           as_json: bool = typer.Option(False, "--json", help="A JSON list (model, bytes, source, last_used) "
+                                                                 "instead of a table.")) -> None:
     """List the models in the Hugging Face cache and the GGUF files used before, with their sizes."""
     if ctx.invoked_subcommand is not None:
         return
@@ -94,6 +96,12 @@ def models(ctx: typer.Context) -> None:
         _fail(str(exc))
     rows = [_Row(r.repo_id, r.size_on_disk, "hf cache", r.last_accessed) for r in _hub_repos(_hub_cache())]
     rows += [_Row(g.path, g.size, "gguf", g.last_used) for g in ggufs]
+    if as_json:
+        import json
+
+        typer.echo(json.dumps([{"model": r.model, "bytes": r.size, "source": r.source, "last_used": r.last_used}
+                               for r in rows]))
+        return
     if not rows:
         typer.echo("no models yet: `mlxkv generate -m owner/name ...` downloads one into the Hugging Face cache, "
                    "and GGUF files given to -m are listed here after their first use", err=True)

@@ -8,6 +8,7 @@ Typer's runner runs the commands in-process with the embedded demo model, chat r
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -88,6 +89,8 @@ def test_a_gguf_used_through_chat_is_listed_and_removed_by_its_folder(tmp_path, 
     env = {"MLXKV_MODELS_FILE": str(tmp_path / "models.json")}
     listed = runner.invoke(app, ["models"], env=env)
     assert listed.exit_code == 0 and str(gguf.resolve()) in listed.stdout, listed.output
+    as_json = json.loads(runner.invoke(app, ["models", "--json"], env=env).stdout)
+    assert {"model": str(gguf.resolve()), "bytes": gguf.stat().st_size, "source": "gguf"}.items() <= as_json[-1].items()
     removed = runner.invoke(app, ["models", "rm", str(folder), "--yes"], env=env)
     assert removed.exit_code == 0 and removed.stdout.strip() == f"forgot {gguf.resolve()}", removed.output
     assert str(gguf.resolve()) not in runner.invoke(app, ["models"], env=env).output
@@ -327,3 +330,10 @@ def test_generate_takes_the_prompt_as_an_option():
     by_argument = runner.invoke(app, ["generate", "-n", "5", "The import statement"])
     assert by_option.exit_code == 0 and by_option.stdout == by_argument.stdout
     assert "give the prompt once" in one_line(runner.invoke(app, ["generate", "-p", "a", "b"]), 2)
+
+
+def test_cache_ls_as_json(tmp_path):
+    result = runner.invoke(app, ["cache", "ls", "--json", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"folder": str(tmp_path), "chains": [], "blocks": 0, "bytes": 0,
+                                         "unreadable": 0, "duplicates": 0}

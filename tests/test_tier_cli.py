@@ -187,3 +187,10 @@ def test_stats_errors_are_one_line_naming_the_cause(answers):
                                           "/moved/v1/cache/stats"]  # the redirect was not followed
     assert _stats_error("127.0.0.1:8080") == (
         "error: cannot read 127.0.0.1:8080/v1/cache/stats: the URL must start with http:// or https://")
+
+
+def test_stats_as_json_is_the_servers_object(stats_server):
+    result = runner.invoke(cache_app, ["stats", "--json", "--url", stats_server])
+    assert result.exit_code == 0, result.output
+    snap = json.loads(result.stdout)
+    assert snap["blocks_by_priority"] == {"35": 7, "60": 2} and snap["tier"]["prompt_blocks"] == 20
