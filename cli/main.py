@@ -301,11 +301,13 @@ from mlxkv.cli.chat import chat  # noqa: E402
 from mlxkv.cli.serve import serve  # noqa: E402
 
 from mlxkv.cli.models import models_app  # noqa: E402
+from mlxkv.cli.show import show  # noqa: E402
 
 app.command(cls=Command)(serve)
 app.add_typer(models_app, name="models", help="List the models on this machine (Hugging Face cache, GGUF files "
                                               "used before) with sizes; rm deletes one.")
 app.command(cls=Command)(chat)
+app.command(cls=Command)(show)
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
 
 
