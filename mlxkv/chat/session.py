@@ -212,6 +212,9 @@ class ChatSession:
         stats.prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
         for n in range(max_new):
+            if stop_requested():  # token n, computed after Ctrl-C, is neither shown nor fed to the model
+                stats.finish_reason = "interrupted"
+                return
             # The dense in-place order (mlxkv.kv.layouts): build step n+1, read token n, then schedule n+1.
             more = n + 1 < max_new
             token = int(y.item())
@@ -222,9 +225,6 @@ class ChatSession:
                 next_y = pick(self.model(y.reshape(1, 1), cache=self.caches)[:, -1, :])  # (1,)
                 self.tokens.append(token)  # the forward just built appends its K/V
                 mx.async_eval(next_y)
-            if stop_requested():  # a token computed after Ctrl-C is not shown
-                stats.finish_reason = "interrupted"
-                return
             stats.generation_tokens += 1
             stats.generation_seconds = time.perf_counter() - start
             piece, finish = stream.feed(token)
