@@ -28,6 +28,7 @@ HELP = """commands:
   /load NAME       continue saved session NAME
   /sessions        list the saved sessions
   /stats           context and KV cache size, the last turn's prefill and decode figures
+  /history         the conversation so far (shown on --resume too)
   /undo            drop the last message and its answer
   /retry           answer the last message again (with --temp above 0, a new draw)
   /set             show the sampling settings; /set NAME VALUE changes one (temp, top-p, top-k, min-p,
@@ -131,6 +132,7 @@ def chat(
                 session.set_system(system)
             console.print(f"resumed session {resume}: {len(session.messages)} messages, "
                           f"{session.context_tokens} tokens cached", markup=False, soft_wrap=True)
+            repl.history()
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:
         if verbose:
             import traceback
@@ -180,7 +182,7 @@ class _Repl:
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": lambda _: self.say(HELP), "/reset": self.reset, "/system": self.system, "/save": self.save,
             "/load": self.load, "/sessions": self.sessions, "/stats": self.stats, "/undo": self.undo,
-            "/retry": self.retry, "/set": self.set,
+            "/retry": self.retry, "/set": self.set, "/history": self.history,
         }
 
     def say(self, text: str, style: str | None = None) -> None:
@@ -253,6 +255,11 @@ class _Repl:
             self.say(f"[answer cut at {cut}]", "dim")
         if last.dropped_turns:
             self.say(f"[{last.dropped_turns} earliest turn(s) dropped to fit the context]", "dim")
+
+    def history(self, _: str = "") -> None:
+        """The conversation so far, one paragraph per message (dim: it is context, not a new answer)."""
+        for message in self.session.messages:
+            self.say(f"{message['role']}: {message['content']}", "dim")
 
     def undo(self, _: str) -> str:
         """Drop the last user message and what follows it; returns that message (the cache is trimmed back to

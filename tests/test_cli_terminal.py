@@ -350,3 +350,12 @@ def test_show_describes_a_model():
     lines = runner.invoke(app, ["show"]).stdout
     assert "kv bytes per token  3072" in lines
     assert one_line(runner.invoke(app, ["show", "/nonexistent/model"]), 1).startswith("error: model not found")
+
+
+def test_resume_shows_the_history(tmp_path):
+    first = _chat(tmp_path, "-n", "4", "--system", "Be brief.", lines="Hello there\n/save trip\n")
+    assert first.returncode == 0, first.stderr
+    answer = first.stdout.strip()
+    resumed = _chat(tmp_path, "-n", "4", "--resume", "trip", lines="/history\n")
+    shown = "system: Be brief.\nuser: Hello there\nassistant: " + answer
+    assert resumed.stderr.count(shown) == 2, resumed.stderr  # at --resume, then for /history
