@@ -18,7 +18,7 @@ from mlxkv import rules
 from mlxkv.cli import shared_options as options
 from mlxkv.cli.interrupt import StopOnCtrlC
 from mlxkv.cli.options import KV_PANEL, SAMPLING_PANEL, overflow_config, sampling_defaults, with_revision
-from mlxkv.cli.validate import check_folder_option, refuse_unused, refuse_useless_dequantize, unused_sampling
+from mlxkv.cli.validate import add_extra_eos, check_folder_option, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 HELP = """commands:
   /help            this list
@@ -69,6 +69,7 @@ def chat(
     stop: Optional[list[str]] = options.STOP,
     repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    extra_eos_token: Optional[list[str]] = options.EXTRA_EOS_TOKEN,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
     max_kv_size: Optional[int] = CHAT_MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
@@ -121,6 +122,7 @@ def chat(
         loaded = load(model, dequantize=dequantize, chat_template=chat_template)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
+        add_extra_eos(loaded.tokenizer, extra_eos_token)
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
                               kv_group_size=kv_group_size, overflow=overflow,

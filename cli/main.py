@@ -20,7 +20,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_utf8, read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
+from mlxkv.cli.validate import add_extra_eos, check_utf8, read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 app = typer.Typer(
     name="mlxkv",
@@ -110,6 +110,7 @@ def generate(
     stop: Optional[list[str]] = options.STOP,
     repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
     chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    extra_eos_token: Optional[list[str]] = options.EXTRA_EOS_TOKEN,
     kv_backend: str = options.KV_BACKEND,
     max_kv_size: Optional[int] = options.MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
@@ -214,6 +215,7 @@ def generate(
         ranks.shard(loaded)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
+        add_extra_eos(loaded.tokenizer, extra_eos_token)
         _quiet_length_warning(loaded.tokenizer)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None,
                                template_kwargs=sampling.chat_template_kwargs)
@@ -301,6 +303,7 @@ from mlxkv.cli.chat import chat  # noqa: E402
 from mlxkv.cli.serve import serve  # noqa: E402
 
 from mlxkv.cli.models import models_app  # noqa: E402
+from mlxkv.cli.pull import pull  # noqa: E402
 from mlxkv.cli.show import show  # noqa: E402
 
 app.command(cls=Command)(serve)
@@ -308,6 +311,7 @@ app.add_typer(models_app, name="models", help="List the models on this machine (
                                               "used before) with sizes; rm deletes one.")
 app.command(cls=Command)(chat)
 app.command(cls=Command)(show)
+app.command(cls=Command)(pull)
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
 
 

@@ -66,6 +66,11 @@ CHAT_TEMPLATE_KWARGS = typer.Option(
     help='JSON object of extra chat template variables, e.g. \'{"enable_thinking": false}\' (serve: for every '
          "request; a request's chat_template_kwargs keys win).")
 
+EXTRA_EOS_TOKEN = typer.Option(None, "--extra-eos-token", metavar="TOKEN", callback=check_utf8,
+                               rich_help_panel=SAMPLING_PANEL,
+                               help="A token (as the vocabulary spells it, or its id) that also ends an answer "
+                                    "(repeatable).")
+
 KV_BACKEND = typer.Option("dense", "--kv-backend", callback=from_rule(rules.KV_BACKEND), metavar="[dense|paged]",
                           rich_help_panel=KV_PANEL,
                           help="KV storage: dense buffers or paged blocks (a shared pool with prefix caching).")
@@ -124,6 +129,6 @@ SERVE_MAX_TOKENS = _with_default(MAX_TOKENS, SERVE_DEFAULTS["max_tokens"],
 SERVE_KV_BACKEND = _with_default(KV_BACKEND, SERVE_DEFAULTS["kv_backend"])
 
 __all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "SYSTEM", "DISTRIBUTED", "MAX_TOKENS", "TEMP",
-           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "REPETITION_PENALTY", "CHAT_TEMPLATE_KWARGS", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
+           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "REPETITION_PENALTY", "CHAT_TEMPLATE_KWARGS", "EXTRA_EOS_TOKEN", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
            "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
            "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]

@@ -101,6 +101,20 @@ def refuse_useless_dequantize(loaded: Any, dequantize: bool) -> None:
         raise ValueError(f"--dequantize has no effect: {loaded.name} has no quantized weights (drop --dequantize)")
 
 
+def add_extra_eos(tokenizer: Any, tokens: Any) -> None:
+    """``--extra-eos-token``: each token (its text as the vocabulary spells it, or an id) also ends an answer.
+
+    Raises:
+        ValueError: a token the vocabulary does not have, in one line.
+    """
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for token in tokens or ():
+        token_id = int(token) if token.isdigit() else vocab.get(token)
+        if token_id is None or not 0 <= token_id < len(tokenizer):
+            raise ValueError(f"--extra-eos-token {token!r} is not a token of this model's vocabulary")
+        tokenizer.eos_token_ids = {*tokenizer.eos_token_ids, token_id}
+
+
 #: Why an option has no effect where :func:`refuse_unused` refuses it.
 _GREEDY = "has no effect at --temp 0 (greedy decoding draws nothing at random): raise --temp or drop "
 WHY = {
@@ -125,4 +139,4 @@ def check_file_option(value: Optional[str]) -> Optional[str]:
 
 
 __all__ = ["given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
-           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "WHY"]
+           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "WHY"]

@@ -158,7 +158,7 @@ def _value_options():
 #: that uses it, and that step fails in one line.
 FREE_TEXT = {"--model", "--served-model-name", "--api-key", "--metrics-key", "--admin-key", "--tool-parser",
              "--kv-disk-cache", "--sessions-dir", "--draft-model", "--json-schema", "--url", "--resume", "--host",
-             "show --revision"}
+             "show --revision", "pull --revision"}
 
 
 @pytest.mark.parametrize("path, option, arguments", list(_value_options()))
@@ -359,3 +359,14 @@ def test_resume_shows_the_history(tmp_path):
     resumed = _chat(tmp_path, "-n", "4", "--resume", "trip", lines="/history\n")
     shown = "system: Be brief.\nuser: Hello there\nassistant: " + answer
     assert resumed.stderr.count(shown) == 2, resumed.stderr  # at --resume, then for /history
+
+
+def test_an_extra_eos_token_ends_the_answer(tmp_path):
+    plain = runner.invoke(app, ["generate", "-n", "20", "The import statement"])
+    ended = runner.invoke(app, ["generate", "-n", "20", "--extra-eos-token", '"', "The import statement"])
+    assert ended.exit_code == 0 and len(ended.stdout) < len(plain.stdout), (plain.stdout, ended.stdout)
+    assert "[cut at" in plain.stderr and "[cut at" not in ended.stderr
+    chat = _chat(tmp_path, "-n", "20", "--extra-eos-token", '"', lines="Hello\n")
+    assert chat.returncode == 0 and chat.stdout.count('"') <= 1 and "cut at" not in chat.stderr  # ends at a quote
+    line = one_line(runner.invoke(app, ["generate", "--extra-eos-token", "zzzqqq", "x"]), 1)
+    assert line == "error: --extra-eos-token 'zzzqqq' is not a token of this model's vocabulary"
