@@ -243,17 +243,18 @@ def generate(
         sys.stdout.write("\n")  # the shell's prompt starts on a line of its own, however the text ended
         sys.stdout.flush()
         interrupted = stopped()
-        if finish == "length" and ranks.rank == 0:
-            typer.echo(f"[cut at --max-tokens {max_tokens}]", err=True)
+        complete = True
         if fmt is not None:
             from mlxkv.structured.constraint import is_complete_document
 
             complete = is_complete_document(fmt, loaded.tokenizer, "".join(output))
+        if finish == "length" and ranks.rank == 0 and complete:  # an incomplete document has its own error
+            typer.echo(f"[cut at --max-tokens {max_tokens}]", err=True)
     except (ModelLoadError, ValueError, RuntimeError) as exc:
         _fail(str(exc), verbose)
     if interrupted:
         raise typer.Exit(code=130)  # as a shell reports a command ended by Ctrl-C
-    if fmt is not None and not complete:
+    if not complete:
         _fail("the JSON output is incomplete: generation stopped at --max-tokens or a --stop string before the "
               "document was closed", verbose)
     if verbose and ranks.rank == 0:
