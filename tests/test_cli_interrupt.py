@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the cat sat on a mat while python programs ran over every loop and function call".split()
 
 
-def _long_text(words: int = 2600) -> str:
-    """About 3,000 SmolLM2 tokens of plain words."""
+def _long_text(words: int = 3000) -> str:
+    """About 3,000 SmolLM2 tokens of plain words (one token a word)."""
     rng = random.Random(0)
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
