@@ -78,6 +78,14 @@ def test_chat_and_generate_refuse_the_same_max_kv_size(monkeypatch):
     assert "(x > 4)" in " ".join(help_text.split())  # the help states the bound the check applies
 
 
+def test_chat_refuses_a_kv_group_that_does_not_divide_head_dim_at_start(tmp_path):
+    args = ["--kv-bits", "4", "--kv-group-size", "128"]  # the demo model's head_dim is 48
+    chat = _chat(tmp_path, *args, lines="Hello\n")
+    generate = runner.invoke(app, ["generate", *args, "Hello"])
+    assert chat.returncode == 1 and chat.stdout == "" and chat.stderr.strip() == one_line(generate, 1)
+    assert "head_dim 48 is not divisible by the KV quantization group size 128" in chat.stderr
+
+
 # ----------------------------------------------------------------------------------------- 4: models and chat
 def test_a_gguf_used_through_chat_is_listed_and_removed_by_its_folder(tmp_path, test_model_dir):
     from testkit.gguf_files import write_gguf

@@ -24,6 +24,7 @@ from mlxkv.engine.output import TextStream
 from mlxkv.engine.prefill import PrefillStopped, prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.kv import RewindError, each_layer_cache, make_caches
+from mlxkv.kv.layouts import check_kv_group_size
 
 
 @dataclass
@@ -66,7 +67,7 @@ class ChatSession:
         template_kwargs: extra chat template variables for every rendering (e.g. ``{"enable_thinking": False}``).
 
     Raises:
-        ValueError: no chat template, or a bad cache option.
+        ValueError: no chat template, or a bad cache option (a quantization group that does not divide head_dim).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, max_kv_size: int | None = None,
@@ -76,6 +77,8 @@ class ChatSession:
             raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
         if max_kv_size is not None and max_kv_size < 2:
             raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
+        if kv_bits is not None:  # checked now, as generate's store checks it, not at each message
+            check_kv_group_size(model, kv_group_size)
         self.model = model
         self.tokenizer = tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
