@@ -26,7 +26,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_folder_option, refuse_unused
+from mlxkv.cli.validate import check_folder_option, refuse_unused, refuse_useless_dequantize
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
@@ -205,6 +205,7 @@ def serve(
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
                       distributed=leader)
+        refuse_useless_dequantize(parts.loaded, dequantize)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         from mlxkv.cli.options import in_cli_words

@@ -143,6 +143,8 @@ def test_dequantize_on_an_unquantized_model_is_refused(tmp_path):
     assert line == "error: --dequantize has no effect: mlxkv-demo has no quantized weights (drop --dequantize)"
     done = _chat(tmp_path, "--dequantize")
     assert done.returncode == 1 and done.stderr.strip() == line
+    served = runner.invoke(app, ["serve", "--dequantize", "--port", "0"])
+    assert one_line(served, 1) == line
 
 
 def _commands(command=None, path=()):
