@@ -214,9 +214,16 @@ class ChatSession:
         mx.eval(y)
         stats.prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
+        shown: list[int] = []
+        emitted: list[str] = []  # the text yielded so far
         for n in range(max_new):
             if stop_requested():  # token n, computed after Ctrl-C, is neither shown nor fed to the model
                 stats.finish_reason = "interrupted"
+                # What the stream still held back (a partial character or stop-string prefix) joins the answer,
+                # so that its text renders back to the tokens the cache holds.
+                full, said = (self.tokenizer.decode(shown), "".join(emitted)) if shown else ("", "")
+                if full.startswith(said) and len(full) > len(said):
+                    yield full[len(said):]
                 return
             # The dense in-place order (mlxkv.kv.layouts): build step n+1, read token n, then schedule n+1.
             more = n + 1 < max_new
@@ -231,7 +238,9 @@ class ChatSession:
             stats.generation_tokens += 1
             stats.generation_seconds = time.perf_counter() - start
             piece, finish = stream.feed(token)
+            shown.append(token)
             if piece:
+                emitted.append(piece)
                 yield piece
             if finish is not None:
                 stats.finish_reason = finish
