@@ -83,7 +83,7 @@ def _fail(message: str) -> None:
 
 @models_app.callback(invoke_without_command=True)
 def models(ctx: typer.Context,
-           as_json: bool = typer.Option(False, "--json", help="A JSON list (model, bytes, source, last_used) "
+           as_json: bool = typer.Option(False, "--json", metavar=FLAG, help="A JSON list (model, bytes, source, last_used) "
                                                                  "instead of a table.")) -> None:
     """List the models in the Hugging Face cache and the GGUF files used before, with their sizes."""
     if ctx.invoked_subcommand is not None:

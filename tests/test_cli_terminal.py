@@ -240,7 +240,8 @@ def test_heads_are_named_in_words():
 
 
 # --------------------------------------------------------------------------------------------------- 9: --help
-@pytest.mark.parametrize("path", [p for p, _ in _commands()] + [()], ids=lambda p: " ".join(p) or "mlxkv")
+@pytest.mark.parametrize("path", [p for p, _ in _commands()] + [(), ("models",), ("cache",)],
+                         ids=lambda p: " ".join(p) or "mlxkv")
 def test_help_reads_plainly(path):
     text = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"}).stdout
     assert "Usage: mlxkv" in text
