@@ -11,7 +11,9 @@ from pathlib import Path
 
 import typer
 
-cache_app = typer.Typer(name="cache", help="Inspect the KV cache: tier folders and a server's stats.",
+from mlxkv.cli.errors import Command, Group
+
+cache_app = typer.Typer(cls=Group, name="cache", help="Inspect the KV cache: tier folders and a server's stats.",
                         no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -32,8 +34,11 @@ def _fmt_age(seconds: float) -> str:
 
 
 def _folder(path: Path) -> Path:
+    if not path.exists():
+        typer.echo(f"error: {path} does not exist yet: `mlxkv serve --kv-disk-cache {path}` creates it", err=True)
+        raise typer.Exit(code=1)
     if not path.is_dir():
-        typer.echo(f"error: {path} is not a folder", err=True)
+        typer.echo(f"error: {path} is a file, not a folder", err=True)
         raise typer.Exit(code=1)
     return path
 
@@ -56,8 +61,10 @@ def _listing(folder: Path):
     return listing
 
 
-@cache_app.command("ls")
-def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> None:
+@cache_app.command("ls", cls=Command)
+def ls(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-tier folder."),
+       as_json: bool = typer.Option(False, "--json", help="One JSON object (chains and totals) instead of a table.")
+       ) -> None:
     """List the cached chains in a tier folder: blocks, tokens, priority, bytes, model, age.
 
     Only files verified with the folder's secret are listed; each other file gets one warning line.
@@ -75,6 +82,7 @@ def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> N
         table.add_column(col, justify="left" if text else "right", no_wrap=text)
     now = time.time()
     total_blocks = total_bytes = 0
+    rows = []
     for chain in sorted(chains(listing.entries), key=lambda c: -max(e.header.created for e in c)):
         root = chain[0].header
         fp = root.fingerprint
@@ -82,12 +90,20 @@ def ls(folder: Path = typer.Argument(..., help="A secondary-tier folder.")) -> N
         nbytes = sum(e.size for e in chain)
         total_blocks += len(chain)
         total_bytes += nbytes
+        rows.append({"chain": root.block_hash, "complete": all(e.complete for e in chain), "group": root.group_id,
+                     "blocks": len(chain), "tokens": sum(e.header.block_size for e in chain),
+                     "priorities": prios, "bytes": nbytes, "architecture": fp.architecture, "model": fp.digest,
+                     "age_s": round(now - max(e.header.created for e in chain), 3)})
         table.add_row(
             root.block_hash[:12] + ("" if all(e.complete for e in chain) else " (truncated)"),
             str(root.group_id), str(len(chain)), str(sum(e.header.block_size for e in chain)),
             str(prios[0]) if len(prios) == 1 else f"{prios[0]}-{prios[-1]}", _fmt_bytes(nbytes),
             f"{fp.architecture} {fp.digest[:8]}", _fmt_age(now - max(e.header.created for e in chain)),
         )
+    if as_json:
+        typer.echo(json.dumps({"folder": str(folder), "chains": rows, "blocks": total_blocks, "bytes": total_bytes,
+                               "unreadable": len(listing.bad), "duplicates": listing.duplicates}))
+        return
     console = Console()
     console.print(table)
     notes = [f"{n} unreadable file(s)" for n in (len(listing.bad),) if n]
@@ -113,8 +129,8 @@ def _distributed_note(folder: Path, command: str) -> None:
                    f"here; pass one of them (mlxkv cache {command} {folder / ranks[0]})", err=True)
 
 
-@cache_app.command("clear")
-def clear(folder: Path = typer.Argument(..., help="A secondary-tier folder."),
+@cache_app.command("clear", cls=Command)
+def clear(folder: Path = typer.Argument(..., metavar="FOLDER", help="A secondary-tier folder."),
           yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking.")) -> None:
     """Delete every tier block file in a folder (readable or not, of any model or format version) and leftover
     temp files; other files are left alone. Asks for confirmation unless --yes is given."""
@@ -167,6 +183,10 @@ def _get_json(url: str, api_key: str | None, timeout: float = 10.0):
         raise _ReadError("the URL must start with http:// or https://")
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     if api_key:
+        try:
+            api_key.encode("latin-1")  # what an HTTP header can carry
+        except UnicodeEncodeError:
+            raise _ReadError("the API key is not text an HTTP header can carry (latin-1)") from None
         request.add_unredirected_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.build_opener(NoRedirects).open(request, timeout=timeout) as resp:
@@ -197,10 +217,12 @@ def _rate(x) -> str:
     return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
 
 
-@cache_app.command("stats")
+@cache_app.command("stats", cls=Command)
 def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
                                   help="Base URL of a running mlxkv server (serve's default port)."),
-          api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token.")) -> None:
+          api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token."),
+          as_json: bool = typer.Option(False, "--json", help="The server's JSON as it is, instead of tables.")
+          ) -> None:
     """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""
     from rich.console import Console
     from rich.table import Table
@@ -214,6 +236,9 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
     if not isinstance(snap, dict):
         typer.echo(f"error: {endpoint} returned {type(snap).__name__}, expected a JSON object", err=True)
         raise typer.Exit(code=1)
+    if as_json:
+        typer.echo(json.dumps(snap))
+        return
     console = Console()
     tier = snap.get("tier")
     if not isinstance(tier, dict) or not isinstance(tier.get("secondary"), dict):

@@ -1,22 +1,24 @@
 """``mlxkv chat``: talk to a model in the terminal; the KV cache persists across turns (:mod:`mlxkv.chat`).
 
 Thin: parse options, load the model, then a read-answer loop (prompt_toolkit line editing and history on a
-terminal, plain lines from a pipe) whose ``/commands`` call the library. MLX is imported inside the command.
+terminal, plain lines from a pipe) whose ``/commands`` call the library. Answers go to standard output; the
+banner, the commands' replies, markers and errors to standard error, so a piped chat's output is the answers.
+MLX is imported inside the command.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
 
+from mlxkv import rules
 from mlxkv.cli import shared_options as options
-from mlxkv.cli.options import KV_PANEL, overflow_config, sampling_defaults, with_revision
-from mlxkv.cli.validate import refuse_unused
+from mlxkv.cli.interrupt import StopOnCtrlC
+from mlxkv.cli.options import KV_PANEL, SAMPLING_PANEL, overflow_config, sampling_defaults, with_revision
+from mlxkv.cli.validate import add_extra_eos, check_folder_option, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 HELP = """commands:
   /help            this list
@@ -26,7 +28,30 @@ HELP = """commands:
   /load NAME       continue saved session NAME
   /sessions        list the saved sessions
   /stats           context and KV cache size, the last turn's prefill and decode figures
-  /exit, /quit     leave (Ctrl-D too); Ctrl-C stops an answer"""
+  /history         the conversation so far (shown on --resume too)
+  /undo            drop the last message and its answer
+  /retry           answer the last message again (with --temp above 0, a new draw)
+  /set             show the sampling settings; /set NAME VALUE changes one (temp, top-p, top-k, min-p,
+                   max-tokens, repetition-penalty, seed)
+  /exit, /quit     leave (Ctrl-D too); Ctrl-C stops an answer, or its prefill
+  \"\"\"              on a line of its own (or starting a message): a message of several lines, ended by \"\"\"
+                   (Esc then Enter also inserts a new line at a terminal)"""
+
+#: Chat's own defaults and help where they differ from ``generate``'s: a chat answer is longer than a completion
+#: test, and its KV cache is dense (one conversation) and capped by dropping whole turns.
+CHAT_MAX_TOKENS = typer.Option(512, "--max-tokens", "-n", callback=options.MAX_TOKENS.callback,
+                               rich_help_panel=SAMPLING_PANEL,
+                               help="Most tokens per answer (an answer cut there is marked); the context's end "
+                                    "cuts one too.")
+CHAT_MAX_KV_SIZE = typer.Option(None, "--max-kv-size", callback=options.MAX_KV_SIZE.callback, metavar="TOKENS",
+                                rich_help_panel=KV_PANEL,
+                                help=f"Most tokens of context ({rules.MAX_KV_SIZE.notation}); the earliest turns "
+                                     "are dropped past it (default: the model's context length).")
+CHAT_KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=options.KV_OVERFLOW.callback,
+                                metavar="[preempt|window|h2o|offload]", rich_help_panel=KV_PANEL,
+                                help="Past --kv-overflow-budget tokens: preempt (no cap), window (sinks + recent), "
+                                     "h2o (+ most-attended tokens), offload (h2o, evicted rows to host memory and "
+                                     "back). h2o and offload caches cannot be saved with /save.")
 
 
 def chat(
@@ -35,35 +60,38 @@ def chat(
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
     system: Optional[str] = options.SYSTEM,
-    max_tokens: int = options.MAX_TOKENS,
+    max_tokens: int = CHAT_MAX_TOKENS,
     temp: float = options.TEMP,
     top_p: float = options.TOP_P,
     top_k: int = options.TOP_K,
     min_p: float = options.MIN_P,
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    extra_eos_token: Optional[list[str]] = options.EXTRA_EOS_TOKEN,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
-    max_kv_size: Optional[int] = typer.Option(None, "--max-kv-size", min=2, rich_help_panel=KV_PANEL,
-                                              help="Most tokens of context; older turns are dropped past it "
-                                                   "(default: the model's context length)."),
+    max_kv_size: Optional[int] = CHAT_MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
     kv_group_size: int = options.KV_GROUP_SIZE,
-    kv_overflow: str = options.KV_OVERFLOW,
+    kv_overflow: str = CHAT_KV_OVERFLOW,
     kv_overflow_budget: Optional[int] = options.KV_OVERFLOW_BUDGET,
     kv_overflow_sinks: Optional[int] = options.KV_OVERFLOW_SINKS,
     kv_overflow_recent: Optional[int] = options.KV_OVERFLOW_RECENT,
     resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", rich_help_panel="Sessions",
                                          help="Continue saved session NAME."),
     sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",
+                                               callback=check_folder_option,
                                                help="Folder of saved sessions (default: MLXKV_SESSIONS_DIR, "
                                                     "else ~/.cache/mlxkv/sessions)."),
     verbose: bool = options.VERBOSE,
 ) -> None:
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
-    refuse_unused(ctx, [("seed", "--seed", temp > 0), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
+    refuse_unused(ctx, [*unused_sampling(temp), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
     model = with_revision(model, revision)
     overflow = overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent)
-    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                                 repetition_penalty=repetition_penalty, chat_template_kwargs=chat_template_kwargs)
     if overflow.enabled and max_kv_size is not None:
         raise typer.BadParameter("--max-kv-size and --kv-overflow both cap the context: use --kv-overflow-budget",
                                  param_hint="--max-kv-size")
@@ -82,17 +110,23 @@ def chat(
     from rich.console import Console
 
     from mlxkv.chat import ChatSession, fingerprint_of, load_session
+    from mlxkv.cli.models import remember_gguf
     from mlxkv.engine.sampling import SamplingParams
     from mlxkv.models import ModelLoadError, load
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, stderr=True)
     try:
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
-                                top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()))
+                                top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()),
+                                repetition_penalty=sampling.repetition_penalty)
         loaded = load(model, dequantize=dequantize, chat_template=chat_template)
+        remember_gguf(loaded)
+        refuse_useless_dequantize(loaded, dequantize)
+        add_extra_eos(loaded.tokenizer, extra_eos_token)
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
-                              kv_group_size=kv_group_size, overflow=overflow)
+                              kv_group_size=kv_group_size, overflow=overflow,
+                              template_kwargs=sampling.chat_template_kwargs)
         repl = _Repl(console, session, params, folder, fingerprint_of(loaded), loaded.name)
         if resume is not None:
             load_session(session, folder, resume, repl.fingerprint)
@@ -100,6 +134,7 @@ def chat(
                 session.set_system(system)
             console.print(f"resumed session {resume}: {len(session.messages)} messages, "
                           f"{session.context_tokens} tokens cached", markup=False, soft_wrap=True)
+            repl.history()
     except (ModelLoadError, ValueError, RuntimeError, OSError) as exc:
         if verbose:
             import traceback
@@ -112,28 +147,11 @@ def chat(
     repl.run(_line_reader(folder), verbose)
 
 
-class _StopFlag:
-    """Ctrl-C while an answer streams: set a flag the turn checks between tokens instead of raising
-    KeyboardInterrupt inside a forward (which could leave layers at different lengths)."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self._previous: Any = None
-
-    def __enter__(self) -> Callable[[], bool]:
-        self.event.clear()
-        self._previous = signal.signal(signal.SIGINT, lambda *_: self.event.set())
-        return self.event.is_set
-
-    def __exit__(self, *exc: Any) -> None:
-        signal.signal(signal.SIGINT, self._previous)
-
-
 def _line_reader(folder: str) -> Callable[[], str]:
     """A function returning the next input line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C):
     prompt_toolkit with a history file on a terminal, plain lines from a pipe."""
     if not sys.stdin.isatty():
-        def read_pipe() -> str:
+        def read_pipe(continued: bool = False) -> str:
             line = sys.stdin.readline()
             if not line:
                 raise EOFError
@@ -150,7 +168,11 @@ def _line_reader(folder: str) -> Callable[[], str]:
     except OSError:  # an unwritable folder costs the history, not the chat
         history = InMemoryHistory()
     prompt = PromptSession(history=history)
-    return lambda: prompt.prompt(">>> ")
+    return lambda continued=False: prompt.prompt("... " if continued else ">>> ")
+
+
+#: Starts and ends a message of several lines (as in ollama).
+MULTILINE = '"""'
 
 
 class _Repl:
@@ -161,28 +183,29 @@ class _Repl:
         self.folder, self.fingerprint, self.model_name = folder, fingerprint, model_name
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": lambda _: self.say(HELP), "/reset": self.reset, "/system": self.system, "/save": self.save,
-            "/load": self.load, "/sessions": self.sessions, "/stats": self.stats,
+            "/load": self.load, "/sessions": self.sessions, "/stats": self.stats, "/undo": self.undo,
+            "/retry": self.retry, "/set": self.set, "/history": self.history,
         }
 
     def say(self, text: str, style: str | None = None) -> None:
         self.console.print(text, markup=False, style=style, soft_wrap=True)
 
-    def run(self, read: Callable[[], str], verbose: bool) -> None:
+    def run(self, read: Callable[..., str], verbose: bool) -> None:
         while True:
             try:
-                line = read().strip()
+                line = self.read_message(read)
             except KeyboardInterrupt:
                 continue  # Ctrl-C at the prompt clears the line
             except EOFError:
                 self.console.print()
                 return
-            if not line:
+            if not line.strip():
                 continue
-            if line in ("/exit", "/quit", "/bye"):
+            if line.strip() in ("/exit", "/quit", "/bye"):
                 return
             try:
                 if line.startswith("/"):
-                    name, _, arg = line.partition(" ")
+                    name, _, arg = line.strip().partition(" ")
                     command = self.commands.get(name)
                     if command is None:
                         self.say(f"unknown command {name}: /help lists the commands", "yellow")
@@ -190,26 +213,109 @@ class _Repl:
                         command(arg.strip())
                 else:
                     self.answer(line)
-            except ValueError as exc:
+            except (ValueError, RuntimeError, OSError, NotImplementedError) as exc:
+                # A refused command or a failed turn is one line; the conversation and the chat go on.
                 if verbose:
                     self.console.print_exception()
-                self.say(f"error: {exc}", "red")
+                self.say(f"error: {' '.join(str(exc).split())}", "red")
+
+    @staticmethod
+    def read_message(read: Callable[..., str]) -> str:
+        """The next message: one line, or the lines between a line starting with three double quotes and one
+        ending with them (the quotes dropped)."""
+        line = read().strip()
+        if not line.startswith(MULTILINE):
+            return line
+        lines, rest = [], line[len(MULTILINE):]
+        while not rest.rstrip().endswith(MULTILINE):
+            lines.append(rest)
+            rest = read(True)
+        lines.append(rest.rstrip()[:-len(MULTILINE)])
+        return "\n".join(lines).strip("\n")
 
     def answer(self, text: str) -> None:
-        with _StopFlag() as stopped:
+        out = sys.stdout
+        with StopOnCtrlC() as stopped:
             turn = self.session.turn(text, self.params, stop_requested=stopped)
+            wrote = False
             try:
-                out = self.console.file
                 for piece in turn:  # raw text: rich's rendering per token would cost more than the token
                     out.write(piece)
                     out.flush()
+                    wrote = True
             finally:
                 turn.close()
-            self.console.print()
-            if stopped():
-                self.say("[stopped]", "dim")
-        if self.session.last.dropped_turns:
-            self.say(f"[{self.session.last.dropped_turns} earliest turn(s) dropped to fit the context]", "dim")
+            if wrote:
+                out.write("\n")
+                out.flush()
+        last = self.session.last
+        if last.finish_reason == "interrupted":
+            self.say("[stopped]" if wrote else "[stopped before the answer began: the message was not added]", "dim")
+        elif last.finish_reason == "length":
+            cut = (f"--max-tokens {self.params.max_tokens}" if last.generation_tokens >= self.params.max_tokens
+                   else "the end of the context")
+            self.say(f"[answer cut at {cut}]", "dim")
+        if last.dropped_turns:
+            self.say(f"[{last.dropped_turns} earliest turn(s) dropped to fit the context]", "dim")
+
+    def history(self, _: str = "") -> None:
+        """The conversation so far, one paragraph per message (dim: it is context, not a new answer)."""
+        for message in self.session.messages:
+            self.say(f"{message['role']}: {message['content']}", "dim")
+
+    def undo(self, _: str) -> str:
+        """Drop the last user message and what follows it; returns that message (the cache is trimmed back to
+        the common prefix with the next turn's rendering, as for any edit of the history)."""
+        users = [i for i, m in enumerate(self.session.messages) if m["role"] == "user"]
+        if not users:
+            raise ValueError("nothing to undo: the conversation has no message yet")
+        text = self.session.messages[users[-1]]["content"]
+        del self.session.messages[users[-1]:]
+        self.say("dropped the last message and its answer")
+        return text
+
+    def retry(self, _: str) -> None:
+        users = [m for m in self.session.messages if m["role"] == "user"]
+        if not users:
+            raise ValueError("nothing to retry: the conversation has no message yet")
+        text = users[-1]["content"]
+        del self.session.messages[self.session.messages.index(users[-1]):]
+        self.answer(text)
+
+    #: ``/set`` names -> SamplingParams fields and their parsers.
+    SETTINGS = {"temp": ("temp", float), "top-p": ("top_p", float), "top-k": ("top_k", int),
+                "min-p": ("min_p", float), "max-tokens": ("max_tokens", int),
+                "repetition-penalty": ("repetition_penalty", float), "seed": ("seed", int)}
+
+    def set(self, arg: str) -> None:
+        import dataclasses
+
+        from mlxkv.config import SamplingDefaults
+
+        p = self.params
+        if not arg:
+            self.say(f"temp {p.temp}, top-p {p.top_p}, top-k {p.top_k}, min-p {p.min_p}, max-tokens "
+                     f"{p.max_tokens}, repetition-penalty {p.repetition_penalty or 'off'}, seed {p.seed or 'none'}")
+            return
+        name, _, value = arg.partition(" ")
+        if name not in self.SETTINGS or not value.strip():
+            raise ValueError(f"/set NAME VALUE, NAME one of {', '.join(self.SETTINGS)}")
+        field, parse = self.SETTINGS[name]
+        try:
+            parsed = parse(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}: {value.strip()!r} is not a{'n integer' if parse is int else ' number'}") \
+                from None
+        changed = dataclasses.replace(p, **{field: parsed})
+        if field != "seed":  # the rules the options apply (a seed is any integer)
+            SamplingDefaults(temp=changed.temp, top_p=changed.top_p, top_k=changed.top_k, min_p=changed.min_p,
+                             max_tokens=changed.max_tokens, repetition_penalty=changed.repetition_penalty)
+        greedy = changed.temp == 0
+        if greedy and field in ("top_p", "top_k", "min_p", "seed"):
+            raise ValueError(f"{name} has no effect at temp 0 (greedy decoding draws nothing at random): "
+                             "/set temp first")
+        self.params = changed
+        self.say(f"{name} set to {parsed}")
 
     def reset(self, _: str) -> None:
         self.session.reset(self.session.system)

@@ -26,6 +26,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         reason = exc.strerror or str(exc)
         raise ListenError(f"cannot listen on {url(host, port)}: {reason.lower()}") from None
+    except (UnicodeError, ValueError, TypeError) as exc:  # a name the resolver cannot even encode
+        sock.close()
+        raise ListenError(f"cannot listen on {url(host, port)!r}: not a host name or address ({exc})") from None
     sock.set_inheritable(True)
     return sock
 

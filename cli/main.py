@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 
 from mlxkv.cli import shared_options as options
+from mlxkv.cli.errors import Command, OneLineErrors
+from mlxkv.cli.interrupt import StopOnCtrlC
 from mlxkv.cli.options import (
     FLAG,
     MODEL_PANEL,
@@ -18,10 +20,11 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import read_prompt, refuse_unused
+from mlxkv.cli.validate import add_extra_eos, check_utf8, read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 app = typer.Typer(
     name="mlxkv",
+    cls=OneLineErrors,
     help="Local LLM inference on MLX with a first-class KV cache.",
     no_args_is_help=True,
     add_completion=False,
@@ -81,10 +84,14 @@ def _check_context(loaded, prompt_tokens: int, max_tokens: int) -> None:
                    f"context of {limit} tokens; text past it may degrade", err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def generate(
     ctx: typer.Context,
-    prompt: str = typer.Argument(..., help="The prompt text, or - to read it from standard input."),
+    prompt: Optional[str] = typer.Argument(None, metavar="PROMPT", show_default=False,
+                                           help="The prompt text, or - to read it from standard input."),
+    prompt_option: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", callback=check_utf8,
+                                                rich_help_panel=MODEL_PANEL,
+                                                help="The prompt, as an option (mlx-lm's spelling); - reads stdin."),
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
@@ -101,6 +108,9 @@ def generate(
     min_p: float = options.MIN_P,
     seed: Optional[int] = options.SEED,
     stop: Optional[list[str]] = options.STOP,
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
+    extra_eos_token: Optional[list[str]] = options.EXTRA_EOS_TOKEN,
     kv_backend: str = options.KV_BACKEND,
     max_kv_size: Optional[int] = options.MAX_KV_SIZE,
     kv_bits: Optional[int] = options.KV_BITS,
@@ -129,7 +139,13 @@ def generate(
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
         raise typer.BadParameter("--chat and --raw exclude each other", param_hint="--chat")
-    refuse_unused(ctx, [("seed", "--seed", temp > 0),
+    if prompt is not None and prompt_option is not None:
+        raise typer.BadParameter("give the prompt once: as the argument or with --prompt", param_hint="--prompt")
+    prompt = prompt if prompt is not None else prompt_option
+    if prompt is None:
+        raise typer.BadParameter("no prompt: give it as the argument, with -p TEXT, or - to read standard input",
+                                 param_hint="PROMPT")
+    refuse_unused(ctx, [*unused_sampling(temp),
                         ("num_draft_tokens", "--num-draft-tokens", bool(draft_model) or prompt_lookup),
                         ("ngram_size", "--ngram-size", prompt_lookup),
                         ("kv_group_size", "--kv-group-size", kv_bits is not None),
@@ -166,6 +182,7 @@ def generate(
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
     from mlxkv.distributed.generate import GenerateRanks
+    from mlxkv.engine.prefill import PrefillStopped
 
     try:
         ranks = GenerateRanks(distributed)
@@ -177,7 +194,10 @@ def generate(
     kv = kv_config(backend=kv_backend, block_size=kv_block_size, max_kv_size=max_kv_size, kv_bits=kv_bits,
                    kv_group_size=kv_group_size, state_snapshot_interval=state_snapshot_interval,
                    overflow=overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent))
-    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens)
+    sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                                 repetition_penalty=repetition_penalty, chat_template_kwargs=chat_template_kwargs)
+    if chat_template_kwargs is not None and raw:
+        raise typer.BadParameter("applies to the chat template: drop --raw", param_hint="--chat-template-kwargs")
     if draft_model:
         try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
             resolve_model_path(draft_model)
@@ -190,30 +210,45 @@ def generate(
                         chat_template=chat_template)
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
                                 top_k=sampling.top_k, min_p=sampling.min_p, seed=ranks.seed(seed, temp > 0),
-                                stop=tuple(stop or ()))
+                                stop=tuple(stop or ()), repetition_penalty=sampling.repetition_penalty)
         loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
         ranks.shard(loaded)
         remember_gguf(loaded)
+        refuse_useless_dequantize(loaded, dequantize)
+        add_extra_eos(loaded.tokenizer, extra_eos_token)
         _quiet_length_warning(loaded.tokenizer)
-        tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None)
+        tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None,
+                               template_kwargs=sampling.chat_template_kwargs)
         _check_context(loaded, len(tokens), max_tokens)
         try:
             engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
         except ModelLoadError as exc:
             raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
-        output = []
-        for chunk in engine.generate(tokens, params, response_format=fmt):
-            output.append(chunk.text)
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+        output, finish = [], None
+        with StopOnCtrlC() as stopped:
+            try:
+                for chunk in engine.generate(tokens, params, response_format=fmt, should_stop=stopped):
+                    output.append(chunk.text)
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    finish = chunk.finish_reason
+            except PrefillStopped:
+                pass  # Ctrl-C before the first token: nothing to show
+        sys.stdout.write("\n")  # the shell's prompt starts on a line of its own, however the text ended
+        sys.stdout.flush()
+        interrupted = stopped()
+        complete = True
         if fmt is not None:
             from mlxkv.structured.constraint import is_complete_document
 
             complete = is_complete_document(fmt, loaded.tokenizer, "".join(output))
+        if finish == "length" and ranks.rank == 0 and complete:  # an incomplete document has its own error
+            typer.echo(f"[cut at --max-tokens {max_tokens}]", err=True)
     except (ModelLoadError, ValueError, RuntimeError) as exc:
         _fail(str(exc), verbose)
-    if fmt is not None and not complete:
+    if interrupted:
+        raise typer.Exit(code=130)  # as a shell reports a command ended by Ctrl-C
+    if not complete:
         _fail("the JSON output is incomplete: generation stopped at --max-tokens or a --stop string before the "
               "document was closed", verbose)
     if verbose and ranks.rank == 0:
@@ -231,10 +266,10 @@ def generate(
                        f"{s.tokens_per_forward:.2f} tokens per target forward", err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def convert(
-    gguf_file: str = typer.Argument(..., help="The GGUF file to convert."),
-    out_dir: str = typer.Argument(..., help="Folder to write (must not exist, or be empty)."),
+    gguf_file: str = typer.Argument(..., metavar="GGUF_FILE", help="The GGUF file to convert."),
+    out_dir: str = typer.Argument(..., metavar="OUT_DIR", help="Folder to write (must not exist, or be empty)."),
     dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG,
                                     help="Write quantized weights unquantized (float32 on the CPU backend)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, help="Tracebacks on errors."),
@@ -246,8 +281,11 @@ def convert(
     from mlxkv.gguf import convert as convert_gguf
 
     source = Path(gguf_file).expanduser()
+    if not source.exists():
+        _fail(f"no such file: {gguf_file}", verbose)
     if not source.is_file() or not is_gguf(source):
-        _fail(f"not a GGUF file: {gguf_file}", verbose)
+        _fail(f"{gguf_file} is {'a folder' if source.is_dir() else 'not a GGUF file'}: convert takes a GGUF file",
+              verbose)
     try:
         out = convert_gguf(source, out_dir, dequantize=dequantize)
     except GGUFError as exc:
@@ -261,17 +299,32 @@ from mlxkv.cli.serve import serve  # noqa: E402
 from mlxkv.cli.top import top  # noqa: E402
 
 from mlxkv.cli.models import models_app  # noqa: E402
+from mlxkv.cli.pull import pull  # noqa: E402
+from mlxkv.cli.show import show  # noqa: E402
 
-app.command()(serve)
+app.command(cls=Command)(serve)
 app.add_typer(models_app, name="models", help="List the models on this machine (Hugging Face cache, GGUF files "
                                               "used before) with sizes; rm deletes one.")
-app.command()(chat)
+app.command(cls=Command)(chat)
+app.command(cls=Command)(show)
+app.command(cls=Command)(pull)
 app.add_typer(cache_app, name="cache", help="Inspect and clear on-disk KV caches; stats of a running server.")
-app.command()(top)
+app.command(cls=Command)(top)
 
 
 def main() -> None:  # pragma: no cover - entry point
-    app()
+    """The ``mlxkv`` program. After Ctrl-C (exit status 130) the process ends without tearing down its objects:
+    freeing a loaded model takes the better part of a second, and Ctrl-C asks for the shell back now."""
+    try:
+        app(prog_name="mlxkv")
+    except SystemExit as exc:
+        if exc.code == 130:
+            import os
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

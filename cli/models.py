@@ -9,9 +9,11 @@ from typing import Optional
 
 import typer
 
+from mlxkv.cli.errors import Command, Group
+
 from mlxkv.cli.options import FLAG
 
-models_app = typer.Typer(no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
+models_app = typer.Typer(cls=Group, no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
 
 
 def human_size(n: Optional[int]) -> str:
@@ -60,13 +62,29 @@ def remember_gguf(loaded) -> None:
         pass  # the list is a convenience; the run the user asked for goes on
 
 
+def _gguf_spellings(model_id: str) -> list[str]:
+    """The GGUF paths ``model_id`` may name as listed: itself, the file it names, or the one GGUF file of the
+    folder it names (``-m`` takes such a folder too)."""
+    from pathlib import Path
+
+    path = Path(model_id).expanduser()
+    spellings = [model_id, str(path.resolve())]
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            spellings.append(str(found[0].resolve()))
+    return spellings
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=1)
 
 
 @models_app.callback(invoke_without_command=True)
-def models(ctx: typer.Context) -> None:
+def models(ctx: typer.Context,
+           as_json: bool = typer.Option(False, "--json", metavar=FLAG, help="A JSON list (model, bytes, source, last_used) "
+                                                                 "instead of a table.")) -> None:
     """List the models in the Hugging Face cache and the GGUF files used before, with their sizes."""
     if ctx.invoked_subcommand is not None:
         return
@@ -78,6 +96,12 @@ def models(ctx: typer.Context) -> None:
         _fail(str(exc))
     rows = [_Row(r.repo_id, r.size_on_disk, "hf cache", r.last_accessed) for r in _hub_repos(_hub_cache())]
     rows += [_Row(g.path, g.size, "gguf", g.last_used) for g in ggufs]
+    if as_json:
+        import json
+
+        typer.echo(json.dumps([{"model": r.model, "bytes": r.size, "source": r.source, "last_used": r.last_used}
+                               for r in rows]))
+        return
     if not rows:
         typer.echo("no models yet: `mlxkv generate -m owner/name ...` downloads one into the Hugging Face cache, "
                    "and GGUF files given to -m are listed here after their first use", err=True)
@@ -89,7 +113,7 @@ def models(ctx: typer.Context) -> None:
         typer.echo(f"{r.model:<{width}}  {human_size(r.size):>9}  {r.source:<8}  {used}")
 
 
-@models_app.command("rm")
+@models_app.command("rm", cls=Command)
 def rm(
     model_id: str = typer.Argument(..., metavar="ID", help="A repo id (owner/name) or a GGUF path as listed."),
     yes: bool = typer.Option(False, "--yes", "-y", metavar=FLAG, help="Do not ask for confirmation."),
@@ -111,13 +135,12 @@ def rm(
         listed = {g.path for g in gguf_registry.entries()}
     except ValueError as exc:
         _fail(str(exc))
-    from pathlib import Path
-
-    if model_id in listed or str(Path(model_id).expanduser().resolve()) in listed:
+    gguf = next((p for p in _gguf_spellings(model_id) if p in listed), None)
+    if gguf is not None:
         if not yes:
-            typer.confirm(f"forget {model_id}? (the file stays where it is)", abort=True, err=True)
-        gguf_registry.forget(model_id)
-        typer.echo(f"forgot {model_id}")
+            typer.confirm(f"forget {gguf}? (the file stays where it is)", abort=True, err=True)
+        gguf_registry.forget(gguf)
+        typer.echo(f"forgot {gguf}")
         return
     _fail(f"no model {model_id!r} in the Hugging Face cache or the GGUF list (`mlxkv models` lists them)")
 

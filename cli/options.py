@@ -145,6 +145,18 @@ def option_error(exc: ValueError) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=hint)
 
 
+#: Library words in error messages -> what the user typed on the command line (the library names its settings).
+_CLI_WORDS = {"kv_cache_budget / free_memory_fraction": "--kv-cache-budget", "kv_cache_budget": "--kv-cache-budget",
+              "max_tokens": "--max-tokens", "block_size": "--kv-block-size"}
+
+
+def in_cli_words(message: str) -> str:
+    """``message`` (a library error) with the settings it names spelled as the CLI options that set them."""
+    for word, flag in _CLI_WORDS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(word)}\b", flag, message)
+    return message
+
+
 def with_revision(model: str | None, revision: str | None) -> str | None:
     """``model`` with ``--revision`` folded in as ``owner/name@revision`` (what the loader reads).
 
@@ -190,4 +202,4 @@ def sampling_defaults(*, temp: float, top_p: float, top_k: int, min_p: float, ma
 
 
 __all__ = ["from_rule", "check_log_level", "LOG_LEVELS", "FLAG", "parse_size", "with_revision", "kv_config",
-           "overflow_config", "option_error", "sampling_defaults"]
+           "overflow_config", "option_error", "sampling_defaults", "in_cli_words"]

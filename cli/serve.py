@@ -27,7 +27,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_folder_option, refuse_unused
+from mlxkv.cli.validate import check_folder_option, refuse_unused, refuse_useless_dequantize
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
@@ -117,8 +117,8 @@ def serve(
                                                 rich_help_panel=KV_PANEL,
                                                 help="Folder for an on-disk KV block tier (paged; survives restarts)."),
     kv_disk_cache_size: int = typer.Option(0, "--kv-disk-cache-size", parser=parse_size, metavar="SIZE",
-                                           rich_help_panel=KV_PANEL,
-                                           help="Cap of the on-disk KV tier (needs --kv-disk-cache; 0 = 16GiB)."),
+                                           rich_help_panel=KV_PANEL, show_default="16GiB",
+                                           help="Cap of the on-disk KV tier (needs --kv-disk-cache)."),
     kv_disk_write_interval: float = typer.Option(
         2.0, "--kv-disk-write-interval", min=0.0, max=3600.0, rich_help_panel=KV_PANEL,
         help="Seconds between writes of newly cached KV blocks to the disk tier (what a crash can lose; 0: only "
@@ -140,20 +140,18 @@ def serve(
     top_p: float = options.TOP_P,
     top_k: int = options.TOP_K,
     min_p: float = options.MIN_P,
-    repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", rich_help_panel=SAMPLING_PANEL,
-        help="Repetition penalty (> 0; mlx-lm's, over the last 20 tokens)."),
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
     max_tokens: Optional[int] = options.SERVE_MAX_TOKENS,
-    chat_template_kwargs: Optional[str] = typer.Option(
-        None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
-        help='JSON object of extra chat template variables for every request, e.g. \'{"enable_thinking": false}\' '
-             "(a request's chat_template_kwargs keys win)."),
+    chat_template_kwargs: Optional[str] = options.CHAT_TEMPLATE_KWARGS,
     distributed: str = options.DISTRIBUTED,
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
 ) -> None:
-    """Serve the OpenAI API (chat, completions, streaming) over a continuous-batching engine.
+    """Serve the OpenAI and Anthropic HTTP APIs (streaming, tools, JSON output) from a batching engine.
+
+    OpenAI's /v1/chat/completions and /v1/completions, Anthropic's /v1/messages, over a continuous-batching engine
+    with a paged, prefix-sharing KV cache.
 
     The sampling options are the defaults of requests that leave a field out.
     """
@@ -165,7 +163,6 @@ def serve(
     from mlxkv.server.compat import parse_origins
 
     try:
-        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
         origins = parse_origins(allowed_origins)
         from mlxkv.server.tenancy import Tenants
 
@@ -174,6 +171,10 @@ def serve(
         if public_metrics and metrics_key is not None:
             raise ValueError("--public-metrics and --metrics-key contradict each other: /metrics is open or needs "
                              "a key")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--allowed-origins") from None
+    try:
+        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None
@@ -231,9 +232,12 @@ def serve(
                       ui=not no_ui,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
                       distributed=leader)
+        refuse_useless_dequantize(parts.loaded, dequantize)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
-        typer.echo(f"error: {exc}", err=True)
+        from mlxkv.cli.options import in_cli_words
+
+        typer.echo(f"error: {in_cli_words(str(exc))}", err=True)
         raise typer.Exit(code=1) from None
     except OSError as exc:  # the tier folder or its secret on a full disk, a read-only or forbidden folder
         sock.close()

@@ -23,7 +23,7 @@ from mlxkv.cli.options import (
     SAMPLING_PANEL,
     from_rule,
 )
-from mlxkv.cli.validate import check_file_option, check_utf8
+from mlxkv.cli.validate import check_file_option, check_stop, check_utf8
 
 MODEL = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
                      help="Hugging Face repo id (owner/name or owner/name@revision), local folder or GGUF file "
@@ -39,6 +39,7 @@ CHAT_TEMPLATE = typer.Option(None, "--chat-template", metavar="FILE", callback=c
 SYSTEM = typer.Option(None, "--system", metavar="TEXT", callback=check_utf8, rich_help_panel=MODEL_PANEL,
                       help="System message (with the chat template).")
 DISTRIBUTED = typer.Option("off", "--distributed", metavar="[off|tensor|pipeline]", rich_help_panel=MODEL_PANEL,
+                           callback=from_rule(rules.OneOf(("off", "tensor", "pipeline"))),
                            help="Under mlx.launch: tensor-parallel (each rank holds its share of the weights and KV "
                                 "heads) or pipeline-parallel (each rank holds a range of the layers and their KV) "
                                 "over the launched ranks; rank 0 prints or serves HTTP. See docs/distributed.md.")
@@ -55,8 +56,20 @@ MIN_P = typer.Option(0.0, "--min-p", callback=from_rule(rules.MIN_P), rich_help_
                      help=f"Min-p filter ({rules.MIN_P.notation}); 0 disables it.")
 SEED = typer.Option(None, "--seed", rich_help_panel=SAMPLING_PANEL,
                     help="Random seed for sampling (with --temp above 0).")
-STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_utf8, rich_help_panel=SAMPLING_PANEL,
+STOP = typer.Option(None, "--stop", metavar="TEXT", callback=check_stop, rich_help_panel=SAMPLING_PANEL,
                     help="Stop string (repeatable).")
+
+REPETITION_PENALTY = typer.Option(None, "--repetition-penalty", rich_help_panel=SAMPLING_PANEL,
+                                  help="Repetition penalty (> 0; mlx-lm's, over the last 20 tokens).")
+CHAT_TEMPLATE_KWARGS = typer.Option(
+    None, "--chat-template-kwargs", metavar="JSON", rich_help_panel=SAMPLING_PANEL,
+    help='JSON object of extra chat template variables, e.g. \'{"enable_thinking": false}\' (serve: for every '
+         "request; a request's chat_template_kwargs keys win).")
+
+EXTRA_EOS_TOKEN = typer.Option(None, "--extra-eos-token", metavar="TOKEN", callback=check_utf8,
+                               rich_help_panel=SAMPLING_PANEL,
+                               help="A token (as the vocabulary spells it, or its id) that also ends an answer "
+                                    "(repeatable).")
 
 KV_BACKEND = typer.Option("dense", "--kv-backend", callback=from_rule(rules.KV_BACKEND), metavar="[dense|paged]",
                           rich_help_panel=KV_PANEL,
@@ -74,7 +87,8 @@ MAX_KV_SIZE = typer.Option(None, "--max-kv-size", callback=from_rule(rules.MAX_K
                            help=f"Cap on cached tokens per layer, rotating past it (dense; "
                                 f"{rules.MAX_KV_SIZE.notation}).")
 KV_BITS = typer.Option(None, "--kv-bits", callback=from_rule(rules.KV_BITS_RULE), metavar="[4|8]",
-                       rich_help_panel=KV_PANEL, help="Quantize the KV cache to 4 or 8 bits (paged pages or dense).")
+                       rich_help_panel=KV_PANEL,
+                       help="Quantize the KV cache to 4 or 8 bits (groups of --kv-group-size along head_dim).")
 KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", callback=from_rule(rules.KV_GROUP_SIZE), metavar="[32|64|128]",
                              rich_help_panel=KV_PANEL, help="Group size for KV quantization (with --kv-bits).")
 KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=from_rule(rules.KV_OVERFLOW),
@@ -115,6 +129,6 @@ SERVE_MAX_TOKENS = _with_default(MAX_TOKENS, SERVE_DEFAULTS["max_tokens"],
 SERVE_KV_BACKEND = _with_default(KV_BACKEND, SERVE_DEFAULTS["kv_backend"])
 
 __all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "SYSTEM", "DISTRIBUTED", "MAX_TOKENS", "TEMP",
-           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
+           "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "REPETITION_PENALTY", "CHAT_TEMPLATE_KWARGS", "EXTRA_EOS_TOKEN", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
            "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
            "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]

@@ -75,9 +75,53 @@ def refuse_unused(ctx: typer.Context, rules: list[tuple[str, str, bool]]) -> Non
             raise typer.BadParameter(WHY[name], param_hint=flag)
 
 
+def unused_sampling(temp: float) -> list[tuple[str, str, bool]]:
+    """The :func:`refuse_unused` rules of the sampling options of ``generate`` and ``chat``: at ``--temp 0``
+    decoding is greedy, so a seed and the filters of the distribution do nothing."""
+    sampled = temp > 0
+    return [("seed", "--seed", sampled), ("top_p", "--top-p", sampled), ("top_k", "--top-k", sampled),
+            ("min_p", "--min-p", sampled)]
+
+
+def check_stop(value: Any) -> Any:
+    """A Typer callback for ``--stop``: UTF-8 text, and not empty (an empty stop string would match nothing)."""
+    check_utf8(value)
+    if any(item == "" for item in value or ()):
+        raise typer.BadParameter("an empty stop string matches nothing: give the text to stop at")
+    return value
+
+
+def refuse_useless_dequantize(loaded: Any, dequantize: bool) -> None:
+    """``--dequantize`` on a model stored unquantized would do nothing.
+
+    Raises:
+        ValueError: one line naming the option and the model.
+    """
+    if dequantize and not getattr(loaded, "quantized", True):
+        raise ValueError(f"--dequantize has no effect: {loaded.name} has no quantized weights (drop --dequantize)")
+
+
+def add_extra_eos(tokenizer: Any, tokens: Any) -> None:
+    """``--extra-eos-token``: each token (its text as the vocabulary spells it, or an id) also ends an answer.
+
+    Raises:
+        ValueError: a token the vocabulary does not have, in one line.
+    """
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for token in tokens or ():
+        token_id = int(token) if token.isdigit() else vocab.get(token)
+        if token_id is None or not 0 <= token_id < len(tokenizer):
+            raise ValueError(f"--extra-eos-token {token!r} is not a token of this model's vocabulary")
+        tokenizer.eos_token_ids = {*tokenizer.eos_token_ids, token_id}
+
+
 #: Why an option has no effect where :func:`refuse_unused` refuses it.
+_GREEDY = "has no effect at --temp 0 (greedy decoding draws nothing at random): raise --temp or drop "
 WHY = {
-    "seed": "has no effect at --temp 0 (greedy decoding draws nothing at random): raise --temp or drop --seed",
+    "seed": _GREEDY + "--seed",
+    "top_p": _GREEDY + "--top-p",
+    "top_k": _GREEDY + "--top-k",
+    "min_p": _GREEDY + "--min-p",
     "num_draft_tokens": "needs a drafting mode: --draft-model or --prompt-lookup",
     "ngram_size": "applies to --prompt-lookup only",
     "kv_group_size": "applies to a quantized KV cache only: add --kv-bits 4 or 8",
@@ -89,9 +133,10 @@ WHY = {
 def check_file_option(value: Optional[str]) -> Optional[str]:
     """A Typer callback for an option naming a file that must exist."""
     if value is not None and not Path(value).expanduser().is_file():
-        raise typer.BadParameter(f"no such file: {value}")
+        raise typer.BadParameter(f"{value} is a folder, not a file" if Path(value).expanduser().is_dir()
+                                 else f"no such file: {value}")
     return value
 
 
-__all__ = ["given", "check_utf8", "read_prompt", "check_folder_option", "check_file_option",
-           "refuse_unused", "WHY"]
+__all__ = ["given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
+           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "WHY"]

@@ -1,5 +1,5 @@
 """``python -m mlxkv`` runs the command line."""
 
-from mlxkv.cli.main import app
+from mlxkv.cli.main import main
 
-app(prog_name="mlxkv")
+main()

@@ -47,6 +47,7 @@ class LoadedModel:
     config: dict
     path: Path
     name: str = field(default="")
+    quantized: bool = False  # whether the weights were stored quantized (before any dequantize)
 
     @property
     def model_type(self) -> str:
@@ -273,6 +274,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path, dequantize) if path.is_file() else _load_folder(path)
     tokenizer = with_chat_template(tokenizer, template, tool_parser)
+    quantized = any(hasattr(m, "scales") for _, m in model.named_modules())  # mlx's quantized layers keep scales
     if dequantize:
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)
@@ -288,7 +290,8 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     apply_mla(model)  # absorbed MLA for the DeepSeek family when MLXKV_MLA_ABSORBED=1 (no-op otherwise)
     install_attention_hook(model)  # the cache decides how attention runs
     _eval_private_arrays(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=spec or "mlxkv-demo")
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=spec or "mlxkv-demo",
+                       quantized=quantized)
 
 
 def _eval_private_arrays(model: Any) -> None:

@@ -10,7 +10,8 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer: Any, text: str, *, system: str | None = None, chat: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str, *, system: str | None = None, chat: bool | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids for ``text``.
 
     Args:
@@ -19,6 +20,7 @@ def encode_prompt(tokenizer: Any, text: str, *, system: str | None = None, chat:
         system: optional system message (chat mode only).
         chat: ``True`` applies the chat template, ``False`` encodes raw text, ``None`` chooses chat when the
             tokenizer has a template.
+        template_kwargs: extra variables for the chat template (e.g. ``{"enable_thinking": False}``).
 
     Raises:
         ValueError: chat mode asked for but the tokenizer has no template, or ``system`` given in raw mode.
@@ -28,7 +30,7 @@ def encode_prompt(tokenizer: Any, text: str, *, system: str | None = None, chat:
         if not has_chat_template(tokenizer):
             raise ValueError("this model's tokenizer has no chat template: use --raw")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {})))
     if system:
         raise ValueError("--system needs chat mode (--chat)")
     return list(tokenizer.encode(text))

@@ -39,7 +39,10 @@ def test_commands_from_a_pipe(tmp_path):
                        "/load one", "/stats", "Bye", "/exit", "never read"]) + "\n"
     done = _chat(tmp_path, "-n", "6", lines=lines)
     assert done.returncode == 0, done.stderr
-    out = done.stdout
+    # The answers alone on stdout (two turns, -n 6 each); the banner and the commands' replies on stderr.
+    assert len(done.stdout.splitlines()) == 2 and "saved session" not in done.stdout, done.stdout
+    out = done.stderr
+    assert out.startswith("mlxkv chat with mlxkv-demo: ")
     assert "system message set\n" in out and "saved session one (" in out and "\none\n" in out
     assert "new conversation\ncontext: 0 tokens (limit 1024)" in out
     assert "unknown command /nope: /help lists the commands\n" in out

@@ -157,11 +157,21 @@ def test_reset_and_system(demo):
     assert _answer(s, QUESTIONS[0]) == _fresh_answer(demo, [], QUESTIONS[0])
 
 
-def test_a_failed_turn_leaves_the_conversation_as_it_was(demo, tmp_path):
-    s = _session(demo, kv_bits=8, kv_group_size=32)  # the demo model's head_dim 48 has no valid group size
-    with pytest.raises(ValueError, match="head_dim 48"):
+def test_a_failed_turn_leaves_the_conversation_as_it_was(demo, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="head_dim 48"):  # no valid group size for the demo's head_dim: refused
+        _session(demo, kv_bits=8, kv_group_size=32)  # when the session starts, not at its first message
+    s = _session(demo)
+    import mlxkv.chat.session as session_module
+
+    def failing_prefill(*args, **kwargs):
+        raise ValueError("a forward failed")
+
+    monkeypatch.setattr(session_module, "prefill", failing_prefill)
+    with pytest.raises(ValueError, match="a forward failed"):
         _answer(s, QUESTIONS[0])
     assert s.messages == [{"role": "system", "content": "Be brief."}] and _offsets(s) == {len(s.tokens)}
+    monkeypatch.undo()
+    s.kv_bits = 8  # a session of a quantized cache (which the demo model cannot have) meets a plain save
     plain = _session(demo)
     _answer(plain, QUESTIONS[0])
     save_session(plain, tmp_path, "plain", "fp")

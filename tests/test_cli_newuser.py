@@ -313,3 +313,11 @@ def test_a_busy_port_fails_before_the_model_loads():
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert out.strip() == f"error: cannot listen on http://127.0.0.1:{port}: address already in use"
+
+
+def test_pull_downloads_without_running(fake_hub, test_model_dir):
+    result = runner.invoke(app, ["pull", "someone/model", "--revision", "v1"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"someone/model@v1: {test_model_dir('llama')}"
+    assert fake_hub[-1]["repo_id"] == "someone/model" and fake_hub[-1]["revision"] == "v1"
+    assert "Downloading" in result.stderr  # the progress, on stderr

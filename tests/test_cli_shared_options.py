@@ -25,6 +25,10 @@ COMMANDS = ("generate", "chat", "serve")
 DIFFERENT_MEANING = {
     ("chat", "max_kv_size"): "chat's is the conversation's context limit (older turns are dropped), not a rotating "
                              "per-layer cap",
+    ("chat", "max_tokens"): "a chat answer's cap: a longer default (512) than a completion's, and its help says "
+                            "a cut answer is marked",
+    ("chat", "kv_overflow"): "chat's cache is dense (no pages to evict) and h2o/offload caches cannot be /saved: "
+                             "the help says so",
 }
 
 

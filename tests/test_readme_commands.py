@@ -298,7 +298,7 @@ def test_readme_line_runs(line, sandbox):
     if any(words(text)[:2] == ["mlxkv", "generate"] for text, _ in shell_parts(line)):
         assert proc.stdout.strip(), _describe(proc, line)
     if any(words(text)[:2] == ["mlxkv", "chat"] for text, _ in shell_parts(line)):
-        assert "saved session trip" in proc.stdout, _describe(proc, line)
+        assert "saved session trip" in proc.stderr, _describe(proc, line)  # replies go to stderr, answers to stdout
 
 
 @pytest.mark.fresh_install

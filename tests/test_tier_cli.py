@@ -49,10 +49,14 @@ def test_clear_removes_only_our_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.mlxkvblk", "notes.txt"]  # the scan spares them too
 
 
-def test_ls_and_clear_reject_a_missing_folder(tmp_path):
+def test_ls_and_clear_reject_a_missing_folder_or_a_file(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
     for cmd in ("ls", "clear"):
         result = runner.invoke(cache_app, [cmd, str(tmp_path / "nope")])
-        assert result.exit_code == 1 and "is not a folder" in result.output
+        assert result.exit_code == 1 and "does not exist yet: `mlxkv serve --kv-disk-cache" in result.output
+        result = runner.invoke(cache_app, [cmd, str(afile)])
+        assert result.exit_code == 1 and f"{afile} is a file, not a folder" in result.output
 
 
 @pytest.fixture
@@ -187,3 +191,10 @@ def test_stats_errors_are_one_line_naming_the_cause(answers):
                                           "/moved/v1/cache/stats"]  # the redirect was not followed
     assert _stats_error("127.0.0.1:8080") == (
         "error: cannot read 127.0.0.1:8080/v1/cache/stats: the URL must start with http:// or https://")
+
+
+def test_stats_as_json_is_the_servers_object(stats_server):
+    result = runner.invoke(cache_app, ["stats", "--json", "--url", stats_server])
+    assert result.exit_code == 0, result.output
+    snap = json.loads(result.stdout)
+    assert snap["blocks_by_priority"] == {"35": 7, "60": 2} and snap["tier"]["prompt_blocks"] == 20

@@ -12,6 +12,7 @@ A single message too long for the context is refused (``ValueError``); an answer
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -20,9 +21,10 @@ import mlx.core as mx
 
 from mlxkv.chat.turns import Message, fit_conversation, plan_turn
 from mlxkv.engine.output import TextStream
-from mlxkv.engine.prefill import prefill
+from mlxkv.engine.prefill import PrefillStopped, prefill
 from mlxkv.engine.sampling import SamplingParams, mlx_seed
 from mlxkv.kv import RewindError, each_layer_cache, make_caches
+from mlxkv.kv.layouts import check_kv_group_size
 
 
 @dataclass
@@ -36,6 +38,7 @@ class TurnStats:
     generation_tokens: int = 0
     generation_seconds: float = 0.0  # first token to last (the first token's time is in prefill_seconds)
     dropped_turns: int = 0  # turns dropped from the front to make room
+    finish_reason: str | None = None  # "stop" (EOS, stop string), "length" (max tokens or the context), "interrupted"
 
     @property
     def prefill_tps(self) -> float:
@@ -61,22 +64,26 @@ class ChatSession:
         prefill_step_size: prompt tokens per prefill forward.
         overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of full-attention layers
             (see :func:`mlxkv.kv.make_caches`); the context may then outgrow the budget up to the model's limit.
+        template_kwargs: extra chat template variables for every rendering (e.g. ``{"enable_thinking": False}``).
 
     Raises:
-        ValueError: no chat template, or a bad cache option.
+        ValueError: no chat template, or a bad cache option (a quantization group that does not divide head_dim).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, max_kv_size: int | None = None,
                  model_limit: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
-                 prefill_step_size: int = 2048, overflow: Any = None):
+                 prefill_step_size: int = 2048, overflow: Any = None, template_kwargs: dict | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
         if max_kv_size is not None and max_kv_size < 2:
             raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
+        if kv_bits is not None:  # checked now, as generate's store checks it, not at each message
+            check_kv_group_size(model, kv_group_size)
         self.model = model
         self.tokenizer = tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.overflow = overflow
+        self.template_kwargs = dict(template_kwargs or {})
         limits = [n for n in (max_kv_size, model_limit) if n]
         self.limit = min(limits) if limits else None
         self.prefill_step_size = prefill_step_size
@@ -129,7 +136,8 @@ class ChatSession:
 
     def render(self, messages: Sequence[Message]) -> list[int]:
         """The prompt tokens of ``messages`` (the template's rendering, with the generation prompt)."""
-        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True))
+        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                       **self.template_kwargs))
 
     # -- a turn ---------------------------------------------------------------------------------------------
     def turn(self, text: str, params: SamplingParams, *, stop_requested: Callable[[], bool] = lambda: False
@@ -137,8 +145,9 @@ class ChatSession:
         """Answer the user message ``text``, yielding the answer's text as it is produced.
 
         The answer (cut short, if ``stop_requested`` turned true between tokens or the consumer closed the
-        iterator) joins the conversation when the iterator ends; a turn that fails with an exception leaves the
-        conversation as it was.
+        iterator) joins the conversation when the iterator ends; a turn that fails with an exception, or that is
+        stopped before its prefill ends (``stop_requested`` is checked between prefill chunks too), leaves the
+        conversation as it was (the cache keeps the prefilled tokens for a repeated message).
 
         Raises:
             ValueError: an empty message, or one too long for the context.
@@ -163,6 +172,8 @@ class ChatSession:
             for piece in self._generate(prompt, params, max_new, stats, stop_requested):
                 pieces.append(piece)
                 yield piece
+        except PrefillStopped:  # nothing was answered: the message is not part of the conversation
+            failed, self.messages, stats.finish_reason = True, previous, "interrupted"
         except Exception:  # a failed turn leaves the conversation as it was (the cache keeps what is valid)
             failed, self.messages = True, previous
             raise
@@ -179,35 +190,60 @@ class ChatSession:
         stats.cached_tokens, stats.prefill_tokens = keep, len(new)
         if params.seed is not None:
             mx.random.seed(mlx_seed(params.seed))
-        sampler = params.make_sampler()
+        # Penalties (repetition) run as logits processors over the turn's tokens, the sampler draws after them.
+        processors = params.processors()
+        sampler = dataclasses.replace(params, repetition_penalty=None, presence_penalty=0.0, frequency_penalty=0.0,
+                                      logit_bias=None).make_sampler()
         stream = TextStream(self.tokenizer, params.stop, max_new)
+        history = mx.array(prompt, dtype=mx.uint32) if processors else None  # (L,) grows lazily by each token
 
         def pick(logits: mx.array) -> mx.array:  # (1, vocab) -> (1,)
+            for processor in processors:
+                logits = processor(history, logits)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
         start = time.perf_counter()
-        logits = prefill(self.model, self.caches, mx.array(new, dtype=mx.uint32),
-                         step_size=self.prefill_step_size)[None]  # (1, vocab)
+        try:
+            logits = prefill(self.model, self.caches, mx.array(new, dtype=mx.uint32), step_size=self.prefill_step_size,
+                             should_stop=stop_requested)[None]  # (1, vocab)
+        except PrefillStopped as stopped:
+            self.tokens.extend(new[:stopped.done])  # the chunks that ran are valid K/V of the prompt's prefix
+            raise
         self.tokens.extend(new)
         y = pick(logits)  # (1,)
         mx.eval(y)
         stats.prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
+        shown: list[int] = []
+        emitted: list[str] = []  # the text yielded so far
         for n in range(max_new):
+            if stop_requested():  # token n, computed after Ctrl-C, is neither shown nor fed to the model
+                stats.finish_reason = "interrupted"
+                # What the stream still held back (a partial character or stop-string prefix) joins the answer,
+                # so that its text renders back to the tokens the cache holds.
+                full, said = (self.tokenizer.decode(shown), "".join(emitted)) if shown else ("", "")
+                if full.startswith(said) and len(full) > len(said):
+                    yield full[len(said):]
+                return
             # The dense in-place order (mlxkv.kv.layouts): build step n+1, read token n, then schedule n+1.
             more = n + 1 < max_new
             token = int(y.item())
             next_y = None
             if more:
+                if processors:
+                    history = mx.concatenate([history, y.astype(mx.uint32)])
                 next_y = pick(self.model(y.reshape(1, 1), cache=self.caches)[:, -1, :])  # (1,)
                 self.tokens.append(token)  # the forward just built appends its K/V
                 mx.async_eval(next_y)
             stats.generation_tokens += 1
             stats.generation_seconds = time.perf_counter() - start
             piece, finish = stream.feed(token)
+            shown.append(token)
             if piece:
+                emitted.append(piece)
                 yield piece
-            if finish is not None or stop_requested():
+            if finish is not None:
+                stats.finish_reason = finish
                 return
             y = next_y
 

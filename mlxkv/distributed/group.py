@@ -79,7 +79,8 @@ def shard_model(model: Any, group: Any, mode: str) -> None:
         for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
             heads = getattr(attn, name, None)
             if isinstance(heads, int) and heads % n:
-                raise ValueError(f"the model has {heads} {name.replace('_', ' ')} per layer, which {n} ranks do "
+                what = "KV heads" if "kv" in name or "key_value" in name else "attention heads"
+                raise ValueError(f"the model has {heads} {what} per layer, which {n} ranks do "
                                  f"not divide: launch a number of ranks that divides it")
     model.shard(group)
     mx.eval(model.parameters())  # each rank keeps only its slices

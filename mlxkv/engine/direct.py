@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from mlxkv.engine.jobs import Job
 from mlxkv.engine.output import Event, TextStream
+from mlxkv.engine.prefill import INTERRUPTIBLE_CHUNK_SECONDS, INTERRUPTIBLE_FIRST_CHUNK, PrefillStopped
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
 from mlxkv.kv import CachePool
@@ -91,7 +92,8 @@ class DirectEngine:
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
                         logits_processors: Seq[LogitsProcessor] = (),
-                        response_format: ResponseFormat | None = None) -> Iterator[int]:
+                        response_format: ResponseFormat | None = None,
+                        should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``; stop strings are
         left to the caller (:meth:`generate` applies them).
 
@@ -102,6 +104,11 @@ class DirectEngine:
         ``logits_processors`` (mlx-lm's protocol) map ``(tokens, logits)`` to logits before sampling, ``tokens``
         being the prompt and the tokens generated so far, after the penalties and logit bias ``params`` turn on.
         ``response_format`` constrains the output to its grammar (the engine's grammar masks, as in serve).
+        ``should_stop`` (e.g. Ctrl-C) is checked between engine steps; the prompt is then prefilled in chunks sized
+        to take about :data:`~mlxkv.engine.prefill.INTERRUPTIBLE_CHUNK_SECONDS` each, so a stop is seen quickly.
+
+        Raises:
+            PrefillStopped: ``should_stop`` turned true before the first token.
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -109,14 +116,15 @@ class DirectEngine:
         request = GenerationRequest(prompt=list(prompt), params=dataclasses.replace(params, stop=()),
                                     cache_salt=salt or None, response_format=response_format,
                                     logits_processors=tuple(logits_processors))
-        for event in self._run(request):
+        for event in self._run(request, should_stop):
             if event.kind == "token":
                 yield event.token
 
-    def _run(self, request: GenerationRequest) -> Iterator[Event]:
-        """Step the scheduler for ``request`` until it ends, yielding its events as they come; its sequence is
-        released however the consumer stops."""
+    def _run(self, request: GenerationRequest, should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+        """Step the scheduler for ``request`` until it ends (or ``should_stop`` turns true), yielding its events as
+        they come; its sequence is released however the consumer stops."""
         sched = self.scheduler
+        chunks = _InterruptibleChunks(sched, self.prefill_step_size) if should_stop is not None else None
         stats = GenerationStats(prompt_tokens=len(request.prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
@@ -136,10 +144,19 @@ class DirectEngine:
                         raise _error_of(event)
                     yield event
                     continue
+                if should_stop is not None and should_stop():
+                    if stats.generation_tokens == 0:
+                        raise PrefillStopped(chunks.done(job))
+                    return
                 if sched.has_work():
-                    sched.step()
+                    if chunks is None:
+                        sched.step()
+                    else:
+                        chunks.step(job)
                     stats.kv_bytes = max(stats.kv_bytes, self.pool.memory_usage_bytes())
         finally:
+            if chunks is not None:
+                sched.prefill_chunk_size = self.prefill_step_size
             if not job.finished:  # the consumer stopped early (a stop string, Ctrl-C): end it, release its sequence
                 sched.end_all(Event("error", finish_reason="cancelled", message="the request was cancelled"),
                               "cancelled")
@@ -158,23 +175,51 @@ class DirectEngine:
 
     def generate(self, prompt: Seq[int], params: SamplingParams, *,
                  logits_processors: Seq[LogitsProcessor] = (),
-                 response_format: ResponseFormat | None = None) -> Iterator[GenerationChunk]:
-        """Stream text for ``prompt``; stops on EOS, on a stop string, or after ``max_tokens``.
+                 response_format: ResponseFormat | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Iterator[GenerationChunk]:
+        """Stream text for ``prompt``; stops on EOS, on a stop string, after ``max_tokens``, or when
+        ``should_stop`` turns true (checked between engine steps and before each token is shown).
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
         ``logits_processors``, ``response_format``: as in :meth:`generate_tokens`.
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
-        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors,
-                                      response_format=response_format)
+        extra = {"response_format": response_format} if response_format is not None else {}
+        tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors, should_stop=should_stop,
+                                      **extra)
         try:
             for token in tokens:
+                if should_stop is not None and should_stop():
+                    return
                 text, finish = stream.feed(token)
                 yield GenerationChunk(text, token, finish)
                 if finish is not None:
                     return
         finally:
             tokens.close()  # releases the sequence even when the consumer stops early
+
+
+class _InterruptibleChunks:
+    """Steps a scheduler with its prefill chunks sized to take about ``INTERRUPTIBLE_CHUNK_SECONDS`` each (the
+    first ``INTERRUPTIBLE_FIRST_CHUNK`` tokens, then from the rate measured), at most ``step_size``."""
+
+    def __init__(self, scheduler: Any, step_size: int):
+        self.scheduler = scheduler
+        self.step_size = step_size
+        scheduler.prefill_chunk_size = min(step_size, INTERRUPTIBLE_FIRST_CHUNK)
+
+    def done(self, job: Job) -> int:
+        """Prompt tokens of ``job`` in its cache (0 before its sequence opened)."""
+        task = next((t for t in self.scheduler.prefilling if t.job is job), None)
+        return task.done if task is not None else 0
+
+    def step(self, job: Job) -> None:
+        before, began = self.done(job), time.perf_counter()
+        self.scheduler.step()
+        ran = self.done(job) - before
+        if ran > 0:
+            rate = ran / max(time.perf_counter() - began, 1e-6)
+            self.scheduler.prefill_chunk_size = max(1, min(self.step_size, int(rate * INTERRUPTIBLE_CHUNK_SECONDS)))
 
 
 def _error_of(event: Event) -> Exception:

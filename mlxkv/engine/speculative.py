@@ -105,19 +105,24 @@ class SpeculativeEngine(DirectEngine):
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
                         logits_processors: Seq[LogitsProcessor] = (),
-                        response_format: Any = None) -> Iterator[int]:
+                        response_format: Any = None,
+                        should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The target's sequence and the drafter's state are released when the generator finishes or is closed.
         With a paged pool a cached prefix of the prompt is not recomputed (``salt`` isolates caches).
+        ``should_stop``: checked between prefill chunks, as in :meth:`DirectEngine.generate_tokens`.
 
         Raises:
-            ValueError: ``logits_processors`` or a constrained ``response_format`` given (a constraint would have to
-                mask every drafted position).
+            ValueError: ``logits_processors``, a constrained ``response_format``, or penalties or a logit bias in
+                ``params`` given (each would have to act on every drafted position).
         """
         if logits_processors or (response_format is not None and response_format.constrained):
             raise ValueError("speculative decoding does not apply logits processors such as structured output: "
                              "generate without a draft model or prompt lookup")
+        if params.has_processors:
+            raise ValueError("speculative decoding does not apply penalties or a logit bias: generate without a "
+                             "draft model or prompt lookup")
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         prompt = list(prompt)
@@ -132,7 +137,8 @@ class SpeculativeEngine(DirectEngine):
             start = time.perf_counter()
             cached = stats.cached_prompt_tokens = seq.num_cached  # paged prefix hit (< len(prompt)); dense: 0
             logits = prefill(self.model, seq.caches, mx.array(prompt[cached:], dtype=mx.uint32),
-                             step_size=self.prefill_step_size, seq=seq, start=cached)  # (V,)
+                             step_size=self.prefill_step_size, seq=seq, start=cached,
+                             should_stop=should_stop)  # (V,)
             y = params.make_sampler()((logits - mx.logsumexp(logits, keepdims=True))[None]).item()
             seq.commit()  # paged: the prompt is verified; its full blocks become cached
             self.drafter.begin(prompt, params, vocab_size=logits.shape[-1], max_draft=self.num_draft_tokens)

@@ -49,6 +49,11 @@ class Terminal:
         self._tmux("send-keys", "-t", "chat", "-l", text)
         self._tmux("send-keys", "-t", "chat", "Enter")
 
+    def paste(self, text: str) -> None:
+        """Paste ``text`` as a terminal pastes (bracketed paste: one event for the application, not a key each)."""
+        self._tmux("set-buffer", "-b", "paste", text)
+        self._tmux("paste-buffer", "-p", "-d", "-b", "paste", "-t", "chat")
+
     def key(self, name: str) -> None:
         """Press a key (tmux names: ``C-c``, ``C-d``, ``Up``)."""
         self._tmux("send-keys", "-t", "chat", name)
