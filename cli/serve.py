@@ -17,7 +17,6 @@ from mlxkv.cli.options import (
     FLAG,
     KV_PANEL,
     MODEL_PANEL,
-    SAMPLING_PANEL,
     SERVER_PANEL,
     check_log_level,
     from_rule,
@@ -163,7 +162,15 @@ def serve(
     from mlxkv.server.compat import parse_origins
 
     try:
+        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    try:
         origins = parse_origins(allowed_origins)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--allowed-origins") from None
+    try:
         from mlxkv.server.tenancy import Tenants
 
         keys = api_key or ([flags.api_key] if flags.api_key and not api_keys_file else [])
@@ -171,10 +178,6 @@ def serve(
         if public_metrics and metrics_key is not None:
             raise ValueError("--public-metrics and --metrics-key contradict each other: /metrics is open or needs "
                              "a key")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--allowed-origins") from None
-    try:
-        flags = env.flags()  # a bad MLXKV_* value is one line, before the model loads
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1) from None

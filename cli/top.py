@@ -24,6 +24,7 @@ from rich.text import Text
 
 from mlxkv.cli.cache import _get_json, _ReadError
 from mlxkv.cli.options import FLAG
+from mlxkv.cli.validate import check_utf8
 
 #: Glyph and style of each block state (mlxkv/kv/blocks/block_map.py).
 GLYPHS = {"f": ("·", "grey50"), "c": ("▪", None), "u": ("█", "dark_orange"), "s": ("█", None)}
@@ -183,9 +184,11 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=1)
 
 
-def top(url: str = typer.Option("http://127.0.0.1:8080", "--url", help="Base URL of a running mlxkv server."),
-        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token."),
-        cache_salt: Optional[str] = typer.Option(None, "--cache-salt",
+def top(url: str = typer.Option("http://127.0.0.1:8080", "--url", callback=check_utf8,
+                                 help="Base URL of a running mlxkv server."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", callback=check_utf8,
+                                              help="Bearer token."),
+        cache_salt: Optional[str] = typer.Option(None, "--cache-salt", callback=check_utf8,
                                                  help="Your prompts' cache salt: your blocks are shown as yours."),
         interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between readings."),
         once: bool = typer.Option(False, "--once", metavar=FLAG, help="Print one reading and exit."),

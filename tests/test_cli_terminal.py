@@ -166,7 +166,8 @@ def _value_options():
 
 #: Options whose every text is a valid value (a name, a key, a model to look for): the bad value reaches the step
 #: that uses it, and that step fails in one line.
-FREE_TEXT = {"--model", "--served-model-name", "--api-key", "--metrics-key", "--admin-key", "--tool-parser",
+FREE_TEXT = {"--model", "--served-model-name", "--api-key", "--api-keys-file", "--metrics-key", "--admin-key",
+             "--tool-parser",
              "--kv-disk-cache", "--sessions-dir", "--draft-model", "--json-schema", "--url", "--resume", "--host",
              "show --revision", "pull --revision"}
 
