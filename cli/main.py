@@ -227,7 +227,9 @@ def generate(
         output, finish = [], None
         with StopOnCtrlC() as stopped:
             try:
-                for chunk in engine.generate(tokens, params, response_format=fmt, should_stop=stopped):
+                # Distributed ranks must run the same forwards: no rank stops or sizes its chunks on its own.
+                for chunk in engine.generate(tokens, params, response_format=fmt,
+                                             should_stop=stopped if ranks.group is None else None):
                     output.append(chunk.text)
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()

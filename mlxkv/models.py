@@ -239,6 +239,14 @@ def _load_gguf(path: Path, dequantize: bool) -> tuple[Any, dict, Any]:
         raise ModelLoadError(str(exc)) from None
 
 
+def _gguf_quantized(path: Path) -> bool:
+    """Whether the GGUF file at ``path`` stores any tensor in a quantized type."""
+    from mlxkv.gguf.header import header_tensor_types
+
+    with open(path, "rb") as f:
+        return any(kind not in ("F32", "F16", "BF16") for kind in header_tensor_types(f).values())
+
+
 def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = False, chat_template: str | None = None,
          tool_parser: str | None = None) -> LoadedModel:
     """Load a model and its tokenizer through mlx-lm.
@@ -274,7 +282,9 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path, dequantize) if path.is_file() else _load_folder(path)
     tokenizer = with_chat_template(tokenizer, template, tool_parser)
-    quantized = any(hasattr(m, "scales") for _, m in model.named_modules())  # mlx's quantized layers keep scales
+    # whether the weights were stored quantized: mlx's quantized layers keep scales; a GGUF read with --dequantize
+    # may have decoded its quantized tensors to float already
+    quantized = any(hasattr(m, "scales") for _, m in model.named_modules()) or (path.is_file() and _gguf_quantized(path))
     if dequantize:
         config = dequantize_in_place(model, config)
     upcast_on_cpu(model)

@@ -88,7 +88,7 @@ FIELD_KINDS = ("magic", "version", "tensor_count", "kv_count", ".key_length", ".
 def test_a_header_fuzz_of_over_1000_cases_is_one_line_each_in_bounded_time_and_memory(base, tmp_path):
     """testkit/gguf_fuzz.py in its own process: every header field and tensor table entry mutated (boundary values,
     combinations, truncations); each case loads or is refused with one line (GGUFError), within 1 s and 64 MB of
-    peak RSS growth, the process under 512 MB in all; every 10th refused case is refused by ``convert`` too, which
+    peak RSS growth, the process under 768 MB in all; every 10th refused case is refused by ``convert`` too, which
     writes nothing."""
     path = tmp_path / "base.gguf"
     path.write_bytes(base[0])
@@ -110,7 +110,7 @@ def test_a_header_fuzz_of_over_1000_cases_is_one_line_each_in_bounded_time_and_m
     for r in refused:
         assert r["message"] and "\n" not in r["message"] and len(r["message"]) < 400, r
     assert max(r["seconds"] for r in records) < 1.0
-    assert max(r["rss_growth_mb"] for r in records) < 64 and result["peak_rss_mb"] < 512
+    assert max(r["rss_growth_mb"] for r in records) < 64 and result["peak_rss_mb"] < 768
     converted = [r["convert"] for r in records if "convert" in r]
     assert len(converted) >= 100 and set(converted) == {"refused"}
     assert elapsed < 60, elapsed

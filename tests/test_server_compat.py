@@ -138,7 +138,7 @@ def test_serve_options_fail_cleanly(tmp_path, llama_dir):
     runner = CliRunner()
     cases = [(["--tool-parser", "nope"], "unknown tool parser 'nope': expected one of", 1),
              (["--chat-template", str(tmp_path / "missing.jinja")], "no such file", 2),  # the parser's check
-             (["--allowed-origins", "localhost"], "is not an origin", 1)]
+             (["--allowed-origins", "localhost"], "is not an origin", 2)]  # an option error
     for args, message, code in cases:
         result = runner.invoke(app, ["--model", llama_dir, "--port", "1", *args])
         assert result.exit_code == code and message in result.output, (args, result.output)
