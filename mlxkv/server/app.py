@@ -32,6 +32,8 @@ from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses import ResponseBuilder, sse
+from mlxkv.server.responses_api import StoreConfig, responses_router
+from mlxkv.server.responses_api.routes import store_for
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.structured_output import parse_format
@@ -55,7 +57,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                manage_engine: bool = False, allowed_origins: Sequence[str] = (),
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
-               flush_timeout_s: float = 10.0, metrics_key: str | None = None) -> FastAPI:
+               flush_timeout_s: float = 10.0, metrics_key: str | None = None,
+               responses: StoreConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -74,6 +77,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         flush_timeout_s: with ``manage_engine``, how long stopping may take to write the KV tier's cached blocks.
         metrics_key: require it (or ``api_key``) on ``/metrics``, ``/docs``, ``/redoc`` and ``/openapi.json``
             (``None``: those stay open).
+        responses: how many ``/v1/responses`` results are stored and how their KV is retained (``None``: the
+            defaults of :class:`~mlxkv.server.responses_api.StoreConfig`).
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
@@ -200,6 +205,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults))
+    v1.include_router(responses_router(engine, prep, model_name=model_name, store=store_for(engine, responses),
+                                       keepalive_s=keepalive_s, defaults=defaults))
     app.include_router(v1)
     return app
 
