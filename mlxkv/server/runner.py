@@ -30,11 +30,11 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
           keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
-          metrics_key: str | None = None, distributed: Any = None) -> ServerParts:
+          metrics_key: str | None = None, distributed: Any = None, responses: Any = None) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
-    ``metrics_key``: see :func:`mlxkv.server.app.create_app`). ``distributed``: rank 0's
+    ``metrics_key``, ``responses``: see :func:`mlxkv.server.app.create_app`). ``distributed``: rank 0's
     :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model, builds the pool and engine).
 
     Raises:
@@ -59,7 +59,8 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
                      keepalive_s=keepalive_s, defaults=run.sampling, max_client_priority=max_client_priority,
-                     admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key)
+                     admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key,
+                     responses=responses)
     return ServerParts(loaded, engine, app, metrics)
 
 

@@ -38,6 +38,7 @@ from mlxkv.server.responses_api.output import ResponseOutput, new_id
 from mlxkv.server.responses_api.schemas import ResponsesRequest
 from mlxkv.server.responses_api.store import ResponseStore, StoredResponse, StoreConfig, tenant_of
 from mlxkv.server.sampling_args import DEFAULT_CHAT_TOKENS
+from mlxkv.server.structured_output import forces_call
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.tools import (
     ToolRequestError,
@@ -116,6 +117,10 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
             kwargs["tools"] = render_tools(tools)
         source = PromptSource(messages=messages, template_kwargs=kwargs, param="input")
         fmt = _format(body)
+        if use_tools and forces_call(tool_choice):
+            # the answer is the forced call(s), no text: text.format has nothing to shape in this response (OpenAI
+            # takes both; the format applies to a later turn's text, as agents send it every turn)
+            fmt = parse_response_format(None)
         prepared = await prep.prepare(source, Constraint(fmt, tools if use_tools else None, tool_choice, parallel))
         if parent is not None and parent.tokens:
             prepared = dataclasses.replace(prepared, prompt=await _continued(prep, parent, source, prepared.prompt))
