@@ -15,8 +15,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-#: Values of ``include`` that ask for nothing this server leaves out.
-HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content", "message.output_text.logprobs"})
+#: Values of ``include`` that ask for nothing this server leaves out (reasoning items carry their text in the clear).
+HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
 MAX_METADATA_PAIRS = 16
 
 
