@@ -82,8 +82,8 @@ def serve(
                                              "(previous_response_id continues from them)."),
     responses_kv_budget: Optional[int] = typer.Option(
         None, "--responses-kv-budget", parser=parse_size, metavar="SIZE", rich_help_panel=SERVER_PANEL,
-        help="KV the retained /v1/responses results may hold together (default: half the KV pool; 0: none "
-             "retained). " + _SIZE_HELP + "."),
+        help="KV the retained /v1/responses results may hold together (new conversations take at most half of "
+             "it; default: half the KV pool; 0: none retained). " + _SIZE_HELP + "."),
     responses_max: int = typer.Option(1000, "--responses-max", min=1, rich_help_panel=SERVER_PANEL,
                                       help="Stored /v1/responses results kept in memory (least recently used "
                                            "dropped first)."),

@@ -164,6 +164,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--retain-share", type=float, default=0.75,
                    help="share of the pool the stored responses may retain (--responses-kv-budget)")
     p.add_argument("--peer", action="store_true", help="also run mlx_lm.server on the resent conversations")
+    p.add_argument("--only", choices=["responses", "chat", "mlx-lm"], action="append", default=None,
+                   help="run only these (repeatable; default: all)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args()
     model_spec(p, args, hidden=256, layers=4)
@@ -197,6 +199,8 @@ def main() -> None:
             runs["mlx-lm"] = ("mlx-lm", ["--prompt-cache-bytes", str(budget)])
         results = {}
         for kind, (server, options) in runs.items():
+            if args.only and kind not in args.only:
+                continue
             port = free_port()
             proc = start_server(server, models[server], port, 1, kv_budget=budget if server == "mlxkv" else None,
                                 extra=(extra + options) if server == "mlxkv" else options)

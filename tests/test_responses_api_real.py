@@ -14,7 +14,7 @@ from testkit.serve_thread import openai_client, serve_in_thread
 
 from mlxkv.config import EngineConfig
 
-pytestmark = [pytest.mark.real_model, pytest.mark.server]
+pytestmark = [pytest.mark.real_model, pytest.mark.server, pytest.mark.slow]
 
 BLOCK = 16
 QUESTIONS = ["Name a fruit.", "What colour is it?", "Where does it grow?", "Is it sweet?", "Name another fruit.",

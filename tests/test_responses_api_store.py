@@ -20,18 +20,18 @@ def stored(rid: str, tenant: str = "t") -> StoredResponse:
     return StoredResponse(rid, tenant, None, {"id": rid}, [])
 
 
-def test_budget_holds_what_fits_and_ttl_frees_it():
+def test_new_conversations_take_half_the_budget_and_ttl_frees_it():
     clock = Clock()
     store = ResponseStore(StoreConfig(ttl_s=10, kv_budget_bytes=1000, priority=70), bytes_per_token=10,
                           pool_bytes=None, clock=clock)
-    spec = store.retain("a", 60, None)
+    spec = store.retain("a", 30, None)
     assert spec.ranges[0].priority == 70 and spec.ranges[0].duration == 10 and spec.decode_priority == 70
-    store.settle("a", 80)  # prompt and output: 800 bytes
-    assert store.retain("b", 30, None) is None  # 800 + 300 > 1000: stored without retention
-    assert store.retain("c", 20, None) is not None  # 800 + 200 fits
+    store.settle("a", 40)  # prompt and output: 400 bytes
+    assert store.retain("b", 20, None) is None  # a newcomer: 400 + 200 > half the budget
+    assert store.retain("c", 10, None) is not None  # 400 + 100 fits in half
     clock.now = 10.5
     assert store.retained_bytes() == 0  # both expired with their priorities
-    assert store.retain("d", 100, None) is not None
+    assert store.retain("d", 50, None) is not None
 
 
 def test_a_continuation_takes_over_its_parents_charge():
@@ -40,7 +40,10 @@ def test_a_continuation_takes_over_its_parents_charge():
     store.settle("turn1", 60)
     assert store.retain("turn2", 90, "turn1") is not None  # 900 alone: the parent's 600 are its prefix
     assert store.retained_bytes() == 900
-    assert store.retain("other", 20, None) is None
+    assert store.retain("other", 2, None) is None  # over half the budget: no newcomer
+    store.settle("turn2", 95)
+    assert store.retain("turn3", 101, "turn2") is None  # over the whole budget
+    assert store.retained_bytes() == 950  # turn2's blocks stay retained (and charged) until their TTL
 
 
 def test_default_budget_is_half_the_pool_and_nothing_without_one():

@@ -11,12 +11,18 @@ gets a 404, as for an id that never existed.
 priority ``priority`` for ``ttl_s`` seconds (the pool's retention: :mod:`mlxkv.kv.blocks.retention`), so the next
 turn's prompt, which starts with them, is served from the cache while other traffic's blocks, at the default
 priority 35, are evicted first. Retained blocks stay evictable like any cached block: when nothing of lower
-priority is left the pool takes them too, and a later turn then recomputes what it lost. The retained responses
-together hold at most ``kv_budget_bytes`` of KV: a response whose blocks would go over it is stored without
-retention (its blocks cached at the default priority). A continuation's retention covers its parent's blocks
-(they are its prompt's start) and renews them, so a conversation is charged once, at its latest turn's length.
-Charges end with their TTL (the pool's priorities expire then too). The budget is checked when a response starts,
-at its prompt's length, and its charge set to prompt plus output when it ends.
+priority is left the pool takes them too, and a later turn then recomputes what it lost.
+
+The retained responses together hold at most ``kv_budget_bytes`` of KV. A continuation's retention covers its
+parent's blocks (they are its prompt's start) and renews them, so a conversation is charged once, at its latest
+turn's length: it keeps its retention while the total stays within the budget. A new conversation (no retained
+parent) is retained only while the total stays within half the budget, so the conversations already retained keep
+room to grow: a pool that retains a few conversations for good serves each of their turns from the cache, where
+retaining every newcomer would have them evict one another (conversations taken in turn thrash any
+least-recently-used order). A response refused retention is stored all the same, its blocks cached at the
+default priority. Charges end with their TTL (the pool's priorities expire then too; a refused continuation's
+parent stays charged until then, as its blocks stay retained). The budget is checked when a response starts, at
+its prompt's length, and its charge set to prompt plus output when it ends.
 """
 
 from __future__ import annotations
@@ -142,12 +148,14 @@ class ResponseStore:
 
     def retain(self, response_id: str, tokens: int, parent: str | None) -> RetentionSpec | None:
         """The retention of a new stored response whose prompt has ``tokens`` tokens (continuing ``parent``'s
-        conversation, whose charge it takes over), or ``None`` when the budget cannot hold it."""
+        conversation, whose charge it takes over when it was retained), or ``None`` when the budget cannot hold it:
+        the whole budget for a retained conversation's continuation, half of it for a new conversation."""
         self._expire()
         if not self.bytes_per_token:
             return None
         others = sum(t for rid, (t, _) in self._charges.items() if rid != parent)
-        if (others + tokens) * self.bytes_per_token > self.budget_bytes:
+        limit = self.budget_bytes if parent in self._charges else self.budget_bytes / 2
+        if (others + tokens) * self.bytes_per_token > limit:
             return None
         self._charges.pop(parent, None)
         ttl = self.config.ttl_s
