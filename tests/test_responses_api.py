@@ -174,3 +174,24 @@ def test_refusals_name_the_field(server, body, param):
 def test_unknown_ids_are_404(server):
     assert httpx.get(server.url + "/v1/responses/resp_nope").status_code == 404
     assert httpx.delete(server.url + "/v1/responses/resp_nope").status_code == 404
+
+
+def test_function_call_output_continues_a_stored_call(client):
+    r = client.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                parallel_tool_calls=False, temperature=0, max_output_tokens=64)
+    [call] = [i for i in r.output if i.type == "function_call"]
+    follow = client.responses.create(
+        model="m", tools=[WEATHER], previous_response_id=r.id, temperature=0, max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}])
+    # the stored call is rendered before its output, and its tokens come from the cache
+    assert follow.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 16
+
+
+def test_a_continuation_needs_the_stored_salt(server, client):
+    r = client.responses.create(model="m", input="Hi", max_output_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="m", input="x", previous_response_id=r.id, max_output_tokens=2)
+    ok = client.responses.create(model="m", input="x", previous_response_id=r.id, max_output_tokens=2,
+                                 extra_body={"cache_salt": "tenant-a"})
+    assert ok.previous_response_id == r.id
