@@ -155,6 +155,10 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         parameters = tool.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise _bad(f"{where}: parameters must be a JSON Schema object", f"{where}.parameters")
+        if tool.get("description") is not None and not isinstance(tool["description"], str):
+            raise _bad(f"{where}: description must be a string", f"{where}.description")
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise _bad(f"{where}: strict must be true or false", f"{where}.strict")
         function: dict[str, Any] = {"name": name}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
