@@ -44,6 +44,9 @@ def test_a_continuation_takes_over_its_parents_charge():
     store.settle("turn2", 95)
     assert store.retain("turn3", 101, "turn2") is None  # over the whole budget
     assert store.retained_bytes() == 950  # turn2's blocks stay retained (and charged) until their TTL
+    assert store.retain("turn3", 96, "turn2") is not None
+    store.release("turn3")  # it failed: turn2 is charged again
+    assert store.retained_bytes() == 950
 
 
 def test_default_budget_is_half_the_pool_and_nothing_without_one():

@@ -123,7 +123,9 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
             fmt = parse_response_format(None)
         prepared = await prep.prepare(source, Constraint(fmt, tools if use_tools else None, tool_choice, parallel))
         if parent is not None and parent.tokens:
-            prepared = dataclasses.replace(prepared, prompt=await _continued(prep, parent, source, prepared.prompt))
+            continued = await _continued(prep, parent, source, prepared.prompt)
+            if continued is not prepared.prompt:  # message ends were found in the other tokenization
+                prepared = dataclasses.replace(prepared, prompt=continued, snapshot_at=())
         prompt = prepared.prompt
         response_id = new_id("resp_")
         retention = store.retain(response_id, len(prompt), parent.id if parent else None) if body.store else None

@@ -114,6 +114,7 @@ class ResponseStore:
         self._clock = clock
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._charges: dict[str, tuple[int, float]] = {}  # response id -> (retained tokens, expiry)
+        self._taken: dict[str, tuple[str, tuple[int, float]]] = {}  # running response -> its parent's charge
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -157,20 +158,25 @@ class ResponseStore:
         limit = self.budget_bytes if parent in self._charges else self.budget_bytes / 2
         if (others + tokens) * self.bytes_per_token > limit:
             return None
-        self._charges.pop(parent, None)
+        if parent in self._charges:
+            self._taken[response_id] = (parent, self._charges.pop(parent))
         ttl = self.config.ttl_s
         self._charges[response_id] = (tokens, self._clock() + ttl)
         return RetentionSpec((RetentionRange(0, None, self.config.priority, ttl),), self.config.priority, ttl)
 
     def settle(self, response_id: str, tokens: int) -> None:
         """A retained response ended with ``tokens`` tokens of KV (prompt and output): its charge."""
+        self._taken.pop(response_id, None)
         charge = self._charges.get(response_id)
         if charge is not None:
             self._charges[response_id] = (tokens, charge[1])
 
     def release(self, response_id: str) -> None:
-        """A response that failed or was not stored: it charges nothing."""
+        """A response that failed or was not stored: it charges nothing, and its parent's charge is back."""
         self._charges.pop(response_id, None)
+        taken = self._taken.pop(response_id, None)
+        if taken is not None:
+            self._charges[taken[0]] = taken[1]
 
     def _expire(self) -> None:
         now = self._clock()
