@@ -20,7 +20,8 @@ last, from each answer's ``cached_tokens``), the median TTFT at each turn and at
 
     python scripts/bench_responses.py                  # 8 x 10, SmolLM2-135M-Instruct (GGUF, float32)
     python scripts/bench_responses.py --peer           # and mlx_lm.server on the resent conversations
-    python scripts/bench_responses.py --conversations 2 --turns 3 --fit 1   # a quick look
+    python scripts/bench_responses.py --conversations 2 --turns 3 --fit 2   # a quick look
+    python scripts/bench_responses.py --report a.json b.json    # the report of runs saved with --json
 """
 
 from __future__ import annotations
@@ -224,14 +225,35 @@ def report(args, results: dict[str, list[list[dict]]]) -> None:
             cells.append(f"{statistics.median(r['ttft'] for r in row):12.3f} s {sum(r['cached'] for r in row):6d}/"
                          f"{sum(r['prompt'] for r in row):<6d}")
         print(f" {t + 1:4d} | " + " | ".join(cells))
-    print("\n run        hit rate (turns 2+)   TTFT at turn " + str(args.turns) + " (median)")
+    print(f"\n run        hit rate (turns 2+) | turn {args.turns}: TTFT median, all | conversations served from "
+          "cache (>= 80% of the prompt): how many, their TTFT median | the others' TTFT median")
     for n in names:
-        print(f" {n:10s} {hit_rate(results[n]):8.1%}           {statistics.median(r['ttft'] for r in results[n][-1]):.3f} s")
+        last = results[n][-1]
+        kept = [r["ttft"] for r in last if r["cached"] >= 0.8 * r["prompt"]]
+        rest = [r["ttft"] for r in last if r["cached"] < 0.8 * r["prompt"]]
+        print(f" {n:10s} {hit_rate(results[n]):8.1%}            | {statistics.median(r['ttft'] for r in last):8.3f} s"
+              f"         | {len(kept)} of {len(last)}, {statistics.median(kept) if kept else float('nan'):.3f} s"
+              f" | {statistics.median(rest) if rest else float('nan'):.3f} s")
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
                                          "results": {n: [[{k: v for k, v in r.items() if k != "text"} for r in row]
                                                          for row in rows] for n, rows in results.items()}}, indent=1))
 
 
+def report_files(paths: list[Path]) -> None:
+    """The report of runs written by ``--json`` (several files: their runs side by side, e.g. one run per file)."""
+    results, settings = {}, None
+    for path in paths:
+        data = json.loads(path.read_text())
+        settings = settings or data["settings"]
+        results.update(data["results"])
+    args = argparse.Namespace(conversations=int(settings["conversations"]), turns=int(settings["turns"]),
+                              fit=float(settings["fit"]), json=None)
+    report(args, results)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--report"]:  # python scripts/bench_responses.py --report a.json b.json
+        report_files([Path(p) for p in sys.argv[2:]])
+    else:
+        main()

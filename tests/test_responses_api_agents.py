@@ -2,9 +2,10 @@
 loopback, offline (tracing off): an Agent with a function tool and an ``output_type`` runs to its final output.
 
 The random-weight test llama is served with the tools template: ``tool_choice="required"`` with
-``parallel_tool_calls=False`` makes its first answer one call by constrained decoding; the SDK runs the tool, resets ``tool_choice`` to auto and sends the call and its
-output back as input items; the next answer follows the output type's JSON schema (``text.format``, strict tools:
-the grammar admits the document or a call), which the SDK parses into the output type.
+``parallel_tool_calls=False`` makes its first answer one call by constrained decoding; the SDK runs the tool,
+resets ``tool_choice`` to auto and sends the call and its output back as input items; the next answer follows the
+output type's JSON schema (``text.format``, strict tools: the grammar admits the document or a call), which the SDK
+parses into the output type.
 """
 
 from __future__ import annotations

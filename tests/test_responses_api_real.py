@@ -23,7 +23,8 @@ QUESTIONS = ["Name a fruit.", "What colour is it?", "Where does it grow?", "Is i
 
 @pytest.fixture(scope="module")
 def client():
-    config = run_config(str(GGUF), dequantize=True, engine=EngineConfig(max_sequences=2), kv_backend="paged", kv_block_size=BLOCK)
+    config = run_config(str(GGUF), dequantize=True, engine=EngineConfig(max_sequences=2), kv_backend="paged",
+                        kv_block_size=BLOCK)
     with serve_in_thread(config, model_name="smollm2") as srv:
         yield openai_client(srv.url)
 
