@@ -94,6 +94,16 @@ def serve(
     admin_key: Optional[str] = typer.Option(None, "--admin-key", rich_help_panel=SERVER_PANEL,
                                             help="Key a /v1/cache/reset of every tenant's blocks needs (a reset "
                                                  "with cache_salt drops only that tenant's); default: no key."),
+    responses_ttl: float = typer.Option(600.0, "--responses-ttl", min=0.001, rich_help_panel=SERVER_PANEL,
+                                        help="Seconds the KV blocks of a stored /v1/responses result stay retained "
+                                             "(previous_response_id continues from them)."),
+    responses_kv_budget: Optional[int] = typer.Option(
+        None, "--responses-kv-budget", parser=parse_size, metavar="SIZE", rich_help_panel=SERVER_PANEL,
+        help="KV the retained /v1/responses results may hold together (new conversations take at most half of "
+             "it; default: half the KV pool; 0: none retained). " + _SIZE_HELP + "."),
+    responses_max: int = typer.Option(1000, "--responses-max", min=1, rich_help_panel=SERVER_PANEL,
+                                      help="Stored /v1/responses results kept in memory (least recently used "
+                                           "dropped first)."),
     kv_tenant_share: float = typer.Option(0.5, "--kv-tenant-share", min=0.01, max=1.0, rich_help_panel=KV_PANEL,
                                           help="Share of the KV block pool and of the disk tier one tenant "
                                                "(cache_salt) keeps while others need room (1 = no quota)."),
@@ -214,6 +224,7 @@ def serve(
         raise typer.Exit(code=1) from None
     try:
         from mlxkv.models import ModelLoadError
+        from mlxkv.server.responses_api import StoreConfig
         from mlxkv.server.runner import build, set_switch_interval
         from mlxkv.server.shutdown import serve_until_signalled
     except ImportError as exc:
@@ -234,7 +245,8 @@ def serve(
                       allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
                       ui=not no_ui,
                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
-                      distributed=leader)
+                      distributed=leader, responses=StoreConfig(max_responses=responses_max, ttl_s=responses_ttl,
+                                                                kv_budget_bytes=responses_kv_budget))
         refuse_useless_dequantize(parts.loaded, dequantize)
     except (ModelLoadError, ValueError) as exc:
         sock.close()

@@ -41,6 +41,8 @@ from mlxkv.server.prompts import PromptEncoder
 from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.reasoning_effort import apply_reasoning_effort
 from mlxkv.server.responses import ResponseBuilder, sse
+from mlxkv.server.responses_api import StoreConfig, responses_router
+from mlxkv.server.responses_api.routes import store_for
 from mlxkv.server.sampling_args import max_new_tokens, sampling_params, template_kwargs
 from mlxkv.server.schemas import ChatCompletionRequest, CompletionRequest
 from mlxkv.server.structured_output import parse_format
@@ -67,7 +69,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                keepalive_s: float = DEFAULT_KEEPALIVE_S, defaults: SamplingDefaults | None = None,
                max_client_priority: int = 100, admin_key: str | None = None,
                flush_timeout_s: float = 10.0, metrics_key: str | None = None, tenants: Tenants | None = None,
-               public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+               public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               responses: StoreConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -90,6 +93,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         tenants: the API keys and their tenants (:class:`mlxkv.server.tenancy.Tenants`; instead of ``api_key``).
         public_metrics: ``/metrics`` stays open on a server with keys (the API description does not).
         body_timeout_s: a request body not whole this many seconds after the request's start gets 408.
+        responses: how many ``/v1/responses`` results are stored and how their KV is retained (``None``: the
+            defaults of :class:`~mlxkv.server.responses_api.StoreConfig`).
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
@@ -232,6 +237,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults, max_messages=most))
+    v1.include_router(responses_router(engine, prep, model_name=model_name, store=store_for(engine, responses),
+                                       keepalive_s=keepalive_s, defaults=defaults))
     app.include_router(v1)
     return app
 

@@ -119,13 +119,14 @@ class Prepared:
     cache: dict[str, Any] = field(default_factory=dict)
 
     def request(self, params: SamplingParams, **fields: Any) -> GenerationRequest:
-        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, logprobs).
+        """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, logprobs; a route
+        that manages retention itself gives ``retention``, which replaces the body's).
 
         Raises:
             ValueError: settings the request refuses.
         """
         return GenerationRequest(self.prompt, params, response_format=self.grammar, snapshot_at=self.snapshot_at,
-                                 kv_overflow=self.overflow, **self.cache, **fields)
+                                 kv_overflow=self.overflow, **{**self.cache, **fields})
 
 
 class Preparation:

@@ -34,11 +34,12 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
           metrics_key: str | None = None, distributed: Any = None, tenants: Tenants | None = None,
-          public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> ServerParts:
+          public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+          responses: Any = None) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
-    ``metrics_key``, ``tenants``, ``public_metrics``, ``body_timeout_s``: see :func:`mlxkv.server.app.create_app`).
+    ``metrics_key``, ``tenants``, ``public_metrics``, ``body_timeout_s``, ``responses``: see :func:`mlxkv.server.app.create_app`).
     ``distributed``: rank 0's :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model,
     builds the pool and engine).
 
@@ -68,7 +69,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                      ui=ui,
                      keepalive_s=keepalive_s, defaults=run.sampling, max_client_priority=max_client_priority,
                      admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
-                     public_metrics=public_metrics, body_timeout_s=body_timeout_s)
+                     public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses)
     return ServerParts(loaded, engine, app, metrics)
 
 
