@@ -131,10 +131,23 @@ def test_previous_response_id_continues_from_the_cache(client):
     assert client.responses.retrieve(second.id).output_text == second.output_text
 
 
-def test_retrieve_delete_and_tenancy(server, client):
+def test_retrieve_delete_and_tenancy(llama_dir):
+    """A stored response belongs to its tenant: another API key's tenant cannot read, delete or continue it."""
+    from testkit.run_config import run_config
+    from testkit.serve_thread import serve_in_thread
+
+    from mlxkv.config import EngineConfig
+    from mlxkv.server.tenancy import Tenants
+
+    mine, theirs = "tenant-key-one-0123456789", "tenant-key-two-9876543210"
+    config = run_config(llama_dir, engine=EngineConfig(**ENGINE), kv_backend="paged", chat_template=TEMPLATE)
+    with serve_in_thread(config, model_name="m", tenants=Tenants.from_options([mine, theirs])) as two_tenants:
+        _check_tenancy(openai_client(two_tenants.url, api_key=mine), openai_client(two_tenants.url, api_key=theirs))
+
+
+def _check_tenancy(client, other):
     r = client.responses.create(model="m", input="Hi", max_output_tokens=2, metadata={"k": "v"})
     assert client.responses.retrieve(r.id).metadata == {"k": "v"}
-    other = openai_client(server.url, api_key="another-tenant")
     for call in (lambda: other.responses.retrieve(r.id), lambda: other.responses.delete(r.id),
                  lambda: other.responses.create(model="m", input="x", previous_response_id=r.id)):
         with pytest.raises(openai.NotFoundError):
