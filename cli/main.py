@@ -10,6 +10,7 @@ import typer
 from mlxkv.cli import shared_options as options
 from mlxkv.cli.errors import Command, OneLineErrors
 from mlxkv.cli.interrupt import StopOnCtrlC
+from mlxkv.cli.logprobs import print_logprobs
 from mlxkv.cli.options import (
     FLAG,
     MODEL_PANEL,
@@ -20,7 +21,15 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import add_extra_eos, check_utf8, read_prompt, refuse_unused, refuse_useless_dequantize, unused_sampling
+from mlxkv.cli.validate import (
+    add_extra_eos,
+    check_utf8,
+    read_prompt,
+    read_prompt_file,
+    refuse_unused,
+    refuse_useless_dequantize,
+    unused_sampling,
+)
 
 app = typer.Typer(
     name="mlxkv",
@@ -92,6 +101,9 @@ def generate(
     prompt_option: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", callback=check_utf8,
                                                 rich_help_panel=MODEL_PANEL,
                                                 help="The prompt, as an option (mlx-lm's spelling); - reads stdin."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", metavar="FILE", callback=check_utf8,
+                                              rich_help_panel=MODEL_PANEL,
+                                              help="Read the prompt from this UTF-8 text file."),
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
@@ -129,6 +141,10 @@ def generate(
                                          help="Tokens drafted per round."),
     ngram_size: int = typer.Option(3, "--ngram-size", min=1, rich_help_panel=SPECULATIVE_PANEL,
                                    help="N-gram length for --prompt-lookup."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", min=0, max=20, metavar="N",
+                                           rich_help_panel=OUTPUT_PANEL,
+                                           help="After the answer, print each token's log-probability and its N "
+                                                "most likely alternatives on stderr (0-20)."),
     json_object: bool = typer.Option(False, "--json", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
                                      help="Constrain the output to a JSON object."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
@@ -139,10 +155,11 @@ def generate(
     """Generate text from a prompt, streaming tokens as they are produced."""
     if chat and raw:
         raise typer.BadParameter("--chat and --raw exclude each other", param_hint="--chat")
-    if prompt is not None and prompt_option is not None:
-        raise typer.BadParameter("give the prompt once: as the argument or with --prompt", param_hint="--prompt")
+    if sum(p is not None for p in (prompt, prompt_option, prompt_file)) > 1:
+        raise typer.BadParameter("give the prompt once: as the argument, with --prompt or with --prompt-file",
+                                 param_hint="--prompt")
     prompt = prompt if prompt is not None else prompt_option
-    if prompt is None:
+    if prompt is None and prompt_file is None:
         raise typer.BadParameter("no prompt: give it as the argument, with -p TEXT, or - to read standard input",
                                  param_hint="PROMPT")
     refuse_unused(ctx, [*unused_sampling(temp),
@@ -158,8 +175,10 @@ def generate(
     if structured and (draft_model or prompt_lookup):
         _fail("structured output (--json, --json-schema) does not work with speculative decoding "
               "(--draft-model, --prompt-lookup)", verbose)
+    if logprobs is not None and (draft_model or prompt_lookup):
+        _fail("--logprobs does not work with speculative decoding (--draft-model, --prompt-lookup)", verbose)
     try:
-        text = read_prompt(prompt)
+        text = read_prompt(prompt) if prompt_file is None else read_prompt_file(prompt_file)
     except ValueError as exc:
         _fail(str(exc), verbose)
     if not text.strip():
@@ -224,20 +243,24 @@ def generate(
             engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
         except ModelLoadError as exc:
             raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
-        output, finish = [], None
+        output, finish, probabilities = [], None, []
+        extra = {"logprobs": logprobs} if logprobs is not None else {}
         with StopOnCtrlC() as stopped:
             try:
                 # Distributed ranks must run the same forwards: no rank stops or sizes its chunks on its own.
                 for chunk in engine.generate(tokens, params, response_format=fmt,
-                                             should_stop=stopped if ranks.group is None else None):
+                                             should_stop=stopped if ranks.group is None else None, **extra):
                     output.append(chunk.text)
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     finish = chunk.finish_reason
+                    probabilities.append(chunk.logprob)
             except PrefillStopped:
                 pass  # Ctrl-C before the first token: nothing to show
         sys.stdout.write("\n")  # the shell's prompt starts on a line of its own, however the text ended
         sys.stdout.flush()
+        if logprobs is not None and ranks.rank == 0:
+            print_logprobs(probabilities, loaded.tokenizer)
         interrupted = stopped()
         complete = True
         if fmt is not None:

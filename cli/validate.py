@@ -56,6 +56,26 @@ def read_prompt(prompt: str) -> str:
                          f"at offset {exc.start}") from None
 
 
+def read_prompt_file(path: str) -> str:
+    """The text of the prompt file ``path``.
+
+    Raises:
+        ValueError: a file that is missing, a folder, unreadable or not UTF-8, in one line.
+    """
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ValueError(f"--prompt-file {path}: is a folder, not a file")
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"--prompt-file {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text (byte 0x{data[exc.start:exc.start + 1].hex()} at "
+                         f"offset {exc.start})") from None
+
+
 def check_folder_option(value: Optional[str]) -> Optional[str]:
     """A Typer callback for an option naming a folder (created when missing): refuse an existing non-folder."""
     if value is not None:

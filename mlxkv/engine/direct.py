@@ -11,7 +11,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 
 from mlxkv.engine.jobs import Job
-from mlxkv.engine.output import Event, TextStream
+from mlxkv.engine.output import Event, TextStream, TokenLogprob
 from mlxkv.engine.prefill import INTERRUPTIBLE_CHUNK_SECONDS, INTERRUPTIBLE_FIRST_CHUNK, PrefillStopped
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
@@ -30,6 +30,7 @@ class GenerationChunk:
     text: str
     token: int | None
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" (max_tokens) | None (running)
+    logprob: TokenLogprob | None = None  # when the generation was asked for log-probabilities
 
 
 @dataclass
@@ -78,6 +79,7 @@ class DirectEngine:
         self.pool = pool if pool is not None else CachePool(model, max_sequences=1)
         self.prefill_step_size = prefill_step_size
         self.last_stats = GenerationStats()
+        self.last_logprobs: list[TokenLogprob] = []  # of the last generation asked for them
         self._scheduler: Any = None  # made at the first generation (the speculative subclass never needs one)
 
     @property
@@ -93,9 +95,10 @@ class DirectEngine:
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
                         logits_processors: Seq[LogitsProcessor] = (),
                         response_format: ResponseFormat | None = None,
-                        should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
+                        should_stop: Callable[[], bool] | None = None, logprobs: int | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``; stop strings are
-        left to the caller (:meth:`generate` applies them).
+        left to the caller (:meth:`generate` applies them). With ``logprobs`` (0-20), each token's log-probability
+        and that many alternatives are appended to :attr:`last_logprobs` as it is yielded.
 
         The sequence is opened in the pool when the generator starts and released when it finishes or is
         closed, whatever happens in between. With a paged pool, a cached prefix of the prompt is not recomputed
@@ -115,9 +118,12 @@ class DirectEngine:
         salt = salt.hex() if isinstance(salt, bytes) else salt
         request = GenerationRequest(prompt=list(prompt), params=dataclasses.replace(params, stop=()),
                                     cache_salt=salt or None, response_format=response_format,
-                                    logits_processors=tuple(logits_processors))
+                                    logits_processors=tuple(logits_processors), logprobs=logprobs)
+        self.last_logprobs: list[TokenLogprob] = []
         for event in self._run(request, should_stop):
             if event.kind == "token":
+                if event.logprob is not None:
+                    self.last_logprobs.append(event.logprob)
                 yield event.token
 
     def _run(self, request: GenerationRequest, should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
@@ -176,15 +182,19 @@ class DirectEngine:
     def generate(self, prompt: Seq[int], params: SamplingParams, *,
                  logits_processors: Seq[LogitsProcessor] = (),
                  response_format: ResponseFormat | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> Iterator[GenerationChunk]:
+                 should_stop: Callable[[], bool] | None = None,
+                 logprobs: int | None = None) -> Iterator[GenerationChunk]:
         """Stream text for ``prompt``; stops on EOS, on a stop string, after ``max_tokens``, or when
         ``should_stop`` turns true (checked between engine steps and before each token is shown).
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
-        ``logits_processors``, ``response_format``: as in :meth:`generate_tokens`.
+        ``logits_processors``, ``response_format``, ``logprobs``: as in :meth:`generate_tokens` (each chunk then
+        carries its token's log-probability).
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
-        extra = {"response_format": response_format} if response_format is not None else {}
+        extra: dict[str, Any] = {"response_format": response_format} if response_format is not None else {}
+        if logprobs is not None:
+            extra["logprobs"] = logprobs
         tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors, should_stop=should_stop,
                                       **extra)
         try:
@@ -192,7 +202,7 @@ class DirectEngine:
                 if should_stop is not None and should_stop():
                     return
                 text, finish = stream.feed(token)
-                yield GenerationChunk(text, token, finish)
+                yield GenerationChunk(text, token, finish, self.last_logprobs[-1] if logprobs is not None else None)
                 if finish is not None:
                     return
         finally:

@@ -106,7 +106,7 @@ class SpeculativeEngine(DirectEngine):
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
                         logits_processors: Seq[LogitsProcessor] = (),
                         response_format: Any = None,
-                        should_stop: Callable[[], bool] | None = None) -> Iterator[int]:
+                        should_stop: Callable[[], bool] | None = None, logprobs: int | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``.
 
         The target's sequence and the drafter's state are released when the generator finishes or is closed.
@@ -120,6 +120,9 @@ class SpeculativeEngine(DirectEngine):
         if logits_processors or (response_format is not None and response_format.constrained):
             raise ValueError("speculative decoding does not apply logits processors such as structured output: "
                              "generate without a draft model or prompt lookup")
+        if logprobs is not None:
+            raise ValueError("speculative decoding does not report log-probabilities: generate without a draft "
+                             "model or prompt lookup")
         if params.has_processors:
             raise ValueError("speculative decoding does not apply penalties or a logit bias: generate without a "
                              "draft model or prompt lookup")
