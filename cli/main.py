@@ -297,9 +297,23 @@ def convert(
     out_dir: str = typer.Argument(..., metavar="OUT_DIR", help="Folder to write (must not exist, or be empty)."),
     dequantize: bool = typer.Option(False, "--dequantize", metavar=FLAG,
                                     help="Write quantized weights unquantized (float32 on the CPU backend)."),
+    quantize: bool = typer.Option(False, "--quantize", "-q", metavar=FLAG,
+                                  help="Write the weights quantized by mlx-lm's quantizer (as mlx_lm.convert -q)."),
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", metavar="BITS",
+                                         help="With -q: bits per weight, 2, 3, 4, 5, 6 or 8 (default 4)."),
+    q_group_size: Optional[int] = typer.Option(None, "--q-group-size", metavar="N",
+                                               help="With -q: weights per quantization group, 32, 64 or 128 "
+                                                    "(default 64)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", metavar=FLAG, help="Tracebacks on errors."),
 ) -> None:
     """Write a GGUF model as a Hugging Face folder (config, safetensors, tokenizer) that mlx-lm loads too."""
+    if quantize and dequantize:
+        raise typer.BadParameter("-q and --dequantize exclude each other", param_hint="--quantize")
+    for value, name, allowed in ((q_bits, "--q-bits", (2, 3, 4, 5, 6, 8)), (q_group_size, "--q-group-size", (32, 64, 128))):
+        if value is not None and not quantize:
+            raise typer.BadParameter(f"{name} applies to -q (--quantize) only", param_hint=name)
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"{value} is not one of {', '.join(map(str, allowed))}", param_hint=name)
     from pathlib import Path
 
     from mlxkv.gguf import GGUFError, is_gguf
@@ -312,7 +326,8 @@ def convert(
         _fail(f"{gguf_file} is {'a folder' if source.is_dir() else 'not a GGUF file'}: convert takes a GGUF file",
               verbose)
     try:
-        out = convert_gguf(source, out_dir, dequantize=dequantize)
+        out = convert_gguf(source, out_dir, dequantize=dequantize,
+                           quantize=(int(q_bits or 4), int(q_group_size or 64)) if quantize else None)
     except GGUFError as exc:
         _fail(str(exc), verbose)
     typer.echo(f"wrote {out}")

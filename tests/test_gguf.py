@@ -230,3 +230,28 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does():
         assert tok.encode(text, add_special_tokens=False) == expected, text[:60]
         assert tok.decode(expected) == sp.decode(expected)
     assert tok.encode("hi")[0] == 1  # llama.cpp adds BOS to a SentencePiece vocabulary unless told otherwise
+
+
+def test_convert_q_quantizes_as_mlx_lm_convert_does(hf_folder, tmp_path):
+    """``mlxkv convert -q --q-bits 4 --q-group-size 32``: the written folder is the float model quantized by mlx-lm's
+    own quantizer (logits equal the folder's model quantized by ``mlx_lm.utils.quantize_model``); its options are
+    refused without ``-q`` or with ``--dequantize``, in one line."""
+    from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import quantize_model
+
+    gguf = write_gguf(hf_folder("qwen3"), tmp_path / "model.gguf", "F32")
+    result = runner.invoke(app, ["convert", "-q", "--q-bits", "4", "--q-group-size", "32", str(gguf),
+                                 str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+    ours, tokenizer = mlx_lm_load(str(tmp_path / "out"))
+    reference, _, reference_config = mlx_lm_load(str(hf_folder("qwen3")), return_config=True)
+    reference, _ = quantize_model(reference, reference_config, 32, 4)
+    tokens = tokenizer.encode(PROMPT)
+    assert mx.array_equal(_logits(ours, tokens), _logits(reference, tokens))
+    for argv, fragment in ((["--q-bits", "4"], "applies to -q"), (["-q", "--dequantize"], "exclude each other"),
+                           (["-q", "--q-bits", "7"], "not one of")):
+        refused = runner.invoke(app, ["convert", *argv, str(gguf), str(tmp_path / "other")])
+        lines = refused.stderr.strip().splitlines()
+        assert refused.exit_code == 2 and len(lines) == 1 and fragment in lines[0], refused.stderr

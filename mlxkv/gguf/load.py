@@ -95,13 +95,15 @@ def load_gguf(path: str | Path, *, dequantize: bool = False) -> tuple[Any, dict[
     return model, t.config, TokenizerWrapper(t.tokenizer, eos_token_ids=t.eos_token_ids)
 
 
-def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False) -> Path:
+def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False,
+            quantize: tuple[int, int] | None = None) -> Path:
     """Write the GGUF file at ``path`` as a Hugging Face folder (``config.json``, ``model.safetensors``,
     tokenizer files) that mlx-lm and mlxkv load.
 
     ``dequantize`` writes quantized layers unquantized: in float32 on the CPU backend (scales upcast first,
     so the weights equal those ``mlxkv.models.load(path, dequantize=True)`` computes), in the scales' own
-    dtype elsewhere.
+    dtype elsewhere. ``quantize=(bits, group_size)`` writes the model quantized by mlx-lm's own quantizer
+    (``mlx_lm.convert -q``) from its float weights (a quantized file's are dequantized first).
 
     Raises:
         GGUFError: the file cannot be translated, or ``out_dir`` exists and is not an empty folder.
@@ -111,15 +113,21 @@ def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False) 
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise GGUFError(f"{out} already exists and is not an empty folder")
-    t = translate(path, dequantize=dequantize)
+    float_weights = dequantize or quantize is not None
+    t = translate(path, dequantize=float_weights)
     model = build_model(t.config, t.weights)  # refuses before anything is written if the tensors do not fit
     weights = t.weights
-    if dequantize:
+    if float_weights:
         from mlx.utils import tree_flatten
 
         from mlxkv.precision import dequantize_in_place
 
         t.config = dequantize_in_place(model, t.config)
+        if quantize is not None:
+            from mlx_lm.utils import quantize_model
+
+            bits, group_size = quantize
+            model, t.config = quantize_model(model, t.config, group_size, bits)
         weights = dict(tree_flatten(model.parameters()))
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
