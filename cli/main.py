@@ -112,6 +112,10 @@ def generate(
     raw: bool = typer.Option(False, "--raw", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                              help="Encode the prompt as it is."),
     system: Optional[str] = options.SYSTEM,
+    prefill_response: Optional[str] = typer.Option(None, "--prefill-response", metavar="TEXT", callback=check_utf8,
+                                                   rich_help_panel=MODEL_PANEL,
+                                                   help="Start the answer with this text (chat mode): the model "
+                                                        "continues it."),
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
     max_tokens: int = options.MAX_TOKENS,
     temp: float = options.TEMP,
@@ -197,7 +201,7 @@ def generate(
         from mlxkv.engine.build import build_engine
         from mlxkv.engine.sampling import SamplingParams
         from mlxkv.models import ModelLoadError, load, resolve_model_path
-        from mlxkv.prompt import encode_prompt
+        from mlxkv.prompt import encode_prompt, response_primer
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
     from mlxkv.distributed.generate import GenerateRanks
@@ -238,6 +242,8 @@ def generate(
         _quiet_length_warning(loaded.tokenizer)
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None,
                                template_kwargs=sampling.chat_template_kwargs)
+        primer = response_primer(loaded.tokenizer, prefill_response, raw=raw)
+        tokens += primer
         _check_context(loaded, len(tokens), max_tokens)
         try:
             engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
@@ -248,7 +254,7 @@ def generate(
         with StopOnCtrlC() as stopped:
             try:
                 # Distributed ranks must run the same forwards: no rank stops or sizes its chunks on its own.
-                for chunk in engine.generate(tokens, params, response_format=fmt,
+                for chunk in engine.generate(tokens, params, response_format=fmt, primer=primer,
                                              should_stop=stopped if ranks.group is None else None, **extra):
                     output.append(chunk.text)
                     sys.stdout.write(chunk.text)

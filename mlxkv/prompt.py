@@ -34,3 +34,21 @@ def encode_prompt(tokenizer: Any, text: str, *, system: str | None = None, chat:
     if system:
         raise ValueError("--system needs chat mode (--chat)")
     return list(tokenizer.encode(text))
+
+
+def response_primer(tokenizer: Any, text: str | None, *, raw: bool) -> list[int]:
+    """The tokens of ``text``, the start of the answer a chat prompt is followed by (``--prefill-response``; none
+    for ``None``).
+
+    Raises:
+        ValueError: ``text`` with a raw prompt (write it into the prompt itself), an empty ``text``, or a tokenizer
+            without a chat template.
+    """
+    if text is None:
+        return []
+    if raw or not has_chat_template(tokenizer):
+        raise ValueError("--prefill-response starts the assistant's answer of a chat prompt: with --raw (or without "
+                         "a chat template) write it at the end of the prompt")
+    if not text:
+        raise ValueError("--prefill-response is empty: drop it, or give the text the answer starts with")
+    return list(tokenizer.encode(text, add_special_tokens=False))

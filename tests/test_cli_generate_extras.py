@@ -54,3 +54,27 @@ def test_logprobs_with_speculative_decoding_are_refused_in_one_line():
     result = runner.invoke(app, ["generate", "--logprobs", "1", "--prompt-lookup", PROMPT])
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 1 and len(lines) == 1 and "--logprobs" in lines[0], result.stderr
+
+
+def test_a_prefilled_response_is_continued_with_its_spacing():
+    """``--prefill-response TEXT``: the model continues the answer TEXT starts; what is printed is the continuation,
+    which reads on from TEXT exactly as the whole answer decodes (no space lost at the join)."""
+    from mlxkv.engine.direct import DirectEngine
+    from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.models import load
+    from mlxkv.prompt import encode_prompt
+
+    start = "The three colours are"
+    result = runner.invoke(app, ["generate", "-n", "6", "--prefill-response", start, PROMPT])
+    assert result.exit_code == 0, result.output
+    demo = load(None, progress=False)
+    primer = list(demo.tokenizer.encode(start, add_special_tokens=False))
+    tokens = list(DirectEngine(demo.model, demo.tokenizer).generate_tokens(
+        encode_prompt(demo.tokenizer, PROMPT) + primer, SamplingParams(max_tokens=6)))
+    whole = demo.tokenizer.decode(primer + tokens)
+    assert whole.startswith(demo.tokenizer.decode(primer))
+    assert result.stdout.rstrip("\n") == whole[len(demo.tokenizer.decode(primer)):] and result.stdout.strip()
+    for argv, fragment in ((["--raw"], "--raw"), ([], "is empty")):
+        refused = runner.invoke(app, ["generate", *argv, "--prefill-response", "" if not argv else start, PROMPT])
+        lines = refused.stderr.strip().splitlines()
+        assert refused.exit_code == 1 and len(lines) == 1 and fragment in lines[0], refused.stderr

@@ -183,15 +183,17 @@ class DirectEngine:
                  logits_processors: Seq[LogitsProcessor] = (),
                  response_format: ResponseFormat | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 logprobs: int | None = None) -> Iterator[GenerationChunk]:
+                 logprobs: int | None = None, primer: Seq[int] = ()) -> Iterator[GenerationChunk]:
         """Stream text for ``prompt``; stops on EOS, on a stop string, after ``max_tokens``, or when
         ``should_stop`` turns true (checked between engine steps and before each token is shown).
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
         ``logits_processors``, ``response_format``, ``logprobs``: as in :meth:`generate_tokens` (each chunk then
-        carries its token's log-probability).
+        carries its token's log-probability). ``primer``: the prompt's last tokens, a response the caller
+        prefilled and has shown already: the text continues theirs.
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
+        stream.prime(primer)
         extra: dict[str, Any] = {"response_format": response_format} if response_format is not None else {}
         if logprobs is not None:
             extra["logprobs"] = logprobs

@@ -18,7 +18,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 
 class StopStringMatcher:
@@ -81,6 +81,15 @@ class TextStream:
         self._stops = StopStringMatcher(stop)
         self.max_tokens = max_tokens
         self.count = 0
+
+    def prime(self, tokens: Sequence[int]) -> None:
+        """``tokens`` were shown already (a response prefilled into the prompt): the detokenizer reads them, so
+        the first generated token's text continues theirs (its leading space kept), and their text is dropped."""
+        if self._detok is None or not tokens:
+            return
+        for token in tokens:
+            self._detok.add_token(token)
+        self._detok.last_segment  # noqa: B018 - consumed: their text is not this stream's
 
     def feed(self, token: int) -> tuple[str, str | None]:
         """Add the next generated token; return (new text, finish reason or ``None`` while running)."""
