@@ -32,7 +32,7 @@ HELP = """commands:
   /undo            drop the last message and its answer
   /retry           answer the last message again (with --temp above 0, a new draw)
   /set             show the sampling settings; /set NAME VALUE changes one (temp, top-p, top-k, min-p,
-                   max-tokens, repetition-penalty, seed)
+                   max-tokens, repetition-penalty, seed; stop TEXT, or stop none)
   /exit, /quit     leave (Ctrl-D too); Ctrl-C stops an answer, or its prefill
   \"\"\"              on a line of its own (or starting a message): a message of several lines, ended by \"\"\"
                    (Esc then Enter also inserts a new line at a terminal)"""
@@ -294,12 +294,18 @@ class _Repl:
 
         p = self.params
         if not arg:
+            stops = ", ".join(map(repr, p.stop)) or "none"
             self.say(f"temp {p.temp}, top-p {p.top_p}, top-k {p.top_k}, min-p {p.min_p}, max-tokens "
-                     f"{p.max_tokens}, repetition-penalty {p.repetition_penalty or 'off'}, seed {p.seed or 'none'}")
+                     f"{p.max_tokens}, repetition-penalty {p.repetition_penalty or 'off'}, seed {p.seed or 'none'}, "
+                     f"stop {stops}")
             return
         name, _, value = arg.partition(" ")
+        if name == "stop" and value:  # the text as typed (spaces included); "none" clears
+            self.params = dataclasses.replace(p, stop=() if value == "none" else (value,))
+            self.say(f"stop set to {', '.join(map(repr, self.params.stop)) or 'none'}")
+            return
         if name not in self.SETTINGS or not value.strip():
-            raise ValueError(f"/set NAME VALUE, NAME one of {', '.join(self.SETTINGS)}")
+            raise ValueError(f"/set NAME VALUE, NAME one of {', '.join(self.SETTINGS)}, stop")
         field, parse = self.SETTINGS[name]
         try:
             parsed = parse(value.strip())

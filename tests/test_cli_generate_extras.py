@@ -78,3 +78,18 @@ def test_a_prefilled_response_is_continued_with_its_spacing():
         refused = runner.invoke(app, ["generate", *argv, "--prefill-response", "" if not argv else start, PROMPT])
         lines = refused.stderr.strip().splitlines()
         assert refused.exit_code == 1 and len(lines) == 1 and fragment in lines[0], refused.stderr
+
+
+def test_chat_set_stop_ends_answers_at_the_text(tmp_path):
+    """``/set stop TEXT`` in chat: later answers end before TEXT; ``/set stop none`` clears it; ``/set`` shows it."""
+    env = {"MLXKV_SESSIONS_DIR": str(tmp_path / "sessions"), "MLXKV_MODELS_FILE": str(tmp_path / "models.json")}
+    free = runner.invoke(app, ["chat", "-n", "24"], input=f"{PROMPT}\n", env=env)
+    assert free.exit_code == 0, free.output
+    answer = free.stdout.strip()
+    cut = answer.split()[2]  # a word inside the free answer
+    done = runner.invoke(app, ["chat", "-n", "24"], input=f"/set stop {cut}\n/set\n{PROMPT}\n/set stop none\n/set\n",
+                         env=env)
+    assert done.exit_code == 0, done.output
+    assert done.stdout.strip() == answer[:answer.index(cut)].strip()
+    assert f"stop set to {cut!r}" in done.stderr and f"stop {cut!r}" in done.stderr
+    assert "stop set to none" in done.stderr and done.stderr.rstrip().endswith("stop none")
