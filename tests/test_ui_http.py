@@ -169,3 +169,24 @@ def test_a_server_without_keys_shows_every_tenant_to_anonymous_callers_only(llam
         keyed = httpx.get(s.url + "/v1/cache/blocks", params={"cache_salt": "x"},
                           headers={"Authorization": "Bearer unused"}).json()  # as the openai client sends
         assert keyed["view"] == "tenant" and [t["label"] for t in keyed["tenants"]][1:] == [OTHERS_LABEL]
+
+
+def test_a_tenant_key_never_reads_another_tenants_text(llama_dir):
+    """On a server whose API keys are two tenants, each key's map shows its own prompts' text and none of the
+    other's, with no salt sent (the tenant is the key); the admin key sees both tenants."""
+    from mlxkv.server.tenancy import Tenants
+
+    alice, bob = "alice-key-0123456789", "bob-key-9876543210"
+    with serve_in_thread(run_config(llama_dir, kv_backend="paged"), model_name="tiny", admin_key=ADMIN,
+                         tenants=Tenants.from_options([alice, bob], None, ADMIN)) as two:
+        complete(two, key=alice)
+        body = {"model": "tiny", "prompt": "pack my box with five dozen liquor jugs " * 6, "max_tokens": 2}
+        assert httpx.post(f"{two.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {bob}"}).status_code == 200
+        views = {key: blocks(two, key).json() for key in (alice, bob, ADMIN)}
+    assert all("tree" in view for view in views.values()), views
+    text = {key: "".join(n["text"] for n in view["tree"]["nodes"]) for key, view in views.items()}
+    assert "quick brown fox" in text[alice] and "liquor jugs" not in text[alice]
+    assert "liquor jugs" in text[bob] and "quick brown fox" not in text[bob]
+    assert views[alice]["view"] == views[bob]["view"] == "tenant"
+    assert "quick brown fox" in text[ADMIN] and "liquor jugs" in text[ADMIN]
