@@ -126,6 +126,7 @@ def good_text(r: httpx.Response) -> str:
     return choice.get("text") if "text" in choice else choice["message"]["content"]
 
 
+@pytest.mark.slow
 def test_bad_requests_beside_good_ones_are_4xx_and_change_nothing(srv):
     alone = [good_text(post(srv, path, body)) for path, body in GOOD]
     bad = schema_cases() + model_cases(srv)

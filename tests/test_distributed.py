@@ -95,6 +95,7 @@ def launch(started, reference):
     return started.wait_ready()
 
 
+@pytest.mark.slow
 def test_concurrent_greedy_requests_equal_one_process(launch, reference):
     assert _complete_all(launch.client, PROMPTS) == reference["texts"]
     chat = launch.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi there"}],
@@ -106,6 +107,7 @@ def test_concurrent_greedy_requests_equal_one_process(launch, reference):
     assert stats["failed_total"] == 0
 
 
+@pytest.mark.slow
 def test_each_rank_holds_half_the_kv_bytes(launch, reference):
     single = reference["bytes_per_block"]
     dist = _stats(launch.url)["distributed"]
@@ -121,6 +123,7 @@ def test_each_rank_holds_half_the_kv_bytes(launch, reference):
     assert blocks["total"] == int(BUDGET) // (single // 2) - 1  # the budget is per rank (block 0 is the null block)
 
 
+@pytest.mark.slow
 def test_prefix_hit_across_ranks(launch, reference):
     prompt = PROMPTS[0]
     before = _stats(launch.url)["prefix_cache"]["hits"]
@@ -131,6 +134,7 @@ def test_prefix_hit_across_ranks(launch, reference):
     assert _stats(launch.url)["prefix_cache"]["hits"] > before
 
 
+@pytest.mark.slow
 def test_killing_a_rank_ends_the_launch(launch):
     """Last in this module: it ends the shared launch."""
     follower = launch.ranks[1]

@@ -78,6 +78,7 @@ def launch(started, reference):
 
 
 @needs_launch
+@pytest.mark.slow
 def test_concurrent_greedy_requests_equal_one_process(launch, reference):
     assert _complete_all(launch.client, PROMPTS) == reference["texts"]
     chat = launch.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi there"}],
@@ -90,6 +91,7 @@ def test_concurrent_greedy_requests_equal_one_process(launch, reference):
 
 
 @needs_launch
+@pytest.mark.slow
 def test_each_rank_holds_its_layers_kv_bytes(launch, reference):
     single = reference["bytes_per_block"]
     dist = _stats(launch.url)["distributed"]
@@ -103,6 +105,7 @@ def test_each_rank_holds_its_layers_kv_bytes(launch, reference):
 
 
 @needs_launch
+@pytest.mark.slow
 def test_prefix_hit_across_ranks(launch, reference):
     prompt = PROMPTS[0]
     before = _stats(launch.url)["prefix_cache"]["hits"]
@@ -114,6 +117,7 @@ def test_prefix_hit_across_ranks(launch, reference):
 
 
 @needs_launch
+@pytest.mark.slow
 def test_killing_a_rank_ends_the_launch(launch):
     """Last of the server tests: it ends the shared launch."""
     os.kill(launch.ranks[1], signal.SIGKILL)

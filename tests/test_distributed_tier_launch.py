@@ -82,6 +82,7 @@ def reference(llama_dir) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+@pytest.mark.slow
 def test_each_rank_keeps_and_restores_its_shard(mode, llama_dir, reference, tmp_path):
     tier = tmp_path / "tier"
     args = ("-m", llama_dir, "--kv-cache-budget", BUDGET, "--host-cache-size", "64MB", "--kv-disk-cache", str(tier),

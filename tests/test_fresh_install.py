@@ -35,6 +35,7 @@ print(json.dumps({"mlxkv": mlxkv.__file__, "prefix": sys.prefix,
 """
 
 
+@pytest.mark.slow
 def test_mlxkv_imports_and_no_test_only_package_does(fresh_install, tmp_path):
     test_only = only_in_the_test_extra(fresh_install.wheel)
     assert {"httpx", "openai", "anthropic", "hypothesis", "pytest"} <= test_only, test_only
@@ -53,6 +54,7 @@ def test_mlxkv_imports_and_no_test_only_package_does(fresh_install, tmp_path):
     assert seen["importable"] == list(TEST_IMPORTS) and len(seen["installed"]) == len(test_only), seen
 
 
+@pytest.mark.slow
 def test_pip_refuses_the_install_when_a_runtime_dependency_is_missing(fresh_install, tmp_path):
     """The check behind the fresh install: pip's resolver, not the linking, decides that the dependencies fit."""
     closure = runtime_closure(wheel_requirements(fresh_install.wheel))
@@ -64,6 +66,7 @@ def test_pip_refuses_the_install_when_a_runtime_dependency_is_missing(fresh_inst
     assert proc.returncode != 0 and "typer" in (proc.stdout + proc.stderr).lower(), proc
 
 
+@pytest.mark.slow
 def test_cache_stats_without_a_server_is_one_error_line(fresh_install, tmp_path):
     port = free_port()  # nothing listens there
     proc = subprocess.run([fresh_install.bin / "mlxkv", "cache", "stats", "--url", f"http://127.0.0.1:{port}"], cwd=tmp_path,

@@ -61,6 +61,7 @@ def fuzz(operation, mode: GenerationMode, statuses: list[int]) -> None:
         assert mode is GenerationMode.NEGATIVE, f"no valid request for {operation.label}"
 
 
+@pytest.mark.slow
 def test_no_generated_request_gets_a_server_error(fuzz_server):
     """Every operation, with schema-valid requests and with requests that break the schema: no 5xx."""
     api = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")

@@ -53,6 +53,7 @@ def states(browser: Browser) -> str:
     return browser.js("document.getElementById('pool-map').dataset.states || ''")
 
 
+@pytest.mark.slow
 def test_chat_streams_and_the_pool_map_follows(srv, browser, tmp_path):
     browser.open(srv.url + "/")
     browser.wait_for("!document.getElementById('key-form').hidden")  # 401 from the API: the page asks for the key
