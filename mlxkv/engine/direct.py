@@ -60,7 +60,7 @@ class DirectEngine:
     Each generation is one request to a :class:`~mlxkv.engine.scheduler.Scheduler` of one sequence, stepped in the
     caller's thread: the same plan, execute and update as the batch engine (prefill chunks, the decode loop with
     its tokens in flight, row samplers, grammar masks, text and stop strings), so a prompt gives the same tokens
-    through ``mlxkv generate``, ``mlxkv chat`` and ``mlxkv serve``.
+    through ``mlxkv generate`` and ``mlxkv serve``.
 
     Args:
         model: the mlx-lm model.
@@ -119,7 +119,7 @@ class DirectEngine:
         request = GenerationRequest(prompt=list(prompt), params=dataclasses.replace(params, stop=()),
                                     cache_salt=salt or None, response_format=response_format,
                                     logits_processors=tuple(logits_processors), logprobs=logprobs)
-        self.last_logprobs: list[TokenLogprob] = []
+        self.last_logprobs = []
         for event in self._run(request, should_stop):
             if event.kind == "token":
                 if event.logprob is not None:
@@ -145,7 +145,7 @@ class DirectEngine:
                 if not handle.empty():
                     event = handle.get()
                     if event.kind == "token":
-                        self._count(stats, job, start)
+                        self._count(stats, start)
                     elif event.kind == "error":
                         raise _error_of(event)
                     yield event
@@ -171,7 +171,7 @@ class DirectEngine:
             stats.peak_memory_bytes = mx.get_peak_memory()
 
     @staticmethod
-    def _count(stats: GenerationStats, job: Job, start: float) -> None:
+    def _count(stats: GenerationStats, start: float) -> None:
         """A token reached the consumer: the prompt phase ends at the first, the generation phase runs from it."""
         now = time.perf_counter()
         if stats.generation_tokens == 0:

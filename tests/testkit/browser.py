@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -29,6 +30,8 @@ class Browser:
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
              "--remote-debugging-port=0", "--remote-allow-origins=*", f"--user-data-dir={profile}",
              f"--window-size={width},{height}", "about:blank"],
+            # the browser gets no preloaded BLAS (CI's second pass preloads OpenBLAS into every process it starts)
+            env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port = self._port(profile / "DevToolsActivePort")
         target = self._page_target(port)
