@@ -13,24 +13,19 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictBool, field_validator
+
+from mlxkv.server.schemas import _NullIsDefault
 
 #: Values of ``include`` that ask for nothing this server leaves out (reasoning items carry their text in the clear).
 HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
 MAX_METADATA_PAIRS = 16
 
 
-class _Body(BaseModel):
-    """``null`` means the field's default (OpenAI's clients send ``null`` for "not set"); unknown fields: 400."""
+class _Body(_NullIsDefault):
+    """``null`` means the field's default (as on the chat route); unknown fields: 400."""
 
     model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
 
 class StreamOptions(_Body):
