@@ -250,3 +250,44 @@ def test_a_cancelled_request_is_named_by_the_next_step_and_released():
     a.handle.cancel()
     head = sched.begin_step()
     assert head.cancelled == [a] and a.finished and len(pool) == 0
+
+
+class ReadingPool(FakePool):
+    """A pool whose disk tier is still reading ``slow_prompt``'s blocks until ``reads_done`` is set."""
+
+    def __init__(self, num_blocks, slow_prompt):
+        super().__init__(num_blocks)
+        self.slow_prompt, self.reads_done, self.waits = list(slow_prompt), False, 0
+
+    def tier_ready(self, prompt, cache_request=None):
+        return self.reads_done or list(prompt) != self.slow_prompt
+
+    def wait_tier_reads(self, timeout):
+        self.waits += 1
+
+
+def test_a_request_waiting_for_disk_reads_stays_unopened_while_the_others_decode():
+    slow = list(range(30, 40))
+    pool = ReadingPool(64, slow)
+    sched = scheduler(pool, max_sequences=4)
+    running, waiting = job(range(10, 15), max_tokens=6), job(slow, max_tokens=2)
+    sched.add(running)
+    sched.step()  # `running` prefills and decodes
+    sched.add(waiting)
+    for _ in range(3):
+        sched.step()
+    assert len(sched.running) == 1 and len(sched.running[0].generated) >= 3  # decoding went on
+    assert sched.running[0].job is running and waiting.first_token_at is None  # the reader is unopened
+    assert all(t.seq is None for t in sched.prefilling) and len(pool.seqs) == 1 and pool.waits == 0
+    for _ in range(6):
+        if not running.finished:
+            sched.step()
+    assert running.finished and waiting.first_token_at is None
+    before = pool.waits
+    sched.step()
+    sched.step()
+    assert pool.waits == before + 2  # nothing but the reads left: each step waits on them (no busy loop)
+    pool.reads_done = True
+    for _ in range(3):
+        sched.step()
+    assert waiting.finished and len(tokens(waiting)) == 2

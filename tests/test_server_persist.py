@@ -38,6 +38,8 @@ def test_sigterm_saves_the_cache_and_the_restart_hits_it(tmp_path):
         assert s.cached_tokens() >= 16 * (saved - 2)  # the restart's first request hits the disk tier
         stats = httpx.get(f"http://127.0.0.1:{s.port}/v1/cache/stats").json()
         assert stats["tier"]["secondary"]["hits_disk"] >= saved - 2
+        # read on the tier's read-ahead thread, not the engine's
+        assert stats["tier"]["secondary"]["disk"]["read_ahead"]["blocks"] >= saved - 2
         assert s.stop()[0] == 0
 
 

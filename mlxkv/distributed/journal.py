@@ -22,7 +22,7 @@ SEQUENCE_READS = ("nbytes", "prefill_chunk")
 #: CachePool methods :class:`LeaderPool` passes through unrecorded (they change nothing); the pool's changes are
 #: its own methods, journaled. Any other pool method is refused, as for sequences.
 POOL_READS = ("admission_cost", "block_map", "check_invariants", "free_capacity", "has_decode_headroom", "kv_events",
-              "max_sequence_tokens", "memory_usage_bytes")
+              "max_sequence_tokens", "memory_usage_bytes", "tier_ready", "wait_tier_reads")
 
 
 class UnjournaledCall(AttributeError):

@@ -42,6 +42,8 @@ __all__ = ["MAX_BATCHED_CHUNK", "Choice", "EngineObserver", "Job", "Prefill", "P
 #: How long past a step's start prefills may still start before that step's decode (seconds): new arrivals when the
 #: engine was idle, any prompt when sequences are decoding (they wait at most this long plus one prefill).
 PREFILL_FIRST_S = 0.1
+#: An engine whose only work is a request waiting for disk-tier reads sleeps at most this long per step.
+TIER_READ_WAIT_S = 0.05
 #: Prefill chunks of at most this many tokens may share one batched forward (a longer one would pad every row of
 #: the batch to its length); see :mod:`mlxkv.engine.prefill_batch`.
 MAX_BATCHED_CHUNK = 128
@@ -95,6 +97,7 @@ class Scheduler:
         self.decode_loop = DecodeLoop()
         self.intake = intake
         self._plans: Iterator[StepPlan] = iter(())
+        self._reading: set[int] = set()  # this step's tasks (by id) waiting for disk-tier reads ahead of their open
 
     @property
     def batched(self) -> bool:
@@ -142,15 +145,20 @@ class Scheduler:
         """Cancel, admit, prefill a chunk, decode one token for every running sequence: each forward planned
         (:meth:`schedule`, :meth:`schedule_decode`), executed by the runner, and applied (:meth:`update`)."""
         self.begin_step()
+        forwards = 0
         while (plan := self.schedule()) is not None:
             self.update(plan, self._execute(plan))
+            forwards += 1
         flush_wakeups()  # anything this step's prefills emitted goes out before its decode runs
         self._decode()
+        if not forwards and not self.running and self._reading:
+            self.pool.wait_tier_reads(TIER_READ_WAIT_S)  # only disk reads are left to wait for: no busy loop
 
     def begin_step(self) -> StepPlan:
         """Start a step: drop cancelled requests and admit what fits (requests added since the last step join
         here); returns those decisions. :meth:`schedule` then gives the step's prefill forwards."""
         self.totals["steps"] += 1
+        self._reading.clear()
         head = StepPlan()
         for job in self.jobs():
             if job.handle.cancelled:
@@ -255,6 +263,17 @@ class Scheduler:
             admitted.append(self.prefilling[-1])
         return admitted
 
+    def _tier_ready(self, task: Prefill) -> bool:
+        """Whether ``task`` can open now without reading disk-tier files on this thread (else they are being read
+        ahead and it waits in ``prefilling``, unopened, while the running sequences keep decoding)."""
+        try:
+            ready = self.pool.tier_ready(task.tokens, cache_request(task.job.request))
+        except Exception:  # noqa: BLE001 - the read-ahead is an optimisation: open as without it
+            ready = True
+        if not ready:
+            self._reading.add(id(task))
+        return ready
+
     def _open(self, task: Prefill) -> bool:
         """Open ``task``'s sequence, or resume it after a preemption (prefix hit taken). False if that failed
         (the request has failed)."""
@@ -333,6 +352,8 @@ class Scheduler:
                 continue
             if ran and deadline is not None and time.perf_counter() >= deadline:
                 break  # the running sequences have waited long enough: the rest prefill after their decode
+            if task.seq is None and not self._tier_ready(task):
+                continue  # its prefix hit's disk blocks are being read: the others go on meanwhile
             ran = True
             if (task.seq is None or task.seq.preempted) and not self._open(task):
                 continue  # it failed

@@ -364,6 +364,22 @@ class CachePool:
         bridge = self._bridge()
         return None if bridge is None else bridge.due_in()
 
+    def tier_ready(self, prompt: list[int], cache_request: CacheRequest | None = None) -> bool:
+        """Whether opening a sequence for ``prompt`` finds the blocks its prefix hit takes from the disk tier
+        already in host memory. When not, they are being read on the tier's read-ahead thread: keep the request
+        queued and ask again at a later step (dense pools and pools without a disk tier are always ready)."""
+        bridge = self._bridge()
+        if bridge is None or not prompt:
+            return True
+        cache_request = cache_request or CacheRequest()
+        return bridge.read_ahead(prompt, cache_request.salt, spans=cache_request.spans)
+
+    def wait_tier_reads(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for a disk-tier read ahead to finish (an engine with nothing else to run)."""
+        bridge = self._bridge()
+        if bridge is not None and bridge.tier.ahead is not None:
+            bridge.tier.ahead.wait(timeout)
+
     def persist_tier(self) -> int:
         """Run the write-behind sweep when it is due (engine thread, between steps); blocks queued."""
         bridge = self._bridge()

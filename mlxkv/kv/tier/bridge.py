@@ -268,6 +268,30 @@ class TierBridge:
         self.secondary_hit_blocks += length - first
         return length - first
 
+    def read_ahead(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+                   spans: tuple = ()) -> bool:
+        """Whether :meth:`restore` of this prompt is ready to run without reading a file on the calling thread.
+        When not, the disk blocks it would take are being read by the tier's read-ahead thread: ask again later
+        (the caller keeps the request queued, so the sequences already decoding do not wait for the disk).
+
+        Always ready without a disk store, under ``--distributed`` (ranks restore in lockstep) and for models with
+        recurrent layers (their snapshot restore reads its own files)."""
+        tier = self.tier
+        if not self.active or tier.ahead is None or self.ranks is not None or self.states is not None:
+            return True
+        tokens = [int(t) for t in tokens]
+        bs = self.block_size
+        usable = max(0, len(tokens) - 1) // bs
+        first = self.manager.find_prefix_hit(tokens, salt, extra, spans).num_full_blocks
+        if first >= usable:
+            return True
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
+        _, wanted = plan_restore(self.backend.specs, bs, first, usable,
+                                 lambda g, i: tier.contains((g, hashes[i])), self.pool.num_free_blocks)
+        keys = [(g, hashes[i]) for i, g in wanted]
+        return tier.ahead.request([k for k in keys if tier.needs_read(k)]) and not tier.ahead.pending(keys)
+
     def restore_blocks(self, tokens: list[int], ctx: HashContext, hashes: list, hit_blocks: list, held: list,
                        wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None,
                        done: list | None = None, priorities: dict | None = None) -> bool:

@@ -3,7 +3,9 @@
 Offload: a block whose retention priority is below ``min_priority`` is dropped; otherwise it goes to host
 memory when there is a memory store (whose own evictions cascade to disk), else straight to disk.
 Lookup: memory first (a memory hit *moves* the block back to the primary pool), then disk (the file stays:
-it survives restarts and costs no host memory). Every outcome is counted for stats.
+it survives restarts and costs no host memory). Every outcome is counted for stats. Disk blocks a restore is
+about to need can be read ahead by a thread of their own (:mod:`mlxkv.kv.tier.read_ahead`): ``take`` finds them
+staged in host memory.
 
 With a write-behind writer attached (:mod:`mlxkv.kv.tier.write_behind`), blocks bound for disk are queued and
 written by its thread; every disk-store call (either thread) holds :attr:`SecondaryTier.disk_lock`.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from mlxkv.kv.tier.disk_store import DiskStore
 from mlxkv.kv.tier.format import TierBlock
 from mlxkv.kv.tier.host_store import HostMemoryStore, Key, block_key
+from mlxkv.kv.tier.read_ahead import ReadAhead
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class SecondaryTier:
         self.counters = TierCounters()
         self.disk_lock = threading.Lock()  # the disk store is shared with the write-behind thread
         self.writer = None  # a WriteBehind, once attached
+        self.ahead = ReadAhead(self._read_disk) if disk is not None else None
 
     def attach_writer(self, writer) -> None:
         """Send disk-bound blocks through ``writer`` (a :class:`~mlxkv.kv.tier.write_behind.WriteBehind`)."""
@@ -112,6 +116,19 @@ class SecondaryTier:
             return True
         return self.on_disk(key)  # on disk, or queued for it
 
+    def needs_read(self, key: Key) -> bool:
+        """Whether restoring ``key`` would read its file: on disk, neither in host memory nor in the write queue."""
+        if self.disk is None or (self.memory is not None and key in self.memory):
+            return False
+        if self.writer is not None and key in self.writer:
+            return False
+        with self.disk_lock:
+            return key in self.disk
+
+    def _read_disk(self, key: Key) -> TierBlock | None:
+        with self.disk_lock:
+            return self.disk.get(key)
+
     def take(self, key: Key) -> TierBlock | None:
         """The block for ``key`` to restore into the primary pool (verified), or None. Counts the lookup."""
         self.counters.lookups += 1
@@ -119,10 +136,11 @@ class SecondaryTier:
             self.counters.hits_memory += 1
             return self.memory.pop(key)
         if self.disk is not None:
-            block = self.writer.get(key) if self.writer is not None else None  # evicted, not written yet
+            block = self.ahead.take(key)  # read ahead of the restore
+            if block is None and self.writer is not None:
+                block = self.writer.get(key)  # evicted, not written yet
             if block is None:
-                with self.disk_lock:
-                    block = self.disk.get(key)
+                block = self._read_disk(key)
             if block is not None:
                 self.counters.hits_disk += 1
                 return block
@@ -137,6 +155,7 @@ class SecondaryTier:
         if self.memory is not None:
             self.memory.clear()
         if self.disk is not None:
+            self.ahead.clear()
             with self.disk_lock:
                 self.disk.clear()
 
@@ -168,6 +187,8 @@ class SecondaryTier:
             if self.disk is not None:
                 out["disk"]["corrupt_dropped"] = self.disk.num_corrupt
                 out["disk"]["folder"] = str(self.disk.folder)
+                out["disk"]["read_ahead"] = {"blocks": self.ahead.blocks_read, "missing": self.ahead.blocks_missing,
+                                             "staged_bytes": self.ahead.staged_bytes}
         if self.writer is not None:
             blocks, nbytes = self.writer.pending()
             out["write_queue"] = {"blocks": blocks, "bytes": nbytes, "capacity_bytes": self.writer.max_bytes,
