@@ -9,6 +9,7 @@ The adapters are written by the tests (``testkit.adapters``: mlx-lm's own LoRA l
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -33,17 +34,24 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, Path]:
                                        keys=["self_attn.q_proj", "self_attn.v_proj"])}
 
 
-def mlx_lm_text(model_dir: str | Path, adapter: Path | None, prompt: str | list[int] = PROMPT,
-                max_tokens: int = TOKENS, upcast: bool = False) -> str:
-    """``mlx_lm.generate``'s greedy text for ``prompt`` with the model (and adapter) loaded by mlx-lm itself
-    (``upcast``: its float16 quantization scales as float32, as mlxkv runs them on the CPU backend)."""
-    from mlx_lm import generate, load
+@functools.lru_cache(maxsize=8)
+def _mlx_lm_load(model_dir: str, adapter: str | None, upcast: bool):
+    from mlx_lm import load
 
-    model, tokenizer = load(str(model_dir), adapter_path=str(adapter) if adapter else None)
-    if upcast:
+    model, tokenizer = load(model_dir, adapter_path=adapter)
+    if upcast:  # its float16 quantization scales as float32, as mlxkv runs them on the CPU backend
         from mlxkv.precision import upcast_on_cpu
 
         upcast_on_cpu(model)
+    return model, tokenizer
+
+
+def mlx_lm_text(model_dir: str | Path, adapter: Path | None, prompt: str | list[int] = PROMPT,
+                max_tokens: int = TOKENS, upcast: bool = False) -> str:
+    """``mlx_lm.generate``'s greedy text for ``prompt`` with the model (and adapter) loaded by mlx-lm itself."""
+    from mlx_lm import generate
+
+    model, tokenizer = _mlx_lm_load(str(model_dir), str(adapter) if adapter else None, upcast)
     tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     return generate(model, tokenizer, tokens, max_tokens=max_tokens)
 
@@ -79,6 +87,16 @@ def test_an_adapter_over_a_gguf_file_quantized_or_not(llama_dir, adapters, tmp_p
         # The tokenizer mlxkv builds from GGUF metadata keeps a first token's leading space, which mlx-lm's
         # detokenizer of the converted folder trims (adapter or not): the tokens are the same.
         assert generate(gguf, "--adapter-path", str(adapters["a"])).removeprefix(" ") == expected, qtype
+    # the quantized folder itself, and --dequantize: the adapter over the dequantized layers, as mlx-lm's
+    # dequantize_model leaves an adapted model
+    assert generate(converted, "--adapter-path", str(adapters["a"])) == expected
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm.utils import dequantize_model
+
+    model, tokenizer = _mlx_lm_load(str(converted), str(adapters["a"]), True)
+    plain = mlx_lm_generate(dequantize_model(model), tokenizer, tokenizer.encode(PROMPT), max_tokens=TOKENS)
+    _mlx_lm_load.cache_clear()  # the cached model is dequantized now
+    assert generate(gguf, "--adapter-path", str(adapters["a"]), "--dequantize").removeprefix(" ") == plain
 
 
 def test_chat_with_an_adapter_answers_as_mlx_lm(llama_dir, adapters, tmp_path):
