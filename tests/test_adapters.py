@@ -221,3 +221,23 @@ def test_the_disk_tier_never_serves_one_adapters_kv_to_another(llama_dir, adapte
     with _serve(llama_dir, adapters["a"], tier) as srv:  # a restart hits its own blocks, with its own answer
         text, cached = _complete(srv, prompt)
     assert text == expected[1] and cached > 0
+
+
+@pytest.mark.real_model
+def test_smollm2_with_an_adapter_answers_as_mlx_lm(smollm2_f32_folder, tmp_path):
+    """SmolLM2-135M's GGUF run --dequantize with a rank-8 adapter over its last 16 layers: mlx-lm's answer for the same
+    float32 weights (the folder ``mlxkv convert --dequantize`` writes) with the same adapter."""
+    from mlx_lm.utils import load_tokenizer
+
+    from testkit.real_model import GGUF
+
+    adapter = write_test_adapter(smollm2_f32_folder, tmp_path / "adapter", seed=5, rank=8, scale=2.0, num_layers=16)
+    question = "What is the capital of France?"
+    tokenizer = load_tokenizer(smollm2_f32_folder)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    expected = mlx_lm_text(smollm2_f32_folder, adapter, prompt, max_tokens=30)
+    assert expected != mlx_lm_text(smollm2_f32_folder, None, prompt, max_tokens=30)
+    result = runner.invoke(app, ["generate", "-m", str(GGUF), "--dequantize", "--adapter-path", str(adapter),
+                                 "-n", "30", question])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.removesuffix("\n") == expected

@@ -32,8 +32,12 @@ def write_test_adapter(model_dir: str | Path, out_dir: str | Path, *, seed: int 
     adapter = {}
     for name, value in tree_flatten(model.parameters()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "lora_b":
+        if leaf in ("lora_a", "lora_b"):  # drawn from ``seed`` (mlx-lm draws lora_a from the global generator)
             key, sub = mx.random.split(key)
+        if leaf == "lora_a":  # (in, r): mlx-lm's initial range
+            bound = value.shape[0] ** -0.5
+            value = mx.random.uniform(-bound, bound, value.shape, key=sub)
+        elif leaf == "lora_b":
             value = 0.05 * mx.random.normal(value.shape, key=sub)  # (r, out): a visible, finite change
         if leaf in ("lora_a", "lora_b", "m"):
             adapter[name] = value
