@@ -134,10 +134,36 @@ def apply_adapter(model: Any, adapter: Adapter) -> None:
         load_adapters(model, str(adapter.path))
     except ValueError as exc:
         raise AdapterError(f"{where} does not fit this model: {_first_mismatch(str(exc))}") from None
-    except (OSError, RuntimeError, KeyError, TypeError) as exc:
-        raise AdapterError(f"{where}: cannot load the adapter: {' '.join(str(exc).split())}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure of mlx-lm's loader here is the same one-line refusal
+        raise AdapterError(f"{where}: cannot load the adapter: {' '.join(str(exc).split()) or type(exc).__name__}") \
+            from None
+    missing = _missing_tensors(model, adapter)
+    if missing:  # those layers would run mlx-lm's random initial lora_a (or no change at all)
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise AdapterError(f"{where} does not fit this model: {WEIGHTS_FILE} lacks {missing[0]}{more}, which "
+                           f"{CONFIG_FILE} makes an adapter parameter")
     model.eval()
     setattr(model, EXTRA_IDENTITY_ATTR, f"adapter-{adapter.digest}")
+
+
+def _tensor_names(path: Path) -> set[str]:
+    """The tensor names in a safetensors file, from its header (the tensors themselves are not read)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {name for name in header if name != "__metadata__"}
+
+
+def _missing_tensors(model: Any, adapter: Adapter) -> list[str]:
+    """The adapter parameters the config put in ``model`` that the weights file does not hold (sorted); for a
+    full fine-tune, every parameter when the file holds none."""
+    from mlx.utils import tree_flatten
+
+    names = _tensor_names(adapter.path / WEIGHTS_FILE)
+    params = [name for name, _ in tree_flatten(model.parameters())]
+    if adapter.kind == "full":
+        return [] if names else sorted(params)
+    return sorted(name for name in params if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m") and name not in names)
 
 
 def _first_mismatch(message: str) -> str:

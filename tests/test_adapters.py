@@ -148,13 +148,23 @@ def test_a_bad_or_mismatched_adapter_is_one_line_on_every_command(llama_dir, ada
     alpha = shutil.copytree(good, tmp_path / "alpha")
     config["lora_parameters"] = {"rank": 4, "alpha": 16, "dropout": 0.0}
     (alpha / "adapter_config.json").write_text(json.dumps(config))
+    truncated = shutil.copytree(good, tmp_path / "truncated")
+    (truncated / "adapters.safetensors").write_bytes((good / "adapters.safetensors").read_bytes()[:100])
+    partial = shutil.copytree(good, tmp_path / "partial")  # lora_b without its lora_a: a random lora_a would run
+    import mlx.core as mx
+
+    tensors = mx.load(str(good / "adapters.safetensors"))
+    mx.save_safetensors(str(partial / "adapters.safetensors"),
+                        {k: v for k, v in tensors.items() if not k.endswith("q_proj.lora_a")})
     cases = [(tmp_path / "missing", ("no such folder",)),
              (good / "adapters.safetensors", ("not a folder",)),
              (no_weights, ("no adapters.safetensors",)),
              (bad_json, ("adapter_config.json is not valid JSON",)),
              (other_rank, ("does not fit this model", "adapter shape", "more tensors")),
              (other_keys, ("does not fit this model", "not an adapter parameter")),
-             (alpha, ("'scale', not 'alpha'",))]
+             (alpha, ("'scale', not 'alpha'",)),
+             (truncated, ("cannot load the adapter", "file is only 100 bytes")),
+             (partial, ("lacks model.layers.0.self_attn.q_proj.lora_a (and 1 more)",))]
     for path, fragments in cases:
         _refused(["generate", "-m", llama_dir, "--adapter-path", str(path), "hi"], f"--adapter-path {path}",
                  *fragments)
