@@ -4,7 +4,7 @@ An adapter folder holds ``adapter_config.json`` (``fine_tune_type``: lora, dora 
 ``lora_parameters``: rank, scale, dropout, optional keys) and ``adapters.safetensors`` (the trained tensors), as
 ``mlx_lm.lora`` writes them. :func:`check_adapter` reads the folder before any weights load; :func:`apply_adapter`
 wraps the model's layers (:func:`mlx_lm.tuner.utils.load_adapters`: linear, quantized and embedding layers alike,
-so mlx folders and GGUF files take adapters the same way) and returns the adapter's identity.
+so mlx folders and GGUF files take adapters the same way) and marks the model with the adapter's identity.
 
 The identity is a digest of both files' bytes. It is part of the model's identity wherever K/V outlive the
 process (the disk tier's fingerprint, saved chat sessions): a cache written with one adapter, or none, is never
@@ -37,11 +37,6 @@ class Adapter:
     kind: str
     digest: str
 
-    @property
-    def short(self) -> str:
-        """The digest's first 12 hex digits (for people: logs, listings)."""
-        return self.digest[:12]
-
 
 def _digest(folder: Path) -> str:
     """sha256 over the config's bytes and the weights' bytes, each prefixed by its file name."""
@@ -59,7 +54,8 @@ def check_adapter(spec: str | Path) -> Adapter:
 
     Raises:
         AdapterError: a missing folder or file, a config that is not a JSON object with ``num_layers`` and (for
-            lora and dora) ``lora_parameters`` holding ``rank`` and ``scale``, or an unknown ``fine_tune_type``.
+            lora and dora) ``lora_parameters`` holding ``rank``, ``scale`` and ``dropout``, or an unknown
+            ``fine_tune_type``.
     """
     folder = Path(spec).expanduser()
     where = f"--adapter-path {spec}"
@@ -123,7 +119,8 @@ def apply_adapter(model: Any, adapter: Adapter) -> None:
 
     Raises:
         AdapterError: tensors that are not the adapter parameters of this model's layers, or of other shapes (an
-            adapter trained for another model), or a layer mlx-lm cannot wrap; the first mismatch named.
+            adapter trained for another model), adapter parameters the weights file lacks, or a layer mlx-lm cannot
+            wrap; the first mismatch named.
     """
     from mlx_lm.tuner.utils import load_adapters
 

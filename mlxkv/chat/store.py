@@ -86,7 +86,7 @@ def model_fingerprint(config: dict, model_name: str, vocab_size: int, adapter: s
     or folder, the tokenizer's vocabulary size and the digest of its LoRA adapter (``None``: none)."""
     body = {k: v for k, v in config.items() if k not in _STORAGE_KEYS}
     named = {"config": body, "name": model_name, "vocab": vocab_size}
-    if adapter is not None:  # absent without one: sessions saved before adapters existed keep their fingerprint
+    if adapter is not None:  # without one, the base model's fingerprint as it is
         named["adapter"] = adapter
     text = json.dumps(named, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
