@@ -25,13 +25,19 @@ TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def adapters(llama_dir, tmp_path_factory) -> dict[str, Path]:
-    """Two adapters of the test llama (same shapes, other tensors) and a DoRA one over its attention only."""
+def adapters(llama_dir, test_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two adapters of the test llama (same shapes, other tensors), a DoRA one over its attention only, and a full
+    fine-tune (every weight replaced: those of the test llama of weight seed 1)."""
     root = tmp_path_factory.mktemp("adapters")
+    full = root / "full"
+    full.mkdir()
+    shutil.copy(test_model_dir("llama", seed=1) / "model.safetensors", full / "adapters.safetensors")
+    (full / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "full", "num_layers": 2}))
     return {"a": write_test_adapter(llama_dir, root / "a", seed=1),
             "b": write_test_adapter(llama_dir, root / "b", seed=2),
             "dora": write_test_adapter(llama_dir, root / "dora", seed=3, fine_tune_type="dora",
-                                       keys=["self_attn.q_proj", "self_attn.v_proj"])}
+                                       keys=["self_attn.q_proj", "self_attn.v_proj"]),
+            "full": full}
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,12 +68,13 @@ def generate(model: str | Path, *args: str) -> str:
     return result.stdout.removesuffix("\n")
 
 
-def test_generate_with_an_adapter_is_mlx_lms_generate_with_it(llama_dir, adapters):
+def test_generate_with_an_adapter_is_mlx_lms_generate_with_it(llama_dir, test_model_dir, adapters):
     base = mlx_lm_text(llama_dir, None)
-    for name in ("a", "b", "dora"):
+    for name in ("a", "b", "dora", "full"):
         expected = mlx_lm_text(llama_dir, adapters[name])
         assert expected != base  # the adapter changes the greedy text
         assert generate(llama_dir, "--adapter-path", str(adapters[name])) == expected, name
+    assert expected == generate(test_model_dir("llama", seed=1))  # the full fine-tune runs its own weights
     # the paged store and prompt-lookup drafting run the same adapted model
     expected = mlx_lm_text(llama_dir, adapters["a"])
     assert generate(llama_dir, "--adapter-path", str(adapters["a"]), "--kv-backend", "paged") == expected
