@@ -23,7 +23,7 @@ from mlxkv.cli.options import (
     SAMPLING_PANEL,
     from_rule,
 )
-from mlxkv.cli.validate import check_file_option, check_stop, check_utf8
+from mlxkv.cli.validate import check_adapter_option, check_file_option, check_stop, check_utf8
 
 MODEL = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
                      help="Hugging Face repo id (owner/name or owner/name@revision), local folder or GGUF file "
@@ -32,7 +32,8 @@ REVISION = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL
                         help="Branch, tag or commit of a Hugging Face repo id.")
 DEQUANTIZE = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                           help="Run quantized weights unquantized (float32 on CPU: much faster there).")
-ADAPTER_PATH = typer.Option(None, "--adapter-path", metavar="FOLDER", rich_help_panel=MODEL_PANEL,
+ADAPTER_PATH = typer.Option(None, "--adapter-path", metavar="FOLDER", callback=check_adapter_option,
+                            rich_help_panel=MODEL_PANEL,
                             help="A LoRA adapter over the model's weights: a folder in mlx-lm's format "
                                  "(adapter_config.json and adapters.safetensors, as mlx_lm.lora writes them).")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", metavar="FILE", callback=check_file_option,

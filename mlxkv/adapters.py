@@ -26,7 +26,7 @@ _DIGEST_CHUNK = 1 << 20  # bytes read at a time when hashing the weights file
 
 
 class AdapterError(ValueError):
-    """An adapter folder that cannot be applied; the message is one line naming the folder and the cause."""
+    """An adapter folder that cannot be applied; the message is one line starting with the folder, then the cause."""
 
 
 @dataclass(frozen=True)
@@ -49,41 +49,51 @@ def _digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-def check_adapter(spec: str | Path) -> Adapter:
-    """Read the adapter folder ``spec`` (its files and config, not yet its tensors) and name it by its digest.
+def check_adapter_folder(spec: str | Path) -> tuple[Path, str]:
+    """The folder ``spec`` names and its ``fine_tune_type``, once its files and config are as mlx-lm's loader needs
+    them (the tensors are not read).
 
     Raises:
         AdapterError: a missing folder or file, a config that is not a JSON object with ``num_layers`` and (for
             lora and dora) ``lora_parameters`` holding ``rank``, ``scale`` and ``dropout``, or an unknown
-            ``fine_tune_type``.
+            ``fine_tune_type``; the message starts with ``spec``.
     """
     folder = Path(spec).expanduser()
-    where = f"--adapter-path {spec}"
     if not folder.exists():
-        raise AdapterError(f"{where}: no such folder")
+        raise AdapterError(f"{spec}: no such folder")
     if not folder.is_dir():
-        raise AdapterError(f"{where}: not a folder (an adapter is a folder holding {CONFIG_FILE} and {WEIGHTS_FILE})")
+        raise AdapterError(f"{spec}: not a folder (an adapter is a folder holding {CONFIG_FILE} and {WEIGHTS_FILE})")
     missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
     if missing:
-        raise AdapterError(f"{where}: no {' or '.join(missing)} in the folder (mlx-lm's adapter format)")
+        raise AdapterError(f"{spec}: no {' or '.join(missing)} in the folder (mlx-lm's adapter format)")
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON: {exc}") from None
+        raise AdapterError(f"{spec}: {CONFIG_FILE} is not valid JSON: {exc}") from None
     except OSError as exc:
-        raise AdapterError(f"{where}: cannot read {CONFIG_FILE}: {exc.strerror or exc}") from None
+        raise AdapterError(f"{spec}: cannot read {CONFIG_FILE}: {exc.strerror or exc}") from None
     if not isinstance(config, dict):
-        raise AdapterError(f"{where}: {CONFIG_FILE} is not a JSON object")
+        raise AdapterError(f"{spec}: {CONFIG_FILE} is not a JSON object")
     kind = config.get("fine_tune_type", "lora")
     if kind not in FINE_TUNE_TYPES:
-        raise AdapterError(f"{where}: fine_tune_type {kind!r} is not one of {', '.join(FINE_TUNE_TYPES)}")
+        raise AdapterError(f"{spec}: fine_tune_type {kind!r} is not one of {', '.join(FINE_TUNE_TYPES)}")
     problem = _config_problem(config, kind)
     if problem is not None:
-        raise AdapterError(f"{where}: {CONFIG_FILE}: {problem}")
+        raise AdapterError(f"{spec}: {CONFIG_FILE}: {problem}")
+    return folder, kind
+
+
+def check_adapter(spec: str | Path) -> Adapter:
+    """The adapter folder ``spec`` checked (:func:`check_adapter_folder`) and named by the digest of its files.
+
+    Raises:
+        AdapterError: see :func:`check_adapter_folder`; a file that cannot be read.
+    """
+    folder, kind = check_adapter_folder(spec)
     try:
         digest = _digest(folder)
     except OSError as exc:
-        raise AdapterError(f"{where}: cannot read the adapter: {exc.strerror or exc}") from None
+        raise AdapterError(f"{spec}: cannot read the adapter: {exc.strerror or exc}") from None
     return Adapter(path=folder, kind=kind, digest=digest)
 
 
@@ -126,7 +136,7 @@ def apply_adapter(model: Any, adapter: Adapter) -> None:
 
     from mlxkv.kv.tier.fingerprint import EXTRA_IDENTITY_ATTR
 
-    where = f"--adapter-path {adapter.path}"
+    where = str(adapter.path)
     try:
         load_adapters(model, str(adapter.path))
     except ValueError as exc:
@@ -173,4 +183,5 @@ def _first_mismatch(message: str) -> str:
     return f"{details[0]}{more}"
 
 
-__all__ = ["Adapter", "AdapterError", "CONFIG_FILE", "WEIGHTS_FILE", "check_adapter", "apply_adapter"]
+__all__ = ["Adapter", "AdapterError", "CONFIG_FILE", "WEIGHTS_FILE", "check_adapter_folder", "check_adapter",
+           "apply_adapter"]

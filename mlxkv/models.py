@@ -281,16 +281,19 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     try:  # a bad template file or parser name fails before the weights load
         template = read_chat_template(chat_template) if chat_template is not None else None
         check_tool_parser(tool_parser)
-        adapter = check_adapter(adapter_path) if adapter_path is not None else None  # its files, before the weights
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    try:  # the adapter's files too
+        adapter = check_adapter(adapter_path) if adapter_path is not None else None
+    except AdapterError as exc:
+        raise ModelLoadError(f"--adapter-path {exc}") from None
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path, dequantize) if path.is_file() else _load_folder(path)
     if adapter is not None:  # over the weights as stored, as mlx-lm applies it (a quantized base stays quantized)
         try:
             apply_adapter(model, adapter)
         except AdapterError as exc:
-            raise ModelLoadError(str(exc)) from None
+            raise ModelLoadError(f"--adapter-path {exc}") from None
     tokenizer = with_chat_template(tokenizer, template, tool_parser)
     # whether the weights were stored quantized: mlx's quantized layers keep scales; a GGUF read with --dequantize
     # may have decoded its quantized tensors to float already

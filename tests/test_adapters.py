@@ -129,9 +129,11 @@ def test_chat_with_an_adapter_answers_as_mlx_lm(llama_dir, adapters, tmp_path):
         assert "was saved with" in refused.stderr and "--adapter-path" in refused.stderr
 
 
-def _refused(args: list[str], *fragments: str) -> None:
+def _refused(args: list[str], code: int, *fragments: str) -> None:
+    """The command fails with exit ``code`` (2: the option's value refused before any work; 1: once the model
+    loads) and one ``error:`` line holding ``fragments``."""
     result = runner.invoke(app, args, input="")
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == code, result.output
     line = result.stderr.strip()
     assert line.startswith("error: ") and "\n" not in line and "Traceback" not in result.output, result.output
     for fragment in fragments:
@@ -163,23 +165,26 @@ def test_a_bad_or_mismatched_adapter_is_one_line_on_every_command(llama_dir, ada
     tensors = mx.load(str(good / "adapters.safetensors"))
     mx.save_safetensors(str(partial / "adapters.safetensors"),
                         {k: v for k, v in tensors.items() if not k.endswith("q_proj.lora_a")})
-    cases = [(tmp_path / "missing", ("no such folder",)),
-             (good / "adapters.safetensors", ("not a folder",)),
-             (no_weights, ("no adapters.safetensors",)),
-             (bad_json, ("adapter_config.json is not valid JSON",)),
-             (other_rank, ("does not fit this model", "adapter shape", "more tensors")),
+    unreadable = [(tmp_path / "missing", ("no such folder",)),  # refused as the option's value
+                  (good / "adapters.safetensors", ("not a folder",)),
+                  (no_weights, ("no adapters.safetensors",)),
+                  (bad_json, ("adapter_config.json is not valid JSON",)),
+                  (alpha, ("'scale', not 'alpha'",))]
+    unfit = [(other_rank, ("does not fit this model", "adapter shape", "more tensors")),  # once the model loads
              (other_keys, ("does not fit this model", "not an adapter parameter")),
-             (alpha, ("'scale', not 'alpha'",)),
              (truncated, ("cannot load the adapter", "file is only 100 bytes")),
              (partial, ("lacks model.layers.0.self_attn.q_proj.lora_a (and 1 more)",))]
-    for path, fragments in cases:
-        _refused(["generate", "-m", llama_dir, "--adapter-path", str(path), "hi"], f"--adapter-path {path}",
+    for path, fragments in unreadable:
+        _refused(["generate", "-m", llama_dir, "--adapter-path", str(path), "hi"], 2,
+                 f"Invalid value for '--adapter-path': {path}", *fragments)
+    for path, fragments in unfit:
+        _refused(["generate", "-m", llama_dir, "--adapter-path", str(path), "hi"], 1, f"--adapter-path {path}",
                  *fragments)
     for command in (["chat"], ["serve", "--port", "0"]):
-        for path, fragments in (cases[0], cases[4]):
-            _refused([*command, "-m", llama_dir, "--adapter-path", str(path)], *fragments)
-    _refused(["serve", "--port", "0", "--adapter-path", str(good), "--distributed", "tensor"], "drop --distributed")
-    _refused(["generate", "--adapter-path", str(good), "--distributed", "tensor", "hi"], "drop --distributed")
+        _refused([*command, "-m", llama_dir, "--adapter-path", str(unreadable[0][0])], 2, "no such folder")
+        _refused([*command, "-m", llama_dir, "--adapter-path", str(other_rank)], 1, "does not fit this model")
+    _refused(["serve", "--port", "0", "--adapter-path", str(good), "--distributed", "tensor"], 1, "drop --distributed")
+    _refused(["generate", "--adapter-path", str(good), "--distributed", "tensor", "hi"], 1, "drop --distributed")
 
 
 def _serve(llama_dir: str, adapter: Path | None, tier: Path | None = None):
