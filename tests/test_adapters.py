@@ -1,7 +1,7 @@
-"""``--adapter-path``: a LoRA adapter in mlx-lm's format changes ``generate``, ``chat`` and ``serve`` exactly as
-mlx-lm's own ``load(adapter_path=...)`` changes ``mlx_lm.generate`` (greedy tokens equal, and unequal to the base
-model's), on an mlx folder, an F32 GGUF and a quantized GGUF alike; a bad or mismatched adapter is one line and a
-non-zero exit; and the adapter is part of the cache identity: the disk tier written without it (or with another
+"""``--adapter-path``: an adapter in mlx-lm's format (LoRA, DoRA, full fine-tune) changes ``generate``, ``chat`` and
+``serve`` exactly as mlx-lm's own ``load(adapter_path=...)`` changes ``mlx_lm.generate`` (greedy tokens equal, and
+unequal to the base model's), on an mlx folder, a quantized mlx folder, an F32 GGUF and a quantized GGUF (run
+quantized or ``--dequantize``) alike; a bad or mismatched adapter is one line and a non-zero exit; and the adapter is part of the cache identity: the disk tier written without it (or with another
 adapter) is never hit with it, and a chat session saved with it does not resume without it.
 
 The adapters are written by the tests (``testkit.adapters``: mlx-lm's own LoRA layers, random non-zero ``lora_b``).
