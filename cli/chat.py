@@ -59,6 +59,7 @@ def chat(
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
+    adapter_path: Optional[str] = options.ADAPTER_PATH,
     system: Optional[str] = options.SYSTEM,
     max_tokens: int = CHAT_MAX_TOKENS,
     temp: float = options.TEMP,
@@ -119,7 +120,7 @@ def chat(
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
                                 top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()),
                                 repetition_penalty=sampling.repetition_penalty)
-        loaded = load(model, dequantize=dequantize, chat_template=chat_template)
+        loaded = load(model, dequantize=dequantize, chat_template=chat_template, adapter_path=adapter_path)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
         add_extra_eos(loaded.tokenizer, extra_eos_token)
@@ -127,7 +128,8 @@ def chat(
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
                               kv_group_size=kv_group_size, overflow=overflow,
                               template_kwargs=sampling.chat_template_kwargs)
-        repl = _Repl(console, session, params, folder, fingerprint_of(loaded), loaded.name)
+        shown = f"{loaded.name} with adapter {adapter_path}" if adapter_path is not None else loaded.name
+        repl = _Repl(console, session, params, folder, fingerprint_of(loaded), shown)
         if resume is not None:
             load_session(session, folder, resume, repl.fingerprint)
             if system is not None:
@@ -142,7 +144,7 @@ def chat(
             traceback.print_exc()
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1)
-    console.print(f"mlxkv chat with {loaded.name}: /help lists the commands, Ctrl-D leaves.", markup=False,
+    console.print(f"mlxkv chat with {shown}: /help lists the commands, Ctrl-D leaves.", markup=False,
                   soft_wrap=True)
     repl.run(_line_reader(folder), verbose)
 

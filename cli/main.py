@@ -107,6 +107,7 @@ def generate(
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
+    adapter_path: Optional[str] = options.ADAPTER_PATH,
     chat: bool = typer.Option(False, "--chat", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                               help="Apply the chat template (the default when the tokenizer has one)."),
     raw: bool = typer.Option(False, "--raw", metavar=FLAG, rich_help_panel=MODEL_PANEL,
@@ -207,6 +208,8 @@ def generate(
     from mlxkv.distributed.generate import GenerateRanks
     from mlxkv.engine.prefill import PrefillStopped
 
+    if adapter_path is not None and distributed != "off":
+        _fail("--adapter-path: a LoRA adapter runs on one process: drop --distributed", verbose)
     try:
         ranks = GenerateRanks(distributed)
     except ValueError as exc:
@@ -230,11 +233,12 @@ def generate(
         speculative = SpeculativeConfig(draft_model=draft_model, prompt_lookup=prompt_lookup,
                                         num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, speculative=speculative, flags=env.flags(),
-                        chat_template=chat_template)
+                        chat_template=chat_template, adapter_path=adapter_path)
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
                                 top_k=sampling.top_k, min_p=sampling.min_p, seed=ranks.seed(seed, temp > 0),
                                 stop=tuple(stop or ()), repetition_penalty=sampling.repetition_penalty)
-        loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template)
+        loaded = load(run.model, dequantize=run.dequantize, chat_template=run.chat_template,
+                      adapter_path=run.adapter_path)
         ranks.shard(loaded)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)

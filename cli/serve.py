@@ -37,6 +37,7 @@ def serve(
     model: Optional[str] = options.MODEL,
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
+    adapter_path: Optional[str] = options.ADAPTER_PATH,
     chat_template: Optional[str] = options.CHAT_TEMPLATE,
     tool_parser: Optional[str] = typer.Option(None, "--tool-parser", rich_help_panel=MODEL_PANEL,
                                               help="mlx-lm tool parser for the model's tool calls (default: the one "
@@ -206,7 +207,9 @@ def serve(
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
-                        chat_template=chat_template, tool_parser=tool_parser)
+                        chat_template=chat_template, tool_parser=tool_parser, adapter_path=adapter_path)
+        if adapter_path is not None and distributed != "off":
+            raise ValueError("--adapter-path: a LoRA adapter runs on one process: drop --distributed")
         group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -265,7 +268,8 @@ def serve(
 
     remember_gguf(parts.loaded)
     set_switch_interval(switch_interval_ms / 1000)
-    typer.echo(f"mlxkv serve: {parts.loaded.name} on {url(host, bound_port(sock))} "
+    adapter = f" with adapter {adapter_path}" if adapter_path is not None else ""
+    typer.echo(f"mlxkv serve: {parts.loaded.name}{adapter} on {url(host, bound_port(sock))} "
                f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV"
                + (f", {distributed} parallel over {group.size()} ranks" if group is not None else "") + ")", err=True)
     started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock), log_level=log_level,

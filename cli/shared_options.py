@@ -23,7 +23,7 @@ from mlxkv.cli.options import (
     SAMPLING_PANEL,
     from_rule,
 )
-from mlxkv.cli.validate import check_file_option, check_stop, check_utf8
+from mlxkv.cli.validate import check_adapter_option, check_file_option, check_stop, check_utf8
 
 MODEL = typer.Option(None, "--model", "-m", metavar="MODEL", rich_help_panel=MODEL_PANEL,
                      help="Hugging Face repo id (owner/name or owner/name@revision), local folder or GGUF file "
@@ -32,6 +32,10 @@ REVISION = typer.Option(None, "--revision", metavar="REV", rich_help_panel=MODEL
                         help="Branch, tag or commit of a Hugging Face repo id.")
 DEQUANTIZE = typer.Option(False, "--dequantize", metavar=FLAG, rich_help_panel=MODEL_PANEL,
                           help="Run quantized weights unquantized (float32 on CPU: much faster there).")
+ADAPTER_PATH = typer.Option(None, "--adapter-path", metavar="FOLDER", callback=check_adapter_option,
+                            rich_help_panel=MODEL_PANEL,
+                            help="A LoRA adapter over the model's weights: a folder in mlx-lm's format "
+                                 "(adapter_config.json and adapters.safetensors, as mlx_lm.lora writes them).")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", metavar="FILE", callback=check_file_option,
                              rich_help_panel=MODEL_PANEL,
                              help="A Jinja chat template file used instead of the model's (e.g. one that renders "
@@ -128,7 +132,7 @@ SERVE_MAX_TOKENS = _with_default(MAX_TOKENS, SERVE_DEFAULTS["max_tokens"],
                                  "the rest of the context for chat, 16 for completions")
 SERVE_KV_BACKEND = _with_default(KV_BACKEND, SERVE_DEFAULTS["kv_backend"])
 
-__all__ = ["MODEL", "REVISION", "DEQUANTIZE", "CHAT_TEMPLATE", "SYSTEM", "DISTRIBUTED", "MAX_TOKENS", "TEMP",
+__all__ = ["MODEL", "REVISION", "DEQUANTIZE", "ADAPTER_PATH", "CHAT_TEMPLATE", "SYSTEM", "DISTRIBUTED", "MAX_TOKENS", "TEMP",
            "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "REPETITION_PENALTY", "CHAT_TEMPLATE_KWARGS", "EXTRA_EOS_TOKEN", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
            "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
            "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]

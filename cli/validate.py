@@ -150,6 +150,19 @@ WHY = {
 }
 
 
+def check_adapter_option(value: Optional[str]) -> Optional[str]:
+    """A Typer callback for ``--adapter-path``: a folder holding an adapter in mlx-lm's format (its files and
+    config; whether it fits the model is known once the model loads)."""
+    if value is not None:
+        from mlxkv.adapters import AdapterError, check_adapter_folder
+
+        try:
+            check_adapter_folder(value)
+        except AdapterError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def check_file_option(value: Optional[str]) -> Optional[str]:
     """A Typer callback for an option naming a file that must exist."""
     if value is not None and not Path(value).expanduser().is_file():
@@ -159,4 +172,5 @@ def check_file_option(value: Optional[str]) -> Optional[str]:
 
 
 __all__ = ["given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
-           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "WHY"]
+           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "check_adapter_option",
+           "WHY"]

@@ -360,7 +360,8 @@ class RunConfig:
     the server's sampling defaults (serve); flags: the ``MLXKV_*`` environment flags, parsed once
     (:func:`mlxkv.env.flags`); chat_template: a Jinja chat template file used instead of the model's;
     tool_parser: the mlx-lm tool parser reading the model's tool calls (None: the one mlx-lm infers from the
-    template; names are checked when the model loads).
+    template; names are checked when the model loads); adapter_path: a LoRA adapter folder in mlx-lm's format applied
+    over the model's weights (checked when the model loads).
     """
 
     model: str | None = None
@@ -372,6 +373,7 @@ class RunConfig:
     flags: env.Flags = field(default_factory=env.flags)
     chat_template: str | None = None
     tool_parser: str | None = None
+    adapter_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():

@@ -48,6 +48,7 @@ class LoadedModel:
     path: Path
     name: str = field(default="")
     quantized: bool = False  # whether the weights were stored quantized (before any dequantize)
+    adapter: Any = None  # the LoRA adapter applied over the weights (mlxkv.adapters.Adapter), if any
 
     @property
     def model_type(self) -> str:
@@ -248,7 +249,7 @@ def _gguf_quantized(path: Path) -> bool:
 
 
 def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = False, chat_template: str | None = None,
-         tool_parser: str | None = None) -> LoadedModel:
+         tool_parser: str | None = None, adapter_path: str | None = None) -> LoadedModel:
     """Load a model and its tokenizer through mlx-lm.
 
     Args:
@@ -260,6 +261,8 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
         chat_template: a Jinja chat template file used instead of the model's.
         tool_parser: the mlx-lm tool parser for the template's tool calls (default: the one mlx-lm infers from the
             template; see :func:`mlxkv.chat_template.with_chat_template`).
+        adapter_path: a LoRA adapter folder in mlx-lm's format applied over the weights (stored quantized or not)
+            with mlx-lm's loader (:mod:`mlxkv.adapters`); its digest becomes part of the model's cache identity.
 
     Returns:
         The loaded model with mlxkv's attention hook installed (the cache decides how attention runs).
@@ -269,6 +272,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     Raises:
         ModelLoadError: with a one-line message for any failure a user can cause.
     """
+    from mlxkv.adapters import AdapterError, apply_adapter, check_adapter
     from mlxkv.chat_template import check_tool_parser, read_chat_template, with_chat_template
     from mlxkv.cpu_ops import install_cpu_ops
     from mlxkv.decode_projections import install_decode_projections
@@ -279,8 +283,17 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
         check_tool_parser(tool_parser)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    try:  # the adapter's files too
+        adapter = check_adapter(adapter_path) if adapter_path is not None else None
+    except AdapterError as exc:
+        raise ModelLoadError(f"--adapter-path {exc}") from None
     path = resolve_model_path(spec, progress=progress)
     model, config, tokenizer = _load_gguf(path, dequantize) if path.is_file() else _load_folder(path)
+    if adapter is not None:  # over the weights as stored, as mlx-lm applies it (a quantized base stays quantized)
+        try:
+            apply_adapter(model, adapter)
+        except AdapterError as exc:
+            raise ModelLoadError(f"--adapter-path {exc}") from None
     tokenizer = with_chat_template(tokenizer, template, tool_parser)
     # whether the weights were stored quantized: mlx's quantized layers keep scales; a GGUF read with --dequantize
     # may have decoded its quantized tensors to float already
@@ -297,11 +310,13 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     from mlxkv.kv.layouts.attention_hook import install_attention_hook
     from mlxkv.mla import apply_mla
 
-    apply_mla(model)  # absorbed MLA for the DeepSeek family when MLXKV_MLA_ABSORBED=1 (no-op otherwise)
+    if apply_mla(model) and adapter is not None:  # absorbed MLA when MLXKV_MLA_ABSORBED=1 (no-op otherwise)
+        raise ModelLoadError("MLXKV_MLA_ABSORBED=1 reads the key/value up-projection's weights directly, past a "
+                             "LoRA adapter's layers: unset it to run --adapter-path")
     install_attention_hook(model)  # the cache decides how attention runs
     _eval_private_arrays(model)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=spec or "mlxkv-demo",
-                       quantized=quantized)
+                       quantized=quantized, adapter=adapter)
 
 
 def _eval_private_arrays(model: Any) -> None:

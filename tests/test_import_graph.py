@@ -97,6 +97,7 @@ LAYERS = (
     "mlxkv.hub",  # model loading: Hugging Face specs and progress
     "mlxkv.chat_template",  # model loading: chat template and tool parser
     "mlxkv.decode_projections",  # model loading: fused decode projections
+    "mlxkv.adapters",  # model loading: LoRA adapters (mlx-lm's format)
     "mlxkv.models",  # load a model: weights, tokenizer, CPU ops, attention hook, MLA
     "mlxkv.structured",  # grammars: JSON schema, tool calls
     "mlxkv.prompt",  # user text to prompt tokens

@@ -81,17 +81,22 @@ def open_bytes(seal: Seal, name: str, raw: bytes, path: Path) -> bytes:
         raise ValueError(f"{path} was changed since it was saved: it {exc}") from None
 
 
-def model_fingerprint(config: dict, model_name: str, vocab_size: int) -> str:
+def model_fingerprint(config: dict, model_name: str, vocab_size: int, adapter: str | None = None) -> str:
     """A short hash naming the model that computed a cache: its config (storage keys aside), the name of its file
-    or folder, and the tokenizer's vocabulary size."""
+    or folder, the tokenizer's vocabulary size and the digest of its LoRA adapter (``None``: none)."""
     body = {k: v for k, v in config.items() if k not in _STORAGE_KEYS}
-    text = json.dumps({"config": body, "name": model_name, "vocab": vocab_size}, sort_keys=True, default=str)
+    named = {"config": body, "name": model_name, "vocab": vocab_size}
+    if adapter is not None:  # without one, the base model's fingerprint as it is
+        named["adapter"] = adapter
+    text = json.dumps(named, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def fingerprint_of(loaded: Any) -> str:
     """:func:`model_fingerprint` of a :class:`mlxkv.models.LoadedModel`."""
-    return model_fingerprint(loaded.config, loaded.path.name, int(getattr(loaded.tokenizer, "vocab_size", 0) or 0))
+    adapter = getattr(loaded, "adapter", None)
+    return model_fingerprint(loaded.config, loaded.path.name, int(getattr(loaded.tokenizer, "vocab_size", 0) or 0),
+                             adapter.digest if adapter is not None else None)
 
 
 def save_session(session: ChatSession, folder: str | Path, name: str, fingerprint: str, model_name: str = "") -> Path:
@@ -181,7 +186,8 @@ def load_session(session: ChatSession, folder: str | Path, name: str, fingerprin
         raise ValueError(f"{path} is a chat session of another format version: save it again")
     if record.get("model") != fingerprint:
         saved_with = record.get("model_name") or "another model"
-        raise ValueError(f"session {name!r} was saved with {saved_with}, not this model: resume it with that model (-m)")
+        raise ValueError(f"session {name!r} was saved with {saved_with}, not this model: resume it with that model "
+                         "(-m, and --adapter-path if it had one)")
     if record.get("kv_bits") != session.kv_bits:
         def bits(b: Any) -> str:
             return f"--kv-bits {b}" if b else "no --kv-bits"

@@ -54,7 +54,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     from mlxkv.server.app import create_app
 
     loaded = load(run.model, progress=True, dequantize=run.dequantize, chat_template=run.chat_template,
-                  tool_parser=run.tool_parser)
+                  tool_parser=run.tool_parser, adapter_path=run.adapter_path)
     context = context_length_of(loaded.config)
     make_pool, make_engine = build_pool, BatchEngine
     if distributed is not None:

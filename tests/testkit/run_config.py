@@ -14,7 +14,8 @@ _SPECULATIVE = ("draft_model", "prompt_lookup", "num_draft_tokens", "ngram_size"
 
 
 def run_config(model: str | None = None, *, engine: EngineConfig | None = None, dequantize: bool = False,
-               chat_template: str | None = None, tool_parser: str | None = None, **options: Any) -> RunConfig:
+               chat_template: str | None = None, tool_parser: str | None = None, adapter_path: str | None = None,
+               **options: Any) -> RunConfig:
     """``run_config(model, kv_backend="paged", prompt_lookup=True, ...)``: the options as the CLI would set them
     (flat names; unknown ones raise TypeError)."""
     kv = {_KV[k]: v for k, v in options.items() if k in _KV}
@@ -24,4 +25,4 @@ def run_config(model: str | None = None, *, engine: EngineConfig | None = None, 
         raise TypeError(f"unknown options: {sorted(unknown)}")
     return RunConfig(model=model, dequantize=dequantize, kv=KvCacheConfig(**kv),
                      speculative=SpeculativeConfig(**speculative), engine=engine or EngineConfig(),
-                     chat_template=chat_template, tool_parser=tool_parser)
+                     chat_template=chat_template, tool_parser=tool_parser, adapter_path=adapter_path)

@@ -8,6 +8,10 @@ over both. The weights identity is, in order of preference:
 - ``sample``: sha256 over every parameter's name, shape and dtype plus a strided sample of its bytes (for
   models built in memory, such as the tiny test models, which have no folder).
 
+A model whose computation the weights identity may not tell apart carries an extra identity
+(:data:`EXTRA_IDENTITY_ATTR`; a LoRA adapter's content digest, set by :mod:`mlxkv.adapters`), which is part of its
+fingerprint: K/V computed with one adapter, or none, are never served to another.
+
 Only ``digest`` is compared; the other fields are for people (``mlxkv cache ls``).
 """
 
@@ -22,6 +26,8 @@ from typing import Any
 FINGERPRINT_VERSION = 1
 _SHARD_NAME = re.compile(r"^rank-(\d+)-of-(\d+)-(tensor|pipeline)$")
 _SAMPLE_BYTES = 4096  # bytes hashed per parameter (strided over the whole array)
+#: The model attribute holding what else, beyond its weights, makes its K/V its own (a string; absent: nothing).
+EXTRA_IDENTITY_ATTR = "mlxkv_extra_identity"
 
 
 def _digest(parts: dict) -> str:
@@ -55,9 +61,18 @@ def fingerprint_folder(path: str | Path) -> dict:
 
 
 def fingerprint_model(model: Any, path: str | Path | None = None) -> dict:
-    """Fingerprint of a loaded mlx-lm model: by its folder when ``path`` is given, else by a weight sample."""
-    if path is not None:
-        return fingerprint_folder(path)
+    """Fingerprint of a loaded mlx-lm model: by its folder when ``path`` is given, else by a weight sample; with
+    the model's extra identity (:data:`EXTRA_IDENTITY_ATTR`) when it has one."""
+    fingerprint = fingerprint_folder(path) if path is not None else _fingerprint_sample(model)
+    extra = getattr(model, EXTRA_IDENTITY_ATTR, None)
+    if extra:
+        fingerprint = make_fingerprint(fingerprint["architecture"], fingerprint["weights_kind"],
+                                       f"{fingerprint['weights_id']}+{extra}")
+    return fingerprint
+
+
+def _fingerprint_sample(model: Any) -> dict:
+    """Fingerprint of a model built in memory: its parameters' names, shapes, dtypes and a strided byte sample."""
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
