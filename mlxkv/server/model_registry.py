@@ -223,6 +223,7 @@ class ModelRegistry:
         finally:
             slot.metrics.bind(lambda: {})  # the metrics outlive the engine they read
             del served
+            _forget_routes()
             gc.collect()  # the model's modules hold reference cycles
             import mlx.core as mx
 
@@ -262,3 +263,17 @@ class ModelRegistry:
             if served is not None:
                 served.engine.stop(flush_timeout=self.flush_timeout_s)
                 slot.last_flush = served.engine.last_flush
+
+
+def _forget_routes() -> None:
+    """Empty FastAPI's caches keyed by route functions (``fastapi.dependencies.models``: ``lru_cache`` s of 4,096
+    entries in the versions that have them): an unloaded model's routes close over its engine, and a cache
+    entry would keep its weights and pool alive. Refilled cheaply by the routes still served."""
+    try:
+        from fastapi.dependencies import models
+    except ImportError:
+        return
+    for name in dir(models):
+        cached = getattr(models, name)
+        if name.endswith("_cached") and callable(getattr(cached, "cache_clear", None)):
+            cached.cache_clear()

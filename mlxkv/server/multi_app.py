@@ -156,7 +156,9 @@ class ModelDispatch:
         try:
             async with registry.use(name, load=load) as served:
                 if served is not None:
-                    await served.app(scope, receive, send)
+                    # a copy: routing writes the route's function into the scope, and the connection keeps the
+                    # scope after the response (keep-alive): it must not keep an unloaded model's engine alive
+                    await served.app(dict(scope), receive, send)
                     return
         except ModelUnavailable as exc:
             await error_response(503, exc.message, exc.code, path=path)(scope, receive, send)
