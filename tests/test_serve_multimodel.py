@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import signal
 import threading
 import time
 import weakref
@@ -16,6 +17,7 @@ import openai
 import pytest
 from mlxkv.cli.main import app
 from testkit.run_config import run_config
+from testkit.serve_signals import Server
 from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread, serve_models_in_thread
 from typer.testing import CliRunner
 
@@ -117,6 +119,13 @@ def test_a_stored_response_is_found_with_the_model_that_made_it(both):
         client.responses.retrieve(made.id)
 
 
+def test_the_page_and_the_api_description_are_served(both):
+    page = httpx.get(both.url + "/")
+    assert page.status_code == 200 and 'id="model-pick"' in page.text
+    paths = httpx.get(both.url + "/openapi.json").json()["paths"]
+    assert {"/v1/chat/completions", "/v1/messages", "/v1/cache/stats"} <= set(paths)
+
+
 def test_an_unknown_model_is_a_404_in_each_api_shape(both):
     client = openai_client(both.url)
     with pytest.raises(openai.NotFoundError, match="no model 'nope' here: this server serves 'a', 'b'"):
@@ -174,6 +183,24 @@ def test_an_unauthenticated_request_loads_nothing(folders):
 def _chat_with_key(url: str, model: str, key: str) -> str:
     r = openai_client(url, api_key=key).chat.completions.create(model=model, messages=QUESTION, max_tokens=2)
     return r.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_serve_process_logs_loads_and_unloads_and_keeps_a_tier_folder_per_model(folders, tmp_path):
+    tier = tmp_path / "tier"
+    srv = Server("-m", f"a={folders['a']}", "-m", f"b={folders['b']}", "--max-loaded-models", "1",
+                 "--kv-cache-budget", "4MB", "--kv-disk-cache", str(tier), "--log-level", "info")
+    try:
+        for model in ("b", "a"):
+            srv.client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
+    finally:
+        code, out = srv.stop(signal.SIGTERM)
+    assert code == 0, out
+    assert "mlxkv serve: 2 models on" in out and "a (loaded), b (not-loaded)" in out
+    for line in ("loading model 'b'", "unloading model 'a'", "model 'b' unloaded", "model 'a' loaded in"):
+        assert line in out, out
+    assert "KV tier of a saved" in out
+    assert sorted(p.name for p in tier.iterdir() if p.is_dir()) == ["a", "b"]
 
 
 runner = CliRunner()
