@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import json
 import signal
 import threading
 import time
@@ -26,6 +27,7 @@ from mlxkv.config import EngineConfig
 pytestmark = pytest.mark.server
 
 QUESTION = [{"role": "user", "content": "Which way to the station?"}]
+runner = CliRunner()
 BUDGET = 4 * 1024 * 1024  # bytes of KV per model: the tiny models need little, and the pools build fast
 
 
@@ -107,6 +109,22 @@ def test_cache_routes_and_metrics_describe_the_model_asked_for(both):
     assert prompt_tokens("a") == metered["a"] and prompt_tokens("b") == after["b"]["prompt_tokens_total"]
     blocks = {m: httpx.get(both.url + "/v1/cache/blocks", params={"model": m}).json() for m in ("a", "b")}
     assert blocks["a"]["paged"] and blocks["b"]["paged"] and blocks["a"] != blocks["b"]
+
+
+def test_cache_stats_and_top_read_the_model_named(both):
+    _chat(both.url, "b")
+    read = {}
+    for model in ("a", "b"):
+        result = runner.invoke(app, ["cache", "stats", "--url", both.url, "--model", model, "--json"])
+        assert result.exit_code == 0, result.output
+        read[model] = json.loads(result.stdout)["prompt_tokens_total"]
+        assert read[model] == httpx.get(both.url + "/v1/cache/stats", params={"model": model}).json()[
+            "prompt_tokens_total"]
+    assert read["a"] != read["b"]
+    result = runner.invoke(app, ["top", "--url", both.url, "--model", "b", "--once", "--json", "--interval", "0.1"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["pool"]["paged"], result.output
+    result = runner.invoke(app, ["top", "--url", both.url, "--model", "nope", "--once"])
+    assert result.exit_code == 1 and "no model 'nope'" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_a_stored_response_is_found_with_the_model_that_made_it(both):
@@ -202,8 +220,6 @@ def test_serve_process_logs_loads_and_unloads_and_keeps_a_tier_folder_per_model(
     assert "KV tier of a saved" in out
     assert sorted(p.name for p in tier.iterdir() if p.is_dir()) == ["a", "b"]
 
-
-runner = CliRunner()
 
 
 @pytest.mark.parametrize("args, fragment", [
