@@ -260,13 +260,13 @@ def serve(
     if host not in _LOOPBACK and not tenants.required:
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
     tier_existed = kv_disk_cache is not None and Path(kv_disk_cache).expanduser().exists()
-    app_options = dict(tenants=tenants, public_metrics=public_metrics, body_timeout_s=body_timeout,
-                       max_body_bytes=int(max_body_mb * 1024 * 1024), allowed_origins=origins,
-                       keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority, ui=not no_ui,
-                       admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
-                       responses=StoreConfig(max_responses=responses_max, ttl_s=responses_ttl,
-                                             kv_budget_bytes=responses_kv_budget))
     try:
+        app_options = dict(tenants=tenants, public_metrics=public_metrics, body_timeout_s=body_timeout,
+                           max_body_bytes=int(max_body_mb * 1024 * 1024), allowed_origins=origins,
+                           keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority, ui=not no_ui,
+                           admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
+                           responses=StoreConfig(max_responses=responses_max, ttl_s=responses_ttl,
+                                                 kv_budget_bytes=responses_kv_budget))
         leader = None
         if group is not None:
             from mlxkv.distributed.leader import Leader

@@ -157,6 +157,8 @@ def test_an_unknown_model_is_a_404_in_each_api_shape(both):
     with pytest.raises(anthropic.NotFoundError, match="no model 'nope'") as caught:
         anthropic_client(both.url).messages.create(model="nope", messages=QUESTION, max_tokens=2)
     assert caught.value.body["error"]["type"] == "not_found_error"
+    wrong = httpx.get(both.url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     for path in ("/v1/cache/stats", "/v1/cache/blocks", "/metrics"):
         r = httpx.get(both.url + path, params={"model": "nope"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", path
@@ -186,6 +188,18 @@ def test_the_least_recently_used_idle_model_unloads_and_reloads_with_the_same_to
         assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
         assert _chat(srv.url, "a") == alone["a"][0]  # loaded again on demand
         assert states() == {"a": "loaded", "b": "not-loaded"} and registry.slots["a"].loads == 2
+
+
+def test_a_model_that_fails_to_load_is_a_503_and_the_others_answer(folders, tmp_path, alone):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    with serve_models_in_thread(_config(), [("a", folders["a"]), ("broken", str(broken))]) as srv:
+        with pytest.raises(openai.InternalServerError, match="model 'broken' could not be loaded") as caught:
+            openai_client(srv.url).chat.completions.create(model="broken", messages=QUESTION, max_tokens=2)
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "model_load_failed"
+        assert srv.registry.slots["broken"].state == "not-loaded"
+        assert _chat(srv.url, "a") == alone["a"][0]
 
 
 def test_an_unauthenticated_request_loads_nothing(folders):

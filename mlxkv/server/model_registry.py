@@ -198,7 +198,12 @@ class ModelRegistry:
         started = time.monotonic()
         try:
             served = await run_in_threadpool(self._factory, slot)
+            if self.draining:  # the server began stopping meanwhile: its engine is never started
+                raise ModelUnavailable("the server is shutting down", "server_shutting_down")
             await run_in_threadpool(served.engine.start)
+        except ModelUnavailable:
+            slot.state = NOT_LOADED
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure leaves the model unloaded; the request hears why
             slot.state = NOT_LOADED
             log.error("mlxkv: model %r could not be loaded: %s", slot.name, exc)

@@ -134,7 +134,10 @@ class ModelDispatch:
             await error_response(exc.status, exc.message, exc.code, exc.param, path=path)(scope, receive, send)
             return
         registry, load = self.registry, False
-        if path in GENERATION_PATHS and scope.get("method") == "POST":
+        if path in GENERATION_PATHS and scope.get("method") != "POST":
+            await error_response(405, "Method Not Allowed", headers={"Allow": "POST"}, path=path)(scope, receive, send)
+            return
+        if path in GENERATION_PATHS:
             body = await _read_body(receive)
             if body is None:
                 return  # the client went away

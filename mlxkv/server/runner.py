@@ -123,7 +123,8 @@ def build_multi(run: RunConfig, models: Sequence[tuple[str, str]], *, max_loaded
     def factory(slot: ModelSlot) -> ServedModel:
         kv = run.kv
         if kv.secondary_disk_dir is not None:
-            kv = replace(kv, secondary_disk_dir=str(Path(kv.secondary_disk_dir).expanduser() / _folder_name(slot.name)))
+            folder = Path(kv.secondary_disk_dir).expanduser() / _folder_name(slot.name)
+            kv = replace(kv, secondary_disk_dir=str(folder))
         loaded, engine, app = _serve_one(replace(run, model=slot.spec, kv=kv), slot.metrics, model_name=slot.name,
                                          **app_options)
         if registry.openapi_schema is None:
