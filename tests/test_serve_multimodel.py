@@ -170,7 +170,7 @@ def test_the_least_recently_used_idle_model_unloads_and_reloads_with_the_same_to
         weights = weakref.ref(registry.slots["a"].served.loaded.model)
         states = lambda: {m.id: m.state for m in openai_client(srv.url).models.list().data}  # noqa: E731
         assert states() == {"a": "loaded", "b": "not-loaded"}
-        stream = openai_client(srv.url).chat.completions.create(model="a", messages=QUESTION, max_tokens=120,
+        stream = openai_client(srv.url).chat.completions.create(model="a", messages=QUESTION, max_tokens=48,
                                                                 temperature=0, stream=True)
         chunks = [next(iter(stream))]  # a is answering: b waits until a is idle
         answered: list[tuple[str, float]] = []

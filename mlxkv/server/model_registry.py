@@ -6,22 +6,23 @@ engine with its own KV pool and prefix cache, and the app that serves it (:func:
 :mod:`mlxkv.server.multi_app` picks the model a request names and hands the request to that app.
 
 The registry's state lives on the server's event loop (every method but :meth:`ModelRegistry.stop_all` is called
-there); the slow parts (loading weights, stopping an engine and flushing its KV tier) run on worker threads,
-one at a time, so the other models keep answering meanwhile. A model with requests in flight is never unloaded:
+there); the slow parts (loading weights, stopping an engine and flushing its KV tier) run on one loader thread,
+one at a time, so the other models keep answering meanwhile. One thread, kept until the server stops: the MLX
+streams a thread makes must outlive the arrays built on them and be destroyed by that same thread. A model with requests in flight is never unloaded:
 a request that needs room waits until one of the loaded models is idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
-
-from starlette.concurrency import run_in_threadpool
 
 from mlxkv.server.metrics import ServerMetrics
 
@@ -107,6 +108,7 @@ class ModelRegistry:
         self._factory = factory
         self._changed: asyncio.Condition | None = None  # made on the event loop at first use
         self._busy = False  # a load or an unload is under way (one at a time)
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxkv-loader")
         self.draining = False
         self.openapi_schema: dict | None = None
 
@@ -197,10 +199,10 @@ class ModelRegistry:
         log.info("mlxkv: loading model %r (%s)", slot.name, slot.spec)
         started = time.monotonic()
         try:
-            served = await run_in_threadpool(self._factory, slot)
+            served = await self._on_loader(self._factory, slot)
             if self.draining:  # the server began stopping meanwhile: its engine is never started
                 raise ModelUnavailable("the server is shutting down", "server_shutting_down")
-            await run_in_threadpool(served.engine.start)
+            await self._on_loader(served.engine.start)
         except ModelUnavailable:
             slot.state = NOT_LOADED
             raise
@@ -214,7 +216,7 @@ class ModelRegistry:
     async def _unload(self, slot: ModelSlot) -> None:
         log.info("mlxkv: unloading model %r (least recently used; --max-loaded-models %s)", slot.name,
                  self.max_loaded)
-        await run_in_threadpool(self._release, slot)
+        await self._on_loader(self._release, slot)
         slot.state = NOT_LOADED
         log.info("mlxkv: model %r unloaded", slot.name)
 
@@ -233,6 +235,10 @@ class ModelRegistry:
             import mlx.core as mx
 
             mx.clear_cache()  # give the freed buffers back rather than keep them for the next allocation
+            _trim_heap()
+
+    async def _on_loader(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._loader, fn, *args)
 
     def _occupied(self) -> int:
         return sum(s.state in (LOADED, LOADING, UNLOADING) for s in self.slots.values())
@@ -261,13 +267,33 @@ class ModelRegistry:
                    if slot.served is not None)
 
     def stop_all(self) -> None:
-        """Stop every loaded model's engine (each KV tier flushed); the server's shutdown, on a worker thread."""
+        """Stop every loaded model's engine (each KV tier flushed) and the loader thread; the server's shutdown,
+        on a worker thread."""
         self.draining = True
         for slot in self.slots.values():
             served = slot.served
             if served is not None:
                 served.engine.stop(flush_timeout=self.flush_timeout_s)
                 slot.last_flush = served.engine.last_flush
+        self._loader.submit(_clear_streams).result()
+        self._loader.shutdown()
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free pages to the system where the C library can (glibc's ``malloc_trim``): an
+    unloaded model's buffers freed on the CPU backend stay in the process's resident memory otherwise."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass  # not glibc (macOS frees its own way)
+
+
+def _clear_streams() -> None:
+    """Destroy the MLX streams this thread made (else the process can abort at exit: MLX asks each thread to)."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.clear_streams()
 
 
 def _forget_routes() -> None:
