@@ -257,3 +257,16 @@ def test_bad_model_lists_are_one_line_errors(folders, tmp_path, args, fragment):
     assert result.exit_code in (1, 2), result.output
     assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error:"), result.stderr
     assert fragment in result.stderr
+
+
+def test_model_names_come_from_name_equals_else_the_folder_or_file(tmp_path):
+    from mlxkv.cli.served_models import named, served_models
+
+    folder, gguf = tmp_path / "Qwen2.5-0.5B", tmp_path / "SmolLM2-135M.Q4_1.gguf"
+    folder.mkdir()
+    gguf.write_bytes(b"GGUF")
+    listed = tmp_path / "models.txt"
+    listed.write_text(f"# served too\nextra={folder}  # a comment\n")
+    pairs = served_models([str(folder), str(gguf), "org/repo@v1", f"mine={gguf}"], str(listed))
+    assert named(pairs) == [("Qwen2.5-0.5B", str(folder)), ("SmolLM2-135M.Q4_1", str(gguf)),
+                            ("org/repo@v1", "org/repo@v1"), ("mine", str(gguf)), ("extra", str(folder))]
