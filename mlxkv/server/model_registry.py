@@ -8,8 +8,8 @@ engine with its own KV pool and prefix cache, and the app that serves it (:func:
 The registry's state lives on the server's event loop (every method but :meth:`ModelRegistry.stop_all` is called
 there); the slow parts (loading weights, stopping an engine and flushing its KV tier) run on one loader thread,
 one at a time, so the other models keep answering meanwhile. One thread, kept until the server stops: the MLX
-streams a thread makes must outlive the arrays built on them and be destroyed by that same thread. A model with requests in flight is never unloaded:
-a request that needs room waits until one of the loaded models is idle.
+streams a thread makes must outlive the arrays built on them and be destroyed by that same thread. A model with
+requests in flight is never unloaded: a request that needs room waits until one of the loaded models is idle.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ModelRegistry:
         models: ``(name, spec)`` pairs; the first is the default model (requests that name none, routes asked
             without ``?model=``).
         factory: ``factory(slot) -> ServedModel``: loads ``slot``'s model and builds its engine (not started) and
-            app; runs on a worker thread; raises with a one-line message when the model cannot be loaded.
+            app; runs on the loader thread; raises with a one-line message when the model cannot be loaded.
         max_loaded: most models loaded at once (>= 1; ``None``: all may be).
         flush_timeout_s: how long stopping one engine may take to write its KV tier's cached blocks.
 
