@@ -270,3 +270,34 @@ def test_model_names_come_from_name_equals_else_the_folder_or_file(tmp_path):
     pairs = served_models([str(folder), str(gguf), "org/repo@v1", f"mine={gguf}"], str(listed))
     assert named(pairs) == [("Qwen2.5-0.5B", str(folder)), ("SmolLM2-135M.Q4_1", str(gguf)),
                             ("org/repo@v1", "org/repo@v1"), ("mine", str(gguf)), ("extra", str(folder))]
+
+
+@pytest.mark.slow
+def test_the_page_picks_a_model_and_follows_it(folders, alone, tmp_path):
+    pytest.importorskip("websocket", reason="websocket-client is not installed (pip install -e '.[test]')")
+    from testkit.browser import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    with serve_models_in_thread(_config(), list(folders.items()), max_loaded=1) as srv:
+        browser = Browser(tmp_path / "profile")
+        try:
+            browser.open(srv.url + "/")
+            labels = "[...document.getElementById('model-pick').options].map(o => o.text).join(',')"
+            assert browser.wait_for(f"!document.getElementById('model-pick').hidden && {labels}") == \
+                "a,b (not-loaded)"
+            browser.js("const p = document.getElementById('model-pick'); p.value = 'b'; "
+                       "p.dispatchEvent(new Event('change')); "
+                       "document.getElementById('temperature').value = '0'; "
+                       "document.getElementById('max-tokens').value = '8'; "
+                       f"document.getElementById('chat-input').value = {json.dumps(QUESTION[0]['content'])}; "
+                       "document.getElementById('send').click()")
+            browser.wait_for("document.querySelectorAll('.msg.assistant[data-done]').length >= 1")
+            text = browser.js("document.querySelector('.msg.assistant .content').textContent")
+            assert text == alone["b"][0]
+            assert browser.wait_for(f"({labels}) === 'a (not-loaded),b' && 'ok'") == "ok"  # the picker follows
+            states = browser.wait_for("document.getElementById('pool-map').dataset.states")
+            assert "c" in states  # b's pool map, with b's cached prompt
+            assert not browser.errors, browser.errors
+        finally:
+            browser.close()
