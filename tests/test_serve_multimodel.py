@@ -222,12 +222,29 @@ def test_serve_process_logs_loads_and_unloads_and_keeps_a_tier_folder_per_model(
     tier = tmp_path / "tier"
     srv = Server("-m", f"a={folders['a']}", "-m", f"b={folders['b']}", "--max-loaded-models", "1",
                  "--kv-cache-budget", "4MB", "--kv-disk-cache", str(tier), "--log-level", "info")
+    ended: list[str] = []
+
+    def answer_at_length() -> None:
+        stream = srv.client.chat.completions.create(model="a", messages=QUESTION, max_tokens=400, temperature=0,
+                                                    stream=True)
+        try:
+            for _ in stream:
+                started.set()
+        except openai.APIError as exc:
+            ended.append(str(exc))
+
+    started = threading.Event()
     try:
         for model in ("b", "a"):
             srv.client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4)
+        streaming = threading.Thread(target=answer_at_length)
+        streaming.start()
+        assert started.wait(60)
     finally:
         code, out = srv.stop(signal.SIGTERM)
+    streaming.join(30)
     assert code == 0, out
+    assert ended and "shutting down" in ended[0]  # the open answer ended by the stop, not cut off
     assert "mlxkv serve: 2 models on" in out and "a (loaded), b (not-loaded)" in out
     for line in ("loading model 'b'", "unloading model 'a'", "model 'b' unloaded", "model 'a' loaded in"):
         assert line in out, out
