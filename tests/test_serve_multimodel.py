@@ -5,7 +5,6 @@ model is a 404 in each API's shape; the CLI refuses bad model lists in one line.
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import json
 import signal
 import threading
@@ -182,7 +181,6 @@ def test_the_least_recently_used_idle_model_unloads_and_reloads_with_the_same_to
         other.join(60)
         assert answered[0][0] == alone["b"][1] and answered[0][1] > a_done
         assert states() == {"a": "not-loaded", "b": "loaded"} and len(registry.loaded()) == 1
-        gc.collect()
         assert weights() is None  # a's weights, engine and pool are gone, not merely unlisted
         r = httpx.get(srv.url + "/v1/cache/stats", params={"model": "a"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
