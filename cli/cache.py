@@ -221,13 +221,17 @@ def _rate(x) -> str:
 def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
                                   help="Base URL of a running mlxkv server (serve's default port)."),
           api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token."),
-          as_json: bool = typer.Option(False, "--json", help="The server's JSON as it is, instead of tables.")
+          as_json: bool = typer.Option(False, "--json", help="The server's JSON as it is, instead of tables."),
+          model: str = typer.Option(None, "--model", "-m",
+                                    help="On a server with several models: the one to describe (default: its first).")
           ) -> None:
     """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""
     from rich.console import Console
     from rich.table import Table
 
-    endpoint = url.rstrip("/") + "/v1/cache/stats"
+    import urllib.parse
+
+    endpoint = url.rstrip("/") + "/v1/cache/stats" + ("?" + urllib.parse.urlencode({"model": model}) if model else "")
     try:
         snap = _get_json(endpoint, api_key)
     except _ReadError as exc:

@@ -34,7 +34,18 @@ _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
 
 def serve(
     ctx: typer.Context,
-    model: Optional[str] = options.MODEL,
+    model: Optional[list[str]] = typer.Option(
+        None, "--model", "-m", metavar="[NAME=]MODEL", rich_help_panel=MODEL_PANEL,
+        help="Hugging Face repo id (owner/name or owner/name@revision), local folder or GGUF file (default: the "
+             "embedded demo model). Repeatable: each request's 'model' picks one, by NAME (default: the folder's "
+             "name, the file's stem or the repo id); the first answers requests that name none."),
+    models_file: Optional[str] = typer.Option(
+        None, "--models-file", metavar="FILE", rich_help_panel=MODEL_PANEL,
+        help="File of models to serve, one [NAME=]MODEL per line (# comments), after those given with -m."),
+    max_loaded_models: Optional[int] = typer.Option(
+        None, "--max-loaded-models", min=1, metavar="N", rich_help_panel=MODEL_PANEL,
+        help="With several models: most loaded at once (default: all); a request for another unloads the least "
+             "recently used idle one. Models load at their first request (the first one at start)."),
     revision: Optional[str] = options.REVISION,
     dequantize: bool = options.DEQUANTIZE,
     adapter_path: Optional[str] = options.ADAPTER_PATH,
@@ -43,7 +54,8 @@ def serve(
                                               help="mlx-lm tool parser for the model's tool calls (default: the one "
                                                    "mlx-lm infers from the chat template), e.g. json_tools."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", rich_help_panel=MODEL_PANEL,
-                                                    help="Model id reported by /v1/models (default: --model)."),
+                                                    help="Model id reported by /v1/models (default: --model; "
+                                                         "several models: -m NAME=MODEL)."),
     host: str = typer.Option("127.0.0.1", rich_help_panel=SERVER_PANEL,
                              help="Address to bind (loopback by default; :: for every IPv6 and IPv4 address)."),
     port: int = typer.Option(8080, min=0, max=65535, rich_help_panel=SERVER_PANEL,
@@ -168,7 +180,20 @@ def serve(
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
                         ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
                         ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])
-    model = with_revision(model, revision)
+    from mlxkv.cli.served_models import named, served_models
+
+    try:
+        models = served_models(model or [], models_file)
+        several = _check_several(models, served_model_name, revision, distributed, adapter_path)
+        if several:
+            models = named(models)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    if not several:
+        name, spec = models[0] if models else (None, None)
+        served_model_name = served_model_name or name
+        model = with_revision(spec, revision)
     from mlxkv import env
     from mlxkv.server.compat import parse_origins
 
@@ -206,8 +231,9 @@ def serve(
     try:
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
-        run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
-                        chat_template=chat_template, tool_parser=tool_parser, adapter_path=adapter_path)
+        run = RunConfig(model=None if several else model, dequantize=dequantize, kv=kv, engine=engine,
+                        sampling=sampling, flags=flags, chat_template=chat_template, tool_parser=tool_parser,
+                        adapter_path=adapter_path)
         if adapter_path is not None and distributed != "off":
             raise ValueError("--adapter-path: a LoRA adapter runs on one process: drop --distributed")
         group = _distributed_group(distributed)
@@ -238,19 +264,25 @@ def serve(
         typer.echo(f"warning: serving on {host} without an API key: anyone who can reach it can use it", err=True)
     tier_existed = kv_disk_cache is not None and Path(kv_disk_cache).expanduser().exists()
     try:
+        app_options = dict(tenants=tenants, public_metrics=public_metrics, body_timeout_s=body_timeout,
+                           max_body_bytes=int(max_body_mb * 1024 * 1024), allowed_origins=origins,
+                           keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority, ui=not no_ui,
+                           admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
+                           responses=StoreConfig(max_responses=responses_max, ttl_s=responses_ttl,
+                                                 kv_budget_bytes=responses_kv_budget))
         leader = None
         if group is not None:
             from mlxkv.distributed.leader import Leader
 
             leader = Leader(group, distributed, distributed_timeout)
-        parts = build(run, tenants=tenants, public_metrics=public_metrics, body_timeout_s=body_timeout,
-                      max_body_bytes=int(max_body_mb * 1024 * 1024), model_name=served_model_name,
-                      allowed_origins=origins, keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority,
-                      ui=not no_ui,
-                      admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
-                      distributed=leader, responses=StoreConfig(max_responses=responses_max, ttl_s=responses_ttl,
-                                                                kv_budget_bytes=responses_kv_budget))
-        refuse_useless_dequantize(parts.loaded, dequantize)
+        if several:
+            from mlxkv.cli.models import remember_gguf
+            from mlxkv.server.runner import build_multi
+
+            parts = build_multi(run, models, max_loaded=max_loaded_models, on_loaded=remember_gguf, **app_options)
+        else:
+            parts = build(run, model_name=served_model_name, distributed=leader, **app_options)
+            refuse_useless_dequantize(parts.loaded, dequantize)
     except (ModelLoadError, ValueError) as exc:
         sock.close()
         from mlxkv.cli.options import in_cli_words
@@ -264,28 +296,62 @@ def serve(
         typer.echo(f"error: cannot write the server's files{where}: {exc.strerror or exc}"
                    + (f": {exc.filename}" if exc.filename else ""), err=True)
         raise typer.Exit(code=1) from None
-    from mlxkv.cli.models import remember_gguf
-
-    remember_gguf(parts.loaded)
     set_switch_interval(switch_interval_ms / 1000)
-    adapter = f" with adapter {adapter_path}" if adapter_path is not None else ""
-    typer.echo(f"mlxkv serve: {parts.loaded.name}{adapter} on {url(host, bound_port(sock))} "
-               f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV"
-               + (f", {distributed} parallel over {group.size()} ranks" if group is not None else "") + ")", err=True)
-    started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock), log_level=log_level,
-                                    sockets=[sock], header_timeout_s=header_timeout)
-    flushed = parts.engine.last_flush
-    if flushed:
-        typer.echo(f"mlxkv serve: KV tier saved: {flushed['on_disk']} block(s) on disk ({flushed['written']} written "
-                   f"at stop, {flushed['seconds']:.2f} s)"
-                   + (f", {flushed['lost']} not written (--kv-disk-flush-timeout)" if flushed["lost"] else ""),
+    if several:
+        registry = parts.registry
+        limit = f"at most {max_loaded_models} loaded" if max_loaded_models else "all may stay loaded"
+        typer.echo(f"mlxkv serve: {len(models)} models on {url(host, bound_port(sock))}: "
+                   + ", ".join(f"{n} ({registry.slots[n].state})" for n in registry.names)
+                   + f" ({limit}; each: max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV)",
                    err=True)
+        started = serve_until_signalled(parts.app, registry, host=host, port=bound_port(sock), log_level=log_level,
+                                        sockets=[sock], header_timeout_s=header_timeout)
+        for slot in registry.slots.values():
+            _report_flush(slot.last_flush, f" of {slot.name}")
+    else:
+        from mlxkv.cli.models import remember_gguf
+
+        remember_gguf(parts.loaded)
+        adapter = f" with adapter {adapter_path}" if adapter_path is not None else ""
+        typer.echo(f"mlxkv serve: {parts.loaded.name}{adapter} on {url(host, bound_port(sock))} "
+                   f"(max {max_sequences} sequences, queue {max_queue_depth}, {kv_backend} KV"
+                   + (f", {distributed} parallel over {group.size()} ranks" if group is not None else "") + ")",
+                   err=True)
+        started = serve_until_signalled(parts.app, parts.engine, host=host, port=bound_port(sock),
+                                        log_level=log_level, sockets=[sock], header_timeout_s=header_timeout)
+        _report_flush(parts.engine.last_flush)
     import mlx.core as mx
 
     mx.synchronize()
     mx.clear_streams()  # MLX asks each thread that used it to clean up, else the process may abort at exit
     if not started:
         raise typer.Exit(code=3)  # uvicorn's startup-failure code (it logged why)
+
+
+def _check_several(models: list, served_model_name: Optional[str], revision: Optional[str], distributed: str,
+                   adapter_path: Optional[str] = None) -> bool:
+    """Whether several models are served; raises ValueError (one line) for the options that take one model."""
+    if len(models) < 2:
+        if models and models[0][0] is not None and served_model_name is not None:
+            raise ValueError("the model is named twice: by -m NAME=MODEL and by --served-model-name; keep one")
+        return False
+    for value, option, instead in ((served_model_name, "--served-model-name", "name each model with -m NAME=MODEL"),
+                                   (revision, "--revision", "give each repo id's as owner/name@REVISION")):
+        if value is not None:
+            raise ValueError(f"{option} applies to one model; with several, {instead}")
+    if distributed != "off":
+        raise ValueError("--distributed serves one model: give a single -m")
+    if adapter_path is not None:
+        raise ValueError("--adapter-path applies to one model; with several, serve each adapted model on its own")
+    return True
+
+
+def _report_flush(flushed: Optional[dict], whose: str = "") -> None:
+    if flushed:
+        typer.echo(f"mlxkv serve: KV tier{whose} saved: {flushed['on_disk']} block(s) on disk ({flushed['written']} "
+                   f"written at stop, {flushed['seconds']:.2f} s)"
+                   + (f", {flushed['lost']} not written (--kv-disk-flush-timeout)" if flushed["lost"] else ""),
+                   err=True)
 
 
 def _remove_if_made(folder: Optional[str], existed: bool) -> None:

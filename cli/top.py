@@ -37,15 +37,17 @@ MAP_ROWS = 4
 class Snapshot:
     """One reading of a server: its stats, its block map and the tok/s since the previous reading."""
 
-    def __init__(self, url: str, api_key: str | None, cache_salt: str | None):
+    def __init__(self, url: str, api_key: str | None, cache_salt: str | None, model: str | None = None):
         self.base = url.rstrip("/")
         self.api_key = api_key
-        self.query = "?" + urllib.parse.urlencode({"cache_salt": cache_salt}) if cache_salt else ""
+        self.model = {"model": model} if model else {}  # a server with several models describes the one named
+        params = {**self.model, **({"cache_salt": cache_salt} if cache_salt else {})}
+        self.query = "?" + urllib.parse.urlencode(params) if params else ""
         self.previous: tuple[float, dict] | None = None
 
     def read(self) -> dict[str, Any]:
         """The server's figures now (raises _ReadError, one line, when the server cannot be read)."""
-        stats = self._get("/v1/cache/stats")
+        stats = self._get("/v1/cache/stats" + ("?" + urllib.parse.urlencode(self.model) if self.model else ""))
         blocks = self._get("/v1/cache/blocks" + self.query)
         now = time.monotonic()
         tps = None
@@ -193,13 +195,16 @@ def top(url: str = typer.Option("http://127.0.0.1:8080", "--url", callback=check
         interval: float = typer.Option(1.0, "--interval", min=0.1, max=60.0, help="Seconds between readings."),
         once: bool = typer.Option(False, "--once", metavar=FLAG, help="Print one reading and exit."),
         as_json: bool = typer.Option(False, "--json", metavar=FLAG,
-                                     help="With --once: print the reading as JSON.")) -> None:
+                                     help="With --once: print the reading as JSON."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", callback=check_utf8,
+                                            help="On a server with several models: the one to show (default: "
+                                                 "its first).")) -> None:
     """A running server's KV cache live: requests, the block pool map, hit rate, tier and tok/s (q quits)."""
     if as_json and not once:
         _fail("--json prints one reading: use it with --once")
     if cache_salt is not None and not 1 <= len(cache_salt) <= 256:
         _fail("--cache-salt must be 1 to 256 characters")
-    reader = Snapshot(url, api_key, cache_salt)
+    reader = Snapshot(url, api_key, cache_salt, model)
     try:
         reader.read()  # the first reading gives the counters tok/s is measured from
         if once:

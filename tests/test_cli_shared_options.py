@@ -29,6 +29,7 @@ DIFFERENT_MEANING = {
                             "a cut answer is marked",
     ("chat", "kv_overflow"): "chat's cache is dense (no pages to evict) and h2o/offload caches cannot be /saved: "
                              "the help says so",
+    ("serve", "model"): "serve's is repeatable ([NAME=]MODEL): several models behind one server",
 }
 
 

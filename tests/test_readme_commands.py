@@ -149,13 +149,13 @@ def runnable(line: str) -> str | None:
 
 
 def model_specs(line: str) -> list[str]:
-    """The values of the line's ``-m`` / ``--model`` / ``--draft-model`` options."""
+    """The models named by the line's ``-m`` / ``--model`` / ``--draft-model`` options (``NAME=MODEL``: MODEL)."""
     specs = []
     for text, _ in shell_parts(line):
         argv = words(text)
         specs += [argv[i + 1] for i, w in enumerate(argv[:-1]) if w in MODEL_OPTIONS]
         specs += [w.split("=", 1)[1] for w in argv if w.startswith(tuple(f"{o}=" for o in MODEL_OPTIONS[1:]))]
-    return specs
+    return [spec.split("=", 1)[1] if "=" in spec else spec for spec in specs]
 
 
 def tier_folders(line: str) -> list[str]:
@@ -288,6 +288,7 @@ def test_lines_are_rewritten_only_as_documented():
     assert with_port("mlxkv serve --port 8080 ; curl http://127.0.0.1:8080/v1", 1234) == (
         "mlxkv serve --port 1234 ; curl http://127.0.0.1:1234/v1")
     assert model_specs("X=1 mlxkv generate . -m big-model --draft-model small-model") == ["big-model", "small-model"]
+    assert model_specs("mlxkv serve -m a=big-model --model=b=o/n") == ["big-model", "o/n"]
 
 
 @pytest.mark.fresh_install

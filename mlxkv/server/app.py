@@ -237,7 +237,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     v1.include_router(anthropic_router(engine, prep, model_name=model_name, keepalive_s=keepalive_s,
                                        defaults=defaults, max_messages=most))
-    v1.include_router(responses_router(engine, prep, model_name=model_name, store=store_for(engine, responses),
+    app.state.responses_store = store_for(engine, responses)  # a multi-model server finds a response's model here
+    v1.include_router(responses_router(engine, prep, model_name=model_name, store=app.state.responses_store,
                                        keepalive_s=keepalive_s, defaults=defaults))
     app.include_router(v1)
     return app

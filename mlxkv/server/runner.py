@@ -6,15 +6,16 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from mlxkv.config import RunConfig
 from mlxkv.engine.batch import BatchEngine, context_length_of
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S
 from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.read_timeouts import DEFAULT_HEADER_TIMEOUT_S, protocol_class
-from mlxkv.server.tenancy import Tenants
+from mlxkv.server.tenancy import Tenants, key_fingerprint
 from mlxkv.server.metrics import ServerMetrics
 
 
@@ -49,6 +50,21 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
         mlxkv.models.ModelLoadError: the model cannot be loaded.
         ValueError: invalid engine or cache settings.
     """
+    metrics = ServerMetrics()
+    loaded, engine, app = _serve_one(run, metrics, model_name=model_name, distributed=distributed, api_key=api_key,
+                                     max_body_bytes=max_body_bytes, manage_engine=manage_engine,
+                                     allowed_origins=allowed_origins, ui=ui, keepalive_s=keepalive_s,
+                                     max_client_priority=max_client_priority, admin_key=admin_key,
+                                     flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
+                                     public_metrics=public_metrics, body_timeout_s=body_timeout_s,
+                                     responses=responses)
+    return ServerParts(loaded, engine, app, metrics)
+
+
+def _serve_one(run: RunConfig, metrics: ServerMetrics, *, model_name: str | None, distributed: Any = None,
+               **app_options: Any) -> tuple[Any, BatchEngine, Any]:
+    """``run.model`` loaded, its pool and engine (not started), and the app serving it (``app_options``: see
+    :func:`mlxkv.server.app.create_app`)."""
     from mlxkv.engine.build import build_pool
     from mlxkv.models import load
     from mlxkv.server.app import create_app
@@ -61,16 +77,74 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
         distributed.shard(loaded)
         make_pool, make_engine = distributed.pool, distributed.engine
     pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
-    metrics = ServerMetrics()
     engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
                          observer=metrics)
-    app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
-                     ui=ui,
-                     keepalive_s=keepalive_s, defaults=run.sampling, max_client_priority=max_client_priority,
-                     admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
-                     public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses)
-    return ServerParts(loaded, engine, app, metrics)
+    app = create_app(engine, model_name=model_name or loaded.name, metrics=metrics, defaults=run.sampling,
+                     **app_options)
+    return loaded, engine, app
+
+
+@dataclass
+class MultiServerParts:
+    """What :func:`build_multi` made: the models (the first one loaded, its engine not started) and the app."""
+
+    registry: Any
+    app: Any
+
+
+def build_multi(run: RunConfig, models: Sequence[tuple[str, str]], *, max_loaded: int | None = None,
+                on_loaded: Callable[[Any], None] = lambda loaded: None, api_key: str | None = None,
+                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_origins: Sequence[str] = (), ui: bool = True,
+                keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
+                admin_key: str | None = None, flush_timeout_s: float = 10.0, metrics_key: str | None = None,
+                tenants: Tenants | None = None, public_metrics: bool = False,
+                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, responses: Any = None) -> MultiServerParts:
+    """A server for several models (``models``: ``(name, spec)`` pairs, the first the default), each loaded as
+    :func:`build` loads one, with ``run``'s settings (its ``model`` aside); at most ``max_loaded`` loaded at once
+    (:class:`mlxkv.server.model_registry.ModelRegistry`). Every model's files are found (downloaded if need be)
+    now and the first one is loaded now; the others load at their first request. With a disk tier, each model
+    keeps its blocks in a folder of its own under ``run.kv.secondary_disk_dir``. ``on_loaded(loaded)`` runs after
+    each load. The other options: see :func:`mlxkv.server.app.create_app`.
+
+    Raises:
+        mlxkv.models.ModelLoadError: a model cannot be found, or the first one cannot be loaded.
+        ValueError: invalid names, limit, engine or cache settings.
+    """
+    from mlxkv.models import resolve_model_path
+    from mlxkv.server.model_registry import ModelRegistry, ModelSlot, ServedModel
+    from mlxkv.server.multi_app import create_multi_app
+
+    if tenants is None:
+        tenants = Tenants({api_key: key_fingerprint(api_key)} if api_key else {}, admin_key)
+    app_options = dict(tenants=tenants, max_body_bytes=max_body_bytes, ui=False, keepalive_s=keepalive_s,
+                       max_client_priority=max_client_priority, admin_key=admin_key, metrics_key=metrics_key,
+                       public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses)
+
+    def factory(slot: ModelSlot) -> ServedModel:
+        kv = run.kv
+        if kv.secondary_disk_dir is not None:
+            folder = Path(kv.secondary_disk_dir).expanduser() / _folder_name(slot.name)
+            kv = replace(kv, secondary_disk_dir=str(folder))
+        loaded, engine, app = _serve_one(replace(run, model=slot.spec, kv=kv), slot.metrics, model_name=slot.name,
+                                         **app_options)
+        if registry.openapi_schema is None:
+            registry.openapi_schema = app.openapi()
+        on_loaded(loaded)
+        return ServedModel(loaded, engine, app)
+
+    registry = ModelRegistry(list(models), factory, max_loaded=max_loaded, flush_timeout_s=flush_timeout_s)
+    for _, spec in models:
+        resolve_model_path(spec)  # a missing model fails now, not at its first request
+    registry.load_now(registry.default)
+    app = create_multi_app(registry, tenants=tenants, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                           allowed_origins=allowed_origins, metrics_key=metrics_key, public_metrics=public_metrics,
+                           ui=ui)
+    return MultiServerParts(registry, app)
+
+
+def _folder_name(name: str) -> str:
+    """A served name as one folder name (a repo id's ``/`` as ``--``, as the Hugging Face cache spells it)."""
+    return name.replace("/", "--").replace("\\", "--")
 
 
 #: The server process's GIL switch interval (seconds). The engine thread builds each step's graph in Python;

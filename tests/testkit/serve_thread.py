@@ -31,3 +31,16 @@ def anthropic_client(url: str, api_key: str = "unused", timeout: float = 60):
     import anthropic
 
     return anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=timeout)
+
+
+@contextlib.contextmanager
+def serve_models_in_thread(config: RunConfig, models: list[tuple[str, str]], **build_options: Any
+                           ) -> Iterator[ServerThread]:
+    """Several models (``(name, folder)`` pairs) behind one server, :func:`~mlxkv.server.runner.build_multi` with
+    ``config``'s settings, served on a free port until the block ends; its ``registry`` holds the models."""
+    from mlxkv.server.runner import build_multi
+
+    parts = build_multi(config, models, **build_options)
+    with ServerThread(parts.app) as srv:
+        srv.registry = parts.registry
+        yield srv

@@ -120,6 +120,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._responses)
 
+    def __contains__(self, response_id: object) -> bool:
+        """Whether a response ``response_id`` is stored, whichever tenant's."""
+        return response_id in self._responses
+
     def get(self, response_id: str, tenant: str) -> StoredResponse | None:
         """The tenant's stored response ``response_id`` (``None``: none, or another tenant's)."""
         stored = self._responses.get(response_id)

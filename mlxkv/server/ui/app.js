@@ -9,6 +9,7 @@ const HISTORY_S = 300;
 const state = {
   key: sessionStorage.getItem("mlxkv-key") || "",
   model: null,
+  several: false,      // the server serves several models: every cache and metrics read names state.model
   chat: [],            // [{role, content}] of this conversation
   abort: null,         // AbortController of the request streaming now
   history: [],         // [{t, stats, ttft}] samples, oldest first
@@ -63,13 +64,41 @@ $("key-form").addEventListener("submit", (e) => {
 
 async function loadModel() {
   try {
-    const models = await (await api("/v1/models")).json();
-    state.model = models.data[0].id;
+    const models = (await (await api("/v1/models")).json()).data;
+    state.several = models.length > 1;
+    if (!state.model || !models.some((m) => m.id === state.model)) state.model = models[0].id;
     $("model").textContent = state.model;
+    $("model").hidden = state.several;
+    const pick = $("model-pick");
+    pick.hidden = !state.several;
+    if (state.several) {
+      // each model with its state (one not loaded loads at its first chat request); options updated in place, so
+      // a list the user has open stays open
+      const label = (m) => (m.state === "loaded" ? m.id : `${m.id} (${m.state})`);
+      if (pick.options.length !== models.length) {
+        pick.replaceChildren(...models.map((m) => new Option(label(m), m.id, false, m.id === state.model)));
+      } else {
+        models.forEach((m, i) => { pick.options[i].text = label(m); });
+      }
+    }
     setStatus("connected");
   } catch (e) {
     if ($("key-form").hidden) setStatus(e.message, true);
   }
+}
+
+$("model-pick").addEventListener("change", () => {
+  state.model = $("model-pick").value;
+  state.history = [];  // the plots follow one model's engine
+  state.lastTtft = null;
+});
+
+// `path` with the model picked when the server serves several (its cache and metrics routes name one)
+function forModel(path, params = {}) {
+  const query = new URLSearchParams(params);
+  if (state.several && state.model) query.set("model", state.model);
+  const text = query.toString();
+  return text ? `${path}?${text}` : path;
 }
 
 // ---- chat ----------------------------------------------------------------------------------------------------
@@ -428,14 +457,14 @@ function drawPlots() {
 async function poll() {
   try {
     const salt = $("cache-salt").value;
-    const query = salt ? `?cache_salt=${encodeURIComponent(salt)}` : "";
+    if (state.several) await loadModel();  // the models' states change as they load and unload
     const [stats, blocks] = await Promise.all([
-      api("/v1/cache/stats").then((r) => r.json()),
-      api(`/v1/cache/blocks${query}`).then((r) => r.json()),
+      api(forModel("/v1/cache/stats")).then((r) => r.json()),
+      api(forModel("/v1/cache/blocks", salt ? { cache_salt: salt } : {})).then((r) => r.json()),
     ]);
     let ttft = null;
     try {
-      const r = await fetch("/metrics", { headers: headers() });
+      const r = await fetch(forModel("/metrics"), { headers: headers() });
       if (r.ok) ttft = ttftTotals(await r.text());
     } catch (e) { /* TTFT plot stays empty */ }
     tiles(stats, sample(stats, ttft));
