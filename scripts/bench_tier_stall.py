@@ -33,7 +33,7 @@ import openai  # noqa: E402
 from testkit.serve_process import free_port, wait_for_health  # noqa: E402
 
 SENTENCE = "The engine keeps every prompt's key and value blocks so that a later request can skip its prefill. "
-STREAM_PROMPT = "Count from one to two hundred, one number per line."
+STREAM_PROMPT = "Count from one to two hundred, one number per line, as digits."
 
 
 def start(python: str, model: str, folder: str, port: int) -> subprocess.Popen:
@@ -105,6 +105,9 @@ def one_round(python: str, model: str, messages: list[dict]) -> dict:
             stop(proc)
     gaps = [(b - a, a) for a, b in zip(arrivals, arrivals[1:])]
     during = [g for g, at in gaps if t0 - 0.05 <= at <= t0 + ttft]
+    if not arrivals or arrivals[-1] < t0 + ttft:
+        raise SystemExit("the decoding stream ended before the disk hit was served: nothing to measure "
+                         f"({len(arrivals)} chunks); try a shorter --prompt-tokens")
     return {"ttft_s": ttft, "cached_tokens": cached, "max_gap_during_hit_s": max(during, default=0.0),
             "median_gap_s": statistics.median(g for g, _ in gaps) if gaps else 0.0}
 
@@ -126,6 +129,7 @@ def main() -> int:
     for _ in range(args.rounds):
         for name, python in sides.items():
             results[name].append(one_round(python, model, messages))
+            print(f"{name}: {results[name][-1]}", file=sys.stderr, flush=True)
     summary = {}
     for name, rounds in results.items():
         summary[name] = {key: round(statistics.median(r[key] for r in rounds), 4) for key in rounds[0]}

@@ -258,6 +258,7 @@ def test_serve_process_logs_loads_and_unloads_and_keeps_a_tier_folder_per_model(
     (["-m", "{a}", "-m", "{b}", "--served-model-name", "x"], "--served-model-name applies to one model"),
     (["-m", "{a}", "-m", "{b}", "--revision", "main"], "--revision applies to one model"),
     (["-m", "{a}", "-m", "{b}", "--distributed", "tensor"], "--distributed serves one model"),
+    (["-m", "{a}", "-m", "{b}", "--adapter-path", "{adapter}"], "--adapter-path applies to one model"),
     (["-m", "=x"], "expected NAME=MODEL"),
     (["-m", "x={a}", "--served-model-name", "y"], "named twice"),
     (["-m", "{a}", "--models-file", "{empty}"], "no model in it"),
@@ -267,7 +268,12 @@ def test_serve_process_logs_loads_and_unloads_and_keeps_a_tier_folder_per_model(
 def test_bad_model_lists_are_one_line_errors(folders, tmp_path, args, fragment):
     empty = tmp_path / "models.txt"
     empty.write_text("# nothing yet\n\n")
-    values = {"a": folders["a"], "b": folders["b"], "empty": str(empty), "missing": str(tmp_path / "nowhere")}
+    values = {"a": folders["a"], "b": folders["b"], "empty": str(empty), "missing": str(tmp_path / "nowhere"),
+              "adapter": str(tmp_path / "adapter")}
+    if "--adapter-path" in args:
+        from testkit.adapters import write_test_adapter
+
+        write_test_adapter(folders["a"], tmp_path / "adapter")
     result = runner.invoke(app, ["serve", *(a.format(**values) for a in args), "--port", "0"])
     assert result.exit_code in (1, 2), result.output
     assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error:"), result.stderr
