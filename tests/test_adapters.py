@@ -227,6 +227,8 @@ def test_the_disk_tier_never_serves_one_adapters_kv_to_another(llama_dir, adapte
     """Blocks written to the disk tier without an adapter, or with adapter a, are not hit by a server with adapter
     a, or with a copy of a at another scale (the same tensors: only the adapter's digest tells the two apart), and
     are hit by the server that wrote them after a restart; every answer is mlx-lm's for its adapter."""
+    from testkit.serve_thread import openai_client
+
     rescaled = shutil.copytree(adapters["a"], tmp_path / "a-rescaled")
     config = json.loads((rescaled / "adapter_config.json").read_text())
     config["lora_parameters"]["scale"] /= 2
@@ -236,9 +238,13 @@ def test_the_disk_tier_never_serves_one_adapters_kv_to_another(llama_dir, adapte
     runs = [None, adapters["a"], rescaled]
     expected = [mlx_lm_text(llama_dir, adapter, prompt) for adapter in runs]
     assert len(set(expected)) == 3
+    fingerprints = set()
     for adapter, text in zip(runs, expected):  # each start finds only the others' blocks: nothing to hit
         with _serve(llama_dir, adapter, tier) as srv:
             assert _complete(srv, prompt) == (text, 0), adapter
+            fingerprints.add(openai_client(srv.url).completions.create(
+                model="tiny-llama", prompt="x", max_tokens=1).system_fingerprint)
+    assert len(fingerprints) == 3  # OpenAI's system_fingerprint tells the three apart too
     assert len(list(tier.glob("*.mlxkvblk"))) >= 3 * 3  # each server's stop wrote its blocks
     with _serve(llama_dir, adapters["a"], tier) as srv:  # a restart hits its own blocks, with its own answer
         text, cached = _complete(srv, prompt)

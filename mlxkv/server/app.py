@@ -114,7 +114,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     token_text = TokenText(tokenizer)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
     vocab = min((v for v in (_vocab_size(tokenizer), engine.vocab_size) if v is not None), default=None)
-    fingerprint = system_fingerprint(model_name, tokenizer)
+    fingerprint = system_fingerprint(model_name, tokenizer, getattr(engine, "model", None))
     no_tools = check_template_renders_tools(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxkv"}
     cost = template_cost(tokenizer)  # what the chat template adds per message: limits counted before rendering
