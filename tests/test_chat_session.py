@@ -176,3 +176,11 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(demo, tmp_path, monkeyp
     save_session(plain, tmp_path, "plain", "fp")
     with pytest.raises(ValueError, match="saved with no --kv-bits: resume it with that"):
         load_session(s, tmp_path, "plain", "fp")
+
+
+def test_the_engine_refuses_a_sequence_holding_the_whole_prompt(demo):
+    s = _session(demo)
+    _answer(s, QUESTIONS[0])
+    with pytest.raises(ValueError, match="the prompt must extend them"):  # the last prompt token gives the logits
+        next(s.engine.generate_tokens(s.tokens, GREEDY, sequence=s.sequence))
+    assert _answer(s, QUESTIONS[1])  # the conversation's sequence is untouched
