@@ -178,7 +178,7 @@ class ChatSession:
         pieces: list[str] = []
         failed = False
         try:
-            for piece in self._generate(prompt, params, max_new, stats, stop_requested):
+            for piece in self._on_engine(prompt, params, max_new, stats, stop_requested):
                 pieces.append(piece)
                 yield piece
         except PrefillStopped:  # nothing was answered: the message is not part of the conversation
@@ -190,8 +190,8 @@ class ChatSession:
             if not failed:
                 self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
-    def _generate(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,
-                  stop_requested: Callable[[], bool]) -> Iterator[str]:
+    def _on_engine(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,
+                   stop_requested: Callable[[], bool]) -> Iterator[str]:
         """The turn's request on the engine: it continues the conversation's sequence, trimmed back to the prompt's
         common prefix with what it holds, so only the rest of the prompt is prefilled."""
         self._trim_to(plan_turn(self.tokens, prompt).keep)

@@ -251,7 +251,8 @@ def _check_continued(pool: CachePool, seq: Sequence, prompt_length: int) -> None
     """Refuse a sequence a generation cannot continue: not open in ``pool``, paged (its blocks are registered
     over its own prompt), or caching the whole prompt (the last prompt token must run for the first logits)."""
     if pool.is_paged:
-        raise ValueError("continuing an open sequence needs a dense pool (a paged pool reuses prompts by prefix caching)")
+        raise ValueError("continuing an open sequence needs a dense pool (a paged one reuses prompts by prefix "
+                         "caching)")
     if seq.id not in pool or seq.preempted:
         raise ValueError(f"{seq.id} is not open in this engine's pool")
     if seq.offset >= prompt_length:
