@@ -183,6 +183,7 @@ class _Repl:
     def __init__(self, console: Any, session: Any, params: Any, folder: str, fingerprint: str, model_name: str):
         self.console, self.session, self.params = console, session, params
         self.folder, self.fingerprint, self.model_name = folder, fingerprint, model_name
+        self.verbose = False
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": lambda _: self.say(HELP), "/reset": self.reset, "/system": self.system, "/save": self.save,
             "/load": self.load, "/sessions": self.sessions, "/stats": self.stats, "/undo": self.undo,
@@ -193,6 +194,7 @@ class _Repl:
         self.console.print(text, markup=False, style=style, soft_wrap=True)
 
     def run(self, read: Callable[..., str], verbose: bool) -> None:
+        self.verbose = verbose
         while True:
             try:
                 line = self.read_message(read)
@@ -259,6 +261,10 @@ class _Repl:
             self.say(f"[answer cut at {cut}]", "dim")
         if last.dropped_turns:
             self.say(f"[{last.dropped_turns} earliest turn(s) dropped to fit the context]", "dim")
+        if self.verbose:
+            self.say(f"[turn: {last.prompt_tokens} prompt tokens, {last.cached_tokens} cached, {last.prefill_tokens} "
+                     f"prefilled | first token {last.prefill_seconds:.3f} s | {last.generation_tokens} generated in "
+                     f"{last.generation_seconds:.3f} s ({last.decode_tps:.1f} tok/s)]", "dim")
 
     def history(self, _: str = "") -> None:
         """The conversation so far, one paragraph per message (dim: it is context, not a new answer)."""

@@ -112,7 +112,8 @@ KV_OVERFLOW_RECENT = typer.Option(None, "--kv-overflow-recent", callback=from_ru
                                        "budget).")
 
 VERBOSE = typer.Option(False, "--verbose", "-v", metavar=FLAG, rich_help_panel=OUTPUT_PANEL,
-                       help="Tracebacks on errors; generate also prints speed and memory figures.")
+                       help="Tracebacks on errors; generate also prints speed and memory figures, chat "
+                            "each turn's cached and prefilled tokens and timings.")
 
 
 def _with_default(option: Any, default: Any, shown: str | None = None) -> Any:

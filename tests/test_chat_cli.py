@@ -1,9 +1,11 @@
-"""``mlxkv chat`` from a pipe and its bad inputs, through the CLI as a process (the demo model): one readable line
-and a non-zero exit for a bad session name or a missing session, commands answered line by line."""
+"""``mlxkv chat`` from a pipe and its bad inputs, through the CLI (the demo model): one readable line and a non-zero
+exit for a bad session name or a missing session, commands answered line by line, and ``--verbose``'s per-turn line
+showing that a later turn prefills only its new tokens."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +51,26 @@ def test_commands_from_a_pipe(tmp_path):
     assert "loaded session one: 3 messages" in out  # the system message, Hello and its answer
     assert "never read" not in out and (tmp_path / "sessions" / "one.safetensors").is_file()
     assert out.count("last turn:") == 2
+
+
+def test_verbose_shows_that_a_later_turn_prefills_only_its_new_tokens(tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    lines = "\n".join(["Hello", "/stats", "Tell me more", "/stats"]) + "\n"
+    done = CliRunner().invoke(app, ["chat", "-n", "6", "--verbose"], input=lines,
+                              env={"MLXKV_SESSIONS_DIR": str(tmp_path / "sessions"), "COLUMNS": "300"})
+    assert done.exit_code == 0, done.output
+    turns = [tuple(map(int, t)) for t in re.findall(
+        r"\[turn: (\d+) prompt tokens, (\d+) cached, (\d+) prefilled \| first token [\d.]+ s \| (\d+) generated in",
+        done.stderr)]
+    contexts = [int(c) for c in re.findall(r"context: (\d+) tokens", done.stderr)]
+    assert len(turns) == 2 and len(contexts) == 2, done.stderr
+    (prompt1, cached1, prefilled1, generated1), (prompt2, cached2, prefilled2, _) = turns
+    assert cached1 == 0 and prefilled1 == prompt1 and generated1 == 6
+    # The engine's prefill of the second turn began where the first turn's cache ended: the whole first turn
+    # (prompt and answer, as far as it was fed back) was reused and only the new message and its markers ran.
+    assert prompt1 < cached2 == contexts[0] <= prompt1 + generated1
+    assert prefilled2 == prompt2 - cached2 < 25
+    assert f"last turn: {prompt2} prompt tokens, {cached2} cached, {prefilled2} prefilled" in done.stderr

@@ -161,12 +161,11 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(demo, tmp_path, monkeyp
     with pytest.raises(ValueError, match="head_dim 48"):  # no valid group size for the demo's head_dim: refused
         _session(demo, kv_bits=8, kv_group_size=32)  # when the session starts, not at its first message
     s = _session(demo)
-    import mlxkv.chat.session as session_module
 
     def failing_prefill(*args, **kwargs):
         raise ValueError("a forward failed")
 
-    monkeypatch.setattr(session_module, "prefill", failing_prefill)
+    monkeypatch.setattr(s.engine.scheduler.runner, "prefill", failing_prefill)
     with pytest.raises(ValueError, match="a forward failed"):
         _answer(s, QUESTIONS[0])
     assert s.messages == [{"role": "system", "content": "Be brief."}] and _offsets(s) == {len(s.tokens)}
@@ -177,3 +176,11 @@ def test_a_failed_turn_leaves_the_conversation_as_it_was(demo, tmp_path, monkeyp
     save_session(plain, tmp_path, "plain", "fp")
     with pytest.raises(ValueError, match="saved with no --kv-bits: resume it with that"):
         load_session(s, tmp_path, "plain", "fp")
+
+
+def test_the_engine_refuses_a_sequence_holding_the_whole_prompt(demo):
+    s = _session(demo)
+    _answer(s, QUESTIONS[0])
+    with pytest.raises(ValueError, match="the prompt must extend them"):  # the last prompt token gives the logits
+        next(s.engine.generate_tokens(s.tokens, GREEDY, sequence=s.sequence))
+    assert _answer(s, QUESTIONS[1])  # the conversation's sequence is untouched

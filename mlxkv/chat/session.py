@@ -2,6 +2,9 @@
 
 Each turn renders the whole conversation with the chat template, reuses the longest common token prefix with what
 the cache holds (:mod:`mlxkv.chat.turns`) and prefills only the rest, then decodes the answer into the same cache.
+The conversation's cache is one sequence of a one-sequence dense :class:`~mlxkv.kv.CachePool`, kept open from turn
+to turn; each turn is a request of a :class:`~mlxkv.engine.direct.DirectEngine` that continues that sequence, so a
+turn runs the engine step ``mlxkv generate`` and ``mlxkv serve`` run (prefill chunks, row samplers, decode loop).
 
 Long conversations: the context is capped at the model's limit (``max_position_embeddings``) or ``max_kv_size``
 when that is smaller. A turn whose prompt and answer would not fit drops whole turns from the front (the system
@@ -17,14 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import mlx.core as mx
-
 from mlxkv.chat.turns import Message, fit_conversation, plan_turn
+from mlxkv.engine.direct import DirectEngine
 from mlxkv.engine.output import TextStream
-from mlxkv.engine.prefill import PrefillStopped, prefill
-from mlxkv.engine.sampling import SamplingParams, mlx_seed
-from mlxkv.kv import RewindError, each_layer_cache, make_caches
-from mlxkv.kv.layouts import check_kv_group_size
+from mlxkv.engine.prefill import PrefillStopped
+from mlxkv.engine.sampling import SamplingParams
+from mlxkv.kv import CachePool, RewindError, each_layer_cache
 
 
 @dataclass
@@ -32,7 +33,7 @@ class TurnStats:
     """Figures of the last turn, for ``/stats``."""
 
     prompt_tokens: int = 0  # the whole rendered conversation
-    cached_tokens: int = 0  # of those, reused from the cache
+    cached_tokens: int = 0  # of those, reused from the cache (the engine's count: its prefill started there)
     prefill_tokens: int = 0  # of those, run through the model this turn
     prefill_seconds: float = 0.0
     generation_tokens: int = 0
@@ -77,8 +78,6 @@ class ChatSession:
             raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
         if max_kv_size is not None and max_kv_size < 2:
             raise ValueError(f"max_kv_size must be >= 2, got {max_kv_size}")
-        if kv_bits is not None:  # checked now, as generate's store checks it, not at each message
-            check_kv_group_size(model, kv_group_size)
         self.model = model
         self.tokenizer = tokenizer
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -87,9 +86,13 @@ class ChatSession:
         limits = [n for n in (max_kv_size, model_limit) if n]
         self.limit = min(limits) if limits else None
         self.prefill_step_size = prefill_step_size
+        # Full-attention layouts (no max_kv_size): the length cap is enforced by dropping turns, see module doc. The
+        # pool checks the cache options now (a quantization group that does not divide head_dim), not at a message.
+        pool = CachePool(model, max_sequences=1, kv_bits=kv_bits, kv_group_size=kv_group_size, overflow=overflow)
+        self.engine = DirectEngine(model, tokenizer, pool=pool, prefill_step_size=prefill_step_size)
         self.messages: list[Message] = []
         self.tokens: list[int] = []  # the tokens whose K/V the caches hold, in order
-        self.caches = self._new_caches()
+        self.sequence = pool.open()  # the conversation's cache, continued by every turn
         self.last = TurnStats()
         self.reset(system)
 
@@ -122,7 +125,13 @@ class ChatSession:
         offsets = {getattr(c, "offset", len(tokens)) for c in each_layer_cache(caches)}
         if offsets != {len(tokens)}:
             raise ValueError(f"the saved cache holds {sorted(offsets)} tokens per layer, its record {len(tokens)}")
-        self.messages, self.tokens, self.caches = [dict(m) for m in messages], list(tokens), caches
+        # A dense sequence's layer caches are its storage: the restored ones take their place.
+        self.messages, self.tokens, self.sequence.caches = [dict(m) for m in messages], list(tokens), caches
+
+    @property
+    def caches(self) -> list:
+        """The conversation's layer caches (those of its sequence), one per model layer."""
+        return self.sequence.caches
 
     @property
     def context_tokens(self) -> int:
@@ -169,7 +178,7 @@ class ChatSession:
         pieces: list[str] = []
         failed = False
         try:
-            for piece in self._generate(prompt, params, max_new, stats, stop_requested):
+            for piece in self._on_engine(prompt, params, max_new, stats, stop_requested):
                 pieces.append(piece)
                 yield piece
         except PrefillStopped:  # nothing was answered: the message is not part of the conversation
@@ -180,76 +189,63 @@ class ChatSession:
         finally:
             if not failed:
                 self.messages.append({"role": "assistant", "content": "".join(pieces)})
-            self._sync()
 
-    def _generate(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,
-                  stop_requested: Callable[[], bool]) -> Iterator[str]:
-        plan = plan_turn(self.tokens, prompt)
-        keep = self._trim_to(plan.keep)
-        new = prompt[keep:]
-        stats.cached_tokens, stats.prefill_tokens = keep, len(new)
-        if params.seed is not None:
-            mx.random.seed(mlx_seed(params.seed))
-        # Penalties (repetition) run as logits processors over the turn's tokens, the sampler draws after them.
-        processors = params.processors()
-        sampler = dataclasses.replace(params, repetition_penalty=None, presence_penalty=0.0, frequency_penalty=0.0,
-                                      logit_bias=None).make_sampler()
+    def _on_engine(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,
+                   stop_requested: Callable[[], bool]) -> Iterator[str]:
+        """The turn's request on the engine: it continues the conversation's sequence, trimmed back to the prompt's
+        common prefix with what it holds, so only the rest of the prompt is prefilled."""
+        self._trim_to(plan_turn(self.tokens, prompt).keep)
+        request = dataclasses.replace(params, max_tokens=max_new, stop=())  # stop strings: the stream below
         stream = TextStream(self.tokenizer, params.stop, max_new)
-        history = mx.array(prompt, dtype=mx.uint32) if processors else None  # (L,) grows lazily by each token
-
-        def pick(logits: mx.array) -> mx.array:  # (1, vocab) -> (1,)
-            for processor in processors:
-                logits = processor(history, logits)
-            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
         start = time.perf_counter()
-        try:
-            logits = prefill(self.model, self.caches, mx.array(new, dtype=mx.uint32), step_size=self.prefill_step_size,
-                             should_stop=stop_requested)[None]  # (1, vocab)
-        except PrefillStopped as stopped:
-            self.tokens.extend(new[:stopped.done])  # the chunks that ran are valid K/V of the prompt's prefix
-            raise
-        self.tokens.extend(new)
-        y = pick(logits)  # (1,)
-        mx.eval(y)
-        stats.prefill_seconds = time.perf_counter() - start
-        start = time.perf_counter()
+        tokens = self.engine.generate_tokens(prompt, request, should_stop=stop_requested, sequence=self.sequence)
         shown: list[int] = []
         emitted: list[str] = []  # the text yielded so far
-        for n in range(max_new):
-            if stop_requested():  # token n, computed after Ctrl-C, is neither shown nor fed to the model
+        try:
+            # Every token the engine yields is shown, even after a stop request (the engine takes no step past it):
+            # the answer's text then renders back to what the cache holds, and the next turn reuses all of it.
+            for token in tokens:
+                if not shown:  # the first token: the prompt is in the cache
+                    stats.prefill_seconds = time.perf_counter() - start
+                    start = time.perf_counter()
+                stats.generation_tokens += 1
+                stats.generation_seconds = time.perf_counter() - start
+                piece, finish = stream.feed(token)
+                shown.append(token)
+                if piece:
+                    emitted.append(piece)
+                    yield piece
+                if finish is not None:
+                    stats.finish_reason = finish
+                    return
+            if stop_requested():
                 stats.finish_reason = "interrupted"
                 # What the stream still held back (a partial character or stop-string prefix) joins the answer,
                 # so that its text renders back to the tokens the cache holds.
                 full, said = (self.tokenizer.decode(shown), "".join(emitted)) if shown else ("", "")
                 if full.startswith(said) and len(full) > len(said):
                     yield full[len(said):]
-                return
-            # The dense in-place order (mlxkv.kv.layouts): build step n+1, read token n, then schedule n+1.
-            more = n + 1 < max_new
-            token = int(y.item())
-            next_y = None
-            if more:
-                if processors:
-                    history = mx.concatenate([history, y.astype(mx.uint32)])
-                next_y = pick(self.model(y.reshape(1, 1), cache=self.caches)[:, -1, :])  # (1,)
-                self.tokens.append(token)  # the forward just built appends its K/V
-                mx.async_eval(next_y)
-            stats.generation_tokens += 1
-            stats.generation_seconds = time.perf_counter() - start
-            piece, finish = stream.feed(token)
-            shown.append(token)
-            if piece:
-                emitted.append(piece)
-                yield piece
-            if finish is not None:
-                stats.finish_reason = finish
-                return
-            y = next_y
+        finally:
+            tokens.close()  # the request ends (its sequence stays open)
+            stats.cached_tokens = self.engine.last_stats.cached_prompt_tokens  # where the engine's prefill began
+            stats.prefill_tokens = len(prompt) - stats.cached_tokens
+            self._settle(prompt + self.engine.last_generated)
+
+    def _settle(self, fed: list[int]) -> None:
+        """Record what the caches hold after a turn: the first ``offset`` tokens of ``fed`` (the prompt and the
+        tokens generated; the last generated one may not have been fed back). Where a turn ended early (an
+        error mid-forward may leave later layers one step behind), every layer is brought back to the shortest."""
+        offsets = [c.offset for c in each_layer_cache(self.caches) if hasattr(c, "offset")]
+        held = min(offsets) if offsets else len(fed)
+        assert held <= len(fed), f"the caches hold {held} tokens, the turn fed {len(fed)}"
+        self.tokens = list(fed[:held])
+        if offsets and max(offsets) != held:
+            self._trim_to(held)
 
     def _trim_to(self, keep: int) -> int:
         """Bring the caches back to their first ``keep`` tokens; returns the tokens kept (0 when some layer
-        cannot rewind that far, e.g. a sliding window or a recurrent layer's state: the caches then start over)."""
+        cannot rewind that far, e.g. a sliding window or a recurrent layer's state: the conversation's sequence
+        then starts over)."""
         try:
             for c in each_layer_cache(self.caches):
                 if not hasattr(c, "offset"):  # recurrent state (mlx-lm ArraysCache): it holds every token, no rewind
@@ -261,20 +257,11 @@ class ChatSession:
                     removed = c.trim(want)
                     assert removed == want, f"{type(c).__name__} trimmed {removed} of {want} tokens"
         except RewindError:
-            self.caches, keep = self._new_caches(), 0
+            pool = self.engine.pool
+            pool.release(self.sequence.id)
+            self.sequence, keep = pool.open(), 0
         del self.tokens[keep:]
         return keep
-
-    def _sync(self) -> None:
-        """Make every layer hold exactly ``self.tokens`` after a turn that ended early (an error mid-forward
-        may leave later layers one step behind); the record follows the shortest layer."""
-        offsets = [c.offset for c in each_layer_cache(self.caches) if hasattr(c, "offset")]
-        if offsets and (min(offsets) != len(self.tokens) or max(offsets) != len(self.tokens)):
-            self._trim_to(min(min(offsets), len(self.tokens)))
-
-    def _new_caches(self) -> list:
-        # Full-attention layouts (no max_kv_size): the length cap is enforced by dropping turns, see module doc.
-        return make_caches(self.model, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, overflow=self.overflow)
 
 
 __all__ = ["ChatSession", "TurnStats"]

@@ -15,7 +15,7 @@ from mlxkv.engine.output import Event, TextStream, TokenLogprob
 from mlxkv.engine.prefill import INTERRUPTIBLE_CHUNK_SECONDS, INTERRUPTIBLE_FIRST_CHUNK, PrefillStopped
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
-from mlxkv.kv import CachePool
+from mlxkv.kv import CachePool, Sequence
 from mlxkv.structured.response_format import ResponseFormat
 
 
@@ -80,6 +80,7 @@ class DirectEngine:
         self.prefill_step_size = prefill_step_size
         self.last_stats = GenerationStats()
         self.last_logprobs: list[TokenLogprob] = []  # of the last generation asked for them
+        self.last_generated: list[int] = []  # every token the last generation produced, read by its consumer or not
         self._scheduler: Any = None  # made at the first generation (the speculative subclass never needs one)
 
     @property
@@ -95,7 +96,8 @@ class DirectEngine:
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
                         logits_processors: Seq[LogitsProcessor] = (),
                         response_format: ResponseFormat | None = None,
-                        should_stop: Callable[[], bool] | None = None, logprobs: int | None = None) -> Iterator[int]:
+                        should_stop: Callable[[], bool] | None = None, logprobs: int | None = None,
+                        sequence: Sequence | None = None) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``; stop strings are
         left to the caller (:meth:`generate` applies them). With ``logprobs`` (0-20), each token's log-probability
         and that many alternatives are appended to :attr:`last_logprobs` as it is yielded.
@@ -110,32 +112,42 @@ class DirectEngine:
         ``should_stop`` (e.g. Ctrl-C) is checked between engine steps; the prompt is then prefilled in chunks sized
         to take about :data:`~mlxkv.engine.prefill.INTERRUPTIBLE_CHUNK_SECONDS` each, so a stop is seen quickly.
 
+        ``sequence``: an open sequence of this engine's dense pool whose caches hold the prompt's first
+        ``sequence.offset`` tokens (fewer than the whole prompt): the generation continues it, prefilling only the
+        rest, and leaves it open. Its caches then hold ``(prompt + last_generated)[:sequence.offset]`` — the
+        prompt (as far as it was prefilled) and the generated tokens fed back, which may stop short of the last.
+
         Raises:
             PrefillStopped: ``should_stop`` turned true before the first token.
+            ValueError: an empty prompt; a ``sequence`` not open in this dense pool, or caching the whole prompt.
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
+        if sequence is not None:
+            _check_continued(self.pool, sequence, len(prompt))
         salt = salt.hex() if isinstance(salt, bytes) else salt
         request = GenerationRequest(prompt=list(prompt), params=dataclasses.replace(params, stop=()),
                                     cache_salt=salt or None, response_format=response_format,
                                     logits_processors=tuple(logits_processors), logprobs=logprobs)
         self.last_logprobs = []
-        for event in self._run(request, should_stop):
+        for event in self._run(request, should_stop, sequence):
             if event.kind == "token":
                 if event.logprob is not None:
                     self.last_logprobs.append(event.logprob)
                 yield event.token
 
-    def _run(self, request: GenerationRequest, should_stop: Callable[[], bool] | None = None) -> Iterator[Event]:
+    def _run(self, request: GenerationRequest, should_stop: Callable[[], bool] | None = None,
+             sequence: Sequence | None = None) -> Iterator[Event]:
         """Step the scheduler for ``request`` until it ends (or ``should_stop`` turns true), yielding its events as
-        they come; its sequence is released however the consumer stops."""
+        they come; its sequence is released however the consumer stops (a continued ``sequence`` stays open)."""
         sched = self.scheduler
         chunks = _InterruptibleChunks(sched, self.prefill_step_size) if should_stop is not None else None
         stats = GenerationStats(prompt_tokens=len(request.prompt))
         self.last_stats = stats
         mx.reset_peak_memory()
         handle = RequestHandle(request)
-        job = Job(request=request, handle=handle, max_tokens=request.params.max_tokens)
+        job = Job(request=request, handle=handle, max_tokens=request.params.max_tokens, sequence=sequence)
+        self.last_generated = []
         sched.add(job)
         start = time.perf_counter()
         try:
@@ -168,6 +180,7 @@ class DirectEngine:
                               "cancelled")
                 sched.decode_loop.in_flight.clear()
             stats.cached_prompt_tokens = job.cached_tokens
+            self.last_generated = list(job.choices[0].generated) if job.choices else []
             stats.peak_memory_bytes = mx.get_peak_memory()
 
     @staticmethod
@@ -232,6 +245,18 @@ class _InterruptibleChunks:
         if ran > 0:
             rate = ran / max(time.perf_counter() - began, 1e-6)
             self.scheduler.prefill_chunk_size = max(1, min(self.step_size, int(rate * INTERRUPTIBLE_CHUNK_SECONDS)))
+
+
+def _check_continued(pool: CachePool, seq: Sequence, prompt_length: int) -> None:
+    """Refuse a sequence a generation cannot continue: not open in ``pool``, paged (its blocks are registered
+    over its own prompt), or caching the whole prompt (the last prompt token must run for the first logits)."""
+    if pool.is_paged:
+        raise ValueError("continuing an open sequence needs a dense pool (a paged one reuses prompts by prefix "
+                         "caching)")
+    if seq.id not in pool or seq.preempted:
+        raise ValueError(f"{seq.id} is not open in this engine's pool")
+    if seq.offset >= prompt_length:
+        raise ValueError(f"{seq.id} caches {seq.offset} tokens: the prompt must extend them ({prompt_length} tokens)")
 
 
 def _error_of(event: Event) -> Exception:

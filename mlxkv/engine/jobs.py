@@ -34,6 +34,9 @@ class Job:
     max_tokens: int  # per choice, already capped by the context length (and the paged KV budget)
     submitted_at: float = field(default_factory=time.perf_counter)
     opened: list[Sequence] = field(default_factory=list)  # every sequence opened for it: released at the end
+    # An open sequence the request continues (dense): its caches hold the prompt's first ``offset`` tokens, only the
+    # rest is prefilled, and it stays open when the request ends (a chat's conversation, kept from turn to turn).
+    sequence: Sequence | None = None
     choices: list[Choice] = field(default_factory=list)
     open_choices: int = 0
     completion_tokens: int = 0

@@ -281,12 +281,14 @@ class Scheduler:
         try:
             if task.seq is not None:  # preempted: the same sequence again
                 self.pool.resume(task.seq.id, task.tokens)
+            elif job.sequence is not None:  # continued: what it caches is the prompt's prefix; it stays open
+                task.seq = job.sequence
             else:
                 task.seq = self.pool.open(prompt_length=len(request.prompt), prompt=task.tokens,
                                           cache_request=cache_request(request))
                 job.opened.append(task.seq)
             self._owners[task.seq.id] = task
-            task.done = task.seq.num_cached
+            task.done = task.seq.offset if task.seq is job.sequence else task.seq.num_cached
             if not job.queried:  # the request's own prefix lookup (not a sample's or a resume's)
                 job.queried, job.cached_tokens = True, task.done
                 self.totals["prefix_queries"] += len(request.prompt)
@@ -584,7 +586,10 @@ class Scheduler:
         job = choice.job
         choice.done, choice.constraint = True, None
         self.running.remove(choice)
-        self._release(choice.seq)
+        if choice.seq is job.sequence:
+            self._owners.pop(choice.seq.id, None)  # a continued sequence stays open for its owner
+        else:
+            self._release(choice.seq)
         job.open_choices -= 1
         if job.open_choices == 0:
             self._end(job, end_event(job), "finished", finish)
@@ -610,6 +615,8 @@ class Scheduler:
             choice.constraint = None  # the grammar engine's state goes with the request
         for seq in job.opened:
             self._release(seq)
+        if job.sequence is not None:
+            self._owners.pop(job.sequence.id, None)
         self.totals[outcome] += 1
         try:
             job.handle.put(event)
