@@ -92,7 +92,26 @@ def load_gguf(path: str | Path, *, dequantize: bool = False) -> tuple[Any, dict[
 
     t = translate(path, dequantize=dequantize)
     model = build_model(t.config, t.weights)
-    return model, t.config, TokenizerWrapper(t.tokenizer, eos_token_ids=t.eos_token_ids)
+    return model, t.config, TokenizerWrapper(t.tokenizer, streaming_detokenizer(t.tokenizer),
+                                             eos_token_ids=t.eos_token_ids)
+
+
+def streaming_detokenizer(tokenizer: Any) -> Any:
+    """The streaming detokenizer class mlx-lm's loader picks for this tokenizer's ``tokenizer.json`` decoder, so a
+    GGUF streams its text as the same model's Hugging Face folder does (byte-level BPE without the answer's
+    leading space, SentencePiece likewise), and a chat's history, rebuilt from that text, matches."""
+    from functools import partial
+
+    from mlx_lm import tokenizer_utils as tu
+
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder")
+    if tu._is_spm_decoder(decoder):
+        return tu.SPMStreamingDetokenizer
+    if tu._is_spm_decoder_no_space(decoder):
+        return partial(tu.SPMStreamingDetokenizer, trim_space=False)
+    if tu._is_bpe_decoder(decoder):
+        return tu.BPEStreamingDetokenizer
+    return tu.NaiveStreamingDetokenizer
 
 
 def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False,
