@@ -85,8 +85,9 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
 def load_gguf(path: str | Path, *, dequantize: bool = False) -> tuple[Any, dict[str, Any], Any]:
     """``(model, config, tokenizer)`` for a GGUF file; the tokenizer is mlx-lm's ``TokenizerWrapper``.
 
-    ``dequantize`` decodes the K-quants straight to float weights (exact), instead of MLX affine layers that a
-    later dequantization would only approximate for the types MLX re-quantizes.
+    ``dequantize`` decodes the K-quants straight to float weights (exact), instead of MLX affine layers; without
+    it, only the types no affine form holds exactly (Q6_K, Q2_K) are float, unless ``MLXKV_GGUF_REQUANTIZE``
+    asks for 8 bits (:mod:`mlxkv.gguf.kquants`).
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
