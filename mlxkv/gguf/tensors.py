@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from mlxkv.env import flags
 from mlxkv.gguf.bounds import alignment
 from mlxkv.gguf.header import Header
 from mlxkv.gguf.kquants import BLOCKS, affine, decode, dequantized
@@ -30,6 +29,8 @@ def scale_dtype() -> Any:
     there, see :func:`mlxkv.precision.upcast_on_cpu`), float16 elsewhere (what MLX's own GGUF reader stores)."""
     import mlx.core as mx
 
+    from mlxkv.env import flags
+
     return mx.float32 if mx.default_device() == mx.cpu and not flags().cpu_keep_dtype else mx.float16
 
 
@@ -40,6 +41,8 @@ def read_tensors(path: Path, head: Header, *, dequantize: bool = False) -> tuple
     and for the types no MLX affine form holds exactly (unless ``MLXKV_GGUF_REQUANTIZE`` asks for 8 bits).
     """
     import mlx.core as mx
+
+    from mlxkv.env import flags
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     start = -(-head.table_end // alignment(head)) * alignment(head)
