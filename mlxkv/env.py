@@ -112,6 +112,13 @@ def cpu_keep_dtype() -> bool:
     return _flag("MLXKV_CPU_KEEP_DTYPE", False)
 
 
+def gguf_requantize() -> bool:
+    """``MLXKV_GGUF_REQUANTIZE`` (default off): a GGUF's Q6_K and Q2_K tensors (16-weight sub-blocks with unrelated
+    scales, which no MLX group holds exactly) re-quantized at 8 bits in groups of 32 instead of decoded to float
+    (about half the memory of float16; not the file's weights exactly, see :mod:`mlxkv.gguf.kquants`)."""
+    return _flag("MLXKV_GGUF_REQUANTIZE", False)
+
+
 def api_key() -> str | None:
     """``MLXKV_API_KEY``: bearer token required by ``mlxkv serve`` on /v1 routes, if set."""
     value = os.environ.get("MLXKV_API_KEY", "").strip()
@@ -151,6 +158,7 @@ class Flags:
     cpu_keep_dtype: bool
     api_key: str | None
     sessions_dir: str
+    gguf_requantize: bool = False
 
 
 def _read() -> Flags:
@@ -160,7 +168,7 @@ def _read() -> Flags:
                  cascade_min_shared_pages=cascade_min_shared_pages(), mla_absorbed=mla_absorbed(),
                  mla_split_kv=mla_split_kv(), cpu_ops=cpu_ops(), cpu_keep_dtype=cpu_keep_dtype(),
                  api_key=api_key(),
-                 sessions_dir=sessions_dir())
+                 sessions_dir=sessions_dir(), gguf_requantize=gguf_requantize())
 
 
 _flags: Flags | None = None

@@ -15,23 +15,30 @@ Q8_0    32     8-bit signed, ``d * q``        8 / 32, exact
 Q4_K    32     4-bit, 6-bit scale and min     4 / 32, exact
 Q5_K    32     5-bit, 6-bit scale and min     5 / 32, exact
 Q8_K    256    8-bit signed, float32 ``d``    8 / 32, the scale repeated (one float32 rounding)
-Q6_K    16     6-bit, 8-bit signed scale      8 / 32, re-quantized (see below)
-Q3_K    16     3-bit, 6-bit signed scale      8 / 32, re-quantized
-Q2_K    16     2-bit, 4-bit scale and min     8 / 32, re-quantized
+Q3_K    16     3-bit, 6-bit signed scale      8 / 32, exact: codes ``(sc - 32) * (q - 4)`` of the block's ``d``
+Q6_K    16     6-bit, 8-bit signed scale      float by default; 8 / 32 re-quantized on request (see below)
+Q2_K    16     2-bit, 4-bit scale and min     float by default; 8 / 32 re-quantized on request
 ======  =====  ============================  ========================================================
 
 "Exact" means the codes are kept and the scale and bias computed in float32 (products of a float16 and small
 integers, so float32 holds them without rounding; Q8_K's scale is already float32, so ``scale * code + bias``
 may round, by at most 2^-15 of that scale). Off the CPU backend they are stored as float16, as MLX's own GGUF
-reader stores Q4_0's, and round to 11 significant bits there. MLX has no group of 16, so the three types with 16-weight sub-blocks cannot
-keep their codes: two sub-blocks with unrelated scales share one MLX group. They are dequantized (exactly, in
-float32) and quantized again at 8 bits in groups of 32 (:func:`requantize`), the nearest form that stays
-quantized; each weight moves by at most half an 8-bit step of its group's range: for Q6_K at most 32/255 (~1/8)
-of the larger of the two sub-blocks' own steps (a group spans at most 64 of them), for Q3_K 4/255, for Q2_K more
-as the two sub-blocks' minimums differ (measured in ``tests/test_gguf_kquants.py`` on random blocks, whose
-adjacent scales are unrelated, a worst case: at most 0.126 / 0.016 / 0.052 of that step, RMS 0.41% / 0.39% /
-0.21% of the weights' RMS for Q6_K / Q3_K / Q2_K). ``--dequantize`` (:func:`dequantized`) gives the exact float
-weights instead.
+reader stores Q4_0's, and round to 11 significant bits there.
+
+MLX has no group of 16, so two 16-weight sub-blocks share one MLX group. Q3_K's sub-blocks are small signed
+integers ``sc - 32`` (6 bits) of one super-block scale ``d`` times 3-bit codes ``q - 4``, so every weight is
+``d`` times an integer in [-124, 128]: 8-bit codes over groups of 32 with scale ``d`` and bias ``-124 d`` hold them
+exactly (:func:`grid_affine`). Q6_K's integers ``sc * (q - 32)`` span 13 bits and Q2_K's two sub-blocks have
+unrelated minimums, so no MLX form keeps them: by default they are decoded to float (float32 on the CPU backend,
+exactly; float16 elsewhere), and with ``MLXKV_GGUF_REQUANTIZE=1`` quantized again at 8 bits in groups of 32 by
+each group's range (:func:`requantize`, about half the memory of float16). Each weight then moves by at most half
+an 8-bit step of its group's range, for Q6_K at most 32/255 (~1/8) of the larger of its two sub-blocks' steps (a
+group spans at most 64 of them), for Q2_K more as the two sub-blocks' minimums differ (at most 0.052 of that step
+on random blocks). Measured on blocks quantized from float weights as llama.cpp lays them out
+(``tests/test_gguf_kquants.py``): RMS 0.45% of the weights' RMS for Q6_K, about a quarter of Q6_K's own error
+against the float weights it came from, and enough to change greedy tokens: SmolLM2-135M with its 30 ffn_down
+matrices as Q6_K left the float Q6_K weights' greedy path within 7 tokens on 3 of 6 chat prompts (64 tokens),
+float16-rounded weights on none.
 
 Decoding is vectorised over all blocks of a tensor (numpy), never a Python loop per block.
 """
@@ -53,9 +60,9 @@ BLOCKS = {
 
 #: MLX's affine group size every converted tensor uses.
 GROUP_SIZE = 32
-#: Types whose sub-blocks are 16 weights: no MLX group holds their codes, so they are re-quantized ...
-REQUANTIZED = ("Q2_K", "Q3_K", "Q6_K")
-#: ... at this many bits.
+#: Types whose 16-weight sub-blocks no MLX form holds exactly: float by default, or re-quantized ...
+REQUANTIZED = ("Q2_K", "Q6_K")
+#: ... at this many bits (``MLXKV_GGUF_REQUANTIZE``). Q3_K, also 16 wide, is held exactly at this width too.
 REQUANTIZED_BITS = 8
 
 
@@ -68,6 +75,14 @@ class Codes:
     bias: np.ndarray  # (rows, cols // width) float32
     bits: int
     width: int
+    #: Q3_K: ``(d, steps)``, the super-block scale (rows, cols // 256) float32 and each sub-block's scale in units
+    #: of it (rows, cols // width) int16, so ``w = d * steps * (q - 4)``; None for the other types.
+    grid: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def exact_in_affine(self) -> bool:
+        """Whether :func:`affine` keeps these weights exactly (it re-quantizes the others)."""
+        return self.width >= GROUP_SIZE or self.grid is not None
 
     def dequantize(self) -> np.ndarray:
         """The float32 weights (exact: every product fits float32's 24-bit significand)."""
@@ -108,9 +123,12 @@ def decode(kind: str, raw: np.ndarray, rows: int, cols: int) -> Codes:
     n = rows * cols // per_block
     b = np.asarray(raw, dtype=np.uint8).reshape(n, size)
     with np.errstate(invalid="ignore", over="ignore"):  # a file's NaN / infinite scales stay what the file says
-        q, scale, bias, bits, width = _DECODERS[kind](b, n)
+        q, scale, bias, bits, width, *grid = _DECODERS[kind](b, n)
+    if grid:
+        d, steps = grid[0]
+        grid = (d.reshape(rows, -1), steps.reshape(rows, -1))
     return Codes(q=q.reshape(rows, cols), scale=scale.reshape(rows, -1), bias=bias.reshape(rows, -1), bits=bits,
-                 width=width)
+                 width=width, grid=grid or None)
 
 
 def _q4_0(b: np.ndarray, n: int):
@@ -165,9 +183,10 @@ def _q3_k(b: np.ndarray, n: int):
     packed = b[:, 96:108]
     lo = _bits_of(packed[:, 0:8], 4).transpose(0, 2, 1).reshape(n, 16)  # scales 0-7 low nibbles, then 8-15
     hi = _bits_of(packed[:, 8:12], 2).transpose(0, 2, 1).reshape(n, 16)
-    scale = d * ((lo | (hi << 4)).astype(np.float32) - 32)
+    steps = (lo | (hi << 4)).astype(np.int16) - 32
+    scale = d * steps.astype(np.float32)
     # the stored high bit set means no offset: code = low + 4 * high, weight = scale * (code - 4)
-    return low | (high << 2), scale, -4 * scale, 3, 16
+    return low | (high << 2), scale, -4 * scale, 3, 16, (d, steps)
 
 
 def _q4_k(b: np.ndarray, n: int):
@@ -227,16 +246,37 @@ def affine(codes: Codes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """``(packed uint32, scales, biases, bits)`` in MLX's affine form with groups of :data:`GROUP_SIZE`, float32
     scales and biases.
 
-    Sub-blocks of 32 keep their codes; wider ones repeat their scale; narrower ones (16) are dequantized and
-    quantized again at 8 bits (see the module docstring for the error).
+    Sub-blocks of 32 keep their codes; wider ones repeat their scale; narrower ones (16) become 8-bit codes of
+    their super-block scale where they are its small integers (Q3_K, exact), else are dequantized and quantized
+    again at 8 bits (see the module docstring for the error).
     """
     if codes.width < GROUP_SIZE:
+        if codes.grid is not None:
+            return grid_affine(codes)
         return requantize(dequantized(codes), REQUANTIZED_BITS)
     repeat = codes.width // GROUP_SIZE
     scale, bias = codes.scale, codes.bias
     if repeat > 1:
         scale, bias = np.repeat(scale, repeat, axis=1), np.repeat(bias, repeat, axis=1)
     return pack(codes.q, codes.bits), scale, bias, codes.bits
+
+
+#: Q3_K's weights in units of ``d``: ``(sc - 32) * (q - 4)`` with ``sc - 32`` in [-32, 31] and ``q - 4`` in [-4, 3]
+#: lie in [-124, 128], so 8-bit codes offset by 124 hold them.
+_GRID_OFFSET = 124
+
+
+def grid_affine(codes: Codes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The exact 8-bit affine form of a type whose weights are integers of its super-block scale (Q3_K):
+    ``w = d * (code - 124)`` with ``code = steps * (q - 4) + 124``; scale ``d``, bias ``-124 d`` per group of 32
+    (``d * code`` and its sum with the bias are exact in float32: an 11-bit significand times 8 bits)."""
+    d, steps = codes.grid
+    rows, cols = codes.q.shape
+    q = codes.q.reshape(rows, -1, codes.width).astype(np.int16) - 4  # (rows, sub-blocks, 16)
+    code = (steps[..., None] * q + _GRID_OFFSET).astype(np.uint8).reshape(rows, cols)
+    scale = np.repeat(d, cols // d.shape[1] // GROUP_SIZE, axis=1)  # (rows, cols // 32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return pack(code, REQUANTIZED_BITS), scale, -_GRID_OFFSET * scale, REQUANTIZED_BITS
 
 
 def dequantized(codes: Codes) -> "mx.array":

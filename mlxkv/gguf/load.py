@@ -85,14 +85,34 @@ def build_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
 def load_gguf(path: str | Path, *, dequantize: bool = False) -> tuple[Any, dict[str, Any], Any]:
     """``(model, config, tokenizer)`` for a GGUF file; the tokenizer is mlx-lm's ``TokenizerWrapper``.
 
-    ``dequantize`` decodes the K-quants straight to float weights (exact), instead of MLX affine layers that a
-    later dequantization would only approximate for the types MLX re-quantizes.
+    ``dequantize`` decodes the K-quants straight to float weights (exact), instead of MLX affine layers; without
+    it, only the types no affine form holds exactly (Q6_K, Q2_K) are float, unless ``MLXKV_GGUF_REQUANTIZE``
+    asks for 8 bits (:mod:`mlxkv.gguf.kquants`).
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     t = translate(path, dequantize=dequantize)
     model = build_model(t.config, t.weights)
-    return model, t.config, TokenizerWrapper(t.tokenizer, eos_token_ids=t.eos_token_ids)
+    return model, t.config, TokenizerWrapper(t.tokenizer, streaming_detokenizer(t.tokenizer),
+                                             eos_token_ids=t.eos_token_ids)
+
+
+def streaming_detokenizer(tokenizer: Any) -> Any:
+    """The streaming detokenizer class mlx-lm's loader picks for this tokenizer's ``tokenizer.json`` decoder, so a
+    GGUF streams its text as the same model's Hugging Face folder does (byte-level BPE without the answer's
+    leading space, SentencePiece likewise), and a chat's history, rebuilt from that text, matches."""
+    from functools import partial
+
+    from mlx_lm import tokenizer_utils as tu
+
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder")
+    if tu._is_spm_decoder(decoder):
+        return tu.SPMStreamingDetokenizer
+    if tu._is_spm_decoder_no_space(decoder):
+        return partial(tu.SPMStreamingDetokenizer, trim_space=False)
+    if tu._is_bpe_decoder(decoder):
+        return tu.BPEStreamingDetokenizer
+    return tu.NaiveStreamingDetokenizer
 
 
 def convert(path: str | Path, out_dir: str | Path, *, dequantize: bool = False,

@@ -2,8 +2,9 @@
 quantized: the K-quants (and Q5_0 / Q5_1, which the K-quant mixes use for rows not a multiple of 256).
 
 Quantized tensors become MLX affine triplets (``name.weight`` packed uint32, ``name.scales``, ``name.biases``;
-groups of 32) as :func:`mlxkv.gguf.kquants.affine` writes them, or float weights when ``dequantize`` is set;
-F32 / F16 / BF16 tensors are read as they are.
+groups of 32) as :func:`mlxkv.gguf.kquants.affine` writes them where that form holds them exactly, or float weights
+(Q6_K and Q2_K unless ``MLXKV_GGUF_REQUANTIZE`` is set; every type when ``dequantize`` is set); F32 / F16 / BF16
+tensors are read as they are.
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ def scale_dtype() -> Any:
 def read_tensors(path: Path, head: Header, *, dequantize: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tensors, metadata)`` of the GGUF file at ``path`` whose checked header is ``head``.
 
-    Quantized tensors become affine triplets, or float32 weights (float16 off the CPU backend) with ``dequantize``.
+    Quantized tensors become affine triplets, or float32 weights (float16 off the CPU backend) with ``dequantize``
+    and for the types no MLX affine form holds exactly (unless ``MLXKV_GGUF_REQUANTIZE`` asks for 8 bits).
     """
     import mlx.core as mx
+
+    from mlxkv.env import flags
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     start = -(-head.table_end // alignment(head)) * alignment(head)
     dtype = scale_dtype()
+    requantize = flags().gguf_requantize
     tensors: dict[str, Any] = {}
     for t in head.tensors:
         shape = tuple(reversed(t.dims))  # GGUF lists ne0 (the row length) first
@@ -57,7 +62,7 @@ def read_tensors(path: Path, head: Header, *, dequantize: bool = False) -> tuple
         cols, rows = t.dims[0], math.prod(t.dims[1:])
         raw = data[offset:offset + rows * cols // per_block * size]
         codes = decode(t.kind, raw, rows, cols)
-        if dequantize:
+        if dequantize or not (codes.exact_in_affine or requantize):
             tensors[t.name] = dequantized(codes).reshape(shape).astype(mx.float32 if dtype == mx.float32 else mx.float16)
             mx.eval(tensors[t.name])  # one tensor's codes at a time, not the whole file's
             continue

@@ -1,9 +1,9 @@
 """GGUF tensors renamed and reordered into the Hugging Face layout mlx-lm's model classes load.
 
-Quantized tensors stay quantized: each block type arrives as MLX's affine triplet (``weight`` packed uint32,
-``scales``, ``biases``; groups of 32; see :mod:`mlxkv.gguf.kquants` for the bits each type becomes), so each
-linear layer becomes an ``nn.QuantizedLinear`` with the bits its own tensor has (a Q4_K_M file mixes 4- and
-8-bit layers).
+Quantized tensors stay quantized where MLX holds them exactly: each such block type arrives as MLX's affine
+triplet (``weight`` packed uint32, ``scales``, ``biases``; groups of 32; see :mod:`mlxkv.gguf.kquants` for the bits
+each type becomes), so each linear layer becomes an ``nn.QuantizedLinear`` with the bits its own tensor has, or
+stays a float ``nn.Linear`` (a Q4_K_M file mixes 4-bit layers and its Q6_K layers as float).
 """
 
 from __future__ import annotations

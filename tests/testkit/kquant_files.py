@@ -1,10 +1,11 @@
 """Random-weight test models whose matrices are ggml K-quant blocks, for the GGUF K-quant tests.
 
-llama.cpp's ``gguf`` package dequantizes K-quants but has no quantizer for them, so the blocks are built from
-random bytes (codes, packed sub-block scales) with each block's float16 scale chosen to give the matrix the
-spread of the float test model's own. The float weights the blocks stand for are computed by the ``gguf``
-package's reference dequantizer and written as a Hugging Face folder: that folder and the GGUF file hold the
-same model, one as mlx-lm reads it and one as llama.cpp writes it.
+The blocks come one of two ways: quantized from the float test model's weights (:mod:`testkit.kquant_quantize`,
+laid out as llama.cpp's quantizers lay them out, so adjacent sub-blocks have related scales as in real files), or
+from random bytes (codes, packed sub-block scales) with each block's float16 scale chosen to give the matrix the
+spread of the float model's own (every bit pattern a decoder may meet). The float weights the blocks stand for are
+computed by the ``gguf`` package's reference dequantizer and written as a Hugging Face folder: that folder and the
+GGUF file hold the same model, one as mlx-lm reads it and one as llama.cpp writes it.
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ def random_blocks(kind: str, rows: int, cols: int, std: float, rng: np.random.Ge
     return blocks.reshape(rows, -1)
 
 
-def kquant_model(folder: Path, out: Path, types: dict[str, str], seed: int = 0) -> tuple[Path, dict]:
+def kquant_model(folder: Path, out: Path, types: dict[str, str], seed: int = 0, *,
+                 random: bool = False) -> tuple[Path, dict]:
     """Copy the Hugging Face test model in ``folder`` to ``out`` with every matrix named in ``types`` (HF name ->
-    K-quant type) replaced by random blocks of that type; returns ``(out, blocks)`` where ``out`` holds the
-    blocks' float weights (the ``gguf`` package's dequantization) and ``blocks`` is what
-    :func:`testkit.gguf_files.write_gguf` takes."""
+    ggml block type) replaced by blocks of that type: the matrix quantized, or random blocks of its spread with
+    ``random`` (K-quants only); returns ``(out, blocks)`` where ``out`` holds the blocks' float weights (the
+    ``gguf`` package's dequantization) and ``blocks`` is what :func:`testkit.gguf_files.write_gguf` takes."""
     import mlx.core as mx
     from gguf import GGMLQuantizationType, quants
+
+    from testkit.kquant_quantize import quantize
 
     rng = np.random.default_rng(seed)
     shutil.copytree(folder, out)
@@ -54,7 +58,7 @@ def kquant_model(folder: Path, out: Path, types: dict[str, str], seed: int = 0) 
     blocks = {}
     for name, kind in types.items():
         w = weights[name]
-        b = random_blocks(kind, w.shape[0], w.shape[1], float(w.std()), rng)
+        b = random_blocks(kind, w.shape[0], w.shape[1], float(w.std()), rng) if random else quantize(w, kind)
         blocks[name] = (kind, b)
         weights[name] = quants.dequantize(b, GGMLQuantizationType[kind]).astype(np.float32).reshape(w.shape)
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()},
