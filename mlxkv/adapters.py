@@ -122,6 +122,13 @@ def _config_problem(config: dict, kind: str) -> str | None:
     return None
 
 
+def model_identity(model: Any) -> str | None:
+    """What besides its files makes ``model`` answer as it does (an applied adapter's digest), or None."""
+    from mlxkv.kv.tier.fingerprint import EXTRA_IDENTITY_ATTR
+
+    return getattr(model, EXTRA_IDENTITY_ATTR, None)
+
+
 def apply_adapter(model: Any, adapter: Adapter) -> None:
     """Apply ``adapter`` (from :func:`check_adapter`) to ``model`` in place with mlx-lm's loader, in inference mode
     (dropout off), as ``mlx_lm.utils.load(adapter_path=...)`` does, and make its digest part of the model's

@@ -54,11 +54,11 @@ def system_fingerprint(model_name: str, tokenizer: Any, model: Any = None) -> st
     """OpenAI's ``system_fingerprint``: ``fp_`` and 10 hex digits that change when what shapes the answers does
     (mlxkv, MLX and mlx-lm versions, the model's name, its chat template and tool parser, and what else the
     model's identity holds, e.g. a LoRA adapter's digest)."""
-    from mlxkv.kv.tier.fingerprint import EXTRA_IDENTITY_ATTR
+    from mlxkv.adapters import model_identity
 
     template = getattr(tokenizer, "chat_template", None)
     parser = getattr(getattr(tokenizer, "tool_parser", None), "__module__", None)
-    extra = getattr(model, EXTRA_IDENTITY_ATTR, None)
+    extra = model_identity(model)
     parts = [_version("mlxkv"), _version("mlx"), _version("mlx-lm"), model_name, str(template), str(parser)]
     if extra is not None:
         parts.append(str(extra))
