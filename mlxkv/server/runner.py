@@ -28,6 +28,18 @@ class ServerParts:
     metrics: ServerMetrics
 
 
+def vision_inputs(loaded: Any, limits: Any = None) -> Any:
+    """The served model's image support (:class:`mlxkv.vision.inputs.VisionInputs`): its vision tower when it is a
+    vision-language model and mlx-vlm is installed, else why it refuses images."""
+    from mlxkv.vision.images import ImageLimits
+    from mlxkv.vision.inputs import VisionInputs
+
+    limits = limits or ImageLimits()
+    if loaded.is_gguf:
+        return VisionInputs(None, "this model reads text only: it takes no images", limits)
+    return VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
+
+
 def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
           ui: bool = True,
@@ -35,7 +47,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
           metrics_key: str | None = None, distributed: Any = None, tenants: Tenants | None = None,
           public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-          responses: Any = None) -> ServerParts:
+          responses: Any = None, image_limits: Any = None) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
@@ -44,6 +56,8 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     builds the pool and engine).
 
     ``ui``: serve the built-in page at ``/`` (see :func:`mlxkv.server.app.create_app`).
+    ``image_limits``: a vision-language model's image limits and ``file://`` folders
+    (:class:`mlxkv.vision.images.ImageLimits`; ``None``: the defaults, no local files).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -60,6 +74,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     if distributed is not None:
         distributed.shard(loaded)
         make_pool, make_engine = distributed.pool, distributed.engine
+    vision = vision_inputs(loaded, image_limits)
     pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
     metrics = ServerMetrics()
     engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
@@ -69,7 +84,8 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                      ui=ui,
                      keepalive_s=keepalive_s, defaults=run.sampling, max_client_priority=max_client_priority,
                      admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
-                     public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses)
+                     public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses,
+                     vision=vision)
     return ServerParts(loaded, engine, app, metrics)
 
 

@@ -48,14 +48,6 @@ def hash_spans(media: Sequence[ImageSpan]) -> tuple[tuple[int, int, tuple], ...]
     return tuple((m.start, m.end, m.hash_key) for m in media)
 
 
-def image_labels(extra_keys: tuple) -> tuple[str, ...]:
-    """The labels (UUID or content hash) of the images among a block's extra keys."""
-    for key in extra_keys:
-        if isinstance(key, tuple) and len(key) == 2 and key[0] == "m":
-            return tuple(k[2] for k in key[1] if isinstance(k, tuple) and len(k) == 3 and k[0] == "image")
-    return ()
-
-
 def image_tokens_before(media: Sequence[ImageSpan], position: int) -> int:
     """How many image placeholder tokens lie before ``position``."""
     return sum(max(0, min(m.end, position) - m.start) for m in media)

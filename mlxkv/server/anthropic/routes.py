@@ -60,12 +60,13 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
 
     def translate(body: CountTokensRequest) -> tuple[PromptSource, ToolPlan, Conversation]:
         """The request's prompt in chat form and its tool use (400 for what cannot be honoured)."""
+        images = take_anthropic_images(prep.vision, body)
         conv: Conversation = to_conversation(body)
         if not has_template:
             raise APIError(400, "this model's tokenizer has no chat template", "no_chat_template")
         plan = plan_tools(conv, no_tools)
         source = PromptSource(messages=plan.messages, template_kwargs={**kwargs, **plan.template_kwargs},
-                              continue_final=conv.prefill)
+                              continue_final=conv.prefill, images=images)
         return source, plan, conv
 
     @router.post("/messages")
@@ -114,3 +115,26 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         return {"input_tokens": len(await prep.tokens(translate(body)[0]))}
 
     return router
+
+
+def take_anthropic_images(vision: Any, body: CountTokensRequest) -> Any:
+    """The ``image`` blocks of ``body``'s messages (each left as its marker text), or None without any; a text-only
+    model keeps them (:func:`~mlxkv.server.anthropic.translate.to_conversation` refuses them).
+
+    Raises:
+        APIError: 400 for a bad image or UUID list, or a vision model whose mlx-vlm is missing.
+    """
+    uuids = (body.multi_modal_uuids or {}).get("image")
+    if uuids is None and not any(getattr(b, "type", None) == "image" for m in body.messages
+                                 for b in (m.content if isinstance(m.content, list) else ())):
+        return None
+    from mlxkv.server.anthropic.schemas import TextBlock
+    from mlxkv.vision.images import ImageError
+    from mlxkv.vision.inputs import VisionInputs
+    from mlxkv.vision.support import VisionUnavailable
+
+    try:
+        return (vision or VisionInputs()).take_anthropic(body.messages, uuids,
+                                                         lambda text: TextBlock(type="text", text=text))
+    except (ImageError, VisionUnavailable) as exc:
+        raise APIError(400, str(exc), "invalid_image", "messages") from None

@@ -1,0 +1,119 @@
+"""Images through `mlxkv serve` (OpenAI ``image_url`` parts, Anthropic ``image`` blocks) on a tiny random Gemma 3 VLM:
+image-aware prefix caching (greedy output with reuse equals a fresh server's; one changed pixel or another UUID
+misses), the feature cache, KV events naming the images, and the 400s for bad images."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm", reason='needs the vision extra: pip install "mlxkv[vision]"')
+
+from testkit.run_config import run_config  # noqa: E402
+from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread  # noqa: E402
+from testkit.vlm import write_gemma3_vlm  # noqa: E402
+
+pytestmark = pytest.mark.server
+
+
+def png(seed: int = 0, poke: bool = False) -> bytes:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((20, 24, 3)) * 255).astype("uint8")
+    if poke:
+        pixels[3, 5, 0] ^= 1  # one pixel, one bit
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return write_gemma3_vlm(tmp_path_factory.mktemp("vlm") / "gemma3", seed=0)
+
+
+def _server(vlm_dir, **build):
+    from mlxkv.config import EngineConfig
+
+    return serve_in_thread(run_config(str(vlm_dir), engine=EngineConfig(max_sequences=2), kv_backend="paged",
+                                      kv_block_size=4), **build)
+
+
+def ask(srv, image: bytes, question: str, uuid: str | None = None, max_tokens: int = 10):
+    extra = {"multi_modal_uuids": {"image": [uuid]}} if uuid else None
+    r = openai_client(srv.url).chat.completions.create(
+        model="m", max_tokens=max_tokens, temperature=0, extra_body=extra,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                               {"type": "text", "text": question}]}])
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+def vision_stats(srv) -> dict:
+    return srv.parts.engine.stats()["vision"]
+
+
+def test_second_question_reuses_the_image_and_answers_as_a_fresh_server(vlm_dir):
+    image = png(0)
+    with _server(vlm_dir) as warm, _server(vlm_dir) as cold:
+        first = ask(warm, image, "What is in this picture?")
+        again = ask(warm, image, "What colour is it?")
+        fresh = ask(cold, image, "What colour is it?")
+        assert again[0] == fresh[0] and first[0]  # reuse changes nothing in the greedy answer
+        assert first[2] == 0 and again[2] >= 16  # the image's 16 tokens (and the turn's start) came from the cache
+        stats = vision_stats(warm)
+        # a full hit over the image never asks for its features; the first request ran the tower once
+        assert stats["encoder_cache_misses"] == 1 and stats["image_tokens"] == 32
+        assert stats["image_tokens_cached"] == 16
+        assert ask(warm, png(0, poke=True), "What colour is it?")[2] < 16  # one changed pixel misses
+        assert ask(warm, image, "What colour is it?", uuid="photo-1")[2] < 16  # a UUID keys another entry
+        assert ask(warm, image, "What colour is it?", uuid="photo-1")[2] >= 16
+        events = httpx.get(warm.url + "/v1/cache/events").json()["events"]
+        labels = {label for e in events for label in e.get("images", ())}
+        assert "photo-1" in labels and len(labels) == 3  # two content hashes and the UUID
+
+
+def test_anthropic_image_block_matches_the_openai_door(vlm_dir):
+    image = png(1)
+    with _server(vlm_dir) as srv:
+        via_openai = ask(srv, image, "Describe it.")
+        msg = anthropic_client(srv.url).messages.create(
+            model="m", max_tokens=10, extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(image).decode()}},
+                {"type": "text", "text": "Describe it."}]}])
+        assert msg.content[0].text == via_openai[0]
+        assert msg.usage.cache_read_input_tokens >= 16
+
+
+@pytest.mark.parametrize("url, message", [
+    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not an image"),
+    ("https://example.com/cat.png", "not fetched"),
+    ("file:///etc/passwd", "file:// image URLs are off"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+])
+def test_bad_images_are_400(vlm_dir, url, message):
+    import openai
+
+    with _server(vlm_dir) as srv:
+        with pytest.raises(openai.BadRequestError, match=message):
+            openai_client(srv.url).chat.completions.create(
+                model="m", max_tokens=2,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+
+
+def test_text_only_model_refuses_an_image(served):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="reads text only"):
+        openai_client(served().url).chat.completions.create(
+            model="m", max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png())}}]}])
