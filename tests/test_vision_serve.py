@@ -117,3 +117,23 @@ def test_text_only_model_refuses_an_image(served):
         openai_client(served().url).chat.completions.create(
             model="m", max_tokens=2,
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png())}}]}])
+
+
+def test_generate_image_answers_as_serve(vlm_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(2))
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--temp", "0", "-n", "10", "--image",
+                                 str(picture), "Describe it."])
+    assert result.exit_code == 0, result.output
+    with _server(vlm_dir) as srv:
+        answer = ask(srv, png(2), "Describe it.")[0]
+    assert result.stdout.strip() == answer.strip() and answer.strip()
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    result = runner.invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--image", str(bad), "Hi"])
+    assert result.exit_code != 0 and "not an image" in result.output

@@ -143,3 +143,24 @@ def _anthropic_bytes(source: Any, limits: ImageLimits) -> bytes:
     if kind == "url" and isinstance(source.get("url"), str):
         return read_image_url(source["url"], limits)
     raise ImageError("an image block needs source {\"type\": \"base64\", \"media_type\": ..., \"data\": ...}")
+
+
+def images_from_files(paths: Sequence[str], loaded: Any, limits: ImageLimits = ImageLimits()
+                      ) -> tuple[VisionInputs, RequestImages]:
+    """``mlxkv generate --image FILE``'s images for the loaded model (:class:`mlxkv.models.LoadedModel`).
+
+    Raises:
+        ImageError: a file that cannot be read or is not an image; VisionUnavailable: a model that takes none.
+    """
+    vision = VisionInputs(None, "this model reads text only: it takes no images", limits) if loaded.is_gguf else \
+        VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
+    vision._check()
+    check_count(len(paths), limits)
+    decoded = []
+    for name in paths:
+        try:
+            data = Path(name).expanduser().read_bytes()
+        except OSError:
+            raise ImageError(f"cannot read the image file {name}") from None
+        decoded.append(decode_image(data, limits))
+    return vision, RequestImages(decoded, (None,) * len(decoded))
