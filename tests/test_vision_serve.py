@@ -47,8 +47,17 @@ def _server(vlm_dir, **build):
                                       kv_block_size=4), **build)
 
 
-def ask(srv, image: bytes, question: str, uuid: str | None = None, max_tokens: int = 10):
-    extra = {"multi_modal_uuids": {"image": [uuid]}} if uuid else None
+@pytest.fixture(scope="module")
+def srv(vlm_dir):
+    """One server for the module: each test uses images of its own and compares counters before and after."""
+    with _server(vlm_dir) as server:
+        yield server
+
+
+def ask(srv, image: bytes, question: str, uuid: str | None = None, max_tokens: int = 10, salt: str | None = None):
+    extra = {"multi_modal_uuids": {"image": [uuid]}} if uuid else {}
+    if salt:
+        extra["cache_salt"] = salt  # a salt of its own: nothing cached is shared, the answer is computed afresh
     r = openai_client(srv.url).chat.completions.create(
         model="m", max_tokens=max_tokens, temperature=0, extra_body=extra,
         messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
@@ -60,38 +69,45 @@ def vision_stats(srv) -> dict:
     return srv.parts.engine.stats()["vision"]
 
 
-def test_second_question_reuses_the_image_and_answers_as_a_fresh_server(vlm_dir):
+def test_second_question_reuses_the_image_and_answers_as_without_reuse(srv):
     image = png(0)
-    with _server(vlm_dir) as warm, _server(vlm_dir) as cold:
-        first = ask(warm, image, "What is in this picture?")
-        again = ask(warm, image, "What colour is it?")
-        fresh = ask(cold, image, "What colour is it?")
-        assert again[0] == fresh[0] and first[0]  # reuse changes nothing in the greedy answer
-        assert first[2] == 0 and again[2] >= 16  # the image's 16 tokens (and the turn's start) came from the cache
-        stats = vision_stats(warm)
-        # a full hit over the image never asks for its features; the first request ran the tower once
-        assert stats["encoder_cache_misses"] == 1 and stats["image_tokens"] == 32
-        assert stats["image_tokens_cached"] == 16
-        assert ask(warm, png(0, poke=True), "What colour is it?")[2] < 16  # one changed pixel misses
-        assert ask(warm, image, "What colour is it?", uuid="photo-1")[2] < 16  # a UUID keys another entry
-        assert ask(warm, image, "What colour is it?", uuid="photo-1")[2] >= 16
-        events = httpx.get(warm.url + "/v1/cache/events").json()["events"]
-        labels = {label for e in events for label in e.get("images", ())}
-        assert "photo-1" in labels and len(labels) == 3  # two content hashes and the UUID
+    before = vision_stats(srv)
+    first = ask(srv, image, "What is in this picture?")
+    again = ask(srv, image, "What colour is it?")
+    fresh = ask(srv, image, "What colour is it?", salt="elsewhere")
+    assert again[0] == fresh[0] and first[0]  # reuse changes nothing in the greedy answer
+    assert first[2] == 0 and fresh[2] == 0 and again[2] >= 16  # the image's 16 tokens came from the cache
+    stats = vision_stats(srv)
+    # a prefix hit over the image never asks for its features; the first and the salted request did
+    assert stats["encoder_cache_misses"] - before["encoder_cache_misses"] == 1
+    assert stats["encoder_cache_hits"] - before["encoder_cache_hits"] == 1
+    assert stats["image_tokens"] - before["image_tokens"] == 48
+    assert stats["image_tokens_cached"] - before["image_tokens_cached"] == 16
+    assert ask(srv, png(0, poke=True), "What colour is it?")[2] < 16  # one changed pixel misses
+    assert ask(srv, image, "What colour is it?", uuid="photo-1")[2] < 16  # a UUID keys another entry
+    assert ask(srv, image, "What colour is it?", uuid="photo-1")[2] >= 16
+    events = httpx.get(srv.url + "/v1/cache/events").json()["events"]
+    labels = {label for e in events for label in e.get("images", ())}
+    assert "photo-1" in labels and image_hash(image) in labels and image_hash(png(0, poke=True)) in labels
 
 
-def test_anthropic_image_block_matches_the_openai_door(vlm_dir):
+def image_hash(data: bytes) -> str:
+    from mlxkv.vision.images import decode_image
+
+    return decode_image(data).content_hash
+
+
+def test_anthropic_image_block_matches_the_openai_door(srv):
     image = png(1)
-    with _server(vlm_dir) as srv:
-        via_openai = ask(srv, image, "Describe it.")
-        msg = anthropic_client(srv.url).messages.create(
-            model="m", max_tokens=10, extra_body={"temperature": 0},
-            messages=[{"role": "user", "content": [
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": base64.b64encode(image).decode()}},
-                {"type": "text", "text": "Describe it."}]}])
-        assert msg.content[0].text == via_openai[0]
-        assert msg.usage.cache_read_input_tokens >= 16
+    via_openai = ask(srv, image, "Describe it.")
+    msg = anthropic_client(srv.url).messages.create(
+        model="m", max_tokens=10, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}},
+            {"type": "text", "text": "Describe it."}]}])
+    assert msg.content[0].text == via_openai[0]
+    assert msg.usage.cache_read_input_tokens >= 16
 
 
 @pytest.mark.parametrize("url, message", [
@@ -100,14 +116,13 @@ def test_anthropic_image_block_matches_the_openai_door(vlm_dir):
     ("file:///etc/passwd", "file:// image URLs are off"),
     ("data:image/png;base64,@@@", "not valid base64"),
 ])
-def test_bad_images_are_400(vlm_dir, url, message):
+def test_bad_images_are_400(srv, url, message):
     import openai
 
-    with _server(vlm_dir) as srv:
-        with pytest.raises(openai.BadRequestError, match=message):
-            openai_client(srv.url).chat.completions.create(
-                model="m", max_tokens=2,
-                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    with pytest.raises(openai.BadRequestError, match=message):
+        openai_client(srv.url).chat.completions.create(
+            model="m", max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
 
 
 def test_text_only_model_refuses_an_image(served):
@@ -119,7 +134,7 @@ def test_text_only_model_refuses_an_image(served):
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png())}}]}])
 
 
-def test_generate_image_answers_as_serve(vlm_dir, tmp_path):
+def test_generate_image_answers_as_serve(vlm_dir, srv, tmp_path):
     from typer.testing import CliRunner
 
     from mlxkv.cli.main import app
@@ -130,8 +145,7 @@ def test_generate_image_answers_as_serve(vlm_dir, tmp_path):
     result = runner.invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--temp", "0", "-n", "10", "--image",
                                  str(picture), "Describe it."])
     assert result.exit_code == 0, result.output
-    with _server(vlm_dir) as srv:
-        answer = ask(srv, png(2), "Describe it.")[0]
+    answer = ask(srv, png(2), "Describe it.")[0]
     assert result.stdout.strip() == answer.strip() and answer.strip()
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")
