@@ -151,3 +151,35 @@ def test_generate_image_answers_as_serve(vlm_dir, srv, tmp_path):
     bad.write_bytes(b"not an image")
     result = runner.invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--image", str(bad), "Hi"])
     assert result.exit_code != 0 and "not an image" in result.output
+
+
+def test_file_urls_read_only_the_allowed_folder(vlm_dir, srv, tmp_path):
+    import openai
+
+    from mlxkv.vision.images import ImageLimits
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "p.png").write_bytes(png(3))
+    (tmp_path / "outside.png").write_bytes(png(3))
+    by_data = ask(srv, png(3), "Describe it.")[0]
+    with _server(vlm_dir, image_limits=ImageLimits(allowed_dirs=(allowed,))) as own:
+        def by_file(path):
+            return openai_client(own.url).chat.completions.create(
+                model="m", max_tokens=10, temperature=0,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}},
+                                                       {"type": "text", "text": "Describe it."}]}])
+
+        assert by_file(allowed / "p.png").choices[0].message.content == by_data
+        for outside in (tmp_path / "outside.png", allowed / ".." / "outside.png"):
+            with pytest.raises(openai.BadRequestError, match="outside the folders"):
+                by_file(outside)
+
+
+def test_serve_refuses_an_allowed_image_dir_that_is_not_a_folder(tmp_path):
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--allowed-image-dir", str(tmp_path / "missing")])
+    assert result.exit_code != 0 and "is not a folder" in result.output
