@@ -183,3 +183,25 @@ def test_serve_refuses_an_allowed_image_dir_that_is_not_a_folder(tmp_path):
 
     result = CliRunner().invoke(app, ["serve", "--allowed-image-dir", str(tmp_path / "missing")])
     assert result.exit_code != 0 and "is not a folder" in result.output
+
+
+def test_without_mlx_vlm_images_name_the_extra_and_text_runs(vlm_dir, monkeypatch, tmp_path):
+    import openai
+    from typer.testing import CliRunner
+
+    import mlxkv.vision.inputs
+    from mlxkv.cli.main import app
+
+    monkeypatch.setattr(mlxkv.vision.inputs, "mlx_vlm_available", lambda: False)
+    with _server(vlm_dir) as bare:
+        client = openai_client(bare.url)
+        with pytest.raises(openai.BadRequestError, match=r'pip install "mlxkv\[vision\]"'):
+            client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png())}}]}])
+        text = client.chat.completions.create(model="m", max_tokens=6, temperature=0,
+                                              messages=[{"role": "user", "content": "Hello there"}])
+        assert text.choices[0].message.content and "vision" not in bare.parts.engine.stats()
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png())
+    result = CliRunner().invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--image", str(picture), "Hi"])
+    assert result.exit_code != 0 and 'pip install "mlxkv[vision]"' in result.output
