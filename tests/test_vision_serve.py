@@ -205,3 +205,20 @@ def test_without_mlx_vlm_images_name_the_extra_and_text_runs(vlm_dir, monkeypatc
     picture.write_bytes(png())
     result = CliRunner().invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--image", str(picture), "Hi"])
     assert result.exit_code != 0 and 'pip install "mlxkv[vision]"' in result.output
+
+
+def test_multi_turn_about_one_image_reuses_it_and_answers_as_without_reuse(srv):
+    image = data_url(png(4))
+    turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    client = openai_client(srv.url)
+
+    def answer(messages, salt=None):
+        r = client.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=messages,
+                                           extra_body={"cache_salt": salt} if salt else None)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+
+    first, _ = answer(turn)
+    follow = turn + [{"role": "assistant", "content": first}, {"role": "user", "content": "And its colour?"}]
+    second, cached = answer(follow)
+    assert cached >= 16 and second == answer(follow, salt="fresh")[0]
