@@ -222,3 +222,26 @@ def test_multi_turn_about_one_image_reuses_it_and_answers_as_without_reuse(srv):
     follow = turn + [{"role": "assistant", "content": first}, {"role": "user", "content": "And its colour?"}]
     second, cached = answer(follow)
     assert cached >= 16 and second == answer(follow, salt="fresh")[0]
+
+
+def test_too_many_too_large_and_mismatched_uuids_are_400(vlm_dir, srv):
+    import openai
+
+    from mlxkv.vision.images import ImageLimits
+
+    def parts(n, seed=5):
+        return [{"type": "image_url", "image_url": {"url": data_url(png(seed))}}] * n + [{"type": "text", "text": "?"}]
+
+    client = openai_client(srv.url)
+    with pytest.raises(openai.BadRequestError, match="9 images in one request, over the limit of 8"):
+        client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": parts(9)}])
+    with pytest.raises(openai.BadRequestError, match="2 entries for 1 images"):
+        client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": parts(1)}],
+                                       extra_body={"multi_modal_uuids": {"image": ["a", "b"]}})
+    with pytest.raises(openai.BadRequestError, match="holds 2 image markers for 1 images"):
+        client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            *parts(1), {"type": "text", "text": "<start_of_image>"}]}])
+    with _server(vlm_dir, image_limits=ImageLimits(max_bytes=100)) as small:
+        with pytest.raises(openai.BadRequestError, match="over the limit of 100"):
+            openai_client(small.url).chat.completions.create(model="m", max_tokens=2,
+                                                             messages=[{"role": "user", "content": parts(1)}])
