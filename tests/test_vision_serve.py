@@ -126,12 +126,17 @@ def test_bad_images_are_400(srv, url, message):
 
 
 def test_text_only_model_refuses_an_image(served):
+    import anthropic
     import openai
 
     with pytest.raises(openai.BadRequestError, match="reads text only"):
         openai_client(served().url).chat.completions.create(
             model="m", max_tokens=2,
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png())}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="reads text only"):
+        anthropic_client(served().url).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png()).decode()}}]}])
 
 
 def test_generate_image_answers_as_serve(vlm_dir, srv, tmp_path):
