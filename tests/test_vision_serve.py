@@ -108,6 +108,11 @@ def test_anthropic_image_block_matches_the_openai_door(srv):
             {"type": "text", "text": "Describe it."}]}])
     assert msg.content[0].text == via_openai[0]
     assert msg.usage.cache_read_input_tokens >= 16
+    counted = anthropic_client(srv.url).messages.count_tokens(model="m", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(image).decode()}},
+        {"type": "text", "text": "Describe it."}]}])
+    assert counted.input_tokens == via_openai[1]  # the image's placeholders counted, as the prompt holds them
 
 
 @pytest.mark.parametrize("url, message", [

@@ -111,8 +111,12 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
     @router.post("/messages/count_tokens")
     @with_body(CountBody)
     async def count_tokens(body: CountTokensRequest) -> dict:
-        """The rendered prompt's length in tokens (tools included)."""
-        return {"input_tokens": len(await prep.tokens(translate(body)[0]))}
+        """The rendered prompt's length in tokens (tools and each image's placeholder tokens included)."""
+        source = translate(body)[0]
+        prompt = await prep.tokens(source)
+        if source.images:
+            prompt, _ = await prep.images(source, prompt)
+        return {"input_tokens": len(prompt)}
 
     return router
 
