@@ -113,9 +113,9 @@ def retention_config(spec: RetentionSpec | None) -> RetentionConfig | None:
 
 
 def cache_request(request: GenerationRequest) -> CacheRequest:
-    """What ``request`` asks of the KV cache, whole: its salt and per-range salts, its images' keys, snapshot marks, retention, the
-    preemption rank its ``priority`` gives (lower values are admitted first and preempted last) and its overflow
-    policy."""
+    """What ``request`` asks of the KV cache, whole: its salt and per-range salts, its images' keys, snapshot marks,
+    retention, the preemption rank its ``priority`` gives (lower values are admitted first and preempted last) and its
+    overflow policy."""
     return CacheRequest(salt=request.cache_salt,
                         spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges)
                         + hash_spans(request.media),

@@ -62,16 +62,18 @@ from mlxkv.server.tools import (
 )
 
 
+def has_images(messages: list[dict], uuids: dict | None) -> bool:
+    """Whether chat messages (dicts) hold ``image_url`` parts, or the body names images."""
+    return bool(uuids) or any(isinstance(p, dict) and p.get("type") == "image_url" for m in messages
+                              for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
+
+
 def take_openai_images(vision: Any, messages: list[dict], uuids: dict | None) -> Any:
-    """The ``image_url`` parts of chat messages (dicts, each part left as its marker text), or None without any.
+    """The ``image_url`` parts of chat messages (dicts, each part left as its marker text), decoded.
 
     Raises:
         APIError: 400 for a bad image, or images given to a model that takes none.
     """
-    has_images = any(isinstance(p, dict) and p.get("type") == "image_url"
-                     for m in messages for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
-    if not has_images and not uuids:
-        return None
     from mlxkv.vision.images import ImageError
     from mlxkv.vision.inputs import VisionInputs
     from mlxkv.vision.support import VisionUnavailable
@@ -208,7 +210,10 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         try:
             use_tools = tools_in_use(tools, tool_choice)
             dumped = [m.model_dump(exclude_none=True) for m in body.messages]
-            images = take_openai_images(vision, dumped, body.multi_modal_uuids)
+            images = None
+            if has_images(dumped, body.multi_modal_uuids):  # decoded off the event loop
+                images = await prep.lanes.on_worker(lambda: take_openai_images(vision, dumped,
+                                                                               body.multi_modal_uuids))
             messages = to_template_messages(dumped)
         except ToolRequestError as exc:
             raise tool_error(exc) from None
