@@ -255,3 +255,29 @@ def test_too_many_too_large_and_mismatched_uuids_are_400(vlm_dir, srv):
         with pytest.raises(openai.BadRequestError, match="over the limit of 100"):
             openai_client(small.url).chat.completions.create(model="m", max_tokens=2,
                                                              messages=[{"role": "user", "content": parts(1)}])
+
+
+@pytest.mark.slow  # a `mlxkv chat` process importing mlx-vlm: ~10 s on 2 cores
+def test_chat_image_command_answers_as_serve_and_reuses_the_image(vlm_dir, srv, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(6))
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    lines = "\n".join([f"/image {tmp_path / 'bad.png'}", f"/image {picture}", "Describe it.", "/stats",
+                       "And its colour?", "/stats", "/save s", "/exit"]) + "\n"
+    env = {**os.environ, "PYTHONPATH": str(root), "MLXKV_SESSIONS_DIR": str(tmp_path / "sessions"), "COLUMNS": "300"}
+    done = subprocess.run([sys.executable, "-m", "mlxkv", "chat", "-m", str(vlm_dir), "-n", "8"], input=lines,
+                          capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first == ask(srv, png(6), "Describe it.", max_tokens=8)[0]
+    assert "error: the image data is not an image" in done.stderr
+    cached = [int(line.split(" cached")[0].rsplit(", ", 1)[1]) for line in done.stderr.splitlines()
+              if line.startswith("last turn:")]
+    assert cached[0] == 0 and cached[1] > 16  # the second message reuses the image's tokens
+    assert "error: a conversation holding images cannot be saved" in done.stderr

@@ -195,11 +195,11 @@ class Preparation:
             APIError: 400 when the model takes no images or the prompt's image markers do not match the images.
         """
         from mlxkv.vision.images import ImageError
-        from mlxkv.vision.support import VisionUnavailable
+        from mlxkv.vision.support import TEXT_ONLY, VisionUnavailable
 
         try:
             if self.vision is None:
-                raise VisionUnavailable("this model reads text only: it takes no images")
+                raise VisionUnavailable(TEXT_ONLY)
             return await self.lanes.on_worker(lambda: self.vision.expand(prompt, source.images))
         except (ImageError, VisionUnavailable) as exc:
             raise APIError(400, str(exc), "invalid_image", source.param) from None

@@ -33,10 +33,11 @@ def vision_inputs(loaded: Any, limits: Any = None) -> Any:
     vision-language model and mlx-vlm is installed, else why it refuses images."""
     from mlxkv.vision.images import ImageLimits
     from mlxkv.vision.inputs import VisionInputs
+    from mlxkv.vision.support import TEXT_ONLY
 
     limits = limits or ImageLimits()
     if loaded.is_gguf:
-        return VisionInputs(None, "this model reads text only: it takes no images", limits)
+        return VisionInputs(None, TEXT_ONLY, limits)
     return VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from mlxkv.vision.images import (DecodedImage, ImageError, ImageLimits, check_count, check_uuids, decode_base64,
                                  decode_image, read_image_url)
-from mlxkv.vision.support import VisionUnavailable, family_of, mlx_vlm_available, VISION_EXTRA
+from mlxkv.vision.support import TEXT_ONLY, VISION_EXTRA, VisionUnavailable, family_of, mlx_vlm_available
 
 
 @dataclass(slots=True)
@@ -39,7 +39,7 @@ class VisionInputs:
         marker: the text an image becomes in a message (the family's image marker token).
     """
 
-    def __init__(self, encoder: Any = None, problem: str = "this model reads text only: it takes no images",
+    def __init__(self, encoder: Any = None, problem: str = TEXT_ONLY,
                  limits: ImageLimits = ImageLimits(), marker: str = ""):
         self.encoder = encoder
         self.problem = problem
@@ -145,15 +145,17 @@ def _anthropic_bytes(source: Any, limits: ImageLimits) -> bytes:
     raise ImageError("an image block needs source {\"type\": \"base64\", \"media_type\": ..., \"data\": ...}")
 
 
-def images_from_files(paths: Sequence[str], loaded: Any, limits: ImageLimits = ImageLimits()
-                      ) -> tuple[VisionInputs, RequestImages]:
-    """``mlxkv generate --image FILE``'s images for the loaded model (:class:`mlxkv.models.LoadedModel`).
+def images_from_files(paths: Sequence[str], loaded: Any, limits: ImageLimits = ImageLimits(),
+                      vision: VisionInputs | None = None) -> tuple[VisionInputs, RequestImages]:
+    """The images in files ``paths`` (``mlxkv generate --image``, chat's ``/image``) for the loaded model
+    (:class:`mlxkv.models.LoadedModel`), and its image support (``vision`` when given, else loaded now).
 
     Raises:
         ImageError: a file that cannot be read or is not an image; VisionUnavailable: a model that takes none.
     """
-    vision = VisionInputs(None, "this model reads text only: it takes no images", limits) if loaded.is_gguf else \
-        VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
+    if vision is None:
+        vision = VisionInputs(None, TEXT_ONLY, limits) if loaded.is_gguf else \
+            VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
     vision._check()
     check_count(len(paths), limits)
     decoded = []

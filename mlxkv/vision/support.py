@@ -15,6 +15,8 @@ from typing import Any
 
 #: How a user installs image support.
 VISION_EXTRA = 'pip install "mlxkv[vision]"'
+#: Why a text-only model refuses an image.
+TEXT_ONLY = "this model reads text only: it takes no images"
 
 
 class VisionUnavailable(ValueError):
@@ -75,7 +77,7 @@ def family_of(config: dict) -> VisionFamily:
     """
     kind = config.get("model_type")
     if "vision_config" not in config:
-        raise VisionUnavailable(f"this model ({kind}) reads text only: it takes no images")
+        raise VisionUnavailable(f"{TEXT_ONLY} ({kind})")
     if kind == "gemma3":
         text = config.get("text_config", {})
         return VisionFamily(name=kind, marker_id=int(config.get("boi_token_index", 255999)),
