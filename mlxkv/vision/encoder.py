@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxkv.precision import upcast_on_cpu
 from mlxkv.vision.support import VisionFamily, family_of, require_mlx_vlm
 
 #: Image-feature cache budget when none is given (bytes of cached feature arrays).
@@ -95,8 +96,8 @@ class ImageEncoder:
         self.tower = vlm.vision_tower
         self.projector = vlm.multi_modal_projector
         # the language model's weights stay unread (lazy): mlx-lm's copy runs the text
-        self.tower.set_dtype(mx.float32)  # as mlxkv runs the language model on the CPU backend
-        self.projector.set_dtype(mx.float32)
+        upcast_on_cpu(self.tower)  # float32 on the CPU backend, as the language model runs there
+        upcast_on_cpu(self.projector)
         mx.eval(self.tower.parameters(), self.projector.parameters())
         self.processor = AutoImageProcessor.from_pretrained(str(path))
         self.cache = FeatureCache(cache_bytes)
