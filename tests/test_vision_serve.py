@@ -86,6 +86,8 @@ def test_second_question_reuses_the_image_and_answers_as_without_reuse(srv):
     assert ask(srv, png(0, poke=True), "What colour is it?")[2] < 16  # one changed pixel misses
     assert ask(srv, image, "What colour is it?", uuid="photo-1")[2] < 16  # a UUID keys another entry
     assert ask(srv, image, "What colour is it?", uuid="photo-1")[2] >= 16
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert f"mlxkv_image_tokens_cached_total {float(vision_stats(srv)['image_tokens_cached'])}" in metrics
     events = httpx.get(srv.url + "/v1/cache/events").json()["events"]
     labels = {label for e in events for label in e.get("images", ())}
     assert "photo-1" in labels and image_hash(image) in labels and image_hash(png(0, poke=True)) in labels
