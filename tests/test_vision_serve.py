@@ -132,20 +132,6 @@ def test_bad_images_are_400(srv, url, message):
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
 
 
-def test_text_only_model_refuses_an_image(served):
-    import anthropic
-    import openai
-
-    with pytest.raises(openai.BadRequestError, match="reads text only"):
-        openai_client(served().url).chat.completions.create(
-            model="m", max_tokens=2,
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png())}}]}])
-    with pytest.raises(anthropic.BadRequestError, match="reads text only"):
-        anthropic_client(served().url).messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": base64.b64encode(png()).decode()}}]}])
-
-
 def test_generate_image_answers_as_serve(vlm_dir, srv, tmp_path):
     from typer.testing import CliRunner
 
@@ -197,22 +183,13 @@ def test_serve_refuses_an_allowed_image_dir_that_is_not_a_folder(tmp_path):
     assert result.exit_code != 0 and "is not a folder" in result.output
 
 
-def test_without_mlx_vlm_images_name_the_extra_and_text_runs(vlm_dir, monkeypatch, tmp_path):
-    import openai
+def test_generate_without_mlx_vlm_names_the_extra(vlm_dir, monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     import mlxkv.vision.inputs
     from mlxkv.cli.main import app
 
     monkeypatch.setattr(mlxkv.vision.inputs, "mlx_vlm_available", lambda: False)
-    with _server(vlm_dir) as bare:
-        client = openai_client(bare.url)
-        with pytest.raises(openai.BadRequestError, match=r'pip install "mlxkv\[vision\]"'):
-            client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_url(png())}}]}])
-        text = client.chat.completions.create(model="m", max_tokens=6, temperature=0,
-                                              messages=[{"role": "user", "content": "Hello there"}])
-        assert text.choices[0].message.content and "vision" not in bare.parts.engine.stats()
     picture = tmp_path / "p.png"
     picture.write_bytes(png())
     result = CliRunner().invoke(app, ["generate", "-m", str(vlm_dir), "--chat", "--image", str(picture), "Hi"])

@@ -141,3 +141,21 @@ def write_gemma3_vlm(out_dir: str | Path, seed: int = 0, **sizes: Any) -> Path:
     write_vision_tokenizer(out)
     (out / "preprocessor_config.json").write_text(json.dumps(image_processor_config(image_size), indent=2) + "\n")
     return out
+
+
+def write_gemma3_language_only(out_dir: str | Path, seed: int = 0) -> Path:
+    """A Gemma 3 VLM folder built without mlx-vlm: its config (vision_config included) and the language model's
+    weights only (mlx-lm's ``gemma3``), as a user without the vision extra loads it; its text answers are those of
+    any gemma3 checkpoint."""
+    from testkit.archs import build_from_config
+
+    config = gemma3_config()
+    text_args = {"model_type": "gemma3", "vocab_size": TEST_VOCAB_SIZE, "text_config": dict(config["text_config"])}
+    model, _ = build_from_config(text_args, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_vision_tokenizer(out)
+    return out
