@@ -120,6 +120,9 @@ class ImageEncoder:
         x = mx.array(pixels).transpose(0, 2, 3, 1)  # (1, H, W, C): MLX convolutions are channels-last
         hidden, _, _ = self.tower(x, output_hidden_states=True)  # (1, patches, vision hidden)
         rows = self.family.project(self.projector, hidden)[0]  # (tokens_per_image, hidden)
+        if rows.shape[0] != self.tokens_per_image:
+            raise ValueError(f"the vision tower gave {rows.shape[0]} rows for an image of {self.tokens_per_image} "
+                             "tokens (config.json's mm_tokens_per_image and vision_config disagree)")
         mx.eval(rows)
         self.cache.put(content_hash, rows)
         return rows
