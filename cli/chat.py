@@ -31,6 +31,7 @@ HELP = """commands:
   /history         the conversation so far (shown on --resume too)
   /undo            drop the last message and its answer
   /retry           answer the last message again (with --temp above 0, a new draw)
+  /image FILE      attach an image to your next message (a vision-language model; pip install "mlxkv[vision]")
   /set             show the sampling settings; /set NAME VALUE changes one (temp, top-p, top-k, min-p,
                    max-tokens, repetition-penalty, seed; stop TEXT, or stop none)
   /exit, /quit     leave (Ctrl-D too); Ctrl-C stops an answer, or its prefill
@@ -129,7 +130,7 @@ def chat(
                               kv_group_size=kv_group_size, overflow=overflow,
                               template_kwargs=sampling.chat_template_kwargs)
         shown = f"{loaded.name} with adapter {adapter_path}" if adapter_path is not None else loaded.name
-        repl = _Repl(console, session, params, folder, fingerprint_of(loaded), shown)
+        repl = _Repl(console, session, params, folder, fingerprint_of(loaded), shown, loaded=loaded)
         if resume is not None:
             load_session(session, folder, resume, repl.fingerprint)
             if system is not None:
@@ -180,14 +181,17 @@ MULTILINE = '"""'
 class _Repl:
     """The read-answer loop and its commands over one :class:`mlxkv.chat.ChatSession`."""
 
-    def __init__(self, console: Any, session: Any, params: Any, folder: str, fingerprint: str, model_name: str):
+    def __init__(self, console: Any, session: Any, params: Any, folder: str, fingerprint: str, model_name: str,
+                 loaded: Any = None):
         self.console, self.session, self.params = console, session, params
+        self.loaded = loaded  # the model (its folder and config: /image loads its vision tower)
+        self.vision: Any = None
         self.folder, self.fingerprint, self.model_name = folder, fingerprint, model_name
         self.verbose = False
         self.commands: dict[str, Callable[[str], None]] = {
             "/help": lambda _: self.say(HELP), "/reset": self.reset, "/system": self.system, "/save": self.save,
             "/load": self.load, "/sessions": self.sessions, "/stats": self.stats, "/undo": self.undo,
-            "/retry": self.retry, "/set": self.set, "/history": self.history,
+            "/retry": self.retry, "/set": self.set, "/history": self.history, "/image": self.image,
         }
 
     def say(self, text: str, style: str | None = None) -> None:
@@ -286,9 +290,26 @@ class _Repl:
         users = [m for m in self.session.messages if m["role"] == "user"]
         if not users:
             raise ValueError("nothing to retry: the conversation has no message yet")
-        text = users[-1]["content"]
+        text, images = users[-1]["content"], self.session.images_of(users[-1])
         del self.session.messages[self.session.messages.index(users[-1]):]
+        if images:  # the message again with its images: its text without their markers
+            text = text[len(self.session.image_marker()) * len(images):]
+            self.session.pending_images = [*images, *self.session.pending_images]
         self.answer(text)
+
+    def image(self, path: str) -> None:
+        """Attach the image in file ``path`` to the next message."""
+        from mlxkv.vision.inputs import images_from_files
+        from mlxkv.vision.prompt import prepare_images
+
+        if not path:
+            raise ValueError("/image FILE: name an image file")
+        if self.loaded is None:
+            raise ValueError("images need the model's folder")
+        self.vision, found = images_from_files([path], self.loaded, vision=self.vision)  # the tower loads once
+        encoder = self.vision.encoder
+        self.session.attach_image(encoder, *prepare_images(encoder, found.decoded, found.uuids))
+        self.say(f"image {path} attached to your next message", "dim")
 
     #: ``/set`` names -> SamplingParams fields and their parsers.
     SETTINGS = {"temp": ("temp", float), "top-p": ("top_p", float), "top-k": ("top_k", int),
@@ -341,6 +362,9 @@ class _Repl:
 
     def save(self, name: str) -> None:
         from mlxkv.chat import save_session
+
+        if self.session.holds_images:
+            raise ValueError("a conversation holding images cannot be saved (sessions store text only): /reset first")
 
         path = save_session(self.session, self.folder, name, self.fingerprint, self.model_name)
         self.say(f"saved session {name} ({self.session.context_tokens} tokens) to {path}")

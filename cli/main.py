@@ -154,6 +154,9 @@ def generate(
                                      help="Constrain the output to a JSON object."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
+    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE",
+                                              help="An image the prompt asks about (repeatable; a vision-language "
+                                                   "model, with the vision extra: pip install \"mlxkv[vision]\")."),
     verbose: bool = options.VERBOSE,
     distributed: str = options.DISTRIBUTED,
 ) -> None:
@@ -180,6 +183,8 @@ def generate(
     if structured and (draft_model or prompt_lookup):
         _fail("structured output (--json, --json-schema) does not work with speculative decoding "
               "(--draft-model, --prompt-lookup)", verbose)
+    if image and (draft_model or prompt_lookup or raw or distributed != "off"):
+        _fail("--image works with the chat template on one process, without speculative decoding", verbose)
     if logprobs is not None and (draft_model or prompt_lookup):
         _fail("--logprobs does not work with speculative decoding (--draft-model, --prompt-lookup)", verbose)
     try:
@@ -244,8 +249,16 @@ def generate(
         refuse_useless_dequantize(loaded, dequantize)
         add_extra_eos(loaded.tokenizer, extra_eos_token)
         _quiet_length_warning(loaded.tokenizer)
+        media: tuple = ()
+        if image:
+            from mlxkv.vision.inputs import images_from_files
+
+            vision, request_images = images_from_files(image, loaded)
+            text = vision.marker * len(image) + text  # the images, then the question
         tokens = encode_prompt(loaded.tokenizer, text, system=system, chat=True if chat else False if raw else None,
                                template_kwargs=sampling.chat_template_kwargs)
+        if image:
+            tokens, media = vision.expand(tokens, request_images)
         primer = response_primer(loaded.tokenizer, prefill_response, raw=raw)
         tokens += primer
         _check_context(loaded, len(tokens), max_tokens)
@@ -255,6 +268,8 @@ def generate(
             raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
         output, finish, probabilities = [], None, []
         extra = {"logprobs": logprobs} if logprobs is not None else {}
+        if media:
+            extra["media"] = media
         with StopOnCtrlC() as stopped:
             try:
                 # Distributed ranks must run the same forwards: no rank stops or sizes its chunks on its own.

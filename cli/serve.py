@@ -75,6 +75,9 @@ def serve(
     allowed_origins: Optional[list[str]] = typer.Option(None, "--allowed-origins", rich_help_panel=SERVER_PANEL,
                                                         help="CORS: origins browsers may call from (repeatable or "
                                                              "comma-separated; * for any; default: no CORS)."),
+    allowed_image_dir: Optional[list[str]] = typer.Option(
+        None, "--allowed-image-dir", metavar="DIR", rich_help_panel=SERVER_PANEL,
+        help="A folder whose images requests may name as file:// URLs (repeatable; default: none, data URLs only)."),
     max_sequences: int = typer.Option(8, "--max-sequences", min=1, rich_help_panel=SERVER_PANEL,
                                       help="Most sequences decoding at once."),
     max_queue_depth: int = typer.Option(64, "--max-queue-depth", min=1, rich_help_panel=SERVER_PANEL,
@@ -206,6 +209,10 @@ def serve(
         origins = parse_origins(allowed_origins)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--allowed-origins") from None
+    image_dirs = tuple(Path(d).expanduser() for d in allowed_image_dir or ())
+    for folder in image_dirs:
+        if not folder.is_dir():
+            raise typer.BadParameter(f"{folder} is not a folder", param_hint="--allowed-image-dir")
     try:
         from mlxkv.server.tenancy import Tenants
 
@@ -256,6 +263,7 @@ def serve(
         from mlxkv.server.responses_api import StoreConfig
         from mlxkv.server.runner import build, set_switch_interval
         from mlxkv.server.shutdown import serve_until_signalled
+        from mlxkv.vision.images import ImageLimits
     except ImportError as exc:
         sock.close()
         typer.echo(f"error: the server needs its extras (pip install 'mlxkv[serve]'): {exc}", err=True)
@@ -269,7 +277,8 @@ def serve(
                            keepalive_s=sse_keepalive_s, max_client_priority=max_client_priority, ui=not no_ui,
                            admin_key=admin_key, flush_timeout_s=kv_disk_flush_timeout, metrics_key=metrics_key,
                            responses=StoreConfig(max_responses=responses_max, ttl_s=responses_ttl,
-                                                 kv_budget_bytes=responses_kv_budget))
+                                                 kv_budget_bytes=responses_kv_budget),
+                           image_limits=ImageLimits(allowed_dirs=image_dirs))
         leader = None
         if group is not None:
             from mlxkv.distributed.leader import Leader

@@ -93,6 +93,9 @@ class ChatSession:
         self.messages: list[Message] = []
         self.tokens: list[int] = []  # the tokens whose K/V the caches hold, in order
         self.sequence = pool.open()  # the conversation's cache, continued by every turn
+        self.pending_images: list = []  # attached (/image) to the next user message: mlxkv.vision PreparedImage
+        self._images: dict[int, tuple[Message, tuple]] = {}  # id(user message) -> (it, its images)
+        self._vision: Any = None  # the encoder of the images (mlxkv.vision.encoder.ImageEncoder)
         self.last = TurnStats()
         self.reset(system)
 
@@ -101,6 +104,7 @@ class ChatSession:
         """Start a new conversation (with ``system`` as its system message); the cache is emptied (its buffers
         stay allocated for the next turn)."""
         self.messages = [{"role": "system", "content": system}] if system else []
+        self.pending_images, self._images = [], {}
         self._trim_to(0)
 
     @property
@@ -144,9 +148,41 @@ class ChatSession:
         return sum(int(getattr(c, "nbytes", 0) or 0) for c in each_layer_cache(self.caches))
 
     def render(self, messages: Sequence[Message]) -> list[int]:
-        """The prompt tokens of ``messages`` (the template's rendering, with the generation prompt)."""
-        return list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                       **self.template_kwargs))
+        """The prompt tokens of ``messages`` (the template's rendering, with the generation prompt; each image's
+        marker followed by its placeholder tokens)."""
+        return self._prompt(messages)[0]
+
+    def _prompt(self, messages: Sequence[Message]) -> tuple[list[int], tuple]:
+        """The prompt tokens of ``messages`` and the spans of the images they hold."""
+        ids = list(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                      **self.template_kwargs))
+        images = [image for m in messages for image in self._images.get(id(m), (None, ()))[1]]
+        if not images:
+            return ids, ()
+        from mlxkv.vision.prompt import expand_images
+
+        return expand_images(ids, images, self._vision)
+
+    # -- images ---------------------------------------------------------------------------------------------
+    def attach_image(self, encoder: Any, image: Any) -> None:
+        """Attach ``image`` (a :class:`mlxkv.vision.prompt.PreparedImage` of ``encoder``) to the next message."""
+        self._vision = encoder
+        self.pending_images.append(image)
+
+    def images_of(self, message: Message) -> tuple:
+        """The images a message of the conversation holds."""
+        return self._images.get(id(message), (None, ()))[1]
+
+    @property
+    def holds_images(self) -> bool:
+        """Whether the conversation (or the next message) holds an image."""
+        return bool(self.pending_images) or any(id(m) in self._images for m in self.messages)
+
+    def image_marker(self) -> str:
+        """The text an image becomes in a message (the image family's marker token)."""
+        if self._vision is None:
+            return ""
+        return self.tokenizer.convert_ids_to_tokens(self._vision.family.marker_id)
 
     # -- a turn ---------------------------------------------------------------------------------------------
     def turn(self, text: str, params: SamplingParams, *, stop_requested: Callable[[], bool] = lambda: False
@@ -163,22 +199,32 @@ class ChatSession:
         """
         if not text.strip():
             raise ValueError("the message is empty")
-        candidate = [*self.messages, {"role": "user", "content": text}]
-        limit = self.limit
-        if limit is None:
-            messages, prompt, dropped = candidate, self.render(candidate), 0
-        else:
-            messages, prompt, dropped = fit_conversation(candidate, self.render, limit, params.max_tokens)
-            if len(prompt) >= limit:
-                raise ValueError(f"the message is too long: the conversation needs {len(prompt)} tokens and the "
-                                 f"context holds {limit} (--max-kv-size or the model's limit)")
+        images, self.pending_images = tuple(self.pending_images), []
+        message = {"role": "user", "content": self.image_marker() * len(images) + text}
+        candidate = [*self.messages, message]
+        if images:
+            self._images[id(message)] = (message, images)
+        try:
+            limit = self.limit
+            if limit is None:
+                messages, prompt, dropped = candidate, self.render(candidate), 0
+            else:
+                messages, prompt, dropped = fit_conversation(candidate, self.render, limit, params.max_tokens)
+                if len(prompt) >= limit:
+                    raise ValueError(f"the message is too long: the conversation needs {len(prompt)} tokens and "
+                                     f"the context holds {limit} (--max-kv-size or the model's limit)")
+            media = self._prompt(messages)[1] if self._images else ()
+        except Exception:
+            self._images.pop(id(message), None)
+            self.pending_images = list(images)
+            raise
         max_new = params.max_tokens if limit is None else min(params.max_tokens, limit - len(prompt))
         stats = self.last = TurnStats(prompt_tokens=len(prompt), dropped_turns=dropped)
         previous, self.messages = self.messages, messages
         pieces: list[str] = []
         failed = False
         try:
-            for piece in self._on_engine(prompt, params, max_new, stats, stop_requested):
+            for piece in self._on_engine(prompt, params, max_new, stats, stop_requested, media):
                 pieces.append(piece)
                 yield piece
         except PrefillStopped:  # nothing was answered: the message is not part of the conversation
@@ -187,18 +233,23 @@ class ChatSession:
             failed, self.messages = True, previous
             raise
         finally:
+            if failed:  # its images wait for the next message
+                self._images.pop(id(message), None)
+                self.pending_images = list(images)
             if not failed:
                 self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
     def _on_engine(self, prompt: list[int], params: SamplingParams, max_new: int, stats: TurnStats,
-                   stop_requested: Callable[[], bool]) -> Iterator[str]:
+                   stop_requested: Callable[[], bool], media: tuple = ()) -> Iterator[str]:
         """The turn's request on the engine: it continues the conversation's sequence, trimmed back to the prompt's
-        common prefix with what it holds, so only the rest of the prompt is prefilled."""
+        common prefix with what it holds, so only the rest of the prompt is prefilled (``media``: the prompt's
+        images, by position)."""
         self._trim_to(plan_turn(self.tokens, prompt).keep)
         request = dataclasses.replace(params, max_tokens=max_new, stop=())  # stop strings: the stream below
         stream = TextStream(self.tokenizer, params.stop, max_new)
         start = time.perf_counter()
-        tokens = self.engine.generate_tokens(prompt, request, should_stop=stop_requested, sequence=self.sequence)
+        tokens = self.engine.generate_tokens(prompt, request, should_stop=stop_requested, sequence=self.sequence,
+                                             media=media)
         shown: list[int] = []
         emitted: list[str] = []  # the text yielded so far
         try:

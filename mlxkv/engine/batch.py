@@ -92,6 +92,7 @@ class BatchEngine:
         self._running = False
         self._batched_reason = "not probed yet"
         self._batched_prefill_reason = "not probed yet"
+        self.vision: Any = None  # the served model's image support (mlxkv.vision.inputs.VisionInputs): its stats
         self._snapshot: dict = {}
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -397,5 +398,8 @@ class BatchEngine:
             **{f"{k}_total" if k not in ("max_batch", "preemptions", "prefix_queries", "prefix_hits") else k: v
                for k, v in totals.items() if k not in ("preemptions", "prefix_queries", "prefix_hits")},
         }
+        if self.vision is not None and self.vision.available:
+            snap["vision"] = {**self.vision.stats(), "image_tokens": totals["image_tokens"],
+                              "image_tokens_cached": totals["image_tokens_cached"]}
         with self._lock:
             self._snapshot = snap

@@ -97,7 +97,7 @@ class DirectEngine:
                         logits_processors: Seq[LogitsProcessor] = (),
                         response_format: ResponseFormat | None = None,
                         should_stop: Callable[[], bool] | None = None, logprobs: int | None = None,
-                        sequence: Sequence | None = None) -> Iterator[int]:
+                        sequence: Sequence | None = None, media: Seq[Any] = ()) -> Iterator[int]:
         """Yield generated token ids (EOS included when produced), up to ``params.max_tokens``; stop strings are
         left to the caller (:meth:`generate` applies them). With ``logprobs`` (0-20), each token's log-probability
         and that many alternatives are appended to :attr:`last_logprobs` as it is yielded.
@@ -128,7 +128,8 @@ class DirectEngine:
         salt = salt.hex() if isinstance(salt, bytes) else salt
         request = GenerationRequest(prompt=list(prompt), params=dataclasses.replace(params, stop=()),
                                     cache_salt=salt or None, response_format=response_format,
-                                    logits_processors=tuple(logits_processors), logprobs=logprobs)
+                                    logits_processors=tuple(logits_processors), logprobs=logprobs,
+                                    media=tuple(media))
         self.last_logprobs = []
         for event in self._run(request, should_stop, sequence):
             if event.kind == "token":
@@ -196,20 +197,24 @@ class DirectEngine:
                  logits_processors: Seq[LogitsProcessor] = (),
                  response_format: ResponseFormat | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 logprobs: int | None = None, primer: Seq[int] = ()) -> Iterator[GenerationChunk]:
+                 logprobs: int | None = None, primer: Seq[int] = (), media: Seq[Any] = ()
+                 ) -> Iterator[GenerationChunk]:
         """Stream text for ``prompt``; stops on EOS, on a stop string, after ``max_tokens``, or when
         ``should_stop`` turns true (checked between engine steps and before each token is shown).
 
         The final chunk carries ``finish_reason``; stop strings are never emitted, even in part.
         ``logits_processors``, ``response_format``, ``logprobs``: as in :meth:`generate_tokens` (each chunk then
         carries its token's log-probability). ``primer``: the prompt's last tokens, a response the caller
-        prefilled and has shown already: the text continues theirs.
+        prefilled and has shown already: the text continues theirs. ``media``: the prompt's images
+        (:class:`mlxkv.vision.spans.ImageSpan`).
         """
         stream = TextStream(self.tokenizer, params.stop, params.max_tokens)
         stream.prime(primer)
         extra: dict[str, Any] = {"response_format": response_format} if response_format is not None else {}
         if logprobs is not None:
             extra["logprobs"] = logprobs
+        if media:
+            extra["media"] = media
         tokens = self.generate_tokens(prompt, params, logits_processors=logits_processors, should_stop=should_stop,
                                       **extra)
         try:

@@ -13,6 +13,7 @@ from mlxkv.engine.request import GenerationRequest, RequestHandle, RetentionSpec
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.kv import CacheRequest, RetentionConfig, Sequence
 from mlxkv.structured.constraint import TokenConstraint
+from mlxkv.vision.spans import hash_spans
 
 
 class EngineObserver:
@@ -115,10 +116,11 @@ def retention_config(spec: RetentionSpec | None) -> RetentionConfig | None:
 
 
 def cache_request(request: GenerationRequest) -> CacheRequest:
-    """What ``request`` asks of the KV cache, whole: its salt and per-range salts, snapshot marks, retention, the
-    preemption rank its ``priority`` gives (lower values are admitted first and preempted last) and its overflow
-    policy."""
+    """What ``request`` asks of the KV cache, whole: its salt and per-range salts, its images' keys, snapshot marks,
+    retention, the preemption rank its ``priority`` gives (lower values are admitted first and preempted last) and its
+    overflow policy."""
     return CacheRequest(salt=request.cache_salt,
-                        spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges),
+                        spans=tuple((s, e, ("salt", k)) for s, e, k in request.cache_salt_ranges)
+                        + hash_spans(request.media),
                         snapshot_at=request.snapshot_at, retention=retention_config(request.retention),
                         preemption_rank=-request.priority, overflow=request.kv_overflow)

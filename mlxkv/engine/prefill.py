@@ -23,12 +23,13 @@ measured yet. ``MLXKV_FORCE_PADDED_PREFILL=1`` turns it on where supported;
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from mlxkv import env
 from mlxkv.kv import cache_arrays, can_drop_tokens, each_layer_cache
+from mlxkv.vision.spans import chunk_embeddings
 
 #: Pad the last chunk to a multiple of this many tokens.
 PAD_TILE = 32
@@ -65,7 +66,7 @@ def padded_prefill_enabled(model: Any, caches: list) -> bool:
 
 
 def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048, seq: Any = None,
-            start: int = 0, should_stop: Callable[[], bool] | None = None) -> mx.array:
+            start: int = 0, should_stop: Callable[[], bool] | None = None, media: Sequence[Any] = ()) -> mx.array:
     """Run the prompt ``tokens`` (1-D) through ``model``, filling ``caches``.
 
     Args:
@@ -78,6 +79,8 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048, s
             after each; ``start``: the sequence position of ``tokens[0]`` (its cached prefix).
         should_stop: checked before each chunk; chunks are then sized to take about
             :data:`INTERRUPTIBLE_CHUNK_SECONDS` each (at most ``step_size``), so a stop is seen quickly.
+        media: the prompt's images (:class:`mlxkv.vision.spans.ImageSpan`, positions in the sequence, so
+            ``start`` matters): chunks holding their placeholders go in as input embeddings.
 
     Returns:
         The last prompt token's logits, shape ``(vocab,)``.
@@ -108,7 +111,7 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048, s
         pad = -real % PAD_TILE if final and pad_enabled else 0
         if pad:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], pad)])  # (L + pad,) any valid id will do
-        out = model(chunk[None], cache=caches)  # (1, L + pad, vocab)
+        out = _forward(model, chunk, caches, start + pos, media)  # (1, L + pad, vocab)
         for c in each_layer_cache(caches) if pad else ():
             removed = c.trim(pad)
             assert removed == pad, f"{type(c).__name__} dropped {removed} of {pad} pad tokens"
@@ -122,5 +125,14 @@ def prefill(model: Any, caches: list, tokens: mx.array, step_size: int = 2048, s
             want = max(1, min(step_size, int(rate * INTERRUPTIBLE_CHUNK_SECONDS)))
     if should_stop is not None and should_stop():
         raise PrefillStopped(pos)
-    logits = model(tokens[-1:][None], cache=caches)  # (1, 1, vocab)
+    logits = _forward(model, tokens[-1:], caches, start + body.size, media)  # (1, 1, vocab)
     return logits[0, -1]  # (vocab,)
+
+
+def _forward(model: Any, chunk: mx.array, caches: list, at: int, media: Sequence[Any]) -> mx.array:
+    """``chunk`` ``(L,)`` at sequence position ``at`` through ``model``: as input embeddings where it holds image
+    placeholders, else as token ids."""
+    embeddings = chunk_embeddings(model, chunk, at, media) if media else None  # (1, L, hidden)
+    if embeddings is None:
+        return model(chunk[None], cache=caches)
+    return model(chunk[None], cache=caches, input_embeddings=embeddings)

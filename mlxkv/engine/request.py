@@ -109,6 +109,9 @@ class GenerationRequest:
             so prompts sharing those messages (a system prompt) resume there. Ignored by other models.
         logits_processors: mlx-lm logits processors applied to every choice after the penalties and logit bias of
             ``params`` (callers inside the process: ``mlxkv generate``; the HTTP routes never set them).
+        media: the images in the prompt (:class:`mlxkv.vision.spans.ImageSpan`): their placeholder tokens prefill
+            with the images' features as input embeddings, and their keys enter the hashes of the blocks holding
+            them and of every later block.
         kv_overflow: this request's per-sequence KV budget policy (a :class:`mlxkv.config.KvOverflowConfig`;
             ``None``: the engine's pool default, ``mlxkv serve --kv-overflow``); every choice gets it.
         request_id: identifies the request in logs and events.
@@ -126,6 +129,7 @@ class GenerationRequest:
     snapshot_at: tuple[int, ...] = ()
     kv_overflow: Any = None
     logits_processors: tuple = ()
+    media: tuple = ()
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:
@@ -141,6 +145,8 @@ class GenerationRequest:
                                  f"inside the {len(self.prompt)}-token prompt with a non-empty salt")
         if any(not (isinstance(p, int) and 0 < p <= len(self.prompt)) for p in self.snapshot_at):
             raise ValueError(f"snapshot_at: positions must be in [1, {len(self.prompt)}], got {self.snapshot_at}")
+        if any(not 0 <= m.start < m.end <= len(self.prompt) for m in self.media):
+            raise ValueError(f"media: every image span must lie inside the {len(self.prompt)}-token prompt")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

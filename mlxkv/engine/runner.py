@@ -17,6 +17,12 @@ from mlxkv.engine.plan import StepOutput, StepPlan
 from mlxkv.engine.prefill_batch import prefill_together
 from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
 from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
+from mlxkv.vision.spans import ImageSpan, chunk_embeddings, overlapping
+
+
+def _has_images(chunk: Any) -> bool:
+    """Whether a prefill chunk holds image placeholders (it runs alone: its input is embeddings)."""
+    return bool(overlapping(chunk.task.job.request.media, chunk.start, chunk.end))
 
 
 class ModelRunner:
@@ -42,11 +48,12 @@ class ModelRunner:
         masks computed once the forward is queued). A failed forward is returned as ``error``, not raised."""
         out = StepOutput()
         try:
-            if plan.together:
+            if plan.together and not any(_has_images(c) for c in plan.prefills):
                 last = self.prefill_together([c.task.seq for c in plan.prefills], [c.tokens for c in plan.prefills])
                 out.prefill_logits = [last[b : b + 1] if c.want_logits else None for b, c in enumerate(plan.prefills)]
             elif plan.prefills:
-                out.prefill_logits = [self.prefill(c.task.seq, c.tokens, c.want_logits) for c in plan.prefills]
+                out.prefill_logits = [self.prefill(c.task.seq, c.tokens, c.want_logits, c.task.job.request.media,
+                                                   c.start) for c in plan.prefills]
             elif plan.decode:
                 logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs)  # (B, vocab)
                 masks = plan.masks(logits) if plan.masks is not None else None
@@ -55,11 +62,18 @@ class ModelRunner:
             out.error = exc
         return out
 
-    def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool) -> mx.array | None:
+    def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool, media: Sequence[ImageSpan] = (),
+                start: int = 0) -> mx.array | None:
         """``tokens`` through the model into ``seq``'s caches, evaluated; the last position's logits
-        ``(1, vocab)`` when ``want_logits`` (a request's first token is sampled from them), else None."""
+        ``(1, vocab)`` when ``want_logits`` (a request's first token is sampled from them), else None. ``media``:
+        the prompt's images, ``start``: the prompt position of ``tokens[0]``; image placeholders in the chunk go in
+        as their image's features (input embeddings)."""
         chunk = mx.array(list(tokens), dtype=mx.uint32)
-        logits = self.model(chunk[None], cache=seq.caches)  # (1, n, vocab)
+        embeddings = chunk_embeddings(self.model, chunk, start, media) if media else None  # (1, n, hidden)
+        if embeddings is None:
+            logits = self.model(chunk[None], cache=seq.caches)  # (1, n, vocab)
+        else:
+            logits = self.model(chunk[None], cache=seq.caches, input_embeddings=embeddings)
         last = logits[:, -1, :] if want_logits else None
         # a pipeline-parallel rank's caches do not need the hidden state it sends on: its outputs do
         outputs = [logits] if getattr(self.model, "eval_outputs", False) else [last] if last is not None else []

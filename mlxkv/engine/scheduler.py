@@ -35,6 +35,7 @@ from mlxkv.engine.request import Event
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.engine.runner import ModelRunner
 from mlxkv.kv import CachePool, Sequence
+from mlxkv.vision.spans import image_tokens_before
 
 __all__ = ["MAX_BATCHED_CHUNK", "Choice", "EngineObserver", "Job", "Prefill", "PrefillChunk", "Scheduler", "StepOutput",
            "StepPlan"]
@@ -91,7 +92,8 @@ class Scheduler:
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
-                           batched_prefills=0, prefills_joined_decode=0)
+                           batched_prefills=0, prefills_joined_decode=0, image_tokens=0,
+                           image_tokens_cached=0)
         self.runner = runner if runner is not None else ModelRunner(model, batched=batched,
                                                                     batched_prefill=batched_prefill, totals=self.totals)
         self.decode_loop = DecodeLoop()
@@ -293,6 +295,8 @@ class Scheduler:
                 job.queried, job.cached_tokens = True, task.done
                 self.totals["prefix_queries"] += len(request.prompt)
                 self.totals["prefix_hits"] += task.done
+                self.totals["image_tokens"] += image_tokens_before(request.media, len(request.prompt))
+                self.totals["image_tokens_cached"] += image_tokens_before(request.media, task.done)
         except Exception as exc:  # noqa: BLE001 - fail this request, not the engine
             self._fail(job, exc)
             return False

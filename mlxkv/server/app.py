@@ -62,6 +62,28 @@ from mlxkv.server.tools import (
 )
 
 
+def has_images(messages: list[dict], uuids: dict | None) -> bool:
+    """Whether chat messages (dicts) hold ``image_url`` parts, or the body names images."""
+    return bool(uuids) or any(isinstance(p, dict) and p.get("type") == "image_url" for m in messages
+                              for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
+
+
+def take_openai_images(vision: Any, messages: list[dict], uuids: dict | None) -> Any:
+    """The ``image_url`` parts of chat messages (dicts, each part left as its marker text), decoded.
+
+    Raises:
+        APIError: 400 for a bad image, or images given to a model that takes none.
+    """
+    from mlxkv.vision.images import ImageError
+    from mlxkv.vision.inputs import VisionInputs
+    from mlxkv.vision.support import VisionUnavailable
+
+    try:
+        return (vision or VisionInputs()).take_openai(messages, (uuids or {}).get("image"))
+    except (ImageError, VisionUnavailable) as exc:
+        raise APIError(400, str(exc), "invalid_image", "messages") from None
+
+
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None,
                ui: bool = True,
@@ -70,7 +92,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
                max_client_priority: int = 100, admin_key: str | None = None,
                flush_timeout_s: float = 10.0, metrics_key: str | None = None, tenants: Tenants | None = None,
                public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               responses: StoreConfig | None = None) -> FastAPI:
+               responses: StoreConfig | None = None, vision: Any = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -95,6 +117,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         body_timeout_s: a request body not whole this many seconds after the request's start gets 408.
         responses: how many ``/v1/responses`` results are stored and how their KV is retained (``None``: the
             defaults of :class:`~mlxkv.server.responses_api.StoreConfig`).
+        vision: the model's image support (:class:`mlxkv.vision.inputs.VisionInputs`; ``None``: text only).
     """
     check_max_client_priority(max_client_priority)
     if metrics_key is not None and not metrics_key:
@@ -107,6 +130,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         raise ValueError("--public-metrics and --metrics-key contradict each other: /metrics is open or needs a key")
     metrics = metrics or ServerMetrics()
     metrics.bind(engine.stats)
+    engine.vision = vision
     defaults = defaults or SamplingDefaults()
     tokenizer = engine.tokenizer
     lanes = TokenizerLanes(tokenizer, engine.context_length)
@@ -171,7 +195,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
 
     # One preparation for every route (preparation.py): tokenizing on the loop or the worker lane, the grammar,
     # message ends and the overflow policy checked against the pool's facts; each route translates its shape only.
-    prep = Preparation(engine, prompts, lanes, vocab, max_client_priority, cost)
+    prep = Preparation(engine, prompts, lanes, vocab, max_client_priority, cost, vision=vision)
 
     @v1.post("/chat/completions")
     @with_body(ChatBody)
@@ -185,7 +209,12 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         tools, tool_choice = body.tool_dicts(), body.tool_choice_value()
         try:
             use_tools = tools_in_use(tools, tool_choice)
-            messages = to_template_messages(m.model_dump(exclude_none=True) for m in body.messages)
+            dumped = [m.model_dump(exclude_none=True) for m in body.messages]
+            images = None
+            if has_images(dumped, body.multi_modal_uuids):  # decoded off the event loop
+                images = await prep.lanes.on_worker(lambda: take_openai_images(vision, dumped,
+                                                                               body.multi_modal_uuids))
+            messages = to_template_messages(dumped)
         except ToolRequestError as exc:
             raise tool_error(exc) from None
         if use_tools and no_tools:
@@ -197,7 +226,7 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
         apply_reasoning_effort(tokenizer, body.reasoning_effort, kwargs, body.chat_template_kwargs)
         if use_tools:
             kwargs["tools"] = render_tools(tools)
-        prepared = await prep.prepare(PromptSource(messages=messages, template_kwargs=kwargs),
+        prepared = await prep.prepare(PromptSource(messages=messages, template_kwargs=kwargs, images=images),
                                       Constraint(fmt, tools if use_tools else None, tool_choice, parallel),
                                       body.kv_overflow, tenant=request_tenant(request), body=body)
         output = ToolOutput(tokenizer, tools, body.n, parallel=parallel, streaming=body.stream) if use_tools else None

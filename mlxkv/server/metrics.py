@@ -48,6 +48,14 @@ _COUNTERS = (
     ("preemptions", "mlxkv_preemptions", "Sequences preempted (paged storage)."),
 )
 
+_VISION_COUNTERS = (
+    ("encoder_cache_hits", "mlxkv_image_feature_cache_hits", "Images whose features came from the cache (the vision "
+                                                             "tower skipped)."),
+    ("encoder_cache_misses", "mlxkv_image_feature_cache_misses", "Images run through the vision tower."),
+    ("image_tokens", "mlxkv_image_tokens", "Image placeholder tokens in admitted prompts."),
+    ("image_tokens_cached", "mlxkv_image_tokens_cached", "Image placeholder tokens found in the prefix cache."),
+)
+
 
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict]):
@@ -79,6 +87,12 @@ class _EngineCollector(Collector):
                                     value=float(snaps.get("count", 0)))
             yield CounterMetricFamily("mlxkv_state_snapshot_hits", "Prefix hits resumed from a recurrent-state "
                                       "snapshot.", value=float(snaps.get("hits", 0)))
+        vision = s.get("vision")
+        if vision:  # a vision-language model (docs/vision.md)
+            for key, name, doc in _VISION_COUNTERS:
+                yield CounterMetricFamily(name, doc, value=float(vision.get(key, 0)))
+            yield GaugeMetricFamily("mlxkv_image_feature_cache_bytes", "Bytes of cached image features.",
+                                    value=float(vision.get("encoder_cache_bytes", 0)))
 
 
 class ServerMetrics(EngineObserver):

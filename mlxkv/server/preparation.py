@@ -68,6 +68,7 @@ class PromptSource:
         text: a completion prompt.
         token_ids: a completion prompt already tokenized.
         param: the request field a problem with the prompt is blamed on.
+        images: the images taken out of ``messages`` (:class:`mlxkv.vision.inputs.RequestImages`), if any.
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -76,6 +77,7 @@ class PromptSource:
     text: str | None = None
     token_ids: list[int] | None = None
     param: str = "messages"
+    images: Any = None  # mlxkv.vision.inputs.RequestImages: the messages' images, each a marker in their text
 
 
 @dataclass(slots=True)
@@ -109,6 +111,7 @@ class Prepared:
         param: the request field an over-long prompt is blamed on.
         cache: the engine request's cache fields (``cache_salt`` and ``cache_salt_ranges`` as the tenant's,
             ``retention``, ``priority``).
+        media: the prompt's images (:class:`mlxkv.vision.spans.ImageSpan`).
     """
 
     prompt: list[int]
@@ -117,6 +120,7 @@ class Prepared:
     overflow: KvOverflowConfig | None = None
     param: str = "messages"
     cache: dict[str, Any] = field(default_factory=dict)
+    media: tuple = ()
 
     def request(self, params: SamplingParams, **fields: Any) -> GenerationRequest:
         """The engine request: these parts, ``params`` and the route's own ``fields`` (``n``, logprobs; a route
@@ -126,7 +130,7 @@ class Prepared:
             ValueError: settings the request refuses.
         """
         return GenerationRequest(self.prompt, params, response_format=self.grammar, snapshot_at=self.snapshot_at,
-                                 kv_overflow=self.overflow, **{**self.cache, **fields})
+                                 kv_overflow=self.overflow, media=self.media, **{**self.cache, **fields})
 
 
 class Preparation:
@@ -143,7 +147,8 @@ class Preparation:
     """
 
     def __init__(self, engine: BatchEngine, prompts: PromptEncoder, lanes: TokenizerLanes, vocab: int | None,
-                 max_client_priority: int = 100, cost: TemplateCost | None = None):
+                 max_client_priority: int = 100, cost: TemplateCost | None = None, vision: Any = None):
+        self.vision = vision  # mlxkv.vision.inputs.VisionInputs, or None: the model's image support
         self.max_client_priority = max_client_priority
         self.cost = cost or TemplateCost()
         self.engine = engine
@@ -171,14 +176,33 @@ class Preparation:
         self.check_chars(source)
         grammar = await self.grammar(constraint) if constraint is not None else None
         prompt = await self.tokens(source, checked=True)
-        ends = await self.message_ends(source, prompt)
+        media: tuple = ()
+        if source.images:
+            prompt, media = await self.images(source, prompt)
+        ends = await self.message_ends(source, prompt) if not media else ()
         overflow = request_overflow(kv_overflow, self.facts)
         salt, ranges = cache_identity(tenant, cache.cache_salt, cache.salt_ranges(len(prompt)), len(prompt))
         # a prompt_cache_key narrows sharing within what the tenant's salts allow, never widens it
         ranges += cache_key_span(getattr(body, "prompt_cache_key", None), len(prompt))
         fields = {"cache_salt": salt, "cache_salt_ranges": ranges, "priority": cache.priority,
                   "retention": cache.retention.to_spec() if cache.retention else None}
-        return Prepared(prompt, grammar, ends, overflow, source.param, fields)
+        return Prepared(prompt, grammar, ends, overflow, source.param, fields, media)
+
+    async def images(self, source: PromptSource, prompt: list[int]) -> tuple[list[int], tuple]:
+        """The prompt with its images' placeholder tokens, and their spans (the image processor on the worker).
+
+        Raises:
+            APIError: 400 when the model takes no images or the prompt's image markers do not match the images.
+        """
+        from mlxkv.vision.images import ImageError
+        from mlxkv.vision.support import TEXT_ONLY, VisionUnavailable
+
+        try:
+            if self.vision is None:
+                raise VisionUnavailable(TEXT_ONLY)
+            return await self.lanes.on_worker(lambda: self.vision.expand(prompt, source.images))
+        except (ImageError, VisionUnavailable) as exc:
+            raise APIError(400, str(exc), "invalid_image", source.param) from None
 
     def check_chars(self, source: PromptSource) -> None:
         """Refuse a prompt whose characters alone cannot fit the context (400 ``context_length_exceeded``): for a

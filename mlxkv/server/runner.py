@@ -29,6 +29,19 @@ class ServerParts:
     metrics: ServerMetrics
 
 
+def vision_inputs(loaded: Any, limits: Any = None) -> Any:
+    """The served model's image support (:class:`mlxkv.vision.inputs.VisionInputs`): its vision tower when it is a
+    vision-language model and mlx-vlm is installed, else why it refuses images."""
+    from mlxkv.vision.images import ImageLimits
+    from mlxkv.vision.inputs import VisionInputs
+    from mlxkv.vision.support import TEXT_ONLY
+
+    limits = limits or ImageLimits()
+    if loaded.is_gguf:
+        return VisionInputs(None, TEXT_ONLY, limits)
+    return VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
+
+
 def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           model_name: str | None = None, manage_engine: bool = True, allowed_origins: Sequence[str] = (),
           ui: bool = True,
@@ -36,7 +49,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
           admin_key: str | None = None, flush_timeout_s: float = 10.0,
           metrics_key: str | None = None, distributed: Any = None, tenants: Tenants | None = None,
           public_metrics: bool = False, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-          responses: Any = None) -> ServerParts:
+          responses: Any = None, image_limits: Any = None) -> ServerParts:
     """Load ``run.model`` (see :func:`mlxkv.models.load`) and wire its KV store (:func:`mlxkv.engine.build.
     build_pool`: ``run.kv`` for ``run.engine.max_sequences`` sequences of the model's context), engine, metrics and
     app together (``allowed_origins``, ``keepalive_s``, ``max_client_priority``, ``admin_key``, ``flush_timeout_s``,
@@ -44,7 +57,9 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     ``distributed``: rank 0's :class:`mlxkv.distributed.leader.Leader` under ``mlx.launch`` (shards the model,
     builds the pool and engine).
 
-    ``ui``: serve the built-in page at ``/`` (see :func:`mlxkv.server.app.create_app`).
+    ``ui``: serve the built-in page at ``/`` (see :func:`mlxkv.server.app.create_app`). ``image_limits``: a
+    vision-language model's image limits and ``file://`` folders (:class:`mlxkv.vision.images.ImageLimits`; ``None``:
+    the defaults, no local files).
 
     Raises:
         mlxkv.models.ModelLoadError: the model cannot be loaded.
@@ -57,14 +72,14 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                                      max_client_priority=max_client_priority, admin_key=admin_key,
                                      flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
                                      public_metrics=public_metrics, body_timeout_s=body_timeout_s,
-                                     responses=responses)
+                                     responses=responses, image_limits=image_limits)
     return ServerParts(loaded, engine, app, metrics)
 
 
 def _serve_one(run: RunConfig, metrics: ServerMetrics, *, model_name: str | None, distributed: Any = None,
-               **app_options: Any) -> tuple[Any, BatchEngine, Any]:
-    """``run.model`` loaded, its pool and engine (not started), and the app serving it (``app_options``: see
-    :func:`mlxkv.server.app.create_app`)."""
+               image_limits: Any = None, **app_options: Any) -> tuple[Any, BatchEngine, Any]:
+    """``run.model`` loaded, its pool and engine (not started), and the app serving it (``image_limits``: see
+    :func:`build`; ``app_options``: see :func:`mlxkv.server.app.create_app`)."""
     from mlxkv.engine.build import build_pool
     from mlxkv.models import load
     from mlxkv.server.app import create_app
@@ -76,11 +91,12 @@ def _serve_one(run: RunConfig, metrics: ServerMetrics, *, model_name: str | None
     if distributed is not None:
         distributed.shard(loaded)
         make_pool, make_engine = distributed.pool, distributed.engine
+    vision = vision_inputs(loaded, image_limits)
     pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
     engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
                          observer=metrics)
     app = create_app(engine, model_name=model_name or loaded.name, metrics=metrics, defaults=run.sampling,
-                     **app_options)
+                     vision=vision, **app_options)
     return loaded, engine, app
 
 
@@ -98,7 +114,8 @@ def build_multi(run: RunConfig, models: Sequence[tuple[str, str]], *, max_loaded
                 keepalive_s: float = DEFAULT_KEEPALIVE_S, max_client_priority: int = 100,
                 admin_key: str | None = None, flush_timeout_s: float = 10.0, metrics_key: str | None = None,
                 tenants: Tenants | None = None, public_metrics: bool = False,
-                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, responses: Any = None) -> MultiServerParts:
+                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, responses: Any = None,
+                image_limits: Any = None) -> MultiServerParts:
     """A server for several models (``models``: ``(name, spec)`` pairs, the first the default), each loaded as
     :func:`build` loads one, with ``run``'s settings (its ``model`` aside); at most ``max_loaded`` loaded at once
     (:class:`mlxkv.server.model_registry.ModelRegistry`). Every model's files are found (downloaded if need be)
@@ -118,7 +135,8 @@ def build_multi(run: RunConfig, models: Sequence[tuple[str, str]], *, max_loaded
         tenants = Tenants({api_key: key_fingerprint(api_key)} if api_key else {}, admin_key)
     app_options = dict(tenants=tenants, max_body_bytes=max_body_bytes, ui=False, keepalive_s=keepalive_s,
                        max_client_priority=max_client_priority, admin_key=admin_key, metrics_key=metrics_key,
-                       public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses)
+                       public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses,
+                       image_limits=image_limits)
 
     def factory(slot: ModelSlot) -> ServedModel:
         kv = run.kv

@@ -13,7 +13,7 @@ dense``), ``kv_overflow`` (the request's per-sequence KV budget policy, :mod:`ml
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -204,14 +204,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str = Field(..., description="a data URL (data:image/png;base64,...), or file:// in an allowed folder")
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(BaseModel):
+    """An image content part (vision-language models; see docs/vision.md)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(ToolMessageFields):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]], None] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(getattr(p, "text", "") for p in self.content)
         return self.content or ""
 
 
@@ -225,6 +237,9 @@ class ChatCompletionRequest(ToolRequestFields, ChatSpecFields, _Common):
                                         description="and this many most likely alternatives (needs logprobs)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
+    multi_modal_uuids: Optional[dict[Literal["image"], list[Optional[str]]]] = Field(
+        None, description='{"image": [uuid or null, ...]}: one per image; a named image is cached under '
+                          'H(uuid || content) and KV events show its UUID')
 
     @field_validator("chat_template_kwargs")
     @classmethod

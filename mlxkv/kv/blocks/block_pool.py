@@ -25,7 +25,7 @@ from mlxkv.kv.blocks.events import (
 )
 from mlxkv.kv.blocks.eviction import EvictionPolicy, make_eviction_policy
 from mlxkv.kv.blocks.free_queue import UNCACHED_BUCKET, BucketedFreeQueue
-from mlxkv.kv.blocks.hashing import salt_of
+from mlxkv.kv.blocks.hashing import image_labels, salt_of
 from mlxkv.kv.blocks.retention import merge_retention
 from mlxkv.kv.blocks.tenant_quota import TenantQuota
 
@@ -248,7 +248,8 @@ class BlockPool:
         block.block_hash = block_hash
         self._by_hash.setdefault((group_id, block_hash), {})[block.block_id] = block
         self.events.append(
-            BlockStored((block_hash,), parent_hash, block.token_ids, self.block_size, group_id, block.priority)
+            BlockStored((block_hash,), parent_hash, block.token_ids, self.block_size, group_id, block.priority,
+                        image_labels(extra_keys))
         )
         return True
 

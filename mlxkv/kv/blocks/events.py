@@ -29,6 +29,7 @@ class BlockStored:
     block_size: int
     group_id: int
     priority: int
+    images: tuple[str, ...] = ()  # the UUIDs (else content hashes) of the images whose tokens the block holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,8 @@ def event_to_json(event: KVEvent) -> dict:
         out.update(block_hashes=[_hash_json(h) for h in event.block_hashes],
                    parent_block_hash=_hash_json(event.parent_block_hash), token_ids=list(event.token_ids),
                    block_size=event.block_size, group_id=event.group_id, priority=event.priority)
+        if event.images:
+            out["images"] = list(event.images)
     elif isinstance(event, BlockRemoved):
         out.update(block_hashes=[_hash_json(h) for h in event.block_hashes], group_id=event.group_id)
     return out

@@ -167,6 +167,15 @@ def salt_of(extra_keys: tuple):
     return None
 
 
+def image_labels(extra_keys: tuple) -> tuple[str, ...]:
+    """The labels (client UUID, else content hash) of the images whose span keys ``("image", key, label)`` are among
+    a block's extra keys (:class:`mlxkv.vision.spans.ImageSpan`)."""
+    for key in extra_keys:
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "m":
+            return tuple(k[2] for k in key[1] if isinstance(k, tuple) and len(k) == 3 and k[0] == "image")
+    return ()
+
+
 def extend_block_hashes(
     hash_fn: HashFn,
     tokens: Sequence[int],

@@ -58,21 +58,26 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
     MessagesBody = limit_messages(MessagesRequest, max_messages, engine.context_length, cost)
     CountBody = limit_messages(CountTokensRequest, max_messages, engine.context_length, cost)
 
-    def translate(body: CountTokensRequest) -> tuple[PromptSource, ToolPlan, Conversation]:
-        """The request's prompt in chat form and its tool use (400 for what cannot be honoured)."""
+    async def translate(body: CountTokensRequest) -> tuple[PromptSource, ToolPlan, Conversation]:
+        """The request's prompt in chat form and its tool use (400 for what cannot be honoured); its images
+        decoded off the event loop."""
+        images = None
+        if body.multi_modal_uuids is not None or any(getattr(b, "type", None) == "image" for m in body.messages
+                                                     for b in (m.content if isinstance(m.content, list) else ())):
+            images = await prep.lanes.on_worker(lambda: take_anthropic_images(prep.vision, body))
         conv: Conversation = to_conversation(body)
         if not has_template:
             raise APIError(400, "this model's tokenizer has no chat template", "no_chat_template")
         plan = plan_tools(conv, no_tools)
         source = PromptSource(messages=plan.messages, template_kwargs={**kwargs, **plan.template_kwargs},
-                              continue_final=conv.prefill)
+                              continue_final=conv.prefill, images=images)
         return source, plan, conv
 
     @router.post("/messages")
     @with_body(MessagesBody)
     async def create_message(body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API: one answer (text and tool_use blocks), whole or streamed."""
-        source, plan, conv = translate(body)
+        source, plan, conv = await translate(body)
         fmt_body, fmt_field = response_format(body)
         try:
             fmt = parse_format(fmt_body)
@@ -110,7 +115,31 @@ def anthropic_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
     @router.post("/messages/count_tokens")
     @with_body(CountBody)
     async def count_tokens(body: CountTokensRequest) -> dict:
-        """The rendered prompt's length in tokens (tools included)."""
-        return {"input_tokens": len(await prep.tokens(translate(body)[0]))}
+        """The rendered prompt's length in tokens (tools and each image's placeholder tokens included)."""
+        source = (await translate(body))[0]
+        prompt = await prep.tokens(source)
+        if source.images:
+            prompt, _ = await prep.images(source, prompt)
+        return {"input_tokens": len(prompt)}
 
     return router
+
+
+def take_anthropic_images(vision: Any, body: CountTokensRequest) -> Any:
+    """The ``image`` blocks of ``body``'s messages, decoded (each left as its marker text); a text-only model keeps
+    them (:func:`~mlxkv.server.anthropic.translate.to_conversation` refuses them).
+
+    Raises:
+        APIError: 400 for a bad image or UUID list, or a vision model whose mlx-vlm is missing.
+    """
+    uuids = (body.multi_modal_uuids or {}).get("image")
+    from mlxkv.server.anthropic.schemas import TextBlock
+    from mlxkv.vision.images import ImageError
+    from mlxkv.vision.inputs import VisionInputs
+    from mlxkv.vision.support import VisionUnavailable
+
+    try:
+        return (vision or VisionInputs()).take_anthropic(body.messages, uuids,
+                                                         lambda text: TextBlock(type="text", text=text))
+    except (ImageError, VisionUnavailable) as exc:
+        raise APIError(400, str(exc), "invalid_image", "messages") from None

@@ -187,6 +187,8 @@ class CountTokensRequest(_Strict):
     output_format: Optional[OutputFormat] = Field(None, description="the structured-outputs beta's form of "
                                                                     "output_config.format")
     speed: Optional[Literal["standard", "fast"]] = None
+    multi_modal_uuids: Optional[dict[Literal["image"], list[Optional[str]]]] = Field(
+        None, description='mlxkv extension: {"image": [uuid or null, ...]}, one per image block (docs/vision.md)')
 
     @field_validator("tools")
     @classmethod

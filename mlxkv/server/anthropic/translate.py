@@ -138,7 +138,7 @@ def _refuse_unsupported(body: CountTokensRequest) -> None:
 
 def _refuse_block(block: Any, where: str) -> None:
     if isinstance(block, UnsupportedBlock):
-        what = "image input is not supported (the model reads text)" if block.type == "image" else \
+        what = "image input is not supported (this model reads text only)" if block.type == "image" else \
             f"content blocks of type '{block.type}' are not supported"
         raise APIError(400, f"{where}: {what}", "unsupported_content", where)
     if isinstance(block, TextBlock) and block.citations:
