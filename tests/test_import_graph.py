@@ -101,6 +101,7 @@ LAYERS = (
     "mlxkv.models",  # load a model: weights, tokenizer, CPU ops, attention hook, MLA
     "mlxkv.structured",  # grammars: JSON schema, tool calls
     "mlxkv.prompt",  # user text to prompt tokens
+    "mlxkv.vision",  # images: decoding, limits, keys, the vision tower through mlx-vlm
     "mlxkv.engine",  # scheduler, runner, decode loop, output, speculative decoding
     "mlxkv.distributed",  # ranks running one engine step together
     "mlxkv.chat",  # interactive chat sessions
