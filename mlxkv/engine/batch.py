@@ -324,7 +324,8 @@ class BatchEngine:
             return
         due = self.pool.release_due_in()
         if due is not None and due <= 0 and self.pool.release_unused():
-            self._kv_stats_at = 0.0  # republish at once
+            self._kv_stats_at = 0.0
+            self._publish()  # at once: the engine may now wait for a command as long as none comes
 
     def _handle_commands(self, block: bool) -> None:
         try:

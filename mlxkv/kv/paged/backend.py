@@ -12,11 +12,11 @@ A snapshot costs ``blocks_per_snapshot`` pool blocks (its state bytes over one b
 Where a recurrent layer's state cannot be read (no ``state`` setter), prefix caching is off and a warning
 says so. The secondary tier offloads and restores snapshots with the blocks (:mod:`mlxkv.kv.tier.state_tier`).
 
-Memory: the budget (``kv_cache_budget`` / ``max_tokens`` / ``num_blocks``) is the pool's capacity — what admission,
-preemption and every capacity figure count — but the page arrays grow in chunks as blocks are first needed
-(at least :data:`GROW_BYTES`, and a quarter of what is held) and, after ``idle_release_s`` with no sequence
-open, give back every chunk above the first (:meth:`PagedBackend.release_unused`); ``preallocate`` allocates the
-whole budget at the first write instead.
+Memory: the budget (``kv_cache_budget`` / ``max_tokens`` / ``num_blocks``) is the pool's capacity — what
+admission, preemption and every capacity figure count — but the page arrays grow in chunks as blocks are first
+needed (at least :data:`GROW_BYTES` or a sixteenth of a smaller budget, and a quarter of what is held) and,
+after ``idle_release_s`` with no sequence open, give back every chunk above the first
+(:meth:`PagedBackend.release_unused`); ``preallocate`` allocates the whole budget at the first write instead.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ class PagedBackend:
         model: the mlx-lm model.
         config: block size, budget and reuse settings (``backend`` is not read here).
         num_blocks: pool size overriding the budget (tests, benchmarks).
-        grow_blocks: the least the page arrays grow by, in blocks (default: :data:`GROW_BYTES` worth).
+        grow_blocks: the least the page arrays grow by, in blocks (default: :data:`GROW_BYTES` worth, at most a
+            sixteenth of the budget).
         free_bytes: free memory for ``kv_cache_budget='auto'`` (default: measured).
         model_path: the model's folder (config.json + safetensors), for the secondary tier's model
             fingerprint; without it the fingerprint samples the weights.
@@ -173,7 +174,8 @@ class PagedBackend:
                 free_bytes = free_memory_bytes()
             num_blocks = num_blocks_for_budget(config, self.bytes_per_block, free_bytes)
         # one block id = one page in every layer, so a block costs bytes_per_block whichever group holds it
-        self.grow_blocks = grow_blocks or max(1, GROW_BYTES // max(1, self.bytes_per_block))
+        # a chunk: GROW_BYTES worth, or a sixteenth of a smaller pool's budget
+        self.grow_blocks = grow_blocks or max(1, min(GROW_BYTES // max(1, self.bytes_per_block), num_blocks // 16))
         initial = None if config.preallocate else 1  # growing: nothing but the null block until a block is needed
         self.manager = KVCacheManager(
             num_blocks, config.block_size, self.specs,
