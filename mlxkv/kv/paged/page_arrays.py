@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlxkv.kernels import kv_write
 from mlxkv.kernels.geometry import page_runs
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
+from mlxkv.memory import release_free_memory
 
 #: A gather of pages lying in at most this many runs of consecutive pages concatenates those slices (a few
 #: contiguous copies) instead of indexing every page (measured ~1.8x faster for a 4K-row prefix + a few pages).
@@ -59,7 +60,7 @@ class PagedStorage:
 
     def resize(self, num_blocks: int) -> None:
         """Hold pages ``[0, num_blocks)`` from now on: added pages are zeros, pages past it are dropped, the rest
-        keep their values. Evaluated here, and MLX's buffer cache cleared, so the memory is given back now."""
+        keep their values. Evaluated here, and freed memory handed back to the system now."""
         if num_blocks == self.num_blocks:
             return
         rows = num_blocks * self.block_size
@@ -71,7 +72,7 @@ class PagedStorage:
                                     else _resized(value, rows))
         self.num_blocks = num_blocks
         mx.eval(self.arrays())
-        mx.clear_cache()
+        release_free_memory()
 
     def pages(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V pages ``(kv_heads, num_blocks, block_size, D)`` (views of the stored rows)."""
