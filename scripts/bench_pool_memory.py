@@ -3,7 +3,8 @@ default) vs ``--kv-preallocate``, next to ``mlx_lm.server`` on the same weights.
 
 Reported, as resident memory (RSS, from /proc) of each server process:
 
-1. ``mlx_lm.server`` alone: at start, after one warm-up request, after one round of the load below;
+1. ``mlx_lm.server`` alone: at start and after one warm-up request (``--peer-load``: also after one round of the
+   load below; on a busy 2-core machine its ~16K prompt tokens can take minutes);
 2. ``mlxkv serve`` growing (default options), ``mlxkv serve --kv-preallocate`` and ``mlxkv serve
    --kv-idle-release N`` (growing, giving its chunks back after N idle seconds): at start (after the engine's
    start-up probe), then round by round, the three taking turns (the order rotates each round, so a slow patch
@@ -39,7 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_common import add_model_args, ensure_openblas, model_spec, peer_folder, print_header, resolve_spec  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_model_args,
+    ensure_openblas,
+    model_spec,
+    peer_folder,
+    print_header,
+    resolve_spec,
+)
 from bench_serve import MODEL_NAME, http_client, model_tokenizer, one_request, start_server, stop_server  # noqa: E402
 from testkit.serve_process import free_port  # noqa: E402
 
@@ -76,8 +84,14 @@ def one_round(url: str, prompts: list[str], max_tokens: int) -> dict:
     lock = threading.Lock()
     https = [http_client() for _ in prompts]
 
+    failures = []
+
     def client(i: int) -> None:
-        t, n = one_request(url, "Summarize the text above in one sentence.", max_tokens, prompts[i], https[i])
+        try:
+            t, n = one_request(url, "Summarize the text above in one sentence.", max_tokens, prompts[i], https[i])
+        except Exception as exc:  # noqa: BLE001 - counted and reported: a timed-out client is a result too
+            failures.append(f"{type(exc).__name__}: {exc}")
+            return
         with lock:
             ttfts.append(t)
             tokens[0] += n
@@ -91,7 +105,11 @@ def one_round(url: str, prompts: list[str], max_tokens: int) -> dict:
     wall = time.perf_counter() - start
     for h in https:
         h.close()
-    return {"ttfts": ttfts, "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall}
+    if failures:
+        print(f"  {len(failures)} of {len(prompts)} requests failed: {failures[0]}", flush=True)
+    if not ttfts:
+        raise RuntimeError(f"every request of the round failed ({failures[0]})")
+    return {"ttfts": ttfts, "tokens": tokens[0], "tok_s": tokens[0] / wall, "wall_s": wall, "failed": len(failures)}
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -108,6 +126,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--peer-load", action="store_true",
+                   help="also run one round of the load on mlx_lm.server (its RSS after it)")
     p.add_argument("--idle-release", type=float, default=5.0,
                    help="--kv-idle-release of the third mlxkv server (seconds)")
     p.add_argument("--json", help="also write every figure to this JSON file")
@@ -139,17 +159,19 @@ def main() -> None:
         peer_rss = {"start": rss_mb(proc.pid)}
         one_request(url, "warm up", 4, http=http_client())
         peer_rss["warm"] = rss_mb(proc.pid)
-        prompts = [make_prompt(tokenizer, args.prompt_tokens, f"peer-{c}") for c in range(args.clients)]
-        r = one_round(url, prompts, args.max_tokens)
-        peer_rss["loaded"] = rss_mb(proc.pid)
-        peer_rss["round"] = summary([r])
+        print(f"mlx_lm.server: RSS {peer_rss['start']:.0f} MB at start, {peer_rss['warm']:.0f} MB after a warm-up "
+              "request", flush=True)
+        if args.peer_load:
+            prompts = [make_prompt(tokenizer, args.prompt_tokens, f"peer-{c}") for c in range(args.clients)]
+            r = one_round(url, prompts, args.max_tokens)
+            peer_rss["loaded"] = rss_mb(proc.pid)
+            peer_rss["round"] = summary([r])
+            print(f"mlx_lm.server: {peer_rss['loaded']:.0f} MB after {args.clients} clients x ~{args.prompt_tokens} "
+                  f"tokens (TTFT p50 {peer_rss['round']['ttft_p50'] * 1e3:.0f} ms, "
+                  f"{peer_rss['round']['tok_s']:.1f} tok/s)", flush=True)
     finally:
         stop_server(proc)
     out["mlx-lm"] = peer_rss
-    print(f"mlx_lm.server: RSS {peer_rss['start']:.0f} MB at start, {peer_rss['warm']:.0f} MB after a warm-up "
-          f"request, {peer_rss['loaded']:.0f} MB after {args.clients} clients x ~{args.prompt_tokens} tokens "
-          f"(TTFT p50 {peer_rss['round']['ttft_p50'] * 1e3:.0f} ms, {peer_rss['round']['tok_s']:.1f} tok/s)",
-          flush=True)
 
     # 2. the three mlxkv servers, taking turns
     arms = {"growing": [], "preallocated": ["--kv-preallocate"],
@@ -198,9 +220,12 @@ def main() -> None:
     print(f"\n{args.clients} clients x ~{args.prompt_tokens}-token prompts (new each round), {args.max_tokens} tokens "
           f"each, {args.rounds} rounds in turn; RSS in MB")
     print(f"  {'server':28s} {'idle':>6s} {'after rounds':>13s} {'TTFT p50':>9s} {'p95':>7s} {'tok/s':>7s}")
-    print(f"  {'mlx_lm.server':28s} {peer_rss['warm']:6.0f} {peer_rss['loaded']:13.0f} "
-          f"{peer_rss['round']['ttft_p50'] * 1e3:7.0f}ms {peer_rss['round']['ttft_p95'] * 1e3:5.0f}ms "
-          f"{peer_rss['round']['tok_s']:7.1f}   (one round)")
+    if "round" in peer_rss:
+        print(f"  {'mlx_lm.server':28s} {peer_rss['warm']:6.0f} {peer_rss['loaded']:13.0f} "
+              f"{peer_rss['round']['ttft_p50'] * 1e3:7.0f}ms {peer_rss['round']['ttft_p95'] * 1e3:5.0f}ms "
+              f"{peer_rss['round']['tok_s']:7.1f}   (one round)")
+    else:
+        print(f"  {'mlx_lm.server':28s} {peer_rss['warm']:6.0f}")
     for name in names:
         f = figures[name]
         f["summary"] = summary(f["rounds"])

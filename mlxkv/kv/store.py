@@ -53,7 +53,8 @@ class CachePool:
             (``kv_config.secondary_*``); optional.
         overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of every sequence
             opened without its own (``open(overflow=...)``); dense ``mlxkv`` layout only.
-        grow_blocks: paged backend: the least its page arrays grow by, in blocks (default: 32 MiB worth, at most a sixteenth of the pool).
+        grow_blocks: paged backend: the least its page arrays grow by, in blocks (default: 32 MiB worth, at most a
+            sixteenth of the pool).
     """
 
     def __init__(self, model: Any, *, max_sequences: int = 16, layout: str = "mlxkv",

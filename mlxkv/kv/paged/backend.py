@@ -173,10 +173,10 @@ class PagedBackend:
             if config.kv_cache_budget == "auto" and free_bytes is None:
                 free_bytes = free_memory_bytes()
             num_blocks = num_blocks_for_budget(config, self.bytes_per_block, free_bytes)
-        # one block id = one page in every layer, so a block costs bytes_per_block whichever group holds it
         # a chunk: GROW_BYTES worth, or a sixteenth of a smaller pool's budget
         self.grow_blocks = grow_blocks or max(1, min(GROW_BYTES // max(1, self.bytes_per_block), num_blocks // 16))
         initial = None if config.preallocate else 1  # growing: nothing but the null block until a block is needed
+        # one block id = one page in every layer, so a block costs bytes_per_block whichever group holds it
         self.manager = KVCacheManager(
             num_blocks, config.block_size, self.specs,
             enable_block_reuse=reuse,
@@ -210,6 +210,10 @@ class PagedBackend:
     def allocated_blocks(self) -> int:
         """Blocks whose pages exist now (the null block included): ``num_blocks`` once grown to the budget."""
         return self.storage.num_blocks
+
+    def set_grow_blocks(self, grow_blocks: int) -> None:
+        """Grow by at least ``grow_blocks`` from now on (ranks of one distributed pool agree on it before use)."""
+        self.grow_blocks = self.manager.pool.grow_blocks = max(1, grow_blocks)
 
     def release_due_in(self) -> float | None:
         """Seconds until :meth:`release_unused` is due (``idle_release_s`` after the last sequence closed); None
