@@ -5,15 +5,15 @@ Reported, as resident memory (RSS, from /proc) of each server process:
 
 1. ``mlx_lm.server`` alone: at start and after one warm-up request (``--peer-load``: also after one round of the
    load below; on a busy 2-core machine its ~16K prompt tokens can take minutes);
-2. ``mlxkv serve`` growing (default options), ``mlxkv serve --kv-preallocate`` and ``mlxkv serve
-   --kv-idle-release N`` (growing, giving its chunks back after N idle seconds): at start (after the engine's
-   start-up probe), then round by round, the three taking turns (the order rotates each round, so a slow patch
+2. ``mlxkv serve`` growing (default options), ``mlxkv serve --kv-preallocate`` and, with ``--idle-release N``,
+   ``mlxkv serve --kv-idle-release N`` (growing, giving its chunks back after N idle seconds): at start (after
+   the engine's start-up probe), then round by round, taking turns (the order rotates each round, so a slow patch
    of this shared machine hits each), each round ``--clients`` concurrent clients sending one streamed chat
    request each, a ``--prompt-tokens``-token prompt of its own (new in every round: no prefix hit), greedy,
    ``--max-tokens`` tokens; TTFT p50/p95 over the rounds' requests and aggregate tok/s (median round) per
    server, and its RSS and pool figures (``/v1/cache/stats``: blocks allocated of the budget) after each round;
-3. after the rounds: the idle-release server's RSS once it has been idle for its N seconds, and the growing
-   server's after ``POST /v1/cache/reset`` (evicts the cached blocks; the pool then gives its chunks back).
+3. after the rounds: the growing server's RSS after ``POST /v1/cache/reset`` (evicts the cached blocks; the pool
+   then gives its chunks back), and the idle-release server's once it has been idle for its N seconds.
 
 The idle-release server gives its chunks back between its rounds (the others run meanwhile), so its rounds
 pay for growing the pool again each time: the worst case of the growing pool.
@@ -22,7 +22,7 @@ Model: the reference SmolLM2-135M-Instruct GGUF (``--model``), loaded by mlxkv s
 (float32 on the CPU backend) and by mlx_lm.server from the float32 folder bench_common converts from it.
 
     python scripts/bench_pool_memory.py                           # 8 clients x ~2K tokens, 3 rounds
-    python scripts/bench_pool_memory.py --rounds 2 --max-tokens 16 --json out.json
+    python scripts/bench_pool_memory.py --rounds 2 --max-tokens 16 --idle-release 5 --json out.json
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peer-load", action="store_true",
                    help="also run one round of the load on mlx_lm.server (its RSS after it)")
-    p.add_argument("--idle-release", type=float, default=5.0,
-                   help="--kv-idle-release of the third mlxkv server (seconds)")
+    p.add_argument("--idle-release", type=float, default=0.0,
+                   help="also run a third mlxkv server with this --kv-idle-release (seconds; 0: none)")
     p.add_argument("--json", help="also write every figure to this JSON file")
     args = p.parse_args()
     if model_spec(p, args, hidden=0, layers=0) == "random":
@@ -174,8 +174,9 @@ def main() -> None:
     out["mlx-lm"] = peer_rss
 
     # 2. the three mlxkv servers, taking turns
-    arms = {"growing": [], "preallocated": ["--kv-preallocate"],
-            f"idle-release {args.idle_release:g}s": ["--kv-idle-release", str(args.idle_release)]}
+    arms = {"growing": [], "preallocated": ["--kv-preallocate"]}
+    if args.idle_release:
+        arms[f"idle-release {args.idle_release:g}s"] = ["--kv-idle-release", str(args.idle_release)]
     procs, urls, figures = {}, {}, {}
     try:
         for name, options in arms.items():
@@ -201,14 +202,15 @@ def main() -> None:
                 print(f"  round {r} {name:20s}: TTFT p50 {statistics.median(result['ttfts']) * 1e3:6.0f} ms, "
                       f"{result['tok_s']:6.1f} tok/s, RSS {f['rss'][-1]:.0f} MB, pool {f['pool'][-1]['allocated']} of "
                       f"{f['pool'][-1]['total']} blocks", flush=True)
-        idle = names[2]
+        idle = names[2] if len(names) > 2 else None
         deadline = time.monotonic() + args.idle_release + 30
-        while pool_figures(urls[idle])["allocated"] > figures[idle]["start_pool"]["allocated"]:
+        while idle and pool_figures(urls[idle])["allocated"] > figures[idle]["start_pool"]["allocated"]:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        figures[idle]["after_idle_rss"] = rss_mb(procs[idle].pid)
-        figures[idle]["after_idle_pool"] = pool_figures(urls[idle])
+        if idle:
+            figures[idle]["after_idle_rss"] = rss_mb(procs[idle].pid)
+            figures[idle]["after_idle_pool"] = pool_figures(urls[idle])
         http_client().post(urls["growing"] + "/v1/cache/reset", json={})
         time.sleep(1)
         figures["growing"]["after_reset_rss"] = rss_mb(procs["growing"].pid)
@@ -235,10 +237,11 @@ def main() -> None:
     print(f"  idle mlxkv (growing) / idle mlx_lm.server (after its warm-up): "
           f"x{figures['growing']['start_rss'] / peer_rss['warm']:.2f}; preallocated: "
           f"x{figures['preallocated']['start_rss'] / peer_rss['warm']:.2f}")
-    print(f"  mlxkv {idle}: RSS {figures[idle]['after_idle_rss']:.0f} MB once idle, pool "
-          f"{figures[idle]['after_idle_pool']['allocated']} blocks; growing after POST /v1/cache/reset: "
-          f"{figures['growing']['after_reset_rss']:.0f} MB, pool {figures['growing']['after_reset_pool']['allocated']} "
-          "blocks")
+    print(f"  mlxkv growing after POST /v1/cache/reset: {figures['growing']['after_reset_rss']:.0f} MB, pool "
+          f"{figures['growing']['after_reset_pool']['allocated']} blocks")
+    if idle:
+        print(f"  mlxkv {idle}: RSS {figures[idle]['after_idle_rss']:.0f} MB once idle, pool "
+              f"{figures[idle]['after_idle_pool']['allocated']} blocks")
     out["mlxkv"] = figures
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
