@@ -152,7 +152,7 @@ def main() -> None:
 
     # 1. mlx_lm.server alone
     port = free_port()
-    proc = start_server("mlx-lm", str(peer), port, args.clients)
+    proc = start_server("mlx-lm", str(peer), port, args.clients, timeout=900)
     url = f"http://127.0.0.1:{port}"
     try:
         time.sleep(2)
@@ -181,7 +181,7 @@ def main() -> None:
     try:
         for name, options in arms.items():
             port = free_port()
-            procs[name] = start_server("mlxkv", str(path), port, args.clients, extra=extra + options)
+            procs[name] = start_server("mlxkv", str(path), port, args.clients, extra=extra + options, timeout=900)
             urls[name] = f"http://127.0.0.1:{port}"
         time.sleep(2)
         for name in arms:
