@@ -244,6 +244,12 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
         typer.echo(json.dumps(snap))
         return
     console = Console()
+    blocks = snap.get("kv_blocks")
+    if isinstance(blocks, dict) and blocks.get("paged") and "allocated" in blocks:
+        how = "preallocated" if blocks.get("preallocated") else "grows as used"
+        console.print(f"KV pool ({how}): {blocks['allocated']} of {blocks.get('total', '?')} blocks allocated "
+                      f"({_fmt_bytes(blocks.get('allocated_bytes', 0))} of {_fmt_bytes(blocks.get('budget_bytes', 0))}"
+                      f"), {blocks.get('used', 0)} in use, {blocks.get('cached', 0)} cached")
     tier = snap.get("tier")
     if not isinstance(tier, dict) or not isinstance(tier.get("secondary"), dict):
         console.print("the server reports no secondary tier")

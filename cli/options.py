@@ -69,7 +69,8 @@ _KV_FLAGS = {"secondary_disk_bytes": "--kv-disk-cache-size", "secondary_disk_dir
              "layout": "--cache-layout", "backend": "--kv-backend",
              "state_snapshot_interval": "--state-snapshot-interval", "kv_overflow": "--kv-overflow",
              "kv_overflow_budget": "--kv-overflow-budget", "kv_overflow_sinks": "--kv-overflow-sinks",
-             "kv_overflow_recent": "--kv-overflow-recent"}
+             "kv_overflow_recent": "--kv-overflow-recent", "preallocate": "--kv-preallocate",
+             "idle_release_s": "--kv-idle-release"}
 #: SamplingDefaults fields -> their options (their messages keep the field name: a request's field too).
 _FLAGS = {**_KV_FLAGS, "temp": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
           "max_tokens": "--max-tokens", "repetition_penalty": "--repetition-penalty",
@@ -79,7 +80,8 @@ _FLAGS = {**_KV_FLAGS, "temp": "--temp", "top_p": "--top-p", "top_k": "--top-k",
 def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, kv_bits: int | None = None,
               kv_group_size: int = 64, layout: str = "mlxkv", budget: int | None = None, host_cache_bytes: int = 0,
               disk_cache_dir: str | None = None, disk_cache_bytes: int = 0, tenant_share: float = 0.5,
-              disk_write_interval_s: float = 2.0, state_snapshot_interval: int = 0, overflow: Any = None) -> Any:
+              disk_write_interval_s: float = 2.0, state_snapshot_interval: int = 0, overflow: Any = None,
+              preallocate: bool = False, idle_release_s: float | None = None) -> Any:
     """The KV cache configuration the ``generate`` and ``serve`` options describe (one builder for both).
 
     Raises:
@@ -91,10 +93,15 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
     if disk_cache_bytes and not disk_cache_dir:
         raise typer.BadParameter("needs --kv-disk-cache (the folder of the disk tier)", param_hint="--kv-disk-cache-size")
     paged_only = [flag for flag, value in (("--kv-cache-budget", budget), ("--host-cache-size", host_cache_bytes),
-                                           ("--kv-disk-cache", disk_cache_dir)) if value]
+                                           ("--kv-disk-cache", disk_cache_dir), ("--kv-preallocate", preallocate),
+                                           ("--kv-idle-release", idle_release_s is not None)) if value]
     if backend == "dense" and paged_only:
         raise typer.BadParameter("applies to the paged backend only: add --kv-backend paged",
                                  param_hint=", ".join(paged_only))
+    if preallocate and idle_release_s is not None:
+        raise typer.BadParameter("a preallocated pool keeps its memory: drop --kv-idle-release or --kv-preallocate",
+                                 param_hint="--kv-idle-release")
+    growth = {"preallocate": preallocate, **({} if idle_release_s is None else {"idle_release_s": idle_release_s})}
     overflow = overflow or overflow_config()
     dense_only = [flag for flag, value in (("--max-kv-size", max_kv_size), ("--cache-layout", layout != "mlxkv"))
                   if value]
@@ -108,7 +115,7 @@ def kv_config(*, backend: str, block_size: int, max_kv_size: int | None = None, 
                              secondary_disk_bytes=disk_cache_bytes, secondary_tenant_share=tenant_share,
                              primary_tenant_share=tenant_share,
                              secondary_write_interval_s=disk_write_interval_s,
-                             state_snapshot_interval=state_snapshot_interval, overflow=overflow)
+                             state_snapshot_interval=state_snapshot_interval, overflow=overflow, **growth)
     except ValueError as exc:
         raise option_error(exc) from None
 

@@ -135,6 +135,15 @@ def serve(
         None, "--kv-cache-budget", parser=parse_size, metavar="SIZE", rich_help_panel=KV_PANEL,
         help="Memory for KV blocks (paged; default: max-sequences full contexts, at most half the free memory). "
              + _SIZE_HELP + "."),
+    kv_preallocate: bool = typer.Option(
+        False, "--kv-preallocate", rich_help_panel=KV_PANEL,
+        help="Allocate the whole --kv-cache-budget at start (steady latency) instead of growing the paged pool in "
+             "chunks as blocks are needed and giving them back when idle."),
+    kv_idle_release: Optional[float] = typer.Option(
+        None, "--kv-idle-release", min=0.0, max=7 * 24 * 3600.0, metavar="SECONDS", rich_help_panel=KV_PANEL,
+        show_default="300",
+        help="Seconds with no request running after which the growing paged pool gives back its chunks above the "
+             "first (cached blocks there are evicted, to the host/disk tier if any); 0: never."),
     host_cache_size: int = typer.Option(0, "--host-cache-size", parser=parse_size, metavar="SIZE",
                                         rich_help_panel=KV_PANEL,
                                         help="Host memory for evicted KV blocks (paged secondary tier; 0 = off)."),
@@ -228,7 +237,8 @@ def serve(
                    kv_group_size=kv_group_size, layout=layout, budget=kv_cache_budget,
                    host_cache_bytes=host_cache_size, disk_cache_dir=kv_disk_cache, disk_cache_bytes=kv_disk_cache_size,
                    tenant_share=kv_tenant_share, disk_write_interval_s=kv_disk_write_interval,
-                   state_snapshot_interval=state_snapshot_interval,
+                   state_snapshot_interval=state_snapshot_interval, preallocate=kv_preallocate,
+                   idle_release_s=kv_idle_release,
                    overflow=overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent))
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,

@@ -13,6 +13,8 @@ from mlxkv.kv.blocks.retention import MAX_PRIORITY, MIN_PRIORITY
 from mlxkv.rules import check_field
 
 DEFAULT_SECONDARY_DISK_BYTES = 16 << 30  # disk tier cap when a folder is given without a size
+DEFAULT_IDLE_RELEASE_S = 300.0  # a growing paged pool gives its chunks back after this long with nothing open
+MAX_IDLE_RELEASE_S = 7 * 24 * 3600.0
 
 
 def _is_int(value: object) -> bool:
@@ -125,6 +127,10 @@ class KvCacheConfig:
         mlxkv/kv/paged/state_snapshots.py.
     overflow: the per-sequence budget policy (:class:`KvOverflowConfig`; default preempt, no cap); the paged
         backend runs window, h2o and offload in whole pages (:mod:`mlxkv.kv.paged.page_overflow`).
+    preallocate: paged only: allocate the whole budget's page arrays at the first write (steady latency, all
+        the memory at once) instead of growing them in chunks as blocks are needed (the default).
+    idle_release_s: paged, growing pool: after this many seconds with no sequence open, the pool gives back
+        every chunk above its first (their cached blocks evicted, to the secondary tier if any); 0 = never.
     """
 
     backend: str = "dense"
@@ -150,6 +156,8 @@ class KvCacheConfig:
     layout: str = "mlxkv"
     state_snapshot_interval: int = 0
     overflow: KvOverflowConfig = field(default_factory=KvOverflowConfig)
+    preallocate: bool = False
+    idle_release_s: float = DEFAULT_IDLE_RELEASE_S
 
     def __post_init__(self) -> None:
         check_field("layout", rules.KV_LAYOUT, self.layout)
@@ -163,7 +171,7 @@ class KvCacheConfig:
             raise ValueError(f"free_memory_fraction={f!r}: expected a number in (0, 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens={self.max_tokens!r}: expected None or an integer >= 1")
-        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse"):
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "preallocate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")  # noqa: TRY004
         if self.hash_algo not in HASH_ALGOS:
@@ -195,6 +203,9 @@ class KvCacheConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
                 raise ValueError(f"{name}={t!r}: expected a number in (0, 1] (1 = no per-tenant quota)")
         check_field("state_snapshot_interval", rules.STATE_SNAPSHOT_INTERVAL, self.state_snapshot_interval)
+        r = self.idle_release_s
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= MAX_IDLE_RELEASE_S:
+            raise ValueError(f"idle_release_s={r!r}: expected seconds in 0..{MAX_IDLE_RELEASE_S} (0 = never)")
         if self.overflow.enabled:
             policy = f"kv_overflow={self.overflow.policy}"
             if self.backend == "paged":

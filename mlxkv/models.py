@@ -276,6 +276,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
     from mlxkv.chat_template import check_tool_parser, read_chat_template, with_chat_template
     from mlxkv.cpu_ops import install_cpu_ops
     from mlxkv.decode_projections import install_decode_projections
+    from mlxkv.memory import release_free_memory
     from mlxkv.precision import check_runs_on_cpu, dequantize_in_place, upcast_on_cpu
 
     try:  # a bad template file or parser name fails before the weights load
@@ -315,6 +316,7 @@ def load(spec: str | None = None, *, progress: bool = True, dequantize: bool = F
                              "LoRA adapter's layers: unset it to run --adapter-path")
     install_attention_hook(model)  # the cache decides how attention runs
     _eval_private_arrays(model)
+    release_free_memory()  # loading's transient buffers (decoded GGUF tensors, upcasts) leave the process
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=spec or "mlxkv-demo",
                        quantized=quantized, adapter=adapter)
 

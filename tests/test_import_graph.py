@@ -78,6 +78,7 @@ LAYERS = (
     "mlxkv",  # the version
     "mlxkv.env",  # environment flags and paths, read in this one module
     "mlxkv.rules",  # one rule per setting: valid values and ranges, pure Python
+    "mlxkv.memory",  # freed memory handed back to the system (MLX's cache, the C heap)
     "mlxkv.metal_kernels",  # .metal sources (package data)
     "mlxkv.kernels",  # paged attention and KV write: references, Metal factories, dispatch
     "mlxkv.kv.blocks",  # the block manager, pure Python

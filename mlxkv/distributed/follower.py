@@ -95,6 +95,8 @@ class Replayer:
             _same([c.id.value for c in self.pool.fork(SequenceId(value), n)], children, "forked sequence ids")
         elif kind == "evict_cached":
             self.pool.evict_cached(op[1])
+        elif kind == "release_unused":
+            self.pool.release_unused()
         elif kind == "seq":
             _, method, value, args = op
             getattr(self._seq(value), method)(*args)

@@ -86,6 +86,15 @@ def shard_model(model: Any, group: Any, mode: str) -> None:
     mx.eval(model.parameters())  # each rank keeps only its slices
 
 
+def agree_grow_blocks(grow_blocks: int, group: Any) -> int:
+    """The growth chunk (blocks) of every rank's pool: the smallest of the ranks' own, so that every rank's pool
+    grows at the same allocations and hands out the same block ids."""
+    import mlx.core as mx
+
+    every = mx.distributed.all_gather(mx.array([grow_blocks], dtype=mx.int64), group=group).tolist()
+    return min(every)
+
+
 def agree_num_blocks(num_blocks: int, bytes_per_block: int, group: Any, *, same_size: bool = True) -> int:
     """The pool size in blocks every rank can hold: the smallest of the ranks' own (each rank sizes its pool from
     its own memory and ``--kv-cache-budget``); block ids must mean the same page on every rank. ``same_size``:

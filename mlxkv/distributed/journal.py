@@ -22,7 +22,7 @@ SEQUENCE_READS = ("nbytes", "prefill_chunk")
 #: CachePool methods :class:`LeaderPool` passes through unrecorded (they change nothing); the pool's changes are
 #: its own methods, journaled. Any other pool method is refused, as for sequences.
 POOL_READS = ("admission_cost", "block_map", "check_invariants", "free_capacity", "has_decode_headroom", "kv_events",
-              "max_sequence_tokens", "memory_usage_bytes", "tier_ready", "wait_tier_reads")
+              "max_sequence_tokens", "memory_usage_bytes", "release_due_in", "tier_ready", "wait_tier_reads")
 
 
 class UnjournaledCall(AttributeError):
@@ -177,6 +177,11 @@ class LeaderPool:
     def evict_cached(self, salt: str | None = None) -> int:
         n = self._pool.evict_cached(salt)
         self._journal.add("evict_cached", salt)
+        return n
+
+    def release_unused(self) -> int:
+        n = self._pool.release_unused()
+        self._journal.add("release_unused")
         return n
 
     # ---- reads that hand out sequences ---------------------------------------------------------------------

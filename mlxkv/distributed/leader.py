@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxkv.distributed.channel import PlanChannel
-from mlxkv.distributed.group import agree_num_blocks, shard_model
+from mlxkv.distributed.group import agree_grow_blocks, agree_num_blocks, shard_model
 from mlxkv.distributed.journal import Journal, LeaderPool
 from mlxkv.distributed.tier import rank_tier, rank_tier_config
 from mlxkv.distributed.watchdog import Watchdog
@@ -166,10 +166,12 @@ def agree_pool(pool: Any, rebuild: Any, group: Any, *, same_size: bool = True) -
     if not pool.is_paged:
         return pool
     n = agree_num_blocks(pool.paged.num_blocks, pool.paged.bytes_per_block, group, same_size=same_size)
-    if n == pool.paged.num_blocks:
-        return pool
-    pool.flush_tier(0.0)  # an empty pool: its tier's writer thread stops (the rebuilt pool has its own)
-    return rebuild(n)
+    if n != pool.paged.num_blocks:
+        pool.flush_tier(0.0)  # an empty pool: its tier's writer thread stops (the rebuilt pool has its own)
+        pool = rebuild(n)
+    # a growing pool hands out ids by its chunks: every rank grows by the same (pipeline ranks' blocks differ in size)
+    pool.paged.set_grow_blocks(agree_grow_blocks(pool.paged.grow_blocks, group))
+    return pool
 
 
 def build_rank_pool(model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None, group: Any,

@@ -263,6 +263,7 @@ class BatchEngine:
         try:
             while self._running:
                 self.pool.persist_tier()  # the KV tier's write-behind sweep, when due (between steps only)
+                self._release_idle_pool(sched.has_work())
                 self._handle_commands(block=not sched.has_work())
                 self._run_drains()
                 if self._running and sched.has_work():
@@ -318,11 +319,20 @@ class BatchEngine:
         self._handle_commands(block=False)
         return self._scheduler.totals["requests"] > before
 
+    def _release_idle_pool(self, busy: bool) -> None:
+        """A growing paged pool idle for its ``idle_release_s`` gives back the chunks above its first."""
+        if busy:
+            return
+        due = self.pool.release_due_in()
+        if due is not None and due <= 0 and self.pool.release_unused():
+            self._kv_stats_at = 0.0
+            self._publish()  # at once: the engine may now wait for a command as long as none comes
+
     def _handle_commands(self, block: bool) -> None:
         try:
-            if block:  # idle: wake for the tier's next sweep too, if one is due
-                due = self.pool.tier_due_in()
-                command = self._inbox.get() if due is None else self._inbox.get(timeout=due)
+            if block:  # idle: wake for the tier's next sweep and the pool's idle release too, if one is due
+                dues = [d for d in (self.pool.tier_due_in(), self.pool.release_due_in()) if d is not None]
+                command = self._inbox.get(timeout=min(dues)) if dues else self._inbox.get()
             else:
                 command = self._inbox.get_nowait()
         except queue.Empty:
@@ -334,6 +344,8 @@ class BatchEngine:
             elif kind == "reset":
                 future, salt = payload
                 blocks = self.pool.evict_cached(salt)  # cached blocks no sequence holds
+                if salt is None:
+                    self.pool.release_unused()  # a growing pool gives back the chunks nothing holds now
                 self._kv_stats_at = 0.0  # republish at once
                 freed = mx.get_cache_memory()
                 mx.clear_cache()

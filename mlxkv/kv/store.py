@@ -53,12 +53,15 @@ class CachePool:
             (``kv_config.secondary_*``); optional.
         overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of every sequence
             opened without its own (``open(overflow=...)``); dense ``mlxkv`` layout only.
+        grow_blocks: paged backend: the least its page arrays grow by, in blocks (default: 32 MiB worth, at most a
+            sixteenth of the pool).
     """
 
     def __init__(self, model: Any, *, max_sequences: int = 16, layout: str = "mlxkv",
                  max_kv_size: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
                  cache_factory: CacheFactory | None = None, backend: str = "dense", kv_config: Any = None,
-                 num_blocks: int | None = None, model_path: str | None = None, overflow: Any = None):
+                 num_blocks: int | None = None, model_path: str | None = None, overflow: Any = None,
+                 grow_blocks: int | None = None):
         if max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
         if layout not in LAYOUTS:
@@ -83,7 +86,7 @@ class CachePool:
             if layout != "mlxkv" or cache_factory is not None:
                 raise ValueError("backend='paged' builds its own caches: use layout='mlxkv' and no cache_factory")
             self.paged = PagedBackend(model, kv_config or KvCacheConfig(backend="paged"), num_blocks=num_blocks,
-                                      model_path=model_path)
+                                      model_path=model_path, grow_blocks=grow_blocks)
         if cache_factory is None:
             from mlxkv.kv.layouts import check_kv_group_size, make_caches, mlx_lm_caches
 
@@ -308,6 +311,16 @@ class CachePool:
             return n
         return pool.evict_cached(pool.stats().evictable, where=lambda b: b.tenant == salt)  # tenant: chain's salt
 
+    def release_due_in(self) -> float | None:
+        """Seconds until :meth:`release_unused` is due (a growing paged pool idle for ``idle_release_s``); None
+        when nothing is to be given back (dense, preallocated, sequences open, nothing above the first chunk)."""
+        return None if self.paged is None else self.paged.release_due_in()
+
+    def release_unused(self) -> int:
+        """Give back the paged pool's chunks above its first that no sequence holds (their cached blocks evicted,
+        to the secondary tier when one takes them); returns how many blocks (dense: 0)."""
+        return 0 if self.paged is None else self.paged.release_unused()
+
     def kv_events(self, since: int = 0) -> dict | None:
         """KV events numbered above ``since`` in their JSON form (safe from any thread; dense: None):
         ``{"events": [{"seq": n, "type": ..., ...}], "cursor": newest number, "dropped": events missed}``."""
@@ -328,6 +341,9 @@ class CachePool:
         p = m.pool
         stats = {
             "kv_blocks": {"paged": True, "total": p.num_blocks, "used": p.used, "free": p.free, "cached": p.cached,
+                          "allocated": p.allocated, "preallocated": self.paged.config.preallocate,
+                          "allocated_bytes": self.paged.storage.nbytes(),  # the page arrays as they are now
+                          "budget_bytes": p.num_blocks * self.paged.bytes_per_block,
                           "evictable": p.evictable, "block_size": manager.block_size,
                           "capacity_tokens": self.max_sequence_tokens(),
                           "cached_by_priority": {str(k): v for k, v in p.cached_by_priority.items()},

@@ -9,7 +9,8 @@ from mlxkv.config import EngineConfig, KvCacheConfig, RunConfig, SpeculativeConf
 _KV = {"kv_backend": "backend", "kv_block_size": "block_size", "max_kv_size": "max_kv_size", "kv_bits": "kv_bits",
        "kv_group_size": "kv_group_size", "layout": "layout", "kv_cache_budget": "kv_cache_budget",
        "host_cache_bytes": "secondary_memory_bytes", "disk_cache_dir": "secondary_disk_dir",
-       "disk_cache_bytes": "secondary_disk_bytes", "kv_overflow": "overflow"}
+       "disk_cache_bytes": "secondary_disk_bytes", "kv_overflow": "overflow", "kv_preallocate": "preallocate",
+       "kv_idle_release": "idle_release_s"}
 _SPECULATIVE = ("draft_model", "prompt_lookup", "num_draft_tokens", "ngram_size")
 
 

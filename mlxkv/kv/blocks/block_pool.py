@@ -7,6 +7,14 @@ prefix hit can revive (``touch``) until the block is evicted to serve an allocat
 Cache index (per KV-cache group): full blocks by chained hash, and every cached block (full or partial) by
 ``(parent ref, extra keys, first token)`` for token-granular partial reuse. Content identity is a
 ``(block_id, generation)`` ref; the generation changes on every cache / uncache.
+
+Lazily allocated pools (``initial_blocks``): ``num_blocks`` is the budget every capacity figure, admission and
+preemption sees, but only the ids below :attr:`BlockPool.allocated` are backed by storage. The rest are a
+*reserve*: counted free, never in the free queue. An allocation that finds no free block without cached
+content takes a chunk of the reserve (:meth:`BlockPool._grow`, ids in ascending order) before it evicts
+anything, so cached content is kept exactly as long as in a pool allocated whole; resize hooks let the storage
+follow. :meth:`BlockPool.release_tail` gives back the ids above the highest held block (their cached content
+evicted through the usual path: evict hooks, events).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ class PoolStats:
     evictable: int  # free and cached
     cached_by_priority: dict[int, int]  # cached blocks per effective retention priority
     evictions: int  # cached blocks evicted so far
+    allocated: int = 0  # allocatable blocks backed by storage now (num_blocks when allocated whole)
 
 
 class BlockPool:
@@ -57,6 +66,10 @@ class BlockPool:
         clock: monotonic seconds, for retention expiry (injectable for tests).
         tenant_share: share of the usable blocks one tenant (cache salt) may hold cached before its free
             cached blocks are evicted ahead of the others', in (0, 1] (1: no quota; see tenant_quota.py).
+        initial_blocks: ids backed at start, the null block included (None: all ``num_blocks``, allocated
+            whole); the pool then grows as allocations need (module docstring).
+        grow_blocks: the least a growth adds (it adds at least a quarter of what is allocated, so a pool
+            growing to its budget copies its storage a bounded number of times).
     """
 
     def __init__(
@@ -69,6 +82,8 @@ class BlockPool:
         events: KVEventBuffer | None = None,
         clock: Callable[[], float] = time.monotonic,
         tenant_share: float = 1.0,
+        initial_blocks: int | None = None,
+        grow_blocks: int = 1,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: expected >= 2 (the null block plus one usable block)")
@@ -82,8 +97,13 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
+        if grow_blocks < 1:
+            raise ValueError(f"grow_blocks={grow_blocks}: expected >= 1")
+        self.grow_blocks = grow_blocks
+        self.allocated = num_blocks if initial_blocks is None else max(1, min(num_blocks, initial_blocks))
+        self._resize_hooks: list[Callable[[int], None]] = []
         self._free = BucketedFreeQueue()
-        for block in self.blocks[1:]:
+        for block in self.blocks[1:self.allocated]:
             self._free.push(block, UNCACHED_BUCKET)
         self._by_hash: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
         self._by_parent: dict[tuple, dict[int, KVCacheBlock]] = {}
@@ -99,12 +119,54 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take now (unused plus evictable cached)."""
-        return len(self._free)
+        """Blocks an allocation can take now (unused plus evictable cached, the unallocated reserve included)."""
+        return len(self._free) + self.num_reserve_blocks
+
+    @property
+    def num_reserve_blocks(self) -> int:
+        """Blocks of the budget not backed by storage yet (0 in a pool allocated whole)."""
+        return len(self.blocks) - self.allocated
+
+    # ---- lazy allocation --------------------------------------------------------------------------------
+    def add_resize_hook(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(allocated)`` whenever the backed ids change to ``[0, allocated)`` (the storage follows)."""
+        self._resize_hooks.append(hook)
+
+    def _grow(self, short: int) -> None:
+        """Back at least ``short`` more ids (a chunk: at least ``grow_blocks`` and a quarter of what is
+        allocated, at most the reserve), as free blocks without content in ascending id order."""
+        old = self.allocated
+        new = min(len(self.blocks), old + max(short, self.grow_blocks, old // 4))
+        for hook in self._resize_hooks:
+            hook(new)
+        self.allocated = new
+        for block in self.blocks[old:new]:
+            self._free.push(block, UNCACHED_BUCKET)
+
+    def release_tail(self, keep: int = 1) -> int:
+        """Give back the backed ids above the highest block any table holds (and at or above ``keep``): their
+        cached content is evicted through the usual path (evict hooks, BlockRemoved events) and they return to
+        the reserve. Returns how many blocks were given back."""
+        cut = self.allocated
+        while cut > max(1, keep) and self.blocks[cut - 1].ref_cnt == 0:
+            cut -= 1
+        if cut == self.allocated:
+            return 0
+        tail = self.blocks[cut:self.allocated]
+        for block in tail:
+            if block.cached:  # an evict hook may uncache others too (a snapshot's blocks): all stay free
+                self._evict(block)
+        for block in tail:
+            self._free.remove(block)
+        released = self.allocated - cut
+        self.allocated = cut
+        for hook in self._resize_hooks:
+            hook(self.allocated)
+        return released
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return self.num_usable_blocks - self.num_free_blocks
 
     def usage(self) -> float:
         """Fraction of allocatable blocks in use."""
@@ -121,13 +183,13 @@ class BlockPool:
         the same), then the rest in eviction order, sorted by id (a released sequence's blocks come back
         reversed, tail first, and would otherwise be handed out descending).
         """
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"need {n} blocks, only {len(self._free)} free or evictable")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} blocks, only {self.num_free_blocks} free or evictable")
         self._expire_priorities()
         now = self.clock()
         out = []
         nxt = -1 if after is None else after + 1
-        while 0 < nxt < len(self.blocks) and len(out) < n:
+        while 0 < nxt < self.allocated and len(out) < n:
             block = self.blocks[nxt]
             if block.ref_cnt != 0 or block.cached:
                 break
@@ -135,6 +197,9 @@ class BlockPool:
             out.append(block)
             nxt += 1
         rest = []
+        short = n - len(out) - self._free.count(UNCACHED_BUCKET)
+        if short > 0 and self.num_reserve_blocks:  # grow before evicting any cached content
+            self._grow(short)
         if self.quota.over and n > len(out):  # over-quota tenants' cached blocks before the global head
             for block in self.quota.victims(self._free, n - len(out) - self._free.count(UNCACHED_BUCKET)):
                 self._free.remove(block)
@@ -379,7 +444,7 @@ class BlockPool:
         return PoolStats(
             num_blocks=self.num_usable_blocks, used=self.num_used_blocks, free=self.num_free_blocks,
             cached=cached, evictable=evictable, cached_by_priority=dict(sorted(by_prio.items())),
-            evictions=self.num_evictions,
+            evictions=self.num_evictions, allocated=self.allocated - 1,
         )
 
     def cached_by_tenant(self) -> dict:
@@ -396,9 +461,11 @@ class BlockPool:
         free = list(self._free)
         assert len(free) == len(self._free) == len({b.block_id for b in free})
         assert self.null_block.free_bucket is None and not self.null_block.cached
-        for block in self.blocks[1:]:
+        for block in self.blocks[1:self.allocated]:
             assert (block.ref_cnt == 0) == block.is_free, f"free-queue membership wrong for {block}"
             assert block.ref_cnt >= 0
+        for block in self.blocks[self.allocated:]:
+            assert block.ref_cnt == 0 and not block.is_free and not block.cached, f"reserve block in use: {block}"
         indexed = {b.block_id for d in self._by_parent.values() for b in d.values()}
         assert indexed == {b.block_id for b in self.blocks if b.cached}, "cache index out of sync"
         for (group_id, block_hash), same in self._by_hash.items():

@@ -72,6 +72,7 @@ class KVCacheManager:
         state_snapshot_blocks: models with recurrent layers: pool blocks one recurrent-state snapshot costs;
             > 0 turns snapshots on (a prefix hit then ends where a snapshot exists; no partial reuse, since
             snapshots sit at block boundaries). See snapshots.py.
+        initial_blocks, grow_blocks: lazy allocation of the pool's storage (block_pool.py; None: whole).
     """
 
     def __init__(
@@ -89,12 +90,15 @@ class KVCacheManager:
         clock: Callable[[], float] = time.monotonic,
         tenant_share: float = 1.0,
         state_snapshot_blocks: int = 0,
+        initial_blocks: int | None = None,
+        grow_blocks: int = 1,
     ) -> None:
         self.block_size = block_size
         self.specs = list(groups) if groups else [KVCacheGroupSpec("full")]
         self.pool = BlockPool(
             num_blocks, block_size, enable_caching=enable_block_reuse, eviction_policy=eviction_policy,
             events=KVEventBuffer(event_capacity), clock=clock, tenant_share=tenant_share,
+            initial_blocks=initial_blocks, grow_blocks=grow_blocks,
         )
         self.hash_fn = make_hash_fn(hash_algo)
         if hash_algo in ("sha256", "xxhash"):  # slow per block: remember recent prefixes' hashes

@@ -11,6 +11,12 @@ blocks and a snapshot both exist, and the snapshot is restored into the sequence
 A snapshot costs ``blocks_per_snapshot`` pool blocks (its state bytes over one block's bytes, rounded up).
 Where a recurrent layer's state cannot be read (no ``state`` setter), prefix caching is off and a warning
 says so. The secondary tier offloads and restores snapshots with the blocks (:mod:`mlxkv.kv.tier.state_tier`).
+
+Memory: the budget (``kv_cache_budget`` / ``max_tokens`` / ``num_blocks``) is the pool's capacity — what
+admission, preemption and every capacity figure count — but the page arrays grow in chunks as blocks are first
+needed (at least :data:`GROW_BYTES` or a sixteenth of a smaller budget, and a quarter of what is held) and,
+after ``idle_release_s`` with no sequence open, give back every chunk above the first
+(:meth:`PagedBackend.release_unused`); ``preallocate`` allocates the whole budget at the first write instead.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +51,10 @@ from mlxkv.kv.paged.quantized_pages import QuantizedPagedStorage, quantized_bloc
 from mlxkv.kv.paged.state_snapshots import SnapshotRecorder, can_snapshot, probe_state, restore, snapshot_bytes
 
 log = logging.getLogger(__name__)
+
+#: The least a growing pool's page arrays grow by (every layer's share together), and the reserve an idle
+#: pool keeps: small next to the weights, and enough for a few thousand tokens of a small model.
+GROW_BYTES = 32 << 20
 
 
 def _group_key(cache: Any) -> tuple | None:
@@ -102,6 +113,8 @@ class PagedBackend:
         model: the mlx-lm model.
         config: block size, budget and reuse settings (``backend`` is not read here).
         num_blocks: pool size overriding the budget (tests, benchmarks).
+        grow_blocks: the least the page arrays grow by, in blocks (default: :data:`GROW_BYTES` worth, at most a
+            sixteenth of the budget).
         free_bytes: free memory for ``kv_cache_budget='auto'`` (default: measured).
         model_path: the model's folder (config.json + safetensors), for the secondary tier's model
             fingerprint; without it the fingerprint samples the weights.
@@ -116,7 +129,7 @@ class PagedBackend:
     """
 
     def __init__(self, model: Any, config: KvCacheConfig, *, num_blocks: int | None = None,
-                 free_bytes: int | None = None, model_path: str | None = None):
+                 free_bytes: int | None = None, model_path: str | None = None, grow_blocks: int | None = None):
         if config.max_kv_size is not None:
             raise ValueError("max_kv_size applies to the dense backend only; the paged backend is bounded by "
                              "kv_cache_budget / max_tokens")
@@ -160,19 +173,25 @@ class PagedBackend:
             if config.kv_cache_budget == "auto" and free_bytes is None:
                 free_bytes = free_memory_bytes()
             num_blocks = num_blocks_for_budget(config, self.bytes_per_block, free_bytes)
+        # a chunk: GROW_BYTES worth, or a sixteenth of a smaller pool's budget
+        self.grow_blocks = grow_blocks or max(1, min(GROW_BYTES // max(1, self.bytes_per_block), num_blocks // 16))
+        initial = None if config.preallocate else 1  # growing: nothing but the null block until a block is needed
         # one block id = one page in every layer, so a block costs bytes_per_block whichever group holds it
         self.manager = KVCacheManager(
             num_blocks, config.block_size, self.specs,
             enable_block_reuse=reuse,
             enable_partial_reuse=config.enable_partial_reuse, copy_on_partial_reuse=config.copy_on_partial_reuse,
             hash_algo=config.hash_algo, tenant_share=config.primary_tenant_share,
-            state_snapshot_blocks=self.blocks_per_snapshot,
+            state_snapshot_blocks=self.blocks_per_snapshot, initial_blocks=initial, grow_blocks=self.grow_blocks,
         )
+        allocated = self.manager.pool.allocated
         if config.kv_bits is None:
-            self.storage = PagedStorage(num_blocks, config.block_size, len(keys))
+            self.storage = PagedStorage(allocated, config.block_size, len(keys))
         else:  # quantized pages (kv_bits, groups of kv_group_size along head_dim): quantized_pages.py
-            self.storage = QuantizedPagedStorage(num_blocks, config.block_size, len(keys), bits=config.kv_bits,
+            self.storage = QuantizedPagedStorage(allocated, config.block_size, len(keys), bits=config.kv_bits,
                                                  group_size=config.kv_group_size)
+        self.manager.pool.add_resize_hook(self.storage.resize)
+        self._active_at = time.monotonic()  # last open or release: the idle release counts from here
         self.sequences: dict[int, PagedSequence] = {}
         self.tier = None
         if config.secondary_enabled:
@@ -184,7 +203,32 @@ class PagedBackend:
 
     @property
     def num_blocks(self) -> int:
+        """The pool's capacity in blocks (the null block included): the budget, allocated or not."""
+        return len(self.manager.pool.blocks)
+
+    @property
+    def allocated_blocks(self) -> int:
+        """Blocks whose pages exist now (the null block included): ``num_blocks`` once grown to the budget."""
         return self.storage.num_blocks
+
+    def set_grow_blocks(self, grow_blocks: int) -> None:
+        """Grow by at least ``grow_blocks`` from now on (ranks of one distributed pool agree on it before use)."""
+        self.grow_blocks = self.manager.pool.grow_blocks = max(1, grow_blocks)
+
+    def release_due_in(self) -> float | None:
+        """Seconds until :meth:`release_unused` is due (``idle_release_s`` after the last sequence closed); None
+        while a sequence is open, with nothing above the first chunk to give back, or with the release off."""
+        period = self.config.idle_release_s
+        pool = self.manager.pool
+        if self.config.preallocate or self.sequences or not period or pool.allocated <= 1 + self.grow_blocks:
+            return None
+        return max(0.0, self._active_at + period - time.monotonic())
+
+    def release_unused(self) -> int:
+        """Give back the chunks above the first that no sequence holds (cached blocks there are evicted: to the
+        secondary tier when one is attached); returns how many blocks were given back."""
+        self._active_at = time.monotonic()  # the next idle release is a whole period away
+        return self.manager.pool.release_tail(keep=1 + self.grow_blocks)
 
     def check_overflow(self, config: Any) -> None:
         """Raise ValueError when sequences of this backend cannot run ``config`` (a
@@ -220,6 +264,7 @@ class PagedBackend:
             the sequence (``seq.num_cached`` prompt tokens need no compute; prefill from there).
         """
         request = request or CacheRequest()
+        self._active_at = time.monotonic()
         salt, spans = request.salt, request.spans
         if self.tier is not None:
             self.tier.restore(prompt, salt, spans=spans)  # tier blocks extending the primary hit come back cached
@@ -280,6 +325,7 @@ class PagedBackend:
         """Free the sequence's blocks tail first (verified blocks stay cached for later hits)."""
         seq.release()
         self.sequences.pop(seq.seq_id, None)
+        self._active_at = time.monotonic()
 
     def overflow_host_bytes(self) -> int:
         """Host memory the open sequences' offloaded pages hold (``--kv-overflow offload``)."""

@@ -12,6 +12,11 @@ of a dense cache. The kernels get the page shape through :meth:`PagedStorage.pag
 
 Ownership: this object is the only holder of each page array, and rebinds it to every write's result, so a
 decode write is O(rows) (MLX donates the buffer) — see :mod:`mlxkv.kernels.kv_write_ref`.
+
+Size: ``num_blocks`` pages, the block ids the pool backs now. A growing pool (:mod:`mlxkv.kv.blocks.block_pool`)
+calls :meth:`PagedStorage.resize` when it backs more ids (the arrays are extended with zero pages: one copy, into
+a new sole-owned buffer) or gives the top ones back (the kept prefix copied into a smaller buffer). Block ids
+never move, so every page keeps its index and its values.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import mlx.core as mx
 from mlxkv.kernels import kv_write
 from mlxkv.kernels.geometry import page_runs
 from mlxkv.kernels.kv_write_ref import page_rows, scatter_rows, write_row_runs
+from mlxkv.memory import release_free_memory
 
 #: A gather of pages lying in at most this many runs of consecutive pages concatenates those slices (a few
 #: contiguous copies) instead of indexing every page (measured ~1.8x faster for a 4K-row prefix + a few pages).
@@ -36,7 +42,7 @@ class PagedStorage:
     """Per-layer page arrays over one block pool.
 
     Args:
-        num_blocks: pages per layer (the null block included), the manager's pool size.
+        num_blocks: pages per layer (the null block included): the ids the pool backs now (:meth:`resize`).
         block_size: token rows per page.
         num_layers: model layers (recurrent layers simply never write).
     """
@@ -51,6 +57,22 @@ class PagedStorage:
 
     def allocated(self, layer: int) -> bool:
         return self.k_rows[layer] is not None
+
+    def resize(self, num_blocks: int) -> None:
+        """Hold pages ``[0, num_blocks)`` from now on: added pages are zeros, pages past it are dropped, the rest
+        keep their values. Evaluated here, and freed memory handed back to the system now."""
+        if num_blocks == self.num_blocks:
+            return
+        rows = num_blocks * self.block_size
+        for store in (self.k_rows, self.v_rows):
+            for layer, value in enumerate(store):
+                if value is not None:
+                    store[layer] = None  # the old buffer's last reference goes with the copy
+                    store[layer] = (tuple(_resized(p, rows) for p in value) if isinstance(value, tuple)
+                                    else _resized(value, rows))
+        self.num_blocks = num_blocks
+        mx.eval(self.arrays())
+        release_free_memory()
 
     def pages(self, layer: int) -> tuple[mx.array, mx.array]:
         """The layer's K and V pages ``(kv_heads, num_blocks, block_size, D)`` (views of the stored rows)."""
@@ -151,6 +173,14 @@ class PagedStorage:
 def is_view(runs: list[tuple[int, int]]) -> bool:
     """Whether pages in ``runs`` (:func:`page_runs`) are one run of real blocks: readable as one slice."""
     return len(runs) == 1 and runs[0][0] != 0
+
+
+def _resized(rows: mx.array, n: int) -> mx.array:
+    """``rows`` ``(1, H, N, w)`` as a new array of ``n`` rows: zero rows appended, or the first ``n`` copied."""
+    _, H, N, w = rows.shape
+    if n > N:
+        return mx.concatenate([rows, mx.zeros((1, H, n - N, w), dtype=rows.dtype)], axis=2)  # (1, H, n, w)
+    return mx.contiguous(rows[:, :, :n])  # a copy into its own buffer (the old one is freed with its last view)
 
 
 def _as_pages(rows: mx.array, block_size: int) -> mx.array:
