@@ -111,6 +111,8 @@ class GenerationRequest:
             ``params`` (callers inside the process: ``mlxkv generate``; the HTTP routes never set them).
         kv_overflow: this request's per-sequence KV budget policy (a :class:`mlxkv.config.KvOverflowConfig`;
             ``None``: the engine's pool default, ``mlxkv serve --kv-overflow``); every choice gets it.
+        num_draft_tokens: speculative decoding on an engine that drafts: tokens each choice proposes per step at
+            most (0: this request does not speculate; ``None``: the engine's setting).
         request_id: identifies the request in logs and events.
     """
 
@@ -126,6 +128,7 @@ class GenerationRequest:
     snapshot_at: tuple[int, ...] = ()
     kv_overflow: Any = None
     logits_processors: tuple = ()
+    num_draft_tokens: int | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:
@@ -141,6 +144,8 @@ class GenerationRequest:
                                  f"inside the {len(self.prompt)}-token prompt with a non-empty salt")
         if any(not (isinstance(p, int) and 0 < p <= len(self.prompt)) for p in self.snapshot_at):
             raise ValueError(f"snapshot_at: positions must be in [1, {len(self.prompt)}], got {self.snapshot_at}")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

@@ -9,8 +9,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from mlxkv.config import RunConfig
+from mlxkv.config import RunConfig, SpeculativeConfig
 from mlxkv.engine.batch import BatchEngine, context_length_of
+from mlxkv.engine.speculation import Speculation
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S
 from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.read_timeouts import DEFAULT_HEADER_TIMEOUT_S, protocol_class
@@ -53,6 +54,7 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
     from mlxkv.models import load
     from mlxkv.server.app import create_app
 
+    speculation = speculation_of(run.speculative, distributed is not None)  # refused before the model loads
     loaded = load(run.model, progress=True, dequantize=run.dequantize, chat_template=run.chat_template,
                   tool_parser=run.tool_parser)
     context = context_length_of(loaded.config)
@@ -62,8 +64,9 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
         make_pool, make_engine = distributed.pool, distributed.engine
     pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
     metrics = ServerMetrics()
+    extra = {"speculation": speculation} if speculation is not None else {}
     engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
-                         observer=metrics)
+                         observer=metrics, **extra)
     app = create_app(engine, model_name=model_name or loaded.name, api_key=api_key, max_body_bytes=max_body_bytes,
                      metrics=metrics, manage_engine=manage_engine, allowed_origins=allowed_origins,
                      ui=ui,
@@ -71,6 +74,22 @@ def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = D
                      admin_key=admin_key, flush_timeout_s=flush_timeout_s, metrics_key=metrics_key, tenants=tenants,
                      public_metrics=public_metrics, body_timeout_s=body_timeout_s, responses=responses)
     return ServerParts(loaded, engine, app, metrics)
+
+
+def speculation_of(spec: SpeculativeConfig, distributed: bool) -> Speculation | None:
+    """The engine's speculative decoding for ``spec`` (``--prompt-lookup``, ``--num-draft-tokens``,
+    ``--ngram-size``); None when off.
+
+    Raises:
+        ValueError: a combination serve does not run (a draft model, ``--distributed``), in one line.
+    """
+    if spec.draft_model:
+        raise ValueError("serve speculates by prompt lookup only: use --prompt-lookup instead of --draft-model")
+    if not spec.prompt_lookup:
+        return None
+    if distributed:
+        raise ValueError("--prompt-lookup does not run with --distributed")
+    return Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size)
 
 
 #: The server process's GIL switch interval (seconds). The engine thread builds each step's graph in Python;
