@@ -18,6 +18,7 @@ from mlxkv.cli.options import (
     KV_PANEL,
     MODEL_PANEL,
     SERVER_PANEL,
+    SPECULATIVE_PANEL,
     check_log_level,
     from_rule,
     kv_config,
@@ -26,7 +27,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_folder_option, refuse_unused, refuse_useless_dequantize
+from mlxkv.cli.validate import check_folder_option, given, refuse_unused, refuse_useless_dequantize
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
@@ -156,6 +157,14 @@ def serve(
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
+    prompt_lookup: bool = typer.Option(
+        False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
+        help="Speculative decoding by n-gram lookup in each request's prompt and output (no draft model); a "
+             "request's \"speculative\" field turns it off or sets its draft length."),
+    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, max=16, rich_help_panel=SPECULATIVE_PANEL,
+                                         help="Tokens each sequence proposes per step at most (--prompt-lookup)."),
+    ngram_size: int = typer.Option(3, "--ngram-size", min=1, rich_help_panel=SPECULATIVE_PANEL,
+                                   help="Longest n-gram --prompt-lookup matches."),
 ) -> None:
     """Serve the OpenAI and Anthropic HTTP APIs (streaming, tools, JSON output) from a batching engine.
 
@@ -167,6 +176,9 @@ def serve(
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
                         ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
                         ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])
+    for name, flag in (("num_draft_tokens", "--num-draft-tokens"), ("ngram_size", "--ngram-size")):
+        if not prompt_lookup and given(ctx, name):
+            raise typer.BadParameter("applies to --prompt-lookup only", param_hint=flag)
     model = with_revision(model, revision)
     from mlxkv import env
     from mlxkv.server.compat import parse_origins
@@ -200,13 +212,17 @@ def serve(
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)
-    from mlxkv.config import EngineConfig, RunConfig
+    from mlxkv.config import EngineConfig, RunConfig, SpeculativeConfig
 
     try:
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
+        speculative = SpeculativeConfig(prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
+                                        ngram_size=ngram_size)
         run = RunConfig(model=model, dequantize=dequantize, kv=kv, engine=engine, sampling=sampling, flags=flags,
-                        chat_template=chat_template, tool_parser=tool_parser)
+                        chat_template=chat_template, tool_parser=tool_parser, speculative=speculative)
+        if prompt_lookup and distributed != "off":
+            raise ValueError("--prompt-lookup does not run with --distributed")
         group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -379,9 +379,9 @@ class BatchEngine:
 
     def _speculative_stats(self, totals: dict) -> dict:
         """Speculative decoding's figures: tokens proposed and accepted, their ratio, and tokens committed per
-        decode forward (1.0 without speculation)."""
+        sequence per decode forward (1.0 without speculation)."""
         drafted, accepted = totals["draft_tokens"], totals["accepted_draft_tokens"]
-        steps = totals["decode_steps"]
+        steps = totals["decode_rows"]
         return {"enabled": self.speculation is not None,
                 "num_draft_tokens": self.speculation.num_draft_tokens if self.speculation else None,
                 "verify_steps": totals["verify_steps"], "draft_tokens": drafted, "accepted_tokens": accepted,

@@ -127,6 +127,13 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def speculative(self) -> dict[str, int] | None:
+        """The ``usage`` extension of a request that speculated: tokens its choices proposed and accepted (None
+        when it did not speculate)."""
+        if self.draft_tokens is None:
+            return None
+        return {"proposed_tokens": self.draft_tokens, "accepted_tokens": self.accepted_draft_tokens}
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:

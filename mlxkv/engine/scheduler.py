@@ -93,7 +93,7 @@ class Scheduler:
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
-                           batched_prefills=0, prefills_joined_decode=0, decode_tokens=0, verify_steps=0,
+                           batched_prefills=0, prefills_joined_decode=0, decode_rows=0, decode_tokens=0, verify_steps=0,
                            batched_verify_steps=0, unbatched_verify_steps=0, draft_tokens=0, accepted_draft_tokens=0)
         self.speculation = speculation
         self.runner = runner if runner is not None else ModelRunner(model, batched=batched,
@@ -495,6 +495,7 @@ class Scheduler:
             return None
         self.totals["decode_steps"] += 1
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
+        self.totals["decode_rows"] += len(choices)
         plan = StepPlan(decode=choices, decode_inputs=decode_inputs(choices))
         if any(c.constraint is not None for c in choices):
             plan.masks = lambda logits: self._masks(choices, logits)
@@ -540,6 +541,7 @@ class Scheduler:
             return None
         self.totals["decode_steps"] += 1
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
+        self.totals["decode_rows"] += len(choices)
         plan = StepPlan(decode=choices, drafts=[drafts[id(c)] for c in choices])
         if any(c.constraint is not None for c in choices):
             plan.masks = lambda logits: step_masks(choices, logits.shape[-1], self._fail)

@@ -103,7 +103,7 @@ def check_pool(pool: Any) -> None:
                 name = type(cache).__name__
                 kind = "sliding-window or chunked" if "Rotating" in name or "Chunked" in name else None
             if kind is not None:
-                raise ValueError(f"speculative decoding in serve needs full-attention layers; this model has {kind} "
-                                 "layers (serve it without --prompt-lookup)")
+                raise ValueError(f"speculative decoding in serve needs full-attention KV caches; these have {kind} "
+                                 "layers (the model's, or --max-kv-size): serve without --prompt-lookup")
     finally:
         pool.release(seq.id)

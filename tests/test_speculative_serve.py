@@ -1,0 +1,205 @@
+"""``mlxkv serve --prompt-lookup``: speculative decoding through the official clients, on the random-weight test
+llama. Greedy output equals a server without speculation token for token — concurrent requests verified in one
+batched forward (paged), quantized pages and the dense store (one forward per row), ``n > 1``, stop strings,
+penalties and ``logit_bias``, structured output, ``logprobs``, preemption and resume, a cancelled neighbour — while
+proposals are both accepted and rejected; the ``speculative`` request field on every route; the counts in
+``usage``, ``/metrics`` and ``/v1/cache/stats``; the one-line refusals."""
+
+import concurrent.futures
+import json
+
+import httpx
+import pytest
+from testkit.archs import build_from_config, get_config
+from testkit.models import write_model
+from testkit.run_config import run_config
+from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread
+
+K = 4
+
+
+def cycle(a):
+    """A prompt of ``a, a+1, a+2`` repeated: prompt lookup proposes its continuation."""
+    return [a, a + 1, a + 2] * 8
+
+
+# Token prompts after which the test llama's greedy output repeats itself in part (lookups both accepted and
+# rejected), and one whose output barely repeats.
+PROMPTS = [cycle(73), cycle(192), cycle(122), list(range(10, 40))]
+WIDE_PROMPTS = [cycle(220), cycle(234), cycle(318), cycle(94)]  # the same for the head_dim-32 llama below
+
+
+def complete(client, prompt, **kw):
+    kw.setdefault("max_tokens", 40)
+    kw.setdefault("temperature", 0)
+    return client.completions.create(model="m", prompt=prompt, **kw)
+
+
+def texts(response):
+    return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+
+def together(client, prompts, **kw):
+    """The prompts as concurrent requests (one engine step verifies them together)."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(client, p, **kw), prompts))
+
+
+def speculative_usage(response):
+    return (response.usage.model_extra or {}).get("speculative")
+
+
+@pytest.fixture(scope="module")
+def plain(served):
+    return openai_client(served().url)
+
+
+@pytest.fixture(scope="module")
+def spec_server(served):
+    return served(prompt_lookup=True, num_draft_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def spec(spec_server):
+    return openai_client(spec_server.url)
+
+
+def test_concurrent_greedy_requests_equal_plain_decoding_and_proposals_are_accepted_and_rejected(plain, spec,
+                                                                                                  spec_server):
+    expected = [texts(r) for r in together(plain, PROMPTS)]
+    before = spec_server.parts.engine.stats()["speculative"]
+    got = together(spec, PROMPTS)
+    assert [texts(r) for r in got] == expected
+    used = [speculative_usage(r) for r in got]
+    assert all(u is not None for u in used)
+    proposed, accepted = sum(u["proposed_tokens"] for u in used), sum(u["accepted_tokens"] for u in used)
+    assert 0 < accepted < proposed, used  # both paths of the verification ran
+    stats = spec_server.parts.engine.stats()["speculative"]
+    assert stats["draft_tokens"] - before["draft_tokens"] == proposed
+    assert stats["accepted_tokens"] - before["accepted_tokens"] == accepted
+    assert stats["tokens_per_forward"] > 1.0
+    totals = spec_server.parts.engine.stats()
+    assert totals["batched_verify_steps_total"] > 0  # ragged rows in one forward (paged, full attention)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """The test llama with head_dim 32 (2 heads of hidden 64): quantization groups of 32 divide it, and its
+    greedy output accepts a few lookups of the prompts above."""
+    config = {**get_config("llama"), "num_attention_heads": 2, "num_key_value_heads": 1}
+    return write_model(*build_from_config(config), tmp_path_factory.mktemp("wide-llama"))
+
+
+def equal_outputs(plain, spec, prompts=PROMPTS):
+    expected = [texts(r) for r in together(plain, prompts)]
+    got = together(spec, prompts)
+    assert [texts(r) for r in got] == expected
+    assert sum(speculative_usage(r)["accepted_tokens"] for r in got) > 0
+
+
+def test_quantized_pages_equal_plain_decoding(wide_llama):
+    """--kv-bits 8: the verification rows run one forward each (batched prefill views take unquantized K/V)."""
+    options = dict(kv_backend="paged", kv_bits=8, kv_group_size=32)
+    with serve_in_thread(run_config(str(wide_llama), **options)) as plain_srv, \
+            serve_in_thread(run_config(str(wide_llama), prompt_lookup=True, num_draft_tokens=K, **options)) as srv:
+        equal_outputs(openai_client(plain_srv.url), openai_client(srv.url), WIDE_PROMPTS)
+        assert srv.parts.engine.stats()["unbatched_verify_steps_total"] > 0
+
+
+def test_the_dense_store_equals_plain_decoding(served):
+    equal_outputs(openai_client(served(kv_backend="dense").url),
+                  openai_client(served(kv_backend="dense", prompt_lookup=True, num_draft_tokens=K).url))
+
+
+def test_n_stop_penalties_bias_and_logprobs_keep_their_output(plain, spec):
+    prompt = PROMPTS[0]
+    expected = complete(plain, prompt, n=2, max_tokens=30)
+    got = complete(spec, prompt, n=2, max_tokens=30)
+    assert texts(got) == texts(expected) and len(set(texts(got))) == 1  # greedy: both choices the same
+    assert speculative_usage(got)["accepted_tokens"] > 0
+    full = texts(complete(plain, prompt, max_tokens=40))[0]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert texts(complete(spec, prompt, stop=[stop]))[0] == texts(complete(plain, prompt, stop=[stop]))[0]
+    for extra in ({"frequency_penalty": 0.7, "presence_penalty": 0.3}, {"logit_bias": {"17": 5, "40": -100}}):
+        expected = complete(plain, prompt, **extra)
+        got = complete(spec, prompt, **extra)
+        assert texts(got) == texts(expected)
+        assert speculative_usage(got) is None  # rows with processors decode one token per step
+    expected = complete(plain, prompt, logprobs=2)
+    got = complete(spec, prompt, logprobs=2)
+    assert texts(got) == texts(expected)
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(expected.choices[0].logprobs.token_logprobs,
+                                                                   abs=1e-4)
+
+
+def test_structured_output_and_the_request_field(plain, spec):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    messages = [{"role": "user", "content": "give a"}]
+    expected = plain.chat.completions.create(model="m", messages=messages, max_tokens=40, temperature=0,
+                                             response_format=fmt)
+    got = spec.chat.completions.create(model="m", messages=messages, max_tokens=40, temperature=0,
+                                       response_format=fmt)
+    assert got.choices[0].message.content == expected.choices[0].message.content
+    json.loads(got.choices[0].message.content)
+    prompt = PROMPTS[0]
+    off = complete(spec, prompt, extra_body={"speculative": False})
+    assert speculative_usage(off) is None and texts(off) == texts(complete(plain, prompt))
+    two = complete(spec, prompt, extra_body={"speculative": {"num_draft_tokens": 1}})
+    assert texts(two) == texts(off)
+    used = speculative_usage(two)
+    assert 0 < used["proposed_tokens"] <= 40 and used["accepted_tokens"] > 0
+    with pytest.raises(Exception) as bad:
+        complete(spec, prompt, extra_body={"speculative": {"num_draft_tokens": 0}})
+    assert bad.value.status_code == 400
+
+
+def test_a_server_without_a_drafter_refuses_the_field_on_every_route(served):
+    srv = served()
+    client = openai_client(srv.url)
+    field = {"speculative": {"num_draft_tokens": 2}}
+    calls = [
+        lambda: complete(client, [1, 2, 3], extra_body=field),
+        lambda: client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                               extra_body=field),
+        lambda: client.responses.create(model="m", input="hi", extra_body=field),
+        lambda: anthropic_client(srv.url).messages.create(model="m", max_tokens=4, extra_body=field,
+                                                          messages=[{"role": "user", "content": "hi"}]),
+    ]
+    for call in calls:
+        with pytest.raises(Exception) as refused:
+            call()
+        assert refused.value.status_code == 400
+        assert "speculative" in str(refused.value)
+    assert texts(complete(client, [1, 2, 3], max_tokens=2, extra_body={"speculative": False}))  # off: honoured
+
+
+def test_usage_on_the_other_routes_and_metrics(spec_server, spec):
+    chat = spec.chat.completions.create(model="m", messages=[{"role": "user", "content": "ab ab ab ab ab ab"}],
+                                        max_tokens=20, temperature=0)
+    assert set(speculative_usage(chat)) == {"proposed_tokens", "accepted_tokens"}
+    message = anthropic_client(spec_server.url).messages.create(
+        model="m", max_tokens=20, messages=[{"role": "user", "content": "ab ab ab ab ab"}])
+    assert "proposed_tokens" in message.usage.model_extra["speculative"]
+    response = spec.responses.create(model="m", input="ab ab ab ab", max_output_tokens=20, temperature=0)
+    assert "accepted_tokens" in response.usage.model_extra["speculative"]
+    metrics = httpx.get(spec_server.url + "/metrics").text
+    for name in ("mlxkv_speculative_draft_tokens_total", "mlxkv_speculative_accepted_tokens_total",
+                 "mlxkv_speculative_acceptance_rate", "mlxkv_decode_tokens_per_forward"):
+        assert name in metrics, name
+    stats = httpx.get(spec_server.url + "/v1/cache/stats").json()["speculative"]
+    assert stats["enabled"] and stats["num_draft_tokens"] == K and 0 < stats["acceptance_rate"] < 1
+
+
+def test_preemption_and_a_cancelled_neighbour_keep_greedy_output(served, plain):
+    """A KV budget that holds about two of the four sequences: rows are preempted mid-speculation and resume."""
+    expected = [texts(r) for r in together(plain, PROMPTS, max_tokens=60)]
+    srv = served(prompt_lookup=True, num_draft_tokens=K, kv_block_size=4, kv_cache_budget=80_000)
+    spec = openai_client(srv.url)
+    got = together(spec, PROMPTS, max_tokens=60)
+    assert [texts(r) for r in got] == expected
+    assert srv.parts.engine.stats()["preemptions"] > 0
+    stream = spec.completions.create(model="m", prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()  # cancelled mid-generation; the engine goes on with the others
+    assert [texts(r) for r in together(spec, PROMPTS, max_tokens=60)] == expected
