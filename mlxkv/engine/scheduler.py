@@ -577,6 +577,8 @@ class Scheduler:
             self.totals["decode_tokens"] += len(tokens)
             c.job.draft_tokens += drafted
             c.job.accepted_draft_tokens += accepted
+            if c.drafter is not None:
+                c.drafter.verified(drafted, accepted)
             for token in tokens:
                 self._emit(c, token, now)
                 if c.done or c.job.finished:

@@ -47,7 +47,13 @@ class Speculation:
 
 
 class RowDrafter:
-    """One decoding choice's drafter: its prompt-lookup index over the prompt and every token it emitted.
+    """One decoding choice's drafter: its prompt-lookup index over the prompt and every token it emitted, and how
+    many tokens to propose next.
+
+    The draft length adapts to how the row's text goes: it doubles (up to ``k``) after a step that accepted every
+    proposed token — the answer is copying a stretch of its prompt, and a longer verification row costs little
+    more than a short one — and falls back to one more than the accepted count after a rejection, so text that
+    does not repeat its prompt pays for short rows only. Which tokens are proposed never changes the output.
 
     Args:
         prompt: the request's prompt tokens.
@@ -57,6 +63,7 @@ class RowDrafter:
 
     def __init__(self, prompt: list[int], k: int, ngram_size: int):
         self.k = k
+        self.length = min(k, 2)  # the next proposal's length
         self.lookup = PromptLookupDrafter(ngram_size=ngram_size)
         self.lookup.begin(list(prompt), None, vocab_size=0, max_draft=k)  # type: ignore[arg-type]
 
@@ -65,9 +72,15 @@ class RowDrafter:
         self.lookup.commit(Draft([]), 0, token)
 
     def propose(self, budget: int) -> list[int]:
-        """Up to ``min(k, budget)`` tokens that may follow the emitted ones (none when ``budget`` < 1)."""
-        k = min(self.k, budget)
+        """Up to ``min(length, budget)`` tokens that may follow the emitted ones (none when ``budget`` < 1)."""
+        k = min(self.length, budget)
         return self.lookup.propose(k).tokens if k > 0 else []
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """The last proposal's outcome: ``accepted`` of its ``proposed`` tokens were kept."""
+        if proposed == 0:
+            return
+        self.length = min(self.k, 2 * self.length) if accepted == proposed else max(1, accepted + 1)
 
 
 def may_speculate(request: Any, sampler: Any, constrained: bool, overflow: Any) -> bool:
