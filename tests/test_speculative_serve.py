@@ -15,6 +15,8 @@ from testkit.models import write_model
 from testkit.run_config import run_config
 from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread
 
+pytestmark = [pytest.mark.float_order, pytest.mark.server]
+
 K = 4
 
 
@@ -203,3 +205,23 @@ def test_preemption_and_a_cancelled_neighbour_keep_greedy_output(served, plain):
     next(iter(stream))
     stream.close()  # cancelled mid-generation; the engine goes on with the others
     assert [texts(r) for r in together(spec, PROMPTS, max_tokens=60)] == expected
+
+
+@pytest.mark.parametrize("case", ["window", "overflow", "max-kv-size", "flag-alone", "distributed"])
+def test_serve_refuses_what_speculation_cannot_run_in_one_line(case, test_model_dir, llama_dir):
+    """Stores that cannot rewind exactly, and combinations serve does not run, fail before serving: one line,
+    non-zero exit."""
+    from typer.testing import CliRunner
+
+    from mlxkv.cli.main import app
+
+    args = {"window": ["-m", str(test_model_dir("gemma3_text")), "--prompt-lookup"],
+            "overflow": ["-m", llama_dir, "--prompt-lookup", "--kv-overflow", "window", "--kv-overflow-budget", "64"],
+            "max-kv-size": ["-m", llama_dir, "--prompt-lookup", "--kv-backend", "dense", "--max-kv-size", "64"],
+            "flag-alone": ["-m", llama_dir, "--num-draft-tokens", "4"],
+            "distributed": ["-m", llama_dir, "--prompt-lookup", "--distributed", "tensor"]}[case]
+    result = CliRunner().invoke(app, ["serve", *args, "--port", "0"])
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error" in lines[0].lower(), result.output
+    assert any(word in lines[0] for word in ("speculative", "--prompt-lookup", "--num-draft-tokens")), lines[0]

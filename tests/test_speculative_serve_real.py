@@ -10,7 +10,7 @@ import pytest
 from testkit.real_model import GGUF
 from testkit.serve_thread import openai_client, serve_in_thread
 
-pytestmark = [pytest.mark.real_model, pytest.mark.server]
+pytestmark = [pytest.mark.real_model, pytest.mark.float_order, pytest.mark.server, pytest.mark.slow]
 
 CODE = "\n".join((Path(__file__).resolve().parents[1] / "mlxkv/engine/verify.py").read_text().splitlines()[60:80])
 EDITS = [("target_logits", "scores"), ("draft", "proposal")]

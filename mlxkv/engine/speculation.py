@@ -100,7 +100,6 @@ def check_pool(pool: Any) -> None:
         ValueError: naming what the store has.
     """
     from mlxkv.engine.rewind import flatten_caches, is_recurrent
-    from mlxkv.kv.paged.layer_cache import PagedLayerCache
 
     if getattr(pool, "overflow", None) is not None:
         raise ValueError("speculative decoding cannot run with --kv-overflow: pages an overflow policy evicts cannot "
@@ -110,11 +109,10 @@ def check_pool(pool: Any) -> None:
         for cache in flatten_caches(seq.caches):
             if is_recurrent(cache):
                 kind = "recurrent (state-space / linear-attention)"
-            elif isinstance(cache, PagedLayerCache):
-                kind = None if cache.window is None and cache.chunk_size is None else "sliding-window or chunked"
-            else:
+            else:  # paged layers say their window / chunk; dense ones their layout
                 name = type(cache).__name__
-                kind = "sliding-window or chunked" if "Rotating" in name or "Chunked" in name else None
+                windowed = getattr(cache, "window", None) is not None or getattr(cache, "chunk_size", None) is not None
+                kind = "sliding-window or chunked" if windowed or "Rotating" in name or "Chunked" in name else None
             if kind is not None:
                 raise ValueError(f"speculative decoding in serve needs full-attention KV caches; these have {kind} "
                                  "layers (the model's, or --max-kv-size): serve without --prompt-lookup")
