@@ -106,9 +106,10 @@ def model_tokenizer(model: str):
 
 
 def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
-                 kv_budget: int | None = None, extra: list[str] | None = None) -> subprocess.Popen:
+                 kv_budget: int | None = None, extra: list[str] | None = None,
+                 timeout: float = 180) -> subprocess.Popen:
     """Start server ``name`` ("mlxkv" or "mlx-lm") on ``model`` with ``extra`` options of its own and wait until
-    it answers /v1/models."""
+    it answers /v1/models (at most ``timeout`` seconds)."""
     if name == "mlxkv":
         cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
@@ -122,7 +123,7 @@ def start_server(name: str, model: str, port: int, max_sequences: int, kv_backen
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log = log
     try:
-        wait_for_health(f"http://127.0.0.1:{port}", proc, log, timeout=180, path="/v1/models")
+        wait_for_health(f"http://127.0.0.1:{port}", proc, log, timeout=timeout, path="/v1/models")
     except RuntimeError as exc:
         proc.kill()
         raise RuntimeError(f"{name}: {exc}") from None

@@ -182,7 +182,7 @@ def main() -> None:
         try:
             for name, (kind, model, flags) in servers.items():
                 port = free_port()
-                procs[name] = start_server(kind, model, port, args.max_sequences, extra=flags)
+                procs[name] = start_server(kind, model, port, args.max_sequences, extra=flags, timeout=900)
                 urls[name] = f"http://127.0.0.1:{port}"
             print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
                   f"({os.cpu_count()} CPUs, shared)", flush=True)

@@ -41,7 +41,8 @@ class ModelRunner:
         """Run ``plan``'s forwards and sampling: its prefill chunks (one forward each, or all in one when
         ``plan.together``), else its decode rows (one forward, then each row's token under its grammar mask, the
         masks computed once the forward is queued), or a verification step's rows (one forward over every row's
-        input and proposal, then each row's accepted tokens, :mod:`mlxkv.engine.verify_rows`). A failed forward is returned as ``error``, not raised."""
+        input and proposal, then each row's accepted tokens, :mod:`mlxkv.engine.verify_rows`). A failed forward is
+        returned as ``error``, not raised."""
         out = StepOutput()
         try:
             if plan.together:

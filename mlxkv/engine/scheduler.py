@@ -531,7 +531,8 @@ class Scheduler:
                 continue
             if choice.input_known_to_pool:  # the opened tokens' last: its slot only is taken
                 choice.seq.reserve_last()
-                choice.seq.feed(draft) if draft else None
+                if draft:
+                    choice.seq.feed(draft)
             else:
                 choice.seq.feed([choice.next_input, *draft])
             choice.input_known_to_pool = False

@@ -84,7 +84,8 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily("mlxkv_speculative_acceptance_rate", "Accepted / proposed tokens since start.",
                                     value=float(spec.get("acceptance_rate", 0.0)))
             yield GaugeMetricFamily("mlxkv_decode_tokens_per_forward", "Tokens committed per decode forward, per "
-                                    "sequence (1.0 without speculation).", value=float(spec.get("tokens_per_forward", 0.0)))
+                                    "sequence (1.0 without speculation).",
+                                    value=float(spec.get("tokens_per_forward", 0.0)))
         snaps = s.get("state_snapshots") or {}
         if snaps.get("enabled"):  # models with recurrent layers (paged)
             yield GaugeMetricFamily("mlxkv_state_snapshots", "Recurrent-state snapshots stored in the KV block pool.",
