@@ -225,3 +225,30 @@ def test_serve_refuses_what_speculation_cannot_run_in_one_line(case, test_model_
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "error" in lines[0].lower(), result.output
     assert any(word in lines[0] for word in ("speculative", "--prompt-lookup", "--num-draft-tokens")), lines[0]
+
+
+def test_cached_blocks_hold_only_committed_tokens(spec_server, served):
+    """Token ids through the engine: after speculation with rejections, every cached chain of the prefix cache is a
+    prefix of some request's prompt + generated tokens (a rejected proposal never reached a block hash)."""
+    from mlxkv.engine.request import GenerationRequest
+    from mlxkv.engine.sampling import SamplingParams
+
+    def run(engine):
+        handles = [engine.submit(GenerationRequest(list(p), SamplingParams(max_tokens=40))) for p in PROMPTS]
+        return [[e.token for e in h if e.kind == "token"] for h in handles]
+
+    engine = spec_server.parts.engine
+    before = engine.stats()["speculative"]
+    generated = run(engine)
+    assert generated == run(served().parts.engine)  # token for token
+    after = engine.stats()["speculative"]
+    assert after["accepted_tokens"] - before["accepted_tokens"] < after["draft_tokens"] - before["draft_tokens"]
+    sequences = [list(p) + g for p, g in zip(PROMPTS, generated)]
+    nodes = engine.block_map()["tree"]["nodes"]
+    chains: dict = {}
+    for node in nodes:  # depth-first: a node's parent came before it
+        chain = chains.get(node["parent"], []) + node["tokens"]
+        chains[node["block"]] = chain
+        ours = [s for s in sequences if s[: len(node["tokens"])] == chain[: len(node["tokens"])]]
+        assert not ours or any(s[: len(chain)] == chain for s in ours), chain  # (chains of other prompts: skipped)
+    assert any(len(c) > len(PROMPTS[0]) and c[:24] == PROMPTS[0] for c in chains.values())  # outputs cached too
