@@ -18,7 +18,6 @@ from mlxkv.cli.options import (
     KV_PANEL,
     MODEL_PANEL,
     SERVER_PANEL,
-    SPECULATIVE_PANEL,
     check_log_level,
     from_rule,
     kv_config,
@@ -157,14 +156,9 @@ def serve(
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
-    prompt_lookup: bool = typer.Option(
-        False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
-        help="Speculative decoding by n-gram lookup in each request's prompt and output (no draft model); a "
-             "request's \"speculative\" field turns it off or sets its draft length."),
-    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", min=1, max=16, rich_help_panel=SPECULATIVE_PANEL,
-                                         help="Tokens each sequence proposes per step at most (--prompt-lookup)."),
-    ngram_size: int = typer.Option(3, "--ngram-size", min=1, rich_help_panel=SPECULATIVE_PANEL,
-                                   help="Longest n-gram --prompt-lookup matches."),
+    prompt_lookup: bool = options.PROMPT_LOOKUP,
+    num_draft_tokens: int = options.NUM_DRAFT_TOKENS,
+    ngram_size: int = options.NGRAM_SIZE,
 ) -> None:
     """Serve the OpenAI and Anthropic HTTP APIs (streaming, tools, JSON output) from a batching engine.
 
