@@ -227,9 +227,11 @@ def test_serve_refuses_what_speculation_cannot_run_in_one_line(case, test_model_
     assert any(word in lines[0] for word in ("speculative", "--prompt-lookup", "--num-draft-tokens")), lines[0]
 
 
-def test_cached_blocks_hold_only_committed_tokens(spec_server, served):
+def test_cached_blocks_hold_only_committed_tokens(served):
     """Token ids through the engine: after speculation with rejections, every cached chain of the prefix cache is a
-    prefix of some request's prompt + generated tokens (a rejected proposal never reached a block hash)."""
+    prefix of some request's prompt + generated tokens (a rejected proposal never reached a block hash). A server of
+    its own: other tests' requests cache other continuations of the same prompts."""
+    spec_server = served(prompt_lookup=True, num_draft_tokens=K, ngram_size=3)
     from mlxkv.engine.request import GenerationRequest
     from mlxkv.engine.sampling import SamplingParams
 
