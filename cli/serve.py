@@ -26,7 +26,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_folder_option, refuse_unused, refuse_useless_dequantize
+from mlxkv.cli.validate import check_folder_option, given, refuse_unused, refuse_useless_dequantize
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
@@ -181,6 +181,9 @@ def serve(
     distributed_timeout: float = typer.Option(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
+    prompt_lookup: bool = options.PROMPT_LOOKUP,
+    num_draft_tokens: int = options.NUM_DRAFT_TOKENS,
+    ngram_size: int = options.NGRAM_SIZE,
 ) -> None:
     """Serve the OpenAI and Anthropic HTTP APIs (streaming, tools, JSON output) from a batching engine.
 
@@ -192,6 +195,9 @@ def serve(
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
                         ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
                         ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])
+    for name, flag in (("num_draft_tokens", "--num-draft-tokens"), ("ngram_size", "--ngram-size")):
+        if not prompt_lookup and given(ctx, name):
+            raise typer.BadParameter("applies to --prompt-lookup only", param_hint=flag)
     from mlxkv.cli.served_models import named, served_models
 
     try:
@@ -243,16 +249,20 @@ def serve(
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                  repetition_penalty=repetition_penalty, max_tokens=max_tokens,
                                  chat_template_kwargs=chat_template_kwargs)
-    from mlxkv.config import EngineConfig, RunConfig
+    from mlxkv.config import EngineConfig, RunConfig, SpeculativeConfig
 
     try:
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
+        speculative = SpeculativeConfig(prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
+                                        ngram_size=ngram_size)
         run = RunConfig(model=None if several else model, dequantize=dequantize, kv=kv, engine=engine,
                         sampling=sampling, flags=flags, chat_template=chat_template, tool_parser=tool_parser,
-                        adapter_path=adapter_path)
+                        adapter_path=adapter_path, speculative=speculative)
         if adapter_path is not None and distributed != "off":
             raise ValueError("--adapter-path: a LoRA adapter runs on one process: drop --distributed")
+        if prompt_lookup and distributed != "off":
+            raise ValueError("--prompt-lookup does not run with --distributed")
         group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -21,6 +21,7 @@ from mlxkv.cli.options import (
     MODEL_PANEL,
     OUTPUT_PANEL,
     SAMPLING_PANEL,
+    SPECULATIVE_PANEL,
     from_rule,
 )
 from mlxkv.cli.validate import check_adapter_option, check_file_option, check_stop, check_utf8
@@ -137,3 +138,10 @@ __all__ = ["MODEL", "REVISION", "DEQUANTIZE", "ADAPTER_PATH", "CHAT_TEMPLATE", "
            "TOP_P", "TOP_K", "MIN_P", "SEED", "STOP", "REPETITION_PENALTY", "CHAT_TEMPLATE_KWARGS", "EXTRA_EOS_TOKEN", "KV_BACKEND", "KV_BLOCK_SIZE", "STATE_SNAPSHOT_INTERVAL",
            "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
            "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]
+
+PROMPT_LOOKUP = typer.Option(False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
+                             help="Speculative decoding by n-gram lookup in the prompt and output (no draft model).")
+NUM_DRAFT_TOKENS = typer.Option(3, "--num-draft-tokens", min=1, rich_help_panel=SPECULATIVE_PANEL,
+                                help="Tokens drafted per step at most.")
+NGRAM_SIZE = typer.Option(3, "--ngram-size", min=1, rich_help_panel=SPECULATIVE_PANEL,
+                          help="Longest n-gram --prompt-lookup matches.")

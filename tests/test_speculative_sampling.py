@@ -175,3 +175,57 @@ def test_prompt_lookup_greedy_on_a_repeating_model_is_exact_and_fast():
     assert list(engine.generate_tokens(PROMPT, params)) == expected
     stats = engine.last_stats
     assert stats.acceptance_rate > 0.9 and stats.tokens_per_forward > 4
+
+
+class _NoEosTokenizer:
+    """What the engine step's text streams need of a tokenizer: no EOS, a detokenizer that writes nothing."""
+
+    eos_token_ids: set = set()
+
+    class _Detokenizer:
+        last_segment = ""
+
+        def add_token(self, token):
+            pass
+
+        def finalize(self):
+            pass
+
+    @property
+    def detokenizer(self):
+        return self._Detokenizer()
+
+
+@pytest.mark.slow
+def test_engine_step_sampled_speculation_keeps_the_target_distribution():
+    """``mlxkv serve --prompt-lookup``'s path: 16 requests decode together in the engine step (the scheduler's
+    verification rows, each accepting its own prefix by rejection sampling), at temperature 1."""
+    from mlxkv.engine.request import GenerationRequest, RequestHandle
+    from mlxkv.engine.scheduler import Job, Scheduler
+    from mlxkv.engine.speculation import Speculation
+
+    n, temp = 1000, 1.0
+    sched = Scheduler(CYCLIC, _NoEosTokenizer(), toy_pool(CYCLIC), max_sequences=16, batched=False,
+                      speculation=Speculation(num_draft_tokens=3, ngram_size=2))
+    mx.random.seed(4321)
+    jobs = []
+    for _ in range(n):
+        request = GenerationRequest(list(PROMPT), SamplingParams(max_tokens=T, temp=temp))
+        jobs.append(Job(request=request, handle=RequestHandle(request), max_tokens=T))
+        sched.add(jobs[-1])
+    while sched.has_work():
+        sched.step()
+    samples = [tuple(e.token for e in job.handle if e.kind == "token") for job in jobs]
+    assert all(len(s) == T for s in samples)
+    totals = sched.totals
+    assert totals["max_batch"] == 16 and totals["verify_steps"] > 0
+    assert 0.1 < totals["accepted_draft_tokens"] / totals["draft_tokens"] < 0.9, "need acceptances and rejections"
+    exact = exact_distribution(CYCLIC, temp)
+    for idx in [(1,), (2,), (3,), (1, 2), (2, 3)]:
+        probs = marginal(exact, idx)
+        counts: dict = {}
+        for s in samples:
+            key = tuple(s[i] for i in idx)
+            counts[key] = counts.get(key, 0) + 1
+        stat, critical = chi_square_ok(counts, probs, n)
+        assert stat < critical, f"positions {idx}: chi2 {stat:.1f} >= {critical:.1f}"

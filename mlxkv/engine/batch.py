@@ -32,6 +32,7 @@ from mlxkv.engine.request import (
     RequestHandle,
 )
 from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
+from mlxkv.engine.speculation import Speculation, check_pool
 from mlxkv.kernels.fast_exp import fast_exp2_ready
 from mlxkv.config import EngineConfig
 from mlxkv.kv import CachePool
@@ -68,11 +69,15 @@ class BatchEngine:
         pool: the CachePool (default: mlxkv layouts, ``config.max_sequences`` sequences).
         context_length: longest prompt + output in tokens (``None``: unlimited).
         observer: receives timings (time to first token, time per output token) on the engine thread.
+        speculation: speculative decoding by prompt lookup (:mod:`mlxkv.engine.speculation`; None: off).
+
+    Raises:
+        ValueError: settings the pool cannot run (speculation over layers it cannot rewind exactly).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, config: EngineConfig | None = None,
                  pool: CachePool | None = None, context_length: int | None = None,
-                 observer: EngineObserver | None = None):
+                 observer: EngineObserver | None = None, speculation: Speculation | None = None):
         self.config = config or EngineConfig()
         self.pool = pool if pool is not None else CachePool(model, max_sequences=self.config.max_sequences)
         if self.pool.max_sequences < self.config.max_sequences:
@@ -82,9 +87,13 @@ class BatchEngine:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size_of(model)
+        if speculation is not None:
+            check_pool(self.pool)
+        self.speculation = speculation
         self._scheduler = Scheduler(model, tokenizer, self.pool, max_sequences=self.config.max_sequences,
                                     prefill_chunk_size=self.config.prefill_chunk_size, observer=observer,
-                                    on_dequeue=self._dequeued, intake=self._take_submissions)
+                                    on_dequeue=self._dequeued, intake=self._take_submissions,
+                                    speculation=speculation)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted (or dropped)
@@ -381,6 +390,17 @@ class BatchEngine:
         self._kv_stats_at = now
         return self._kv_stats
 
+    def _speculative_stats(self, totals: dict) -> dict:
+        """Speculative decoding's figures: tokens proposed and accepted, their ratio, and tokens committed per
+        sequence per decode forward (1.0 without speculation)."""
+        drafted, accepted = totals["draft_tokens"], totals["accepted_draft_tokens"]
+        steps = totals["decode_rows"]
+        return {"enabled": self.speculation is not None,
+                "num_draft_tokens": self.speculation.num_draft_tokens if self.speculation else None,
+                "verify_steps": totals["verify_steps"], "draft_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "tokens_per_forward": totals["decode_tokens"] / steps if steps else 0.0}
+
     def _publish(self) -> None:
         sched = self._scheduler
         totals = sched.totals
@@ -406,6 +426,7 @@ class BatchEngine:
             "kv_blocks": {"paged": False, "used": 0, "free": 0, "cached": 0},
             "evictions": 0,
             "preemptions": totals["preemptions"],
+            "speculative": self._speculative_stats(totals),
             **self._paged_stats(force=not sched.has_work()),
             **{f"{k}_total" if k not in ("max_batch", "preemptions", "prefix_queries", "prefix_hits") else k: v
                for k, v in totals.items() if k not in ("preemptions", "prefix_queries", "prefix_hits")},

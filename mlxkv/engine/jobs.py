@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -43,6 +44,8 @@ class Job:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache served at its first open (paged)
     queried: bool = False  # cached_tokens is set
+    draft_tokens: int = 0  # tokens its choices proposed (speculative decoding)
+    accepted_draft_tokens: int = 0  # of those, verified and committed
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
@@ -77,6 +80,8 @@ class Choice:
     # The grammar its output follows (``response_format``, forced tool calls), advanced by each emitted token
     # (:mod:`mlxkv.engine.constraints`); ``None`` when free, and once the choice is closed.
     constraint: TokenConstraint | None = None
+    # Speculative decoding: its prompt-lookup drafter (:mod:`mlxkv.engine.speculation`; None: it does not propose).
+    drafter: Any = None
 
 
 @dataclass(eq=False)

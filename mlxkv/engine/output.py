@@ -120,10 +120,19 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (paged storage)
+    draft_tokens: int | None = None  # speculative decoding: tokens proposed (None: the request did not speculate)
+    accepted_draft_tokens: int = 0  # of those, accepted
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    def speculative(self) -> dict[str, int] | None:
+        """The ``usage`` extension of a request that speculated: tokens its choices proposed and accepted (None
+        when it did not speculate)."""
+        if self.draft_tokens is None:
+            return None
+        return {"proposed_tokens": self.draft_tokens, "accepted_tokens": self.accepted_draft_tokens}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +199,9 @@ def emit_token(choice: Any, token: int, now: float, observer: Any) -> str | None
 
 def end_event(job: Any) -> Any:
     """A finished request's terminal event, with its usage."""
-    return Event("done", usage=Usage(len(job.request.prompt), job.completion_tokens, job.cached_tokens))
+    speculated = any(c.drafter is not None for c in job.choices)
+    return Event("done", usage=Usage(len(job.request.prompt), job.completion_tokens, job.cached_tokens,
+                                     job.draft_tokens if speculated else None, job.accepted_draft_tokens))
 
 
 Deliver = Callable[[Any], None]  # runs on the loop: hands one event to its consumer

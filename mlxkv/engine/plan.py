@@ -48,6 +48,9 @@ class StepPlan:
         decode: the choices decoding one token each (``decode_inputs`` ``(B, 1)``, lazily built).
         masks: ``masks(logits)`` gives the decode rows' grammar masks, called once the forward is queued (None: no
             constrained row).
+        drafts: a verification step (speculative decoding): each decode row's proposed tokens, aligned with
+            ``decode`` (empty: the row decodes one token); row b feeds ``[c.next_input, *drafts[b]]`` and
+            ``decode_inputs`` is unused. Empty list: a plain decode step.
     """
 
     cancelled: list[Job] = field(default_factory=list)
@@ -58,6 +61,7 @@ class StepPlan:
     decode: list[Choice] = field(default_factory=list)
     decode_inputs: mx.array | None = None
     masks: Callable[[mx.array], list | None] | None = None
+    drafts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +72,8 @@ class StepOutput:
         prefill_logits: per chunk of ``plan.prefills``, its last position's logits ``(1, vocab)`` (None where not
             wanted).
         tokens: the decode rows' sampled tokens ``(B,)`` uint32, evaluated asynchronously (read them later).
+        committed: a verification step's tokens per decode row (its accepted drafts, then the target's token),
+            read already.
         error: the exception the forward raised (the scheduler fails the requests it touches).
         row_errors: decode rows whose own sampling raised (row -> exception; their tokens are placeholders): the
             scheduler fails those rows' requests only.
@@ -75,5 +81,6 @@ class StepOutput:
 
     prefill_logits: list[mx.array | None] = field(default_factory=list)
     tokens: mx.array | None = None
+    committed: list[list[int]] = field(default_factory=list)
     error: BaseException | None = None
     row_errors: dict[int, BaseException] = field(default_factory=dict)

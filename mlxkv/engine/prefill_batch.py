@@ -31,6 +31,19 @@ def last_rows(logits: mx.array, lengths: Sequence[int]) -> mx.array:
     return logits[rows, mx.array(lengths, dtype=mx.int32) - 1]  # (B, vocab)
 
 
+def forward_together(model: Any, seq_caches: Sequence[Sequence[Any]], rows: Sequence[Sequence[int]]) -> mx.array:
+    """Row ``rows[b]`` into sequence b's caches, all in one forward; every position's logits ``(B, Lmax, vocab)``
+    (lazy; row b's first ``len(rows[b])`` are real).
+
+    Raises:
+        BatchUnsupported: the layers cannot be batched (raised before any cache is written).
+    """
+    views = make_prefill_views(seq_caches, [len(r) for r in rows])
+    logits = model(prefill_inputs(rows), cache=views)  # (B, Lmax, vocab)
+    check_attended(views)
+    return logits
+
+
 def prefill_together(model: Any, seq_caches: Sequence[Sequence[Any]], chunks: Sequence[Sequence[int]]) -> mx.array:
     """Prefill chunk ``chunks[b]`` into sequence b's caches ``seq_caches[b]``, all in one forward.
 

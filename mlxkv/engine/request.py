@@ -114,6 +114,8 @@ class GenerationRequest:
             them and of every later block.
         kv_overflow: this request's per-sequence KV budget policy (a :class:`mlxkv.config.KvOverflowConfig`;
             ``None``: the engine's pool default, ``mlxkv serve --kv-overflow``); every choice gets it.
+        num_draft_tokens: speculative decoding on an engine that drafts: tokens each choice proposes per step at
+            most (0: this request does not speculate; ``None``: the engine's setting).
         request_id: identifies the request in logs and events.
     """
 
@@ -130,6 +132,7 @@ class GenerationRequest:
     kv_overflow: Any = None
     logits_processors: tuple = ()
     media: tuple = ()
+    num_draft_tokens: int | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     def __post_init__(self) -> None:
@@ -147,6 +150,8 @@ class GenerationRequest:
             raise ValueError(f"snapshot_at: positions must be in [1, {len(self.prompt)}], got {self.snapshot_at}")
         if any(not 0 <= m.start < m.end <= len(self.prompt) for m in self.media):
             raise ValueError(f"media: every image span must lie inside the {len(self.prompt)}-token prompt")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

@@ -49,6 +49,7 @@ class RowSampler:
 
     def __init__(self, params: SamplingParams, seed: int | None = None, *, prompt: Sequence[int] = (),
                  logprobs: int | None = None):
+        self.params = params
         self.greedy = params.temp == 0
         self._temp = params.temp
         self._filters = params.filters()
@@ -67,6 +68,11 @@ class RowSampler:
         seed = request.params.seed
         return cls(request.params, seed=None if seed is None else seed + index, prompt=request.prompt,
                    logprobs=request.logprobs)
+
+    @property
+    def processors(self) -> tuple[LogitsProcessor, ...]:
+        """The logits processors this row applies (penalties, logit bias, the caller's own)."""
+        return tuple(self._processors)
 
     @property
     def plain(self) -> bool:

@@ -14,8 +14,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.engine.plan import StepOutput, StepPlan
-from mlxkv.engine.prefill_batch import prefill_together
+from mlxkv.engine.prefill_batch import forward_together, prefill_together
 from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
+from mlxkv.engine.verify_rows import verify_rows
 from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
 from mlxkv.vision.spans import ImageSpan, chunk_embeddings, overlapping
 
@@ -32,8 +33,8 @@ class ModelRunner:
         model: the mlx-lm model (attention hook installed for batch views).
         batched: decode several sequences in one forward through batch views.
         batched_prefill: prefill several short chunks in one forward (:mod:`mlxkv.engine.prefill_batch`).
-        totals: the scheduler's counters; the runner adds ``batched_steps``, ``unbatched_steps`` and
-            ``batched_prefills``.
+        totals: the scheduler's counters; the runner adds ``batched_steps``, ``unbatched_steps``,
+            ``batched_prefills`` and (verification steps) ``batched_verify_steps``, ``unbatched_verify_steps``.
     """
 
     def __init__(self, model: Any, *, batched: bool, batched_prefill: bool, totals: dict[str, int]):
@@ -45,7 +46,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``'s forwards and sampling: its prefill chunks (one forward each, or all in one when
         ``plan.together``), else its decode rows (one forward, then each row's token under its grammar mask, the
-        masks computed once the forward is queued). A failed forward is returned as ``error``, not raised."""
+        masks computed once the forward is queued), or a verification step's rows (one forward over every row's
+        input and proposal, then each row's accepted tokens, :mod:`mlxkv.engine.verify_rows`). A failed forward is
+        returned as ``error``, not raised."""
         out = StepOutput()
         try:
             if plan.together and not any(_has_images(c) for c in plan.prefills):
@@ -54,6 +57,12 @@ class ModelRunner:
             elif plan.prefills:
                 out.prefill_logits = [self.prefill(c.task.seq, c.tokens, c.want_logits, c.task.job.request.media,
                                                    c.start) for c in plan.prefills]
+            elif plan.drafts:
+                rows = [[c.next_input, *d] for c, d in zip(plan.decode, plan.drafts)]
+                logits = self.forward_rows([c.seq for c in plan.decode], rows)  # (B, Lmax, vocab)
+                masks = plan.masks(logits[:, 0, :]) if plan.masks is not None else None
+                out.committed = verify_rows(logits, plan.drafts, [c.sampler for c in plan.decode], masks,
+                                            out.row_errors)
             elif plan.decode:
                 logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs)  # (B, vocab)
                 masks = plan.masks(logits) if plan.masks is not None else None
@@ -104,6 +113,28 @@ class ModelRunner:
     def forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
         """Token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``; the next-token logits ``(B, vocab)`` (lazy)."""
         return self._forward(seqs, inputs)
+
+    def forward_rows(self, seqs: Sequence[Any], rows: Sequence[Sequence[int]]) -> mx.array:
+        """Row ``rows[b]`` (its decode input and proposed tokens, ragged) appended to ``seqs[b]``; every position's
+        logits ``(B, Lmax, vocab)`` (lazy; row b's first ``len(rows[b])`` are real). One forward through batched
+        prefill views where every layer allows it (full attention, unquantized pages), else one forward per row."""
+        width = max(len(r) for r in rows)
+        if self.batched and len(seqs) > 1:
+            try:
+                logits = forward_together(self.model, [s.caches for s in seqs], rows)  # (B, Lmax, vocab)
+            except BatchUnsupported:
+                pass  # raised before any cache was written
+            else:
+                self.totals["batched_verify_steps"] += 1
+                return logits
+        self.totals["unbatched_verify_steps"] += 1
+        outs = []
+        for s, r in zip(seqs, rows):
+            logits = self.model(mx.array(list(r), dtype=mx.uint32)[None], cache=s.caches)  # (1, len(r), vocab)
+            if len(r) < width:
+                logits = mx.concatenate([logits, mx.repeat(logits[:, -1:], width - len(r), axis=1)], axis=1)
+            outs.append(logits)
+        return mx.concatenate(outs, axis=0)  # (B, Lmax, vocab)
 
     def sample(self, logits: mx.array, samplers: Sequence[RowSampler],
                masks: Sequence[np.ndarray | None] | None = None,

@@ -33,7 +33,9 @@ from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
 from mlxkv.engine.plan import PrefillChunk, StepOutput, StepPlan
 from mlxkv.engine.request import Event
 from mlxkv.engine.row_sampler import RowSampler
+from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.runner import ModelRunner
+from mlxkv.engine.speculation import RowDrafter, Speculation, may_speculate
 from mlxkv.kv import CachePool, Sequence
 from mlxkv.vision.spans import image_tokens_before
 
@@ -68,13 +70,15 @@ class Scheduler:
         intake: called by :meth:`schedule` once the step's prefills are planned, to :meth:`add` requests that
             arrived meanwhile, True if it added any: those are admitted and their short prompts prefilled before the
             step's decode, up to ``PREFILL_FIRST_S`` after the step began.
+        speculation: speculative decoding by prompt lookup (:mod:`mlxkv.engine.speculation`; None: off): rows that
+            propose tokens make the decode step a verification step.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
                  prefill_chunk_size: int = 512,
                  observer: EngineObserver | None = None, on_dequeue: Callable[[], None] = lambda: None,
                  batched: bool = True, batched_prefill: bool = False, runner: Any = None,
-                 intake: Callable[[], bool] | None = None):
+                 intake: Callable[[], bool] | None = None, speculation: Speculation | None = None):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.tokenizer = tokenizer
@@ -93,7 +97,9 @@ class Scheduler:
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
                            batched_prefills=0, prefills_joined_decode=0, image_tokens=0,
-                           image_tokens_cached=0)
+                           image_tokens_cached=0, decode_rows=0, decode_tokens=0, verify_steps=0,
+                           batched_verify_steps=0, unbatched_verify_steps=0, draft_tokens=0, accepted_draft_tokens=0)
+        self.speculation = speculation
         self.runner = runner if runner is not None else ModelRunner(model, batched=batched,
                                                                     batched_prefill=batched_prefill, totals=self.totals)
         self.decode_loop = DecodeLoop()
@@ -209,7 +215,11 @@ class Scheduler:
     def update(self, plan: StepPlan, out: StepOutput) -> None:
         """Apply ``out``, what the runner produced for ``plan``: prefilled positions committed and prompts that
         are complete start decoding (a request's own sampling its first token); decode tokens held in flight,
-        the previous step's read and emitted; a failed forward fails the requests it touched."""
+        the previous step's read and emitted; a verification step's accepted tokens emitted; a failed forward fails
+        the requests it touched."""
+        if plan.drafts:
+            self._verified(plan, out)
+            return
         if plan.decode:
             self._decoded(plan, out)
             return
@@ -473,6 +483,9 @@ class Scheduler:
             choice = Choice(job=job, index=i, seq=seq, sampler=sampler,
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
                             next_input=request.prompt[-1], constraint=constraints[i])
+            k = self.speculation.tokens_for(request.num_draft_tokens) if self.speculation is not None else 0
+            if k > 0 and may_speculate(request, sampler, constraints[i] is not None, seq.overflow):
+                choice.drafter = RowDrafter(request.prompt, k, self.speculation.ngram_size)
             job.choices.append(choice)
             self._owners[seq.id] = choice
             self.running.append(choice)
@@ -497,6 +510,10 @@ class Scheduler:
         """The decode rows of this step (None: nobody decodes; the tokens in flight have been read). Paged: room
         for every row's next input, preempting as needed. When room is short, the tokens in flight are read
         first: a preemption must see every emitted token (:mod:`mlxkv.engine.decode_loop`)."""
+        if any(c.drafter is not None for c in self.running):
+            plan = self._schedule_verify()
+            if plan is not None:
+                return plan
         if self.decode_loop.in_flight and not self.pool.has_decode_headroom(len(self.running)):
             self._read_in_flight()
         choices = self._reserve() if self.pool.is_paged else [c for c in self.running if not ends_in_flight(c)]
@@ -505,10 +522,95 @@ class Scheduler:
             return None
         self.totals["decode_steps"] += 1
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
+        self.totals["decode_rows"] += len(choices)
         plan = StepPlan(decode=choices, decode_inputs=decode_inputs(choices))
         if any(c.constraint is not None for c in choices):
             plan.masks = lambda logits: self._masks(choices, logits)
         return plan
+
+    def _schedule_verify(self) -> StepPlan | None:
+        """A verification step, when some row proposes tokens (None: none does; the plain step runs). The tokens in
+        flight are read first: a proposal follows every emitted token. Each row gets room for its input and its
+        proposal (a row that cannot have room for its proposal decodes one token; one with no room at all is
+        preempted, as in :meth:`_reserve`)."""
+        self._read_in_flight()
+        proposals = {}
+        for c in self.running:
+            if c.drafter is not None:
+                proposal = c.drafter.propose(c.job.max_tokens - len(c.generated) - 1)
+                if proposal:
+                    proposals[id(c)] = proposal
+        if not proposals:
+            return None
+        drafts: dict[int, list[int]] = {}
+        for choice in list(self.running):
+            if choice not in self.running:  # preempted meanwhile
+                continue
+            draft = proposals.get(id(choice), [])
+            if draft and not self._make_room(choice.seq, 1 + len(draft)):
+                draft = []
+            if not draft and not self._make_room(choice.seq, 1):
+                if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
+                    choice.job.handle.put(Event("token", index=choice.index, finish_reason="length"))
+                    self._close_choice(choice, "length")
+                else:
+                    self._preempt_choice(choice)
+                continue
+            if choice.input_known_to_pool:  # the opened tokens' last: its slot only is taken
+                choice.seq.reserve_last()
+                if draft:
+                    choice.seq.feed(draft)
+            else:
+                choice.seq.feed([choice.next_input, *draft])
+            choice.input_known_to_pool = False
+            drafts[id(choice)] = draft
+        choices = [c for c in self.running if id(c) in drafts]
+        if not choices:
+            return None
+        self.totals["decode_steps"] += 1
+        self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
+        self.totals["decode_rows"] += len(choices)
+        plan = StepPlan(decode=choices, drafts=[drafts[id(c)] for c in choices])
+        if any(c.constraint is not None for c in choices):
+            plan.masks = lambda logits: step_masks(choices, logits.shape[-1], self._fail)
+        return plan
+
+    def _verified(self, plan: StepPlan, out: StepOutput) -> None:
+        """A verification step's rows: rejected positions trimmed from each row's caches (paged: their slots go back
+        to the pool), the rest committed (only verified tokens reach block hashes), then each row's accepted
+        tokens and the target's own emitted in order (a stop, EOS or length ends the row there)."""
+        choices = plan.decode
+        if out.error is not None:  # the shared forward failed: fail the requests in it
+            for job in {id(c.job): c.job for c in choices}.values():
+                self._fail(job, out.error)
+            return
+        self.totals["verify_steps"] += 1
+        now = time.perf_counter()
+        for b, c in enumerate(choices):
+            if b in out.row_errors and not c.job.finished:
+                self._fail(c.job, out.row_errors[b])
+            if c.done or c.job.finished:
+                continue
+            tokens, drafted = out.committed[b], len(plan.drafts[b])
+            accepted = len(tokens) - 1
+            try:
+                if accepted < drafted:
+                    CacheRewinder(c.seq.caches, max_trim=drafted).trim(drafted - accepted)
+                c.seq.commit()
+            except Exception as exc:  # noqa: BLE001 - a cache that cannot rewind fails its request only
+                self._fail(c.job, exc)
+                continue
+            self.totals["draft_tokens"] += drafted
+            self.totals["accepted_draft_tokens"] += accepted
+            self.totals["decode_tokens"] += len(tokens)
+            c.job.draft_tokens += drafted
+            c.job.accepted_draft_tokens += accepted
+            if c.drafter is not None:
+                c.drafter.verified(drafted, accepted)
+            for token in tokens:
+                self._emit(c, token, now)
+                if c.done or c.job.finished:
+                    break
 
     def _masks(self, choices: list[Choice], logits: mx.array) -> list | None:
         """The rows' grammar masks. A mask follows its row's previous token: with tokens in flight, the forward is
@@ -561,6 +663,7 @@ class Scheduler:
             if c.done or c.job.finished:
                 continue  # closed by its previous token: this step's token is dropped
             c.seq.commit()
+            self.totals["decode_tokens"] += 1
             self.decode_loop.hold(c, out.tokens, b)
         if any(c.job.first_token_at is None for c in choices):
             self._read_in_flight()  # a request's first token: out now, not a step late
@@ -580,6 +683,8 @@ class Scheduler:
             self._fail(choice.job, exc)
 
     def _emit(self, choice: Choice, token: int, now: float) -> None:
+        if choice.drafter is not None:
+            choice.drafter.emitted(token)
         consume(choice, token)  # its grammar follows emitted tokens only (none is emitted twice)
         self.totals["generation_tokens"] += 1
         finish = emit_token(choice, token, now, self.observer)

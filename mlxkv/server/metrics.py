@@ -81,6 +81,19 @@ class _EngineCollector(Collector):
         for priority, count in sorted(blocks.get("cached_by_priority", {}).items(), key=lambda kv: int(kv[0])):
             by_priority.add_metric([str(priority)], float(count))
         yield by_priority
+        spec = s.get("speculative") or {}
+        if spec.get("enabled"):  # mlxkv serve --prompt-lookup
+            yield CounterMetricFamily("mlxkv_speculative_draft_tokens", "Tokens proposed by speculative decoding.",
+                                      value=float(spec.get("draft_tokens", 0)))
+            yield CounterMetricFamily("mlxkv_speculative_accepted_tokens", "Proposed tokens the model accepted.",
+                                      value=float(spec.get("accepted_tokens", 0)))
+            yield CounterMetricFamily("mlxkv_speculative_verify_steps", "Decode steps that verified proposals.",
+                                      value=float(spec.get("verify_steps", 0)))
+            yield GaugeMetricFamily("mlxkv_speculative_acceptance_rate", "Accepted / proposed tokens since start.",
+                                    value=float(spec.get("acceptance_rate", 0.0)))
+            yield GaugeMetricFamily("mlxkv_decode_tokens_per_forward", "Tokens committed per decode forward, per "
+                                    "sequence (1.0 without speculation).",
+                                    value=float(spec.get("tokens_per_forward", 0.0)))
         snaps = s.get("state_snapshots") or {}
         if snaps.get("enabled"):  # models with recurrent layers (paged)
             yield GaugeMetricFamily("mlxkv_state_snapshots", "Recurrent-state snapshots stored in the KV block pool.",

@@ -19,7 +19,8 @@ API's shape: in, a :class:`PromptSource` (a conversation, a text or token ids) a
    pool's facts captured when the engine was built (:class:`mlxkv.engine.pool_facts.PoolFacts`);
 6. **cache fields** (:class:`mlxkv.server.schemas.CacheFields`: ``cache_salt``, ``cache_salt_ranges``,
    ``retention``, ``priority``): the retention cap checked, the salts derived from the request's tenant
-   (:func:`mlxkv.server.tenancy.cache_identity`) — on every route, so no route can leave a prompt unsalted.
+   (:func:`mlxkv.server.tenancy.cache_identity`) — on every route, so no route can leave a prompt unsalted; and
+   ``speculative`` (this request's draft length, refused on a server that does not draft).
 
 The result, a :class:`Prepared`, becomes the engine request with the route's own fields (sampling, ``n``)
 in :meth:`Preparation.submit`. Nothing here touches the engine's pool: the engine thread owns it.
@@ -42,7 +43,7 @@ from mlxkv.server.limits import TemplateCost
 from mlxkv.server.message_ends import message_ends
 from mlxkv.server.openai_fields import cache_key_span
 from mlxkv.server.prompts import PromptEncoder
-from mlxkv.server.schemas import CacheFields
+from mlxkv.server.schemas import CacheFields, draft_tokens_of
 from mlxkv.server.structured_output import needs_grammar, output_format, parse_format
 from mlxkv.server.tenancy import Tenant, cache_identity, check_retention
 from mlxkv.server.tokenizing import TokenizerLanes, content_chars
@@ -171,6 +172,7 @@ class Preparation:
                 retention priority above the cap, a size-like field beyond the model.
         """
         cache = body or CacheFields()
+        draft_tokens_of(cache.speculative, self.engine.speculation is not None)  # refused before any work
         check_sizes(cache, context_length=self.engine.context_length, vocab_size=self.vocab)
         check_retention(cache.retention, self.max_client_priority)
         self.check_chars(source)
@@ -185,7 +187,8 @@ class Preparation:
         # a prompt_cache_key narrows sharing within what the tenant's salts allow, never widens it
         ranges += cache_key_span(getattr(body, "prompt_cache_key", None), len(prompt))
         fields = {"cache_salt": salt, "cache_salt_ranges": ranges, "priority": cache.priority,
-                  "retention": cache.retention.to_spec() if cache.retention else None}
+                  "retention": cache.retention.to_spec() if cache.retention else None,
+                  "num_draft_tokens": draft_tokens_of(cache.speculative, self.engine.speculation is not None)}
         return Prepared(prompt, grammar, ends, overflow, source.param, fields, media)
 
     async def images(self, source: PromptSource, prompt: list[int]) -> tuple[list[int], tuple]:

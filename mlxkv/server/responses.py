@@ -18,6 +18,8 @@ def usage_dict(usage: Usage, predicted: bool = False) -> dict:
            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
     if predicted:
         out["completion_tokens_details"] = {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    if usage.speculative() is not None:  # mlxkv extension
+        out["speculative"] = usage.speculative()
     return out
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mlxkv.config import RunConfig
+from mlxkv.config import RunConfig, SpeculativeConfig
 from mlxkv.engine.batch import BatchEngine, context_length_of
+from mlxkv.engine.speculation import Speculation
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S
 from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.read_timeouts import DEFAULT_HEADER_TIMEOUT_S, protocol_class
@@ -84,6 +85,7 @@ def _serve_one(run: RunConfig, metrics: ServerMetrics, *, model_name: str | None
     from mlxkv.models import load
     from mlxkv.server.app import create_app
 
+    speculation = speculation_of(run.speculative, distributed is not None)  # refused before the model loads
     loaded = load(run.model, progress=True, dequantize=run.dequantize, chat_template=run.chat_template,
                   tool_parser=run.tool_parser, adapter_path=run.adapter_path)
     context = context_length_of(loaded.config)
@@ -93,8 +95,9 @@ def _serve_one(run: RunConfig, metrics: ServerMetrics, *, model_name: str | None
         make_pool, make_engine = distributed.pool, distributed.engine
     vision = vision_inputs(loaded, image_limits)
     pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
+    extra = {"speculation": speculation} if speculation is not None else {}
     engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
-                         observer=metrics)
+                         observer=metrics, **extra)
     app = create_app(engine, model_name=model_name or loaded.name, metrics=metrics, defaults=run.sampling,
                      vision=vision, **app_options)
     return loaded, engine, app
@@ -163,6 +166,22 @@ def build_multi(run: RunConfig, models: Sequence[tuple[str, str]], *, max_loaded
 def _folder_name(name: str) -> str:
     """A served name as one folder name (a repo id's ``/`` as ``--``, as the Hugging Face cache spells it)."""
     return name.replace("/", "--").replace("\\", "--")
+
+
+def speculation_of(spec: SpeculativeConfig, distributed: bool) -> Speculation | None:
+    """The engine's speculative decoding for ``spec`` (``--prompt-lookup``, ``--num-draft-tokens``,
+    ``--ngram-size``); None when off.
+
+    Raises:
+        ValueError: a combination serve does not run (a draft model, ``--distributed``), in one line.
+    """
+    if spec.draft_model:
+        raise ValueError("serve speculates by prompt lookup only: use --prompt-lookup instead of --draft-model")
+    if not spec.prompt_lookup:
+        return None
+    if distributed:
+        raise ValueError("--prompt-lookup does not run with --distributed")
+    return Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size)
 
 
 #: The server process's GIL switch interval (seconds). The engine thread builds each step's graph in Python;

@@ -113,6 +113,46 @@ class RetentionBody(_NullIsDefault):
         return self
 
 
+#: Most tokens a request may ask each of its choices to propose per step.
+MAX_DRAFT_TOKENS = 16
+
+
+class SpeculativeBody(BaseModel):
+    """``speculative`` as an object: this request's draft length."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_draft_tokens: int = Field(..., ge=1, le=MAX_DRAFT_TOKENS,
+                                  description="tokens each choice proposes per step at most")
+
+
+#: The ``speculative`` field's schema, shared by every generating route.
+SPECULATIVE_FIELD = Field(
+    None, description="mlxkv extension, on a server started with --prompt-lookup: false turns speculative decoding "
+                      "off for this request, {\"num_draft_tokens\": K} sets its draft length, true or null keep the "
+                      "server's")
+
+
+def draft_tokens_of(value: "bool | SpeculativeBody | None", enabled: bool) -> int | None:
+    """The engine request's ``num_draft_tokens`` for a body's ``speculative`` value (None: the server's).
+
+    Raises:
+        APIError: 400 naming ``speculative`` when it asks for speculation from a server that does not draft.
+    """
+    from mlxkv.server.errors import APIError
+
+    if value is None or value is True:
+        if value is True and not enabled:
+            raise APIError(400, "speculative: this server does not draft tokens (start it with --prompt-lookup)",
+                           "invalid_value", "speculative")
+        return None
+    if value is False:
+        return 0
+    if not enabled:
+        raise APIError(400, "speculative: this server does not draft tokens (start it with --prompt-lookup)",
+                       "invalid_value", "speculative")
+    return value.num_draft_tokens
+
+
 class CacheFields(BaseModel):
     """The prefix-cache and scheduling fields every generating route takes (OpenAI's and Anthropic's alike; the
     request preparation applies them, :mod:`mlxkv.server.preparation`; tenancy: :mod:`mlxkv.server.tenancy`)."""
@@ -125,6 +165,7 @@ class CacheFields(BaseModel):
                                          "covering the prompt from token 0 share it across tenants (opt-in)")
     retention: Optional[RetentionBody] = None
     priority: int = Field(0, ge=-(2**31), lt=2**31, description="admission order: lower values first")
+    speculative: Optional[Union[StrictBool, SpeculativeBody]] = SPECULATIVE_FIELD
 
     def salt_ranges(self, prompt_length: int) -> tuple[tuple[int, int, str], ...]:
         """``cache_salt_ranges`` as the engine's ``(start, end, salt)`` tuples (``end`` null: the prompt's end)."""

@@ -27,8 +27,11 @@ from mlxkv.server.tools import Part
 
 def usage_body(usage: Usage) -> dict[str, int]:
     """Anthropic's ``usage`` for a finished request."""
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+    out = {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
+           "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
+    if usage.speculative() is not None:  # mlxkv extension
+        out["speculative"] = usage.speculative()
+    return out
 
 
 class Reply:

@@ -33,12 +33,15 @@ def new_id(prefix: str) -> str:
 
 
 def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
-    """The Responses API's ``usage``."""
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    """The Responses API's ``usage`` (with mlxkv's ``speculative`` counts when the request speculated)."""
+    out = {"input_tokens": usage.prompt_tokens,
+           "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+           "output_tokens": usage.completion_tokens,
+           "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    if usage.speculative() is not None:
+        out["speculative"] = usage.speculative()
+    return out
 
 
 class ResponseOutput:

@@ -123,7 +123,8 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
             # takes both; the format applies to a later turn's text, as agents send it every turn)
             fmt = parse_response_format(None)
         prepared = await prep.prepare(source, Constraint(fmt, tools if use_tools else None, tool_choice, parallel),
-                                      tenant=request_tenant(request), body=CacheFields(cache_salt=body.cache_salt))
+                                      tenant=request_tenant(request), body=CacheFields(cache_salt=body.cache_salt,
+                                                                                  speculative=body.speculative))
         if parent is not None and parent.tokens:
             continued = await _continued(prep, parent, source, prepared.prompt)
             if continued is not prepared.prompt:  # message ends were found in the other tokenization

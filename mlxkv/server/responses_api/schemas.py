@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, StrictBool, field_validator
 
-from mlxkv.server.schemas import _NullIsDefault
+from mlxkv.server.schemas import SPECULATIVE_FIELD, SpeculativeBody, _NullIsDefault
 
 #: Values of ``include`` that ask for nothing this server leaves out (reasoning items carry their text in the clear).
 HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content"})
@@ -79,6 +79,7 @@ class ResponsesRequest(_Body):
     prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="prefix-cache isolation: only requests with the same salt share KV")
+    speculative: Optional[Union[StrictBool, SpeculativeBody]] = SPECULATIVE_FIELD
 
     @field_validator("metadata")
     @classmethod

@@ -1,0 +1,120 @@
+"""Speculative decoding inside the engine step: which decode rows propose tokens, and what they proposed.
+
+With a drafter configured (``mlxkv serve --prompt-lookup``), every decoding choice that may speculate keeps a
+:class:`~mlxkv.engine.drafters.PromptLookupDrafter` over its prompt and emitted tokens. Before a decode step the
+scheduler asks each such row for up to ``K`` tokens; rows that proposed some turn the step into a verification
+step: each row feeds ``[input, d_1..d_k]`` (rows with no proposal feed their input alone), the target runs all rows
+in one forward, and each row keeps its own accepted prefix and the target's next token
+(:mod:`mlxkv.engine.verify_rows`); rejected positions are trimmed from its caches before anything is committed, so
+block hashes and the prefix cache only ever see verified tokens.
+
+A row speculates only where acceptance is exact and cheap to decide: greedy rows with no logits processor
+(penalties, ``logit_bias``), no grammar and no log-probabilities, and unseeded sampled rows under the same
+conditions (rejection sampling keeps the target's distribution; a seeded row keeps its own reproducible stream, so
+it decodes one token at a time). Constrained, penalised, biased, seeded and logprob rows decode normally in the
+same forward, and their tokens are those of a server without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxkv.engine.drafters import Draft, PromptLookupDrafter
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """The server's drafting settings.
+
+    Attributes:
+        num_draft_tokens: tokens a row proposes per step at most (a request may ask for fewer, or none).
+        ngram_size: longest n-gram prompt lookup matches.
+    """
+
+    num_draft_tokens: int = 3
+    ngram_size: int = 3
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.ngram_size < 1:
+            raise ValueError(f"ngram_size must be >= 1, got {self.ngram_size}")
+
+    def tokens_for(self, asked: int | None) -> int:
+        """Draft tokens per step for a request that asked for ``asked`` (``None``: the server's; 0: off)."""
+        return self.num_draft_tokens if asked is None else asked
+
+
+class RowDrafter:
+    """One decoding choice's drafter: its prompt-lookup index over the prompt and every token it emitted, and how
+    many tokens to propose next.
+
+    The draft length adapts to how the row's text goes: it doubles (up to ``k``) after a step that accepted every
+    proposed token — the answer is copying a stretch of its prompt, and a longer verification row costs little
+    more than a short one — and falls back to one more than the accepted count after a rejection, so text that
+    does not repeat its prompt pays for short rows only. Which tokens are proposed never changes the output.
+
+    Args:
+        prompt: the request's prompt tokens.
+        k: most tokens proposed per step.
+        ngram_size: longest n-gram matched.
+    """
+
+    def __init__(self, prompt: list[int], k: int, ngram_size: int):
+        self.k = k
+        self.length = min(k, 2)  # the next proposal's length
+        self.lookup = PromptLookupDrafter(ngram_size=ngram_size)
+        self.lookup.begin(list(prompt), None, vocab_size=0, max_draft=k)  # type: ignore[arg-type]
+
+    def emitted(self, token: int) -> None:
+        """``token`` was emitted (committed): later lookups may match it."""
+        self.lookup.commit(Draft([]), 0, token)
+
+    def propose(self, budget: int) -> list[int]:
+        """Up to ``min(length, budget)`` tokens that may follow the emitted ones (none when ``budget`` < 1)."""
+        k = min(self.length, budget)
+        return self.lookup.propose(k).tokens if k > 0 else []
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """The last proposal's outcome: ``accepted`` of its ``proposed`` tokens were kept."""
+        if proposed == 0:
+            return
+        self.length = min(self.k, 2 * self.length) if accepted == proposed else max(1, accepted + 1)
+
+
+def may_speculate(request: Any, sampler: Any, constrained: bool, overflow: Any) -> bool:
+    """Whether a choice of ``request`` (its ``sampler``) may propose tokens: nothing of its own acts on its logits
+    (processors, grammar, log-probabilities), a sampled row is unseeded, and its sequence has no overflow policy
+    (pages it evicts could not be rewound)."""
+    return (not sampler.processors and not constrained and request.logprobs is None and overflow is None
+            and (sampler.greedy or request.params.seed is None))
+
+
+def check_pool(pool: Any) -> None:
+    """Refuse a KV store speculation cannot rewind exactly, in one line: sliding-window or chunked layers (a trim
+    may stop short of a released block), recurrent layers (their state cannot be cut mid-forward) and a
+    server-wide overflow policy (evicted pages cannot come back).
+
+    Raises:
+        ValueError: naming what the store has.
+    """
+    from mlxkv.engine.rewind import flatten_caches, is_recurrent
+
+    if getattr(pool, "overflow", None) is not None:
+        raise ValueError("speculative decoding cannot run with --kv-overflow: pages an overflow policy evicts cannot "
+                         "be rewound")
+    seq = pool.open(prompt_length=1, prompt=[0])
+    try:
+        for cache in flatten_caches(seq.caches):
+            if is_recurrent(cache):
+                kind = "recurrent (state-space / linear-attention)"
+            else:  # paged layers say their window / chunk; dense ones their layout
+                name = type(cache).__name__
+                windowed = getattr(cache, "window", None) is not None or getattr(cache, "chunk_size", None) is not None
+                kind = "sliding-window or chunked" if windowed or "Rotating" in name or "Chunked" in name else None
+            if kind is not None:
+                raise ValueError(f"speculative decoding in serve needs full-attention KV caches; these have {kind} "
+                                 "layers (the model's, or --max-kv-size): serve without --prompt-lookup")
+    finally:
+        pool.release(seq.id)
