@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from mlxkv.cli.errors import Command, Group
+from mlxkv.cli.validate import check_utf8
 
 cache_app = typer.Typer(cls=Group, name="cache", help="Inspect the KV cache: tier folders and a server's stats.",
                         no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -222,7 +223,7 @@ def stats(url: str = typer.Option("http://127.0.0.1:8080", "--url",
                                   help="Base URL of a running mlxkv server (serve's default port)."),
           api_key: str = typer.Option(None, "--api-key", envvar="MLXKV_API_KEY", help="Bearer token."),
           as_json: bool = typer.Option(False, "--json", help="The server's JSON as it is, instead of tables."),
-          model: str = typer.Option(None, "--model", "-m",
+          model: str = typer.Option(None, "--model", "-m", callback=check_utf8,
                                     help="On a server with several models: the one to describe (default: its first).")
           ) -> None:
     """Hit rates per tier and blocks per priority from a running server's /v1/cache/stats."""

@@ -23,6 +23,7 @@ from mlxkv.cli.options import (
 )
 from mlxkv.cli.validate import (
     add_extra_eos,
+    check_files_option,
     check_utf8,
     read_prompt,
     read_prompt_file,
@@ -151,7 +152,7 @@ def generate(
                                      help="Constrain the output to a JSON object."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema", metavar="FILE", rich_help_panel=OUTPUT_PANEL,
                                               help="Constrain the output to JSON valid against this JSON schema."),
-    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE",
+    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", callback=check_files_option,
                                               help="An image the prompt asks about (repeatable; a vision-language "
                                                    "model, with the vision extra: pip install \"mlxkv[vision]\")."),
     verbose: bool = options.VERBOSE,

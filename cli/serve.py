@@ -26,7 +26,8 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import check_folder_option, given, refuse_unused, refuse_useless_dequantize
+from mlxkv.cli.validate import (check_file_option, check_folder_option, given, refuse_unused,
+                                refuse_useless_dequantize)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_HELP = "SIZE: bytes or with a unit, e.g. 512MB, 8GB, 8GiB"
@@ -40,7 +41,7 @@ def serve(
              "embedded demo model). Repeatable: each request's 'model' picks one, by NAME (default: the folder's "
              "name, the file's stem or the repo id); the first answers requests that name none."),
     models_file: Optional[str] = typer.Option(
-        None, "--models-file", metavar="FILE", rich_help_panel=MODEL_PANEL,
+        None, "--models-file", metavar="FILE", callback=check_file_option, rich_help_panel=MODEL_PANEL,
         help="File of models to serve, one [NAME=]MODEL per line (# comments), after those given with -m."),
     max_loaded_models: Optional[int] = typer.Option(
         None, "--max-loaded-models", min=1, metavar="N", rich_help_panel=MODEL_PANEL,

@@ -171,6 +171,13 @@ def check_file_option(value: Optional[str]) -> Optional[str]:
     return value
 
 
-__all__ = ["given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
+def check_files_option(values: Optional[list[str]]) -> Optional[list[str]]:
+    """A Typer callback for a repeatable option naming files that must exist."""
+    for value in values or ():
+        check_file_option(value)
+    return values
+
+
+__all__ = ["check_files_option", "given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
            "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "check_adapter_option",
            "WHY"]

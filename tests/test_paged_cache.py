@@ -192,7 +192,7 @@ def test_decode_writes_in_place_and_gathers_nothing():
     copy) and the lazily fetched K/V, unused by the paged kernel, is never materialised."""
     model, _ = build_model("llama")
     install_attention_hook(model)
-    pool = paged_pool(model, block_size=16, num_blocks=4096)  # 8 MiB per page array
+    pool = paged_pool(model, block_size=16, num_blocks=4096, preallocate=True)  # 8 MiB per page array
     seq = pool.open(prompt=PROMPT)
     run_chunks(model, seq.caches, PROMPT, 64)
     seq.commit()

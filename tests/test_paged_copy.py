@@ -19,7 +19,8 @@ def run(model, pool, prompt):
 
 def test_partial_reuse_copy_does_not_copy_the_pool():
     model, _ = build_model("llama")
-    pool = CachePool(model, max_sequences=2, backend="paged", kv_config=KvCacheConfig(backend="paged"),
+    # preallocated: the page arrays are the whole 8000 blocks, the size a copy of them would show
+    pool = CachePool(model, max_sequences=2, backend="paged", kv_config=KvCacheConfig(backend="paged", preallocate=True),
                      num_blocks=8000)
     pool.release(run(model, pool, BASE).id)
     pool.release(run(model, pool, BASE + list(range(11, 21))).id)  # leaves cached blocks over the shared tail rows

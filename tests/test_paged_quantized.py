@@ -52,6 +52,8 @@ def kv(bits: int | None = 8, block_size: int = 4, **kw) -> KvCacheConfig:
 
 
 def paged_pool(model, bits=8, num_blocks=160, max_sequences=4, **kw) -> CachePool:
+    """A quantized paged pool of ``num_blocks`` blocks, preallocated (the kernels see the whole pool's geometry)."""
+    kw.setdefault("preallocate", True)
     return CachePool(model, backend="paged", num_blocks=num_blocks, max_sequences=max_sequences, kv_config=kv(bits, **kw))
 
 
@@ -100,7 +102,7 @@ def test_block_bytes_count_the_quantized_planes():
     per_block = {bits: PagedBackend(model, kv(bits), num_blocks=8).bytes_per_block for bits in (None, 8, 4)}
     assert per_block[None] / per_block[8] == pytest.approx(128 / 40)
     assert per_block[None] / per_block[4] == pytest.approx(128 / 24)
-    be = PagedBackend(model, kv(8), num_blocks=8)
+    be = PagedBackend(model, kv(8, preallocate=True), num_blocks=8)
     caches, _ = be.open(PROMPT[:5])
     step(model, caches, PROMPT[:5])
     assert isinstance(be.storage, QuantizedPagedStorage)

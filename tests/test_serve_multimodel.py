@@ -262,7 +262,7 @@ def test_serve_process_logs_loads_and_unloads_and_keeps_a_tier_folder_per_model(
     (["-m", "=x"], "expected NAME=MODEL"),
     (["-m", "x={a}", "--served-model-name", "y"], "named twice"),
     (["-m", "{a}", "--models-file", "{empty}"], "no model in it"),
-    (["-m", "{a}", "--models-file", "{missing}"], "cannot read it"),
+    (["-m", "{a}", "--models-file", "{missing}"], "no such file"),
     (["-m", "{a}", "-m", "{missing}"], "model not found"),
 ])
 def test_bad_model_lists_are_one_line_errors(folders, tmp_path, args, fragment):

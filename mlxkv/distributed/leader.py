@@ -75,7 +75,10 @@ class LeaderRunner(ModelRunner):
         # rank evaluates every forward's logits (the last rank's output reaches all through them)
         self.always_logits = always_logits
 
-    def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool) -> mx.array | None:
+    def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool, media: Sequence[Any] = (),
+                start: int = 0) -> mx.array | None:
+        if media:  # the followers replay token ids: an image's features would have to travel too
+            raise ValueError("images are not served under --distributed")
         run_logits = want_logits or self.always_logits
         self.plans.send("prefill", seq.id.value, list(tokens), run_logits)
         last = super().prefill(seq, tokens, run_logits)
