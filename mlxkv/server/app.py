@@ -21,16 +21,16 @@ from mlxkv.engine.batch import BatchEngine
 from mlxkv.engine.request import Event, GenerationRequest, RequestHandle, Usage
 from mlxkv.config import SamplingDefaults
 from mlxkv.server.anthropic import anthropic_router
-from mlxkv.server.auth import OPERATOR_PATHS, KeyProtectedPaths, bearer_auth
+from mlxkv.server.auth import bearer_auth
 from mlxkv.server.cache_routes import cache_router
 from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
-from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
+from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
+from mlxkv.server.front_door import install_front_door
 from mlxkv.server.generation import bursts, collect, failure
 from mlxkv.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
-    BodySizeLimit,
     limit_messages,
     max_messages,
     template_cost,
@@ -158,12 +158,8 @@ def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = No
     app = FastAPI(title="mlxkv", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
-    operator_keys = tenants.keys + ([metrics_key] if metrics_key else [])
-    if operator_keys:
-        paths = OPERATOR_PATHS - {"/metrics"} if public_metrics else OPERATOR_PATHS
-        app.add_middleware(KeyProtectedPaths, keys=operator_keys, paths=paths)
-    install_cors(app, allowed_origins)
+    install_front_door(app, tenants=tenants, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       metrics_key=metrics_key, public_metrics=public_metrics, allowed_origins=allowed_origins)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(tenants)),
                                                Depends(reject_invalid_unicode)])
 

@@ -27,10 +27,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from mlxkv.server.auth import OPERATOR_PATHS, KeyProtectedPaths, bearer_auth
-from mlxkv.server.compat import install_cors
+from mlxkv.server.auth import bearer_auth
 from mlxkv.server.errors import APIError, error_response, install_error_handlers
-from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from mlxkv.server.front_door import install_front_door
+from mlxkv.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.model_registry import ModelRegistry, ModelUnavailable
 from mlxkv.server.tenancy import Tenants
 from mlxkv.server.ui_routes import ui_router
@@ -62,12 +62,8 @@ def create_multi_app(registry: ModelRegistry, *, tenants: Tenants | None = None,
                   description="OpenAI-compatible local inference over mlxkv's continuous-batching engine.")
     install_error_handlers(app)
     app.add_middleware(ModelDispatch, registry=registry, auth=bearer_auth(tenants))
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
-    operator_keys = tenants.keys + ([metrics_key] if metrics_key else [])
-    if operator_keys:
-        paths = OPERATOR_PATHS - {"/metrics"} if public_metrics else OPERATOR_PATHS
-        app.add_middleware(KeyProtectedPaths, keys=operator_keys, paths=paths)
-    install_cors(app, allowed_origins)
+    install_front_door(app, tenants=tenants, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       metrics_key=metrics_key, public_metrics=public_metrics, allowed_origins=allowed_origins)
     # every model's app describes the same routes: the API description is the first one built
     app.openapi = lambda: registry.openapi_schema or FastAPI.openapi(app)  # type: ignore[method-assign]
 
