@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 NOT_SOURCE = (".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
               "test_models")
 #: Import names of test-extra packages that no runtime dependency brings: none may be importable in the venv.
-TEST_IMPORTS = ("httpx", "openai", "anthropic", "hypothesis", "pytest", "schemathesis", "jsonschema", "gguf")
+TEST_IMPORTS = ("httpx", "openai", "anthropic", "hypothesis", "pytest", "xdist", "schemathesis", "jsonschema", "gguf")
 
 
 @dataclass(frozen=True)
