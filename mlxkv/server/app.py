@@ -52,6 +52,7 @@ from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.ui_routes import ui_router
+from mlxkv.server.image_parts import has_images, take_openai_images
 from mlxkv.server.unicode_guard import reject_invalid_unicode
 from mlxkv.server.tools import (
     ToolRequestError,
@@ -60,28 +61,6 @@ from mlxkv.server.tools import (
     to_template_messages,
     tools_in_use,
 )
-
-
-def has_images(messages: list[dict], uuids: dict | None) -> bool:
-    """Whether chat messages (dicts) hold ``image_url`` parts, or the body names images."""
-    return bool(uuids) or any(isinstance(p, dict) and p.get("type") == "image_url" for m in messages
-                              for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
-
-
-def take_openai_images(vision: Any, messages: list[dict], uuids: dict | None) -> Any:
-    """The ``image_url`` parts of chat messages (dicts, each part left as its marker text), decoded.
-
-    Raises:
-        APIError: 400 for a bad image, or images given to a model that takes none.
-    """
-    from mlxkv.vision.images import ImageError
-    from mlxkv.vision.inputs import VisionInputs
-    from mlxkv.vision.support import VisionUnavailable
-
-    try:
-        return (vision or VisionInputs()).take_openai(messages, (uuids or {}).get("image"))
-    except (ImageError, VisionUnavailable) as exc:
-        raise APIError(400, str(exc), "invalid_image", "messages") from None
 
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,
