@@ -93,7 +93,8 @@ class MRopePositions:
             rows = rows[:1] * batch
         with self._lock:
             media = [self._bound.get(id(r), ()) for r in rows]
-        return mx.array(np.stack([rope_positions(m, int(r.offset), length) for r, m in zip(rows, media)], axis=1))
+        return mx.array(np.stack([rope_positions(m, int(getattr(r, "offset", 0)), length)
+                                  for r, m in zip(rows, media)], axis=1))
 
 
 class MultimodalRope(nn.Module):

@@ -123,14 +123,18 @@ def family_of(config: dict) -> VisionFamily:
                             tokens_per_image=int(config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))),
                             hidden_size=int(text["hidden_size"]))
     if kind in ("qwen2_vl", "qwen2_5_vl"):
-        image_id = int(config.get("image_token_id", 151655))
-        start_id = int(config.get("vision_start_token_id", 151652))
-        end_id = int(config.get("vision_end_token_id", start_id + 1))
-        text = config.get("text_config") or config
-        return VisionFamily(name=kind, marker_id=image_id, image_id=image_id, end_id=None, tokens_per_image=0,
-                            hidden_size=int(text["hidden_size"]), mrope=True,
-                            merge_size=int(config["vision_config"].get("spatial_merge_size", 2)),
-                            marker_ids=(start_id, image_id, end_id))
+        try:
+            image_id = int(config.get("image_token_id", 151655))
+            start_id = int(config.get("vision_start_token_id", 151652))
+            end_id = int(config.get("vision_end_token_id", start_id + 1))
+            text = config.get("text_config") or config
+            return VisionFamily(name=kind, marker_id=image_id, image_id=image_id, end_id=None, tokens_per_image=0,
+                                hidden_size=int(text["hidden_size"]), mrope=True,
+                                merge_size=int(config["vision_config"].get("spatial_merge_size", 2)),
+                                marker_ids=(start_id, image_id, end_id))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise VisionUnavailable(f"config.json's image settings for {kind} are malformed (token ids, hidden_size, "
+                                    "vision_config.spatial_merge_size)") from None
     raise VisionUnavailable(f"image input is not supported for model_type {kind!r} (supported: gemma3, qwen2_vl, "
                             "qwen2_5_vl)")
 
