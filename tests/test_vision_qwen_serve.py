@@ -1,6 +1,7 @@
 """A tiny random Qwen2-VL through every door: `mlxkv serve` (OpenAI chat ``image_url`` parts, Anthropic ``image``
 blocks, Responses ``input_image`` parts), `mlxkv generate --image` and `mlxkv chat`'s ``/image``. A second question
-about the same image reports its tokens cached and answers as a fresh request; the doors answer alike."""
+about the same image reports its tokens cached and answers as a fresh request; the doors answer alike, and as
+mlx-vlm's own generate."""
 
 from __future__ import annotations
 
@@ -104,6 +105,30 @@ def test_generate_image_answers_as_serve(vlm_dir, srv, tmp_path):
     assert result.exit_code == 0, result.output
     answer = ask(srv, png(3), "Describe it.")[0]
     assert result.stdout.strip() == answer.strip() and answer.strip()
+    assert answer == mlx_vlm_answer(vlm_dir, png(3), "Describe it.", 10)
+
+
+def mlx_vlm_answer(path, image: bytes, question: str, max_tokens: int) -> str:
+    """mlx-vlm's own greedy answer for the chat turn ``image`` then ``question`` (the reference)."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.utils import load_model
+
+    from mlxkv.models import load
+    from mlxkv.vision.images import decode_image
+    from mlxkv.vision.inputs import RequestImages, VisionInputs
+
+    loaded = load(str(path))
+    vision = VisionInputs.for_model(path, loaded.config, loaded.tokenizer, model=loaded.model)
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": vision.marker + question}],
+                                               add_generation_prompt=True)
+    decoded = decode_image(image)
+    prompt, _ = vision.expand(ids, RequestImages([decoded], (None,)))
+    pixels = vision.encoder.pixels(decoded.image)
+    steps = generate_step(mx.array(prompt)[None], load_model(path), mx.array(pixels.values), None,
+                          max_tokens=max_tokens, temperature=0.0, image_grid_thw=mx.array([pixels.grid]))
+    tokens = [int(t) for t, _ in steps]
+    return loaded.tokenizer.decode(tokens[: tokens.index(2)] if 2 in tokens else tokens)
 
 
 @pytest.mark.slow

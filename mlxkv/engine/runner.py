@@ -52,6 +52,8 @@ class ModelRunner:
         returned as ``error``, not raised. A model with 3-D positions (M-RoPE) sees each row's image spans, bound to
         its sequence for the step (:mod:`mlxkv.vision.mrope`)."""
         out = StepOutput()
+        if getattr(self.model, "mrope_positions", None) is None:
+            return self._execute(plan, out)
         rows = [(c.task.seq.caches, c.task.job.request.media) for c in plan.prefills] + \
             [(c.seq.caches, c.job.request.media) for c in plan.decode]
         with bound_rows(self.model, rows):
