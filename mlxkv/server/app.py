@@ -27,6 +27,7 @@ from mlxkv.server.choice_output import ChoiceOutput, Delta, LogprobFormat
 from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, install_cors, system_fingerprint
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.generation import bursts, collect, failure
+from mlxkv.server.image_parts import has_images, take_openai_images
 from mlxkv.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -52,7 +53,6 @@ from mlxkv.server.token_text import TokenText
 from mlxkv.server.tokenizing import TokenizerLanes
 from mlxkv.server.tool_stream import ToolOutput
 from mlxkv.server.ui_routes import ui_router
-from mlxkv.server.image_parts import has_images, take_openai_images
 from mlxkv.server.unicode_guard import reject_invalid_unicode
 from mlxkv.server.tools import (
     ToolRequestError,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -149,11 +149,7 @@ def _forward_with_positions(self: Any, inputs: mx.array, cache: Any = None, inpu
         positions.current = None
 
 
-def bound_rows(model: Any, rows: Iterable[tuple[Any, Sequence[Any]]]):
+def bound_rows(model: Any, rows: Iterable[tuple[Any, Sequence[Any]]]) -> AbstractContextManager:
     """:meth:`MRopePositions.bind` on ``model``'s table; a no-op context for a model without M-RoPE."""
     positions = getattr(model, "mrope_positions", None)
-    if positions is None:
-        from contextlib import nullcontext
-
-        return nullcontext()
-    return positions.bind(rows)
+    return nullcontext() if positions is None else positions.bind(rows)
