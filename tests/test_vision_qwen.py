@@ -100,14 +100,18 @@ def test_the_image_shifts_later_positions(vlm):
 
 
 def test_reuse_equals_no_reuse_for_the_same_image_another_question_and_a_second_turn(vlm):
-    _, loaded, _ = vlm
+    _, loaded, vision = vlm
     engine = paged_engine(loaded)
     image = [(2, (30, 26))]
     prompt, media = image_prompt(vlm, image, "Describe it.")
     first = list(engine.generate_tokens(prompt, PARAMS, media=media))
     assert engine.last_stats.cached_prompt_tokens == 0
-    again = list(engine.generate_tokens(prompt, PARAMS, media=media))
+    lookups = vision.stats()["encoder_cache_hits"] + vision.stats()["encoder_cache_misses"]
+    same, same_media = image_prompt(vlm, image, "Describe it.")  # a new request: its spans hold no features yet
+    again = list(engine.generate_tokens(same, PARAMS, media=same_media))
     assert again == first and engine.last_stats.cached_prompt_tokens >= media[0].end
+    # the prefix hit covered the image: its features were never asked for (the shift came from its span)
+    assert vision.stats()["encoder_cache_hits"] + vision.stats()["encoder_cache_misses"] == lookups
 
     other, other_media = image_prompt(vlm, image, "What colour is it?")
     answer = list(engine.generate_tokens(other, PARAMS, media=other_media))
