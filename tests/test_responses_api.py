@@ -171,7 +171,10 @@ def test_store_false_keeps_nothing(client):
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+     "input"),  # a text-only model: "this model reads text only"
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input.0.content.0.file_id"),
     ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input.0.arguments"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),

@@ -68,7 +68,7 @@ def test_greedy_tokens_equal_mlx_vlm_forward_with_chunks_splitting_the_image(vlm
     reference = load_model(path)  # mlx-vlm's whole model: its embeddings merge and its language model
     from mlxkv.vision.images import decode_image
 
-    pixels = mx.array(vision.encoder.pixels(decode_image(picture(0)).image))  # (1, 3, 16, 16)
+    pixels = mx.array(vision.encoder.pixels(decode_image(picture(0)).image).values)  # (1, 3, 16, 16)
     ids = mx.array(prompt)[None]
     embeds = reference.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape)).inputs_embeds
     cache = reference.language_model.make_cache()

@@ -182,7 +182,7 @@ class ChatSession:
         """The text an image becomes in a message (the image family's marker token)."""
         if self._vision is None:
             return ""
-        return self.tokenizer.convert_ids_to_tokens(self._vision.family.marker_id)
+        return self._vision.family.marker_text(self.tokenizer)
 
     # -- a turn ---------------------------------------------------------------------------------------------
     def turn(self, text: str, params: SamplingParams, *, stop_requested: Callable[[], bool] = lambda: False

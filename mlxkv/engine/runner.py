@@ -18,6 +18,7 @@ from mlxkv.engine.prefill_batch import forward_together, prefill_together
 from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
 from mlxkv.engine.verify_rows import verify_rows
 from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
+from mlxkv.vision.mrope import bound_rows
 from mlxkv.vision.spans import ImageSpan, chunk_embeddings, overlapping
 
 
@@ -48,8 +49,17 @@ class ModelRunner:
         ``plan.together``), else its decode rows (one forward, then each row's token under its grammar mask, the
         masks computed once the forward is queued), or a verification step's rows (one forward over every row's
         input and proposal, then each row's accepted tokens, :mod:`mlxkv.engine.verify_rows`). A failed forward is
-        returned as ``error``, not raised."""
+        returned as ``error``, not raised. A model with 3-D positions (M-RoPE) sees each row's image spans, bound to
+        its sequence for the step (:mod:`mlxkv.vision.mrope`)."""
         out = StepOutput()
+        if getattr(self.model, "mrope_positions", None) is None:
+            return self._execute(plan, out)
+        rows = [(c.task.seq.caches, c.task.job.request.media) for c in plan.prefills] + \
+            [(c.seq.caches, c.job.request.media) for c in plan.decode]
+        with bound_rows(self.model, rows):
+            return self._execute(plan, out)
+
+    def _execute(self, plan: StepPlan, out: StepOutput) -> StepOutput:
         try:
             if plan.together and not any(_has_images(c) for c in plan.prefills):
                 last = self.prefill_together([c.task.seq for c in plan.prefills], [c.tokens for c in plan.prefills])

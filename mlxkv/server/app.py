@@ -28,6 +28,7 @@ from mlxkv.server.compat import DEFAULT_KEEPALIVE_S, KEEPALIVE_EVENT, system_fin
 from mlxkv.server.errors import APIError, error_body, install_error_handlers
 from mlxkv.server.front_door import install_front_door
 from mlxkv.server.generation import bursts, collect, failure
+from mlxkv.server.image_parts import has_images, take_openai_images
 from mlxkv.server.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -60,28 +61,6 @@ from mlxkv.server.tools import (
     to_template_messages,
     tools_in_use,
 )
-
-
-def has_images(messages: list[dict], uuids: dict | None) -> bool:
-    """Whether chat messages (dicts) hold ``image_url`` parts, or the body names images."""
-    return bool(uuids) or any(isinstance(p, dict) and p.get("type") == "image_url" for m in messages
-                              for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
-
-
-def take_openai_images(vision: Any, messages: list[dict], uuids: dict | None) -> Any:
-    """The ``image_url`` parts of chat messages (dicts, each part left as its marker text), decoded.
-
-    Raises:
-        APIError: 400 for a bad image, or images given to a model that takes none.
-    """
-    from mlxkv.vision.images import ImageError
-    from mlxkv.vision.inputs import VisionInputs
-    from mlxkv.vision.support import VisionUnavailable
-
-    try:
-        return (vision or VisionInputs()).take_openai(messages, (uuids or {}).get("image"))
-    except (ImageError, VisionUnavailable) as exc:
-        raise APIError(400, str(exc), "invalid_image", "messages") from None
 
 
 def create_app(engine: BatchEngine, *, model_name: str, api_key: str | None = None,

@@ -40,7 +40,7 @@ def vision_inputs(loaded: Any, limits: Any = None) -> Any:
     limits = limits or ImageLimits()
     if loaded.is_gguf:
         return VisionInputs(None, TEXT_ONLY, limits)
-    return VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
+    return VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits, model=loaded.model)
 
 
 def build(run: RunConfig, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -37,6 +37,15 @@ class EncoderStats:
     budget_bytes: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ImagePixels:
+    """What the image processor made of one image: its pixel values and, for families that keep the image's aspect
+    ratio (Qwen2-VL), its grid of vision patches ``(t, h, w)`` (None: the family's one fixed resolution)."""
+
+    values: np.ndarray
+    grid: tuple[int, int, int] | None = None
+
+
 class FeatureCache:
     """Image features by content hash, least recently used dropped first once over ``budget_bytes`` (0: off)."""
 
@@ -94,35 +103,45 @@ class ImageEncoder:
         self.family: VisionFamily = family_of(config)
         vlm = load_model(Path(path), lazy=True)
         self.tower = vlm.vision_tower
-        self.projector = vlm.multi_modal_projector
+        self.projector = getattr(vlm, "multi_modal_projector", None)  # Qwen2-VL: the tower's own patch merger
         # the language model's weights stay unread (lazy): mlx-lm's copy runs the text
         upcast_on_cpu(self.tower)  # float32 on the CPU backend, as the language model runs there
-        upcast_on_cpu(self.projector)
-        mx.eval(self.tower.parameters(), self.projector.parameters())
+        mx.eval(self.tower.parameters())
+        if self.projector is not None:
+            upcast_on_cpu(self.projector)
+            mx.eval(self.projector.parameters())
         self.processor = AutoImageProcessor.from_pretrained(str(path))
         self.cache = FeatureCache(cache_bytes)
 
-    @property
-    def tokens_per_image(self) -> int:
-        return self.family.tokens_per_image
-
-    def pixels(self, image: Any) -> np.ndarray:
-        """The processor's pixel values for one RGB image, ``(1, C, H, W)`` float32 (any thread)."""
+    def pixels(self, image: Any) -> ImagePixels:
+        """The processor's pixel values for one RGB image (any thread): ``(1, C, H, W)`` float32 (Gemma 3), or the
+        flattened patches ``(patches, C * T * P * P)`` and their grid (Qwen2-VL)."""
         out = self.processor(images=[image], return_tensors="np")
-        return np.asarray(out["pixel_values"][:1], dtype=np.float32)
+        grid = out.get("image_grid_thw")
+        if grid is None:
+            return ImagePixels(np.asarray(out["pixel_values"][:1], dtype=np.float32))
+        return ImagePixels(np.asarray(out["pixel_values"], dtype=np.float32), tuple(int(v) for v in grid[0]))
 
-    def features(self, content_hash: str, pixels: np.ndarray) -> mx.array:
-        """The rows replacing one image's placeholders, ``(tokens_per_image, hidden)``, from the cache or the vision
-        tower (engine thread: MLX graphs stay on the thread that evaluates them)."""
+    def tokens_for(self, pixels: ImagePixels) -> int:
+        """How many placeholder tokens the image of ``pixels`` takes."""
+        return self.family.tokens_for(pixels.grid)
+
+    def features(self, content_hash: str, pixels: ImagePixels) -> mx.array:
+        """The rows replacing one image's placeholders, ``(tokens, hidden)``, from the cache or the vision tower
+        (engine thread: MLX graphs stay on the thread that evaluates them)."""
         found = self.cache.get(content_hash)
         if found is not None:
             return found
-        x = mx.array(pixels).transpose(0, 2, 3, 1)  # (1, H, W, C): MLX convolutions are channels-last
-        hidden, _, _ = self.tower(x, output_hidden_states=True)  # (1, patches, vision hidden)
-        rows = self.family.project(self.projector, hidden)[0]  # (tokens_per_image, hidden)
-        if rows.shape[0] != self.tokens_per_image:
-            raise ValueError(f"the vision tower gave {rows.shape[0]} rows for an image of {self.tokens_per_image} "
-                             "tokens (config.json's mm_tokens_per_image and vision_config disagree)")
+        if pixels.grid is not None:  # Qwen2-VL: patches and their grid in, merged rows out
+            rows = self.tower(mx.array(pixels.values), mx.array([pixels.grid]))  # (tokens, hidden)
+        else:
+            x = mx.array(pixels.values).transpose(0, 2, 3, 1)  # (1, H, W, C): MLX convolutions are channels-last
+            hidden, _, _ = self.tower(x, output_hidden_states=True)  # (1, patches, vision hidden)
+            rows = self.family.project(self.projector, hidden)[0]  # (tokens, hidden)
+        want = self.tokens_for(pixels)
+        if rows.shape[0] != want:
+            raise ValueError(f"the vision tower gave {rows.shape[0]} rows for an image of {want} tokens "
+                             "(config.json's image token count and vision_config disagree)")
         mx.eval(rows)
         self.cache.put(content_hash, rows)
         return rows

@@ -48,9 +48,10 @@ class VisionInputs:
 
     @classmethod
     def for_model(cls, path: Path, config: dict, tokenizer: Any, limits: ImageLimits = ImageLimits(),
-                  cache_bytes: int | None = None) -> "VisionInputs":
+                  cache_bytes: int | None = None, model: Any = None) -> "VisionInputs":
         """Image support for the model in ``path`` (config.json ``config``): loads its vision tower when it is a
-        supported VLM and mlx-vlm is installed, else records why images are refused."""
+        supported VLM and mlx-vlm is installed, else records why images are refused. ``model``: the loaded
+        language model, given 3-D positions when the family has them (Qwen2-VL; required for it)."""
         try:
             family = family_of(config)
         except VisionUnavailable as exc:
@@ -60,8 +61,15 @@ class VisionInputs:
                              f"{VISION_EXTRA}", limits)
         from mlxkv.vision.encoder import DEFAULT_FEATURE_CACHE_BYTES, ImageEncoder
 
+        if family.mrope:
+            if model is None:
+                raise ValueError(f"{family.name} takes images only with its language model given 3-D positions: "
+                                 "pass model=")
+            from mlxkv.vision.mrope import install_mrope
+
+            install_mrope(model, config)
         encoder = ImageEncoder(path, config, DEFAULT_FEATURE_CACHE_BYTES if cache_bytes is None else cache_bytes)
-        return cls(encoder, "", limits, tokenizer.convert_ids_to_tokens(family.marker_id))
+        return cls(encoder, "", limits, family.marker_text(tokenizer))
 
     @property
     def available(self) -> bool:
@@ -155,7 +163,7 @@ def images_from_files(paths: Sequence[str], loaded: Any, limits: ImageLimits = I
     """
     if vision is None:
         vision = VisionInputs(None, TEXT_ONLY, limits) if loaded.is_gguf else \
-            VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits)
+            VisionInputs.for_model(loaded.path, loaded.config, loaded.tokenizer, limits, model=loaded.model)
     vision._check()
     check_count(len(paths), limits)
     decoded = []

@@ -1,8 +1,10 @@
 """A prompt with images: each image's marker token expanded to its placeholders, and the spans the engine reads.
 
-The chat template (or the caller) writes the family's marker (Gemma 3: ``<start_of_image>``) where each image goes;
-:func:`expand_images` inserts ``tokens_per_image`` placeholder ids and the closing token after the i-th marker for
-the i-th image and returns an :class:`~mlxkv.vision.spans.ImageSpan` per image. A span's cache key is the image's
+The chat template (or the caller) writes the family's marker (Gemma 3: ``<start_of_image>``; Qwen2-VL:
+``<|vision_start|><|image_pad|><|vision_end|>``) where each image goes; :func:`expand_images` gives the i-th image
+its placeholder ids at the i-th marker (Gemma 3: after it, then the closing token; Qwen2-VL: in place of
+``<|image_pad|>``, one per image token of its grid) and returns an :class:`~mlxkv.vision.spans.ImageSpan` per
+image. A span's cache key is the image's
 content hash, or ``sha256(uuid || content hash)`` when the client named the image: the same UUID with other
 content, or the same content under another UUID, is another entry.
 """
@@ -14,8 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mlxkv.vision.images import DecodedImage, ImageError
 from mlxkv.vision.spans import ImageSpan
 
@@ -25,7 +25,7 @@ class PreparedImage:
     """One image of a request: decoded, its pixel values for the vision tower, and the client's UUID (or None)."""
 
     decoded: DecodedImage
-    pixels: np.ndarray
+    pixels: Any  # mlxkv.vision.encoder.ImagePixels
     uuid: str | None = None
 
     @property
@@ -39,11 +39,6 @@ class PreparedImage:
     def label(self) -> str:
         """What KV events show: the UUID, else the content hash."""
         return self.uuid if self.uuid is not None else self.decoded.content_hash
-
-
-def marker_text(tokenizer: Any, marker_id: int) -> str:
-    """The marker token's text (what an image content part becomes in a message)."""
-    return tokenizer.convert_ids_to_tokens(marker_id)
 
 
 def prepare_images(encoder: Any, decoded: Sequence[DecodedImage], uuids: Sequence[str | None]) -> list[PreparedImage]:
@@ -66,11 +61,12 @@ def expand_images(ids: Sequence[int], images: Sequence[PreparedImage], encoder: 
     spans: list[ImageSpan] = []
     last = 0
     for at, image in zip(markers, images):
-        out.extend(ids[last : at + 1])
-        start = len(out)
-        out.extend(family.expansion())
-        spans.append(ImageSpan(start, start + family.tokens_per_image, image.key, image.label,
-                               _features(encoder, image)))
+        out.extend(ids[last:at])
+        start = len(out) + family.placeholders_at
+        tokens = encoder.tokens_for(image.pixels)
+        out.extend(family.expansion(tokens))
+        spans.append(ImageSpan(start, start + tokens, image.key, image.label, _features(encoder, image),
+                               family.token_grid(image.pixels.grid) if family.mrope else None))
         last = at + 1
     out.extend(ids[last:])
     return out, tuple(spans)

@@ -29,6 +29,8 @@ class ImageSpan:
         label: what KV events show for it: the client's UUID, else the content hash.
         features: ``() -> (end - start, hidden)`` rows, already scaled as the language model's input embeddings
             expect (engine thread; the encoder caches them per content hash).
+        grid: the image's tokens as a ``(t, h, w)`` grid, ``t * h * w == end - start``, for a language model with
+            3-D positions (M-RoPE, :mod:`mlxkv.vision.mrope`); None for plain 1-D positions.
     """
 
     start: int
@@ -36,6 +38,7 @@ class ImageSpan:
     key: str
     label: str
     features: Callable[[], mx.array]
+    grid: tuple[int, int, int] | None = None
 
     @property
     def hash_key(self) -> tuple:

@@ -2,8 +2,9 @@
 
 A family says how its prompts mark an image (the token the chat template writes where an image goes, and the
 placeholder tokens that stand for it) and how its projector's output becomes input-embedding rows. mlxkv runs the
-language model through mlx-lm, so a family's prompt positions must be plain 1-D positions: Gemma 3 qualifies;
-Qwen2-VL's 3-D (M-RoPE) positions after an image depend on the image's grid and are not supported yet.
+language model through mlx-lm. Gemma 3 has a fixed number of tokens per image and plain 1-D positions; Qwen2-VL and
+Qwen2.5-VL keep each image's aspect ratio (tokens per image vary with its size) and place its tokens on a 3-D
+(temporal, height, width) grid of rotary positions (M-RoPE, :mod:`mlxkv.vision.mrope`).
 """
 
 from __future__ import annotations
@@ -40,31 +41,67 @@ class VisionFamily:
 
     Attributes:
         name: the config's ``model_type``.
-        marker_id: the token the chat template writes where an image goes (Gemma 3: ``<start_of_image>``).
-        marker: its text (what an image content part becomes in a message's text).
-        image_id: the placeholder token repeated ``tokens_per_image`` times after the marker.
-        end_id: the token closing the image (Gemma 3: ``<end_of_image>``).
-        tokens_per_image: placeholders per image.
+        marker_id: the token found in the tokenized prompt where an image goes (Gemma 3: ``<start_of_image>``, kept,
+            the placeholders follow it; Qwen2-VL: ``<|image_pad|>``, replaced by the image's placeholders).
+        image_id: the placeholder token, repeated once per image token.
+        end_id: the token closing the image after its placeholders (Gemma 3: ``<end_of_image>``), or None (Qwen2-VL:
+            the chat text already holds ``<|vision_end|>``).
+        tokens_per_image: placeholders per image (0: each image's own, from its grid).
         hidden_size: the language model's width.
+        mrope: the language model takes 3-D (M-RoPE) positions (Qwen2-VL, Qwen2.5-VL).
+        merge_size: vision patches merged per image token along each side (M-RoPE families).
+        marker_ids: the tokens an image becomes in a message's text (their text is :meth:`marker_text`).
     """
 
     name: str
     marker_id: int
     image_id: int
-    end_id: int
+    end_id: int | None
     tokens_per_image: int
     hidden_size: int
-    marker: str = ""
+    mrope: bool = False
+    merge_size: int = 1
+    marker_ids: tuple[int, ...] = ()
 
-    def expansion(self) -> list[int]:
-        """What follows each marker: the placeholders, then the end token."""
-        return [self.image_id] * self.tokens_per_image + [self.end_id]
+    @property
+    def keeps_marker(self) -> bool:
+        """The marker stays in the prompt, its image's placeholders after it (else they replace it)."""
+        return self.marker_id != self.image_id
+
+    def marker_text(self, tokenizer: Any) -> str:
+        """The text an image becomes in a message (Qwen2-VL: ``<|vision_start|><|image_pad|><|vision_end|>``)."""
+        return "".join(tokenizer.convert_ids_to_tokens(list(self.marker_ids or (self.marker_id,))))
+
+    def token_grid(self, grid: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        """An image's grid of tokens ``(t, h, w)`` from the processor's grid of patches (None: no grid)."""
+        if grid is None:
+            return None
+        t, h, w = grid
+        return (t, h // self.merge_size, w // self.merge_size)
+
+    def tokens_for(self, grid: tuple[int, int, int] | None) -> int:
+        """How many placeholder tokens an image with the processor's patch ``grid`` takes."""
+        if self.tokens_per_image:
+            return self.tokens_per_image
+        t, h, w = self.token_grid(grid)
+        return t * h * w
+
+    def expansion(self, tokens: int) -> list[int]:
+        """What an image's marker becomes: the marker (if kept), the placeholders, the end token (if any)."""
+        head = [self.marker_id] if self.keeps_marker else []
+        return head + [self.image_id] * tokens + ([self.end_id] if self.end_id is not None else [])
+
+    @property
+    def placeholders_at(self) -> int:
+        """Where the placeholders start in :meth:`expansion`."""
+        return 1 if self.keeps_marker else 0
 
     def project(self, projector: Any, hidden: Any) -> Any:
         """Vision-tower output ``(1, patches, vision hidden)`` -> input-embedding rows ``(1, tokens, hidden)``.
 
         Gemma 3's language model multiplies its input embeddings by ``sqrt(hidden)``; image features enter divided
-        by it first (as mlx-vlm's ``prepare_inputs_for_multimodal`` does).
+        by it first (as mlx-vlm's ``prepare_inputs_for_multimodal`` does). (M-RoPE families: the vision tower's
+        patch merger gives the rows itself.)
         """
         return projector(hidden) / math.sqrt(self.hidden_size)
 
@@ -85,7 +122,21 @@ def family_of(config: dict) -> VisionFamily:
                             end_id=int(config.get("eoi_token_index", 256000)),
                             tokens_per_image=int(config.get("mm_tokens_per_image", text.get("mm_tokens_per_image", 256))),
                             hidden_size=int(text["hidden_size"]))
-    raise VisionUnavailable(f"image input is not supported for model_type {kind!r} (supported: gemma3)")
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        try:
+            image_id = int(config.get("image_token_id", 151655))
+            start_id = int(config.get("vision_start_token_id", 151652))
+            end_id = int(config.get("vision_end_token_id", start_id + 1))
+            text = config.get("text_config") or config
+            return VisionFamily(name=kind, marker_id=image_id, image_id=image_id, end_id=None, tokens_per_image=0,
+                                hidden_size=int(text["hidden_size"]), mrope=True,
+                                merge_size=int(config["vision_config"].get("spatial_merge_size", 2)),
+                                marker_ids=(start_id, image_id, end_id))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise VisionUnavailable(f"config.json's image settings for {kind} are malformed (token ids, hidden_size, "
+                                    "vision_config.spatial_merge_size)") from None
+    raise VisionUnavailable(f"image input is not supported for model_type {kind!r} (supported: gemma3, qwen2_vl, "
+                            "qwen2_5_vl)")
 
 
 def takes_images(config: dict) -> bool:

@@ -2,11 +2,13 @@
 
 Input items become OpenAI chat messages (then :func:`mlxkv.server.tools.to_template_messages` makes them the chat
 template's): a message item (or the short ``{"role", "content"}`` form) keeps its role and its text parts
-(``input_text``, an assistant's ``output_text``; a ``refusal`` part reads as its text); consecutive
+(``input_text``, an assistant's ``output_text``; a ``refusal`` part reads as its text); a user message's
+``input_image`` parts (``image_url``: a data URL, or a ``file://`` URL under ``--allowed-image-dir``) become chat
+``image_url`` parts, read as the chat route reads them (docs/vision.md); consecutive
 ``function_call`` items join the assistant turn before them as its ``tool_calls``; a ``function_call_output`` is a
 ``tool`` message. ``reasoning`` items are dropped: chat templates do not render earlier turns' reasoning (the
 model's own thinking from a stored response lives on in the KV cache instead, see :mod:`.store`). Anything else
-(images, files, item references, built-in tool calls) is refused with a 400 naming the item.
+(files, audio, images by ``file_id``, item references, built-in tool calls) is refused with a 400 naming the item.
 
 Function tools are flat in this API (``{"type": "function", "name", "description", "parameters", "strict"}``) and
 nested in chat's; ``tool_choice`` ``{"type": "function", "name"}`` likewise. ``text.format`` becomes chat's
@@ -30,18 +32,39 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, "invalid_value", param)
 
 
-def _text(content: Any, where: str, role: str) -> str:
+def _image_part(part: dict, at: str, role: str) -> dict[str, Any]:
+    """An ``input_image`` part as a chat ``image_url`` part."""
+    if role != "user":
+        raise _bad(f"{at}: input_image parts belong to user messages", f"{at}.type")
+    if part.get("file_id") is not None:
+        raise APIError(400, f"{at}: images by file_id are not supported (there is no file store): send image_url "
+                       "as a data URL", "unsupported_content", f"{at}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{at}: image_url must be a string (a data URL)", f"{at}.image_url")
+    extra = set(part) - {"type", "image_url", "detail", "file_id"}
+    if extra:
+        raise _bad(f"{at}: unknown field {sorted(extra)[0]!r}", f"{at}.{sorted(extra)[0]}")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _text(content: Any, where: str, role: str) -> str | list[dict[str, Any]]:
+    """A content's text; with ``input_image`` parts, chat content parts (text and ``image_url``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(f"{where}: content must be a string or a list of content parts", where)
     texts = []
+    parts: list[dict[str, Any]] = []
     for p, part in enumerate(content):
         at = f"{where}.{p}"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(_image_part(part, at, role))
+            continue
         if kind not in _TEXT_PARTS:
-            what = "image and file input are not supported (the model reads text)" if kind in (
-                "input_image", "input_file", "input_audio") else f"content parts of type {kind!r} are not supported"
+            what = "file and audio input are not supported" if kind in (
+                "input_file", "input_audio") else f"content parts of type {kind!r} are not supported"
             raise APIError(400, f"{at}: {what}", "unsupported_content", f"{at}.type")
         if kind != "input_text" and role != "assistant":
             raise _bad(f"{at}: {kind} parts belong to assistant messages", f"{at}.type")
@@ -49,6 +72,9 @@ def _text(content: Any, where: str, role: str) -> str:
         if not isinstance(value, str):
             raise _bad(f"{at}: {_TEXT_PARTS[kind]} must be a string", f"{at}.{_TEXT_PARTS[kind]}")
         texts.append(value)
+        parts.append({"type": "text", "text": value})
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
     return "".join(texts)
 
 

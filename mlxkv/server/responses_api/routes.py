@@ -30,6 +30,7 @@ from mlxkv.server.choice_output import ChoiceOutput
 from mlxkv.server.compat import KEEPALIVE_EVENT
 from mlxkv.server.errors import APIError
 from mlxkv.server.generation import bursts, collect, failure
+from mlxkv.server.image_parts import has_images, take_openai_images
 from mlxkv.server.preparation import Constraint, Prepared, Preparation, PromptSource, tool_error
 from mlxkv.server.reasoning import splitter_for
 from mlxkv.server.responses_api.items import chat_tool_choice, chat_tools, input_messages, response_format
@@ -97,7 +98,15 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
             if parent is None or parent.salt != body.cache_salt:
                 raise APIError(404, f"no stored response {body.previous_response_id!r}", "previous_response_not_found",
                                "previous_response_id")
-        conversation = (list(parent.messages) if parent else []) + input_messages(body.input)
+            if parent.holds_images:
+                raise APIError(400, "previous_response_id: that response held images, which are not stored: send "
+                               "its conversation again, with its images, as input", "unsupported_value",
+                               "previous_response_id")
+        new_input = input_messages(body.input)
+        images = None
+        if has_images(new_input, None):  # decoded off the event loop; each image_url part becomes its marker text
+            images = await prep.lanes.on_worker(lambda: take_openai_images(prep.vision, new_input, None, "input"))
+        conversation = (list(parent.messages) if parent else []) + new_input
         tools, tool_choice = chat_tools(body.tools), chat_tool_choice(body.tool_choice)
         parallel = body.parallel_tool_calls is not False
         try:
@@ -116,7 +125,7 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
             kwargs["enable_thinking"] = body.reasoning.effort not in NO_THINKING
         if use_tools:
             kwargs["tools"] = render_tools(tools)
-        source = PromptSource(messages=messages, template_kwargs=kwargs, param="input")
+        source = PromptSource(messages=messages, template_kwargs=kwargs, param="input", images=images)
         fmt = _format(body)
         if use_tools and forces_call(tool_choice):
             # the answer is the forced call(s), no text: text.format has nothing to shape in this response (OpenAI
@@ -125,7 +134,7 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
         prepared = await prep.prepare(source, Constraint(fmt, tools if use_tools else None, tool_choice, parallel),
                                       tenant=request_tenant(request), body=CacheFields(cache_salt=body.cache_salt,
                                                                                   speculative=body.speculative))
-        if parent is not None and parent.tokens:
+        if parent is not None and parent.tokens and not images:  # image spans index prepared.prompt's own tokens
             continued = await _continued(prep, parent, source, prepared.prompt)
             if continued is not prepared.prompt:  # message ends were found in the other tokenization
                 prepared = dataclasses.replace(prepared, prompt=continued, snapshot_at=())
@@ -152,7 +161,7 @@ def responses_router(engine: BatchEngine, prep: Preparation, *, model_name: str,
                 return
             kv = prompt + output.tokens
             store.put(StoredResponse(response_id, owner, body.cache_salt, output.body(output.status, usage),
-                                     conversation + [output.assistant_message()], kv))
+                                     conversation + [output.assistant_message()], kv, holds_images=bool(images)))
             store.settle(response_id, len(kv))
 
         if body.stream:

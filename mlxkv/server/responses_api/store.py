@@ -85,6 +85,7 @@ class StoredResponse:
         tokens: its prompt's and output's token ids (the KV the engine computed).
         text: ``tokens`` decoded (special tokens included), to check that a continuation's rendered prompt
             starts with it.
+        holds_images: its input held images (not stored: it cannot be continued).
     """
 
     id: str
@@ -94,6 +95,7 @@ class StoredResponse:
     messages: list[dict[str, Any]]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    holds_images: bool = False
 
 
 class ResponseStore:
