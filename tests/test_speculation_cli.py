@@ -128,3 +128,8 @@ def test_chat_refuses_speculation_it_cannot_run_in_one_line(tmp_path, monkeypatc
 def test_chat_refuses_a_seeded_sampled_start_in_one_line(tmp_path):
     line = one_line(_chat(tmp_path, "--prompt-lookup", "--temp", "0.5", "--seed", "1", lines="Hello\n"))
     assert "--seed" in line and "--prompt-lookup" in line
+
+
+def test_chat_refuses_prompt_lookup_over_layers_it_cannot_rewind_in_one_line(tmp_path, test_model_dir):
+    line = one_line(_chat(tmp_path, "-m", str(test_model_dir("qwen3_next")), "--prompt-lookup", lines="Hello\n"))
+    assert "recurrent" in line and "run without --prompt-lookup" in line
