@@ -313,8 +313,8 @@ def generate(
         if getattr(s, "cached_prompt_tokens", 0):
             typer.echo(f"prefix cache: {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens reused", err=True)
         if s.speculative:
-            typer.echo(f"speculative: acceptance {s.acceptance_rate:.1%}, "
-                       f"{s.tokens_per_forward:.2f} tokens per target forward", err=True)
+            typer.echo(f"speculative: acceptance {s.acceptance_rate:.1%} ({s.accepted_tokens} of {s.drafted_tokens} "
+                       f"proposed), {s.tokens_per_forward:.2f} tokens per target forward", err=True)
 
 
 @app.command(cls=Command)

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.float_order
 
 #: Text after which the test llama's greedy continuation repeats it in part: lookups both accepted and rejected.
 REPEATING = "abc abc abc abc abc abc"
-SPECULATIVE = re.compile(r"speculative: acceptance ([\d.]+)%, ([\d.]+) tokens per target forward")
+SPECULATIVE = re.compile(r"speculative: acceptance ([\d.]+)% \((\d+) of (\d+) proposed\), ([\d.]+) tokens per target "
+                         r"forward")
 TURN = re.compile(r"\[turn: (\d+) prompt tokens, (\d+) cached, .* \| speculative: acceptance ([\d.]+)% "
                   r"\((\d+) of (\d+) proposed\), ([\d.]+) tokens per forward\]")
 
@@ -50,8 +51,9 @@ def test_generate_speculates_on_the_step_with_the_plain_greedy_text(llama_dir, n
     assert spec.stdout == plain.stdout
     found = SPECULATIVE.search(spec.stderr)
     assert found, spec.stderr
-    acceptance, per_forward = map(float, found.groups())
-    assert 0 < acceptance < 100 and per_forward > 1  # proposals accepted and rejected; fewer forwards than tokens
+    acceptance, accepted, proposed, per_forward = map(float, found.groups())
+    assert 0 < accepted < proposed and acceptance == pytest.approx(100 * accepted / proposed, abs=0.05)
+    assert per_forward > 1  # fewer decode forwards than tokens
     assert "generation: 40 tokens" in spec.stderr
 
 
@@ -59,7 +61,8 @@ def test_generate_samples_with_speculation_unseeded(llama_dir, no_round_loop):
     result = runner.invoke(app, ["generate", "-m", llama_dir, "--raw", "-n", "30", "--temp", "0.8", "--prompt-lookup",
                                  "--verbose", REPEATING])
     assert result.exit_code == 0, result.output
-    assert "generation: 30 tokens" in result.stderr and SPECULATIVE.search(result.stderr)
+    found = SPECULATIVE.search(result.stderr)
+    assert "generation: 30 tokens" in result.stderr and found and int(found.group(3)) > 0, result.stderr
 
 
 @pytest.mark.parametrize("extra, named", [(["--repetition-penalty", "1.2"], "--repetition-penalty"),

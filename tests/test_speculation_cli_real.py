@@ -37,7 +37,8 @@ def test_generate_prompt_lookup_answers_an_edit_as_plain_greedy_does():
     plain = _mlxkv(*args)
     spec = _mlxkv(*args, "--prompt-lookup", "--num-draft-tokens", "6", "--verbose")
     assert spec.stdout == plain.stdout and "tax_rate" in spec.stdout
-    found = re.search(r"speculative: acceptance ([\d.]+)%, ([\d.]+) tokens per target forward", spec.stderr)
+    found = re.search(r"speculative: acceptance ([\d.]+)% \(\d+ of \d+ proposed\), ([\d.]+) tokens per target "
+                      r"forward", spec.stderr)
     assert found, spec.stderr
     assert float(found.group(1)) > 50 and float(found.group(2)) > 2  # an edit copies its prompt
 
