@@ -1,7 +1,8 @@
 """``mlxkv generate --prompt-lookup`` and ``mlxkv chat --prompt-lookup`` speculate on the engine step ``mlxkv serve``
 runs (its proposals and verification rows, not a loop of their own): greedy output equals plain decoding while
 proposals are both accepted and rejected, ``--verbose`` reports the acceptance the step counted, chat keeps its
-conversation's cache from turn to turn while it speculates, and what cannot speculate is refused in one line.
+conversation's cache from turn to turn (and over a loaded session) while it speculates, and what cannot
+speculate is refused in one line.
 
 Through typer's CliRunner: the random-weight test llama for generate (prompts after which its greedy output repeats
 itself in part), the embedded demo model for chat (reading its input as from a pipe)."""
@@ -136,3 +137,13 @@ def test_chat_refuses_a_seeded_sampled_start_in_one_line(tmp_path):
 def test_chat_refuses_prompt_lookup_over_layers_it_cannot_rewind_in_one_line(tmp_path, test_model_dir):
     line = one_line(_chat(tmp_path, "-m", str(test_model_dir("qwen3_next")), "--prompt-lookup", lines="Hello\n"))
     assert "recurrent" in line and "run without --prompt-lookup" in line
+
+
+def test_chat_speculates_over_a_loaded_session_with_the_plain_answers(tmp_path):
+    lines = "Repeat after me: the quick brown fox.\n/save s\n/reset\n/load s\nSay it again.\n"
+    plain = _chat(tmp_path / "plain", "-n", "30", lines=lines)
+    spec = _chat(tmp_path / "spec", "-n", "30", "--prompt-lookup", "--verbose", lines=lines)
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout and "loaded session s" in spec.stderr
+    turns = TURN.findall(spec.stderr)
+    assert len(turns) == 2 and int(turns[1][1]) > 0 and int(turns[1][4]) > 0  # cached from the session; proposals
