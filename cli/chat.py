@@ -54,6 +54,9 @@ CHAT_KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=options.KV_
                                      "h2o (+ most-attended tokens), offload (h2o, evicted rows to host memory and "
                                      "back). h2o and offload caches cannot be saved with /save.")
 
+CHAT_DRAFT_MODEL = typer.Option(None, "--draft-model", metavar="MODEL", hidden=True,
+                                help="Refused: chat speculates by --prompt-lookup.")
+
 
 def chat(
     ctx: typer.Context,
@@ -80,6 +83,10 @@ def chat(
     kv_overflow_budget: Optional[int] = options.KV_OVERFLOW_BUDGET,
     kv_overflow_sinks: Optional[int] = options.KV_OVERFLOW_SINKS,
     kv_overflow_recent: Optional[int] = options.KV_OVERFLOW_RECENT,
+    prompt_lookup: bool = options.PROMPT_LOOKUP,
+    num_draft_tokens: int = options.NUM_DRAFT_TOKENS,
+    ngram_size: int = options.NGRAM_SIZE,
+    draft_model: Optional[str] = CHAT_DRAFT_MODEL,
     resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", rich_help_panel="Sessions",
                                          help="Continue saved session NAME."),
     sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",
@@ -89,7 +96,12 @@ def chat(
     verbose: bool = options.VERBOSE,
 ) -> None:
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
-    refuse_unused(ctx, [*unused_sampling(temp), ("kv_group_size", "--kv-group-size", kv_bits is not None)])
+    refuse_unused(ctx, [*unused_sampling(temp), ("kv_group_size", "--kv-group-size", kv_bits is not None),
+                        ("num_draft_tokens", "--num-draft-tokens", prompt_lookup),
+                        ("ngram_size", "--ngram-size", prompt_lookup)])
+    if draft_model is not None:
+        raise typer.BadParameter("chat speculates by --prompt-lookup (no draft model); a draft model speculates in "
+                                 "mlxkv generate", param_hint="--draft-model")
     model = with_revision(model, revision)
     overflow = overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent)
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
@@ -99,6 +111,9 @@ def chat(
                                  param_hint="--max-kv-size")
     if kv_bits is not None and overflow.policy in ("h2o", "offload"):
         raise typer.BadParameter(f"--kv-overflow {overflow.policy} keeps full-precision K/V", param_hint="--kv-bits")
+    if prompt_lookup and overflow.enabled:
+        raise typer.BadParameter("speculative decoding cannot run with --kv-overflow: pages an overflow policy "
+                                 "evicts cannot be rewound", param_hint="--prompt-lookup")
     from mlxkv import env
     from mlxkv.chat.paths import saved_session_path
 
@@ -113,14 +128,20 @@ def chat(
 
     from mlxkv.chat import ChatSession, fingerprint_of, load_session
     from mlxkv.cli.models import remember_gguf
+    from mlxkv.engine.direct import refusal_of_speculation
     from mlxkv.engine.sampling import SamplingParams
+    from mlxkv.engine.speculation import Speculation
     from mlxkv.models import ModelLoadError, load
 
+    speculation = Speculation(num_draft_tokens=num_draft_tokens, ngram_size=ngram_size) if prompt_lookup else None
     console = Console(highlight=False, stderr=True)
     try:
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
                                 top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()),
                                 repetition_penalty=sampling.repetition_penalty)
+        refusal = refusal_of_speculation(params) if speculation is not None else None
+        if refusal is not None:
+            raise ValueError(refusal)
         loaded = load(model, dequantize=dequantize, chat_template=chat_template, adapter_path=adapter_path)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
@@ -128,7 +149,7 @@ def chat(
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
                               kv_group_size=kv_group_size, overflow=overflow,
-                              template_kwargs=sampling.chat_template_kwargs)
+                              template_kwargs=sampling.chat_template_kwargs, speculation=speculation)
         shown = f"{loaded.name} with adapter {adapter_path}" if adapter_path is not None else loaded.name
         repl = _Repl(console, session, params, folder, fingerprint_of(loaded), shown, loaded=loaded)
         if resume is not None:
@@ -268,7 +289,14 @@ class _Repl:
         if self.verbose:
             self.say(f"[turn: {last.prompt_tokens} prompt tokens, {last.cached_tokens} cached, {last.prefill_tokens} "
                      f"prefilled | first token {last.prefill_seconds:.3f} s | {last.generation_tokens} generated in "
-                     f"{last.generation_seconds:.3f} s ({last.decode_tps:.1f} tok/s)]", "dim")
+                     f"{last.generation_seconds:.3f} s ({last.decode_tps:.1f} tok/s){self._speculated(last)}]", "dim")
+
+    def _speculated(self, last: Any) -> str:
+        """The turn's speculation figures for its ``--verbose`` line (empty without ``--prompt-lookup``)."""
+        if self.session.engine.speculation is None:
+            return ""
+        return (f" | speculative: acceptance {last.acceptance_rate:.1%} ({last.accepted_tokens} of "
+                f"{last.drafted_tokens} proposed), {last.tokens_per_forward:.2f} tokens per forward")
 
     def history(self, _: str = "") -> None:
         """The conversation so far, one paragraph per message (dim: it is context, not a new answer)."""
@@ -320,6 +348,7 @@ class _Repl:
         import dataclasses
 
         from mlxkv.config import SamplingDefaults
+        from mlxkv.engine.direct import refusal_of_speculation
 
         p = self.params
         if not arg:
@@ -345,6 +374,9 @@ class _Repl:
         if field != "seed":  # the rules the options apply (a seed is any integer)
             SamplingDefaults(temp=changed.temp, top_p=changed.top_p, top_k=changed.top_k, min_p=changed.min_p,
                              max_tokens=changed.max_tokens, repetition_penalty=changed.repetition_penalty)
+        refusal = refusal_of_speculation(changed) if self.session.engine.speculation is not None else None
+        if refusal is not None:
+            raise ValueError(f"/set {name}: {refusal}")
         greedy = changed.temp == 0
         if greedy and field in ("top_p", "top_k", "min_p", "seed"):
             raise ValueError(f"{name} has no effect at temp 0 (greedy decoding draws nothing at random): "

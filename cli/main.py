@@ -183,6 +183,9 @@ def generate(
               "(--draft-model, --prompt-lookup)", verbose)
     if image and (draft_model or prompt_lookup or raw or distributed != "off"):
         _fail("--image works with the chat template on one process, without speculative decoding", verbose)
+    if prompt_lookup and distributed != "off" and temp > 0:
+        _fail("--prompt-lookup with --distributed decodes greedily only (--temp 0): the ranks' shared seed draws "
+              "one token at a time", verbose)
     if logprobs is not None and (draft_model or prompt_lookup):
         _fail("--logprobs does not work with speculative decoding (--draft-model, --prompt-lookup)", verbose)
     try:
@@ -309,9 +312,9 @@ def generate(
         )
         if getattr(s, "cached_prompt_tokens", 0):
             typer.echo(f"prefix cache: {s.cached_prompt_tokens} of {s.prompt_tokens} prompt tokens reused", err=True)
-        if hasattr(s, "acceptance_rate"):
-            typer.echo(f"speculative: acceptance {s.acceptance_rate:.1%}, "
-                       f"{s.tokens_per_forward:.2f} tokens per target forward", err=True)
+        if s.speculative:
+            typer.echo(f"speculative: acceptance {s.acceptance_rate:.1%} ({s.accepted_tokens} of {s.drafted_tokens} "
+                       f"proposed), {s.tokens_per_forward:.2f} tokens per target forward", err=True)
 
 
 @app.command(cls=Command)

@@ -3,7 +3,10 @@
 Modes, run alternately (plain, lookup, draft, self-draft, plain, ...), medians compared with plain decoding:
 
 - ``plain``: DirectEngine, no speculation (the baseline).
-- ``lookup``: prompt-lookup drafting (n-gram match over prompt + output; no second model).
+- ``lookup``: prompt-lookup drafting (n-gram match over prompt + output; no second model) on the engine step, as
+  ``mlxkv generate --prompt-lookup`` runs it (the scheduler's verification rows, adaptive draft length).
+- ``lookup-rounds``: the same drafter in :class:`SpeculativeEngine`'s rounds (a fixed draft length; what
+  ``--prompt-lookup`` runs over recurrent layers).
 - ``draft``: a draft model: ``--draft-model`` (same vocabulary as the target), or with ``--model random`` a
   smaller random llama. Random weights agree with nothing: expect near-zero acceptance there; that measures
   what speculation costs when it fails.
@@ -99,10 +102,12 @@ def make_engines(model, draft, k: int, ngram: int) -> dict:
     """Every mode's engine over the target (``draft`` adds the 'draft' mode)."""
     from mlxkv.engine.direct import DirectEngine
     from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
+    from mlxkv.engine.speculation import Speculation
     from mlxkv.engine.speculative import SpeculativeEngine
 
     engines = {"plain": DirectEngine(model, tokenizer=None),  # no tokenizer: no EOS stop
-               "lookup": SpeculativeEngine(model, None, PromptLookupDrafter(ngram), num_draft_tokens=k)}
+               "lookup": DirectEngine(model, None, speculation=Speculation(num_draft_tokens=k, ngram_size=ngram)),
+               "lookup-rounds": SpeculativeEngine(model, None, PromptLookupDrafter(ngram), num_draft_tokens=k)}
     if draft is not None:
         engines["draft"] = SpeculativeEngine(model, None, DraftModelDrafter(draft), num_draft_tokens=k)
     engines["self-draft"] = SpeculativeEngine(model, None, DraftModelDrafter(model), num_draft_tokens=k)
@@ -144,7 +149,7 @@ def main() -> None:
         if name != "plain":
             extra = (f"   drafted {stats.drafted_tokens:3d}, accepted {stats.acceptance_rate:5.1%}, "
                      f"{stats.tokens_per_forward:4.2f} tokens/target forward")
-        print(f"  {name:10s} decode {decode:7.2f} tok/s   x{decode / base:5.2f} vs plain{extra}")
+        print(f"  {name:13s} decode {decode:7.2f} tok/s   x{decode / base:5.2f} vs plain{extra}")
 
 
 if __name__ == "__main__":

@@ -117,3 +117,28 @@ def test_a_conversation_past_max_kv_size_keeps_answering(chat):
     assert dropped >= 2
     term.key("C-d")
     assert term.exit_status() == 0
+
+
+@pytest.mark.slow
+def test_prompt_lookup_answers_as_plain_chat_and_a_stopped_answer_keeps_the_cache(chat):
+    messages = ("Repeat after me: the quick brown fox jumps over the lazy dog.", "Say it again.")
+    plain = chat("-n", "40")
+    spec = chat("-n", "40", "--prompt-lookup", "--verbose")
+    for message in messages:
+        expected = plain.send(message)
+        answer, _, turn = spec.send(message).rpartition("\n")  # the answer (and its marks), then the turn's line
+        assert answer == expected
+        found = re.search(r"cached, .* speculative: acceptance [\d.]+% \((\d+) of (\d+) proposed\), ([\d.]+) tokens "
+                          r"per forward\]$", turn)
+        assert found and int(found.group(2)) > 0, turn
+    # A speculating answer stopped by Ctrl-C leaves the cache at what was shown: the next turn reuses all of it.
+    spec.send("/set max-tokens 480")
+    spec.type("Write a very long story about everything.")
+    spec.wait_for(r"^>>> Write a very long story about everything\.\n(.*\n){3}", timeout=60)
+    spec.key("C-c")
+    spec.wait_for(r"^\[stopped\]\n\[turn: .*\]\n>>>\Z", timeout=30)
+    stopped = _stats(spec)
+    assert spec.send("Hello")
+    assert _stats(spec)["cached"] == stopped["context"]
+    spec.key("C-d")
+    assert spec.exit_status() == 0

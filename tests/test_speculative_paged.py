@@ -131,9 +131,12 @@ def test_build_engine_paged_with_prompt_lookup():
     reference = list(DirectEngine(model, None).generate_tokens(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))
     options = run_config(kv_backend="paged", kv_block_size=B, prompt_lookup=True, num_draft_tokens=K)
     engine = build_engine(SimpleNamespace(model=model, tokenizer=None), options, len(PROMPT) + NEW_TOKENS)
-    assert isinstance(engine, SpeculativeEngine) and engine.pool.paged is not None
+    # prompt lookup speculates on the engine step (serve's verification rows), not in rounds
+    assert not isinstance(engine, SpeculativeEngine) and engine.speculation is not None
+    assert engine.pool.paged is not None
     tokens = list(engine.generate_tokens(PROMPT, SamplingParams(max_tokens=NEW_TOKENS)))
     assert tokens == reference
+    assert engine.last_stats.drafted_tokens > 0
     engine.pool.check_invariants()
 
 

@@ -97,13 +97,21 @@ NEAR_DRAFT = ToyLM(A + 0.8 * rng.normal(size=(V, V)), B + 0.8 * rng.normal(size=
 CYCLIC = ToyLM(A + 2.5 * np.eye(V)[[(i % 3) + 1 for i in range(V)]], B)
 
 
-@pytest.mark.parametrize("mode,temp,n", [("draft", 1.0, 1000), ("lookup", 0.8, 1000)])
+@pytest.mark.parametrize("mode,temp,n", [("draft", 1.0, 1000), ("lookup", 0.8, 1000),
+                                         pytest.param("step", 0.8, 1000, marks=pytest.mark.slow)])
 def test_sampled_speculation_matches_target_distribution(mode, temp, n):
+    """``step``: ``mlxkv generate --prompt-lookup``'s path, a DirectEngine speculating on the engine step."""
     if mode == "draft":
         target, drafter = TARGET, DraftModelDrafter(NEAR_DRAFT, pool=toy_pool(NEAR_DRAFT))
     else:
         target, drafter = CYCLIC, PromptLookupDrafter(ngram_size=2)
-    engine = SpeculativeEngine(target, None, drafter, num_draft_tokens=3, pool=toy_pool(target))
+    if mode == "step":
+        from mlxkv.engine.direct import DirectEngine
+        from mlxkv.engine.speculation import Speculation
+
+        engine = DirectEngine(target, None, pool=toy_pool(target), speculation=Speculation(3, 2))
+    else:
+        engine = SpeculativeEngine(target, None, drafter, num_draft_tokens=3, pool=toy_pool(target))
     mx.random.seed(1234)
     samples, accepted, drafted = [], 0, 0
     for _ in range(n):

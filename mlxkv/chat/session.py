@@ -39,6 +39,9 @@ class TurnStats:
     generation_tokens: int = 0
     generation_seconds: float = 0.0  # first token to last (the first token's time is in prefill_seconds)
     dropped_turns: int = 0  # turns dropped from the front to make room
+    drafted_tokens: int = 0  # speculative decoding (prompt lookup): tokens proposed
+    accepted_tokens: int = 0  # of those, verified and kept
+    decode_forwards: int = 0  # decode forwards run (with speculation, fewer than the tokens after the first)
     finish_reason: str | None = None  # "stop" (EOS, stop string), "length" (max tokens or the context), "interrupted"
 
     @property
@@ -50,6 +53,17 @@ class TurnStats:
         # Tokens after the first over the time after the first token (the first came with the prefill).
         n = self.generation_tokens - 1
         return n / self.generation_seconds if n > 0 and self.generation_seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 when nothing was proposed)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens after the first per decode forward (1.0 without speculation)."""
+        n = self.generation_tokens - 1
+        return n / self.decode_forwards if n > 0 and self.decode_forwards else 0.0
 
 
 class ChatSession:
@@ -66,14 +80,19 @@ class ChatSession:
         overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of full-attention layers
             (see :func:`mlxkv.kv.make_caches`); the context may then outgrow the budget up to the model's limit.
         template_kwargs: extra chat template variables for every rendering (e.g. ``{"enable_thinking": False}``).
+        speculation: speculative decoding by prompt lookup (:class:`~mlxkv.engine.speculation.Speculation`; None:
+            off): each turn proposes tokens from the whole conversation rendered so far and the answer's own, and
+            verifies them on the engine step (the same greedy answers).
 
     Raises:
-        ValueError: no chat template, or a bad cache option (a quantization group that does not divide head_dim).
+        ValueError: no chat template, or a bad cache option (a quantization group that does not divide head_dim);
+            ``speculation`` over caches it cannot rewind (an overflow policy, sliding-window or recurrent layers).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, max_kv_size: int | None = None,
                  model_limit: int | None = None, kv_bits: int | None = None, kv_group_size: int = 64,
-                 prefill_step_size: int = 2048, overflow: Any = None, template_kwargs: dict | None = None):
+                 prefill_step_size: int = 2048, overflow: Any = None, template_kwargs: dict | None = None,
+                 speculation: Any = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: chat needs one (--chat-template FILE)")
         if max_kv_size is not None and max_kv_size < 2:
@@ -89,7 +108,8 @@ class ChatSession:
         # Full-attention layouts (no max_kv_size): the length cap is enforced by dropping turns, see module doc. The
         # pool checks the cache options now (a quantization group that does not divide head_dim), not at a message.
         pool = CachePool(model, max_sequences=1, kv_bits=kv_bits, kv_group_size=kv_group_size, overflow=overflow)
-        self.engine = DirectEngine(model, tokenizer, pool=pool, prefill_step_size=prefill_step_size)
+        self.engine = DirectEngine(model, tokenizer, pool=pool, prefill_step_size=prefill_step_size,
+                                   speculation=speculation)
         self.messages: list[Message] = []
         self.tokens: list[int] = []  # the tokens whose K/V the caches hold, in order
         self.sequence = pool.open()  # the conversation's cache, continued by every turn
@@ -280,6 +300,9 @@ class ChatSession:
             tokens.close()  # the request ends (its sequence stays open)
             stats.cached_tokens = self.engine.last_stats.cached_prompt_tokens  # where the engine's prefill began
             stats.prefill_tokens = len(prompt) - stats.cached_tokens
+            done = self.engine.last_stats
+            stats.drafted_tokens, stats.accepted_tokens = done.drafted_tokens, done.accepted_tokens
+            stats.decode_forwards = done.target_forwards
             self._settle(prompt + self.engine.last_generated)
 
     def _settle(self, fed: list[int]) -> None:

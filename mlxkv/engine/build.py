@@ -40,8 +40,11 @@ def build_pool(model: Any, kv: KvCacheConfig, *, max_sequences: int, context_tok
 
 
 def build_engine(loaded: Any, run: RunConfig, context_tokens: int) -> DirectEngine:
-    """A DirectEngine (or SpeculativeEngine when a drafting mode is set) over a one-sequence store sized for
-    ``context_tokens`` (prompt + new tokens).
+    """A DirectEngine over a one-sequence store sized for ``context_tokens`` (prompt + new tokens).
+
+    ``--prompt-lookup`` speculates on the engine step, as ``mlxkv serve`` does; over layers the step cannot rewind
+    (recurrent state, windows) and with ``--draft-model``, a :class:`~mlxkv.engine.speculative.SpeculativeEngine`
+    drafts and verifies in rounds instead (it snapshots and replays recurrent state).
 
     Raises:
         ValueError: incompatible options, or a draft model whose vocabulary differs from the target's.
@@ -57,7 +60,13 @@ def build_engine(loaded: Any, run: RunConfig, context_tokens: int) -> DirectEngi
     from mlxkv.engine.speculative import SpeculativeEngine
 
     if spec.prompt_lookup:
-        drafter = PromptLookupDrafter(ngram_size=spec.ngram_size)
+        from mlxkv.engine.speculation import Speculation
+
+        speculation = Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size)
+        try:
+            return DirectEngine(loaded.model, loaded.tokenizer, pool=pool, speculation=speculation)
+        except ValueError:  # caches the step cannot rewind: the rounds replay recurrent state (and refuse the rest)
+            drafter: Any = PromptLookupDrafter(ngram_size=spec.ngram_size)
     else:
         from mlxkv.models import load
 

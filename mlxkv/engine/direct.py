@@ -15,6 +15,7 @@ from mlxkv.engine.output import Event, TextStream, TokenLogprob
 from mlxkv.engine.prefill import INTERRUPTIBLE_CHUNK_SECONDS, INTERRUPTIBLE_FIRST_CHUNK, PrefillStopped
 from mlxkv.engine.request import GenerationRequest, RequestHandle
 from mlxkv.engine.sampling import SamplingParams
+from mlxkv.engine.speculation import Speculation, check_pool
 from mlxkv.kv import CachePool, Sequence
 from mlxkv.structured.response_format import ResponseFormat
 
@@ -44,6 +45,21 @@ class GenerationStats:
     peak_memory_bytes: int = 0
     kv_bytes: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache (paged backend)
+    speculative: bool = False  # the generation speculated: the figures below are its
+    drafted_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, verified and kept
+    decoded_tokens: int = 0  # tokens the decode forwards committed (every generated token but the first)
+    target_forwards: int = 0  # decode forwards of the model (verification forwards included)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens committed per decode forward (1.0 is plain decoding; prefill not counted)."""
+        return self.decoded_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def prompt_tps(self) -> float:
@@ -68,16 +84,26 @@ class DirectEngine:
             tokens only, no EOS).
         pool: the CachePool to draw sequences from (default: a one-sequence pool over mlxkv's layouts).
         prefill_step_size: prompt tokens per prefill forward.
+        speculation: speculative decoding by prompt lookup on the step, as ``mlxkv serve --prompt-lookup`` runs it
+            (:mod:`mlxkv.engine.speculation`; None: off). Every generation then speculates: one that could not
+            (see :func:`refusal_of_speculation`) is refused.
+
+    Raises:
+        ValueError: ``speculation`` over a KV store it cannot rewind exactly (sliding-window, chunked or recurrent
+            layers, an overflow policy).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, pool: CachePool | None = None,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, speculation: Speculation | None = None):
         if prefill_step_size < 1:
             raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool if pool is not None else CachePool(model, max_sequences=1)
         self.prefill_step_size = prefill_step_size
+        if speculation is not None:
+            check_pool(self.pool)
+        self.speculation = speculation
         self.last_stats = GenerationStats()
         self.last_logprobs: list[TokenLogprob] = []  # of the last generation asked for them
         self.last_generated: list[int] = []  # every token the last generation produced, read by its consumer or not
@@ -90,7 +116,8 @@ class DirectEngine:
             from mlxkv.engine.scheduler import Scheduler
 
             self._scheduler = Scheduler(self.model, self.tokenizer, self.pool, max_sequences=1,
-                                        prefill_chunk_size=self.prefill_step_size, batched=False)
+                                        prefill_chunk_size=self.prefill_step_size, batched=False,
+                                        speculation=self.speculation)
         return self._scheduler
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,
@@ -117,12 +144,21 @@ class DirectEngine:
         rest, and leaves it open. Its caches then hold ``(prompt + last_generated)[:sequence.offset]`` — the
         prompt (as far as it was prefilled) and the generated tokens fed back, which may stop short of the last.
 
+        With :attr:`speculation`, every decode step proposes tokens by prompt lookup (over the prompt and the tokens
+        generated) and verifies them in one forward: the same greedy tokens, the same distribution when sampling;
+        :attr:`last_stats` then holds the acceptance figures.
+
         Raises:
             PrefillStopped: ``should_stop`` turned true before the first token.
-            ValueError: an empty prompt; a ``sequence`` not open in this dense pool, or caching the whole prompt.
+            ValueError: an empty prompt; a ``sequence`` not open in this dense pool, or caching the whole prompt;
+                with :attr:`speculation`, a generation that could not speculate (:func:`refusal_of_speculation`).
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
+        if self.speculation is not None:
+            refusal = refusal_of_speculation(params, logits_processors, response_format, logprobs)
+            if refusal is not None:
+                raise ValueError(refusal)
         if sequence is not None:
             _check_continued(self.pool, sequence, len(prompt))
         salt = salt.hex() if isinstance(salt, bytes) else salt
@@ -143,8 +179,9 @@ class DirectEngine:
         they come; its sequence is released however the consumer stops (a continued ``sequence`` stays open)."""
         sched = self.scheduler
         chunks = _InterruptibleChunks(sched, self.prefill_step_size) if should_stop is not None else None
-        stats = GenerationStats(prompt_tokens=len(request.prompt))
+        stats = GenerationStats(prompt_tokens=len(request.prompt), speculative=self.speculation is not None)
         self.last_stats = stats
+        decode_steps = sched.totals["decode_steps"]
         mx.reset_peak_memory()
         handle = RequestHandle(request)
         job = Job(request=request, handle=handle, max_tokens=request.params.max_tokens, sequence=sequence)
@@ -182,6 +219,9 @@ class DirectEngine:
                 sched.decode_loop.in_flight.clear()
             stats.cached_prompt_tokens = job.cached_tokens
             self.last_generated = list(job.choices[0].generated) if job.choices else []
+            stats.drafted_tokens, stats.accepted_tokens = job.draft_tokens, job.accepted_draft_tokens
+            stats.decoded_tokens = max(0, len(self.last_generated) - 1)
+            stats.target_forwards = sched.totals["decode_steps"] - decode_steps
             stats.peak_memory_bytes = mx.get_peak_memory()
 
     @staticmethod
@@ -250,6 +290,23 @@ class _InterruptibleChunks:
         if ran > 0:
             rate = ran / max(time.perf_counter() - began, 1e-6)
             self.scheduler.prefill_chunk_size = max(1, min(self.step_size, int(rate * INTERRUPTIBLE_CHUNK_SECONDS)))
+
+
+def refusal_of_speculation(params: SamplingParams, logits_processors: Seq[LogitsProcessor] = (),
+                           response_format: ResponseFormat | None = None, logprobs: int | None = None) -> str | None:
+    """Why a generation with these settings could not speculate on the engine step (None: it can). The step
+    decodes such rows one token at a time (:func:`~mlxkv.engine.speculation.may_speculate`): a one-sequence
+    engine refuses them rather than drop the speculation it was asked for."""
+    if logits_processors or (response_format is not None and response_format.constrained):
+        return "structured output (--json, --json-schema) does not work with speculative decoding (--prompt-lookup)"
+    if logprobs is not None:
+        return "--logprobs does not work with speculative decoding (--prompt-lookup)"
+    if params.has_processors:
+        return "--repetition-penalty does not work with speculative decoding (--prompt-lookup)"
+    if params.temp > 0 and params.seed is not None:
+        return ("a seeded sampled answer (--seed at --temp above 0) draws from its own random stream one token at a "
+                "time: it does not work with speculative decoding (--prompt-lookup)")
+    return None
 
 
 def _check_continued(pool: CachePool, seq: Sequence, prompt_length: int) -> None:

@@ -114,7 +114,7 @@ def check_pool(pool: Any) -> None:
                 windowed = getattr(cache, "window", None) is not None or getattr(cache, "chunk_size", None) is not None
                 kind = "sliding-window or chunked" if windowed or "Rotating" in name or "Chunked" in name else None
             if kind is not None:
-                raise ValueError(f"speculative decoding in serve needs full-attention KV caches; these have {kind} "
-                                 "layers (the model's, or --max-kv-size): serve without --prompt-lookup")
+                raise ValueError(f"speculative decoding needs full-attention KV caches; these have {kind} "
+                                 "layers (the model's, or --max-kv-size): run without --prompt-lookup")
     finally:
         pool.release(seq.id)

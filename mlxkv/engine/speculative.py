@@ -1,5 +1,9 @@
 """SpeculativeEngine: draft k tokens cheaply, verify them with one target forward, rewind what was rejected.
 
+``mlxkv generate`` runs it for ``--draft-model``, and for ``--prompt-lookup`` over layers the engine step cannot
+rewind inside a verification forward (recurrent state: snapshotted and replayed here); otherwise prompt lookup
+speculates on the engine step itself (:mod:`mlxkv.engine.speculation`).
+
 One round, with ``y`` the last committed token (committed but not yet fed to the target):
 
 1. the drafter proposes ``d_1..d_k`` (a draft model, or prompt lookup);
@@ -53,24 +57,11 @@ class SpeculativeRound:
 
 @dataclass
 class SpeculativeStats(GenerationStats):
-    """:class:`GenerationStats` plus speculation figures (for ``--verbose``)."""
+    """:class:`GenerationStats` plus the rounds' own figures (for ``--verbose``)."""
 
+    speculative: bool = True
     rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    decoded_tokens: int = 0  # tokens committed by rounds (every generated token but the first)
-    target_forwards: int = 0  # target decode forwards: one verify per round, plus replays
-    replay_forwards: int = 0  # replays after partial acceptance on models with recurrent layers
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / drafted tokens (0 when nothing was drafted)."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Tokens committed per target decode forward (1.0 is plain decoding; prefill not counted)."""
-        return self.decoded_tokens / self.target_forwards if self.target_forwards else 0.0
+    replay_forwards: int = 0  # replays after partial acceptance on models with recurrent layers (in target_forwards)
 
 
 class SpeculativeEngine(DirectEngine):
