@@ -183,9 +183,6 @@ def generate(
               "(--draft-model, --prompt-lookup)", verbose)
     if image and (draft_model or prompt_lookup or raw or distributed != "off"):
         _fail("--image works with the chat template on one process, without speculative decoding", verbose)
-    if prompt_lookup and distributed != "off" and temp > 0:
-        _fail("--prompt-lookup with --distributed decodes greedily only (--temp 0): the ranks' shared seed draws "
-              "one token at a time", verbose)
     if logprobs is not None and (draft_model or prompt_lookup):
         _fail("--logprobs does not work with speculative decoding (--draft-model, --prompt-lookup)", verbose)
     try:
@@ -264,7 +261,8 @@ def generate(
         tokens += primer
         _check_context(loaded, len(tokens), max_tokens)
         try:
-            engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens)
+            engine = build_engine(loaded, run, context_tokens=len(tokens) + max_tokens,
+                                  seeded_sampling=params.temp > 0 and params.seed is not None)
         except ModelLoadError as exc:
             raise ModelLoadError(f"--draft-model {draft_model}: {exc}" if draft_model else str(exc)) from None
         output, finish, probabilities = [], None, []

@@ -39,12 +39,14 @@ def build_pool(model: Any, kv: KvCacheConfig, *, max_sequences: int, context_tok
                      overflow=kv.overflow)
 
 
-def build_engine(loaded: Any, run: RunConfig, context_tokens: int) -> DirectEngine:
+def build_engine(loaded: Any, run: RunConfig, context_tokens: int, *, seeded_sampling: bool = False) -> DirectEngine:
     """A DirectEngine over a one-sequence store sized for ``context_tokens`` (prompt + new tokens).
 
     ``--prompt-lookup`` speculates on the engine step, as ``mlxkv serve`` does; over layers the step cannot rewind
-    (recurrent state, windows) and with ``--draft-model``, a :class:`~mlxkv.engine.speculative.SpeculativeEngine`
-    drafts and verifies in rounds instead (it snapshots and replays recurrent state).
+    (recurrent state, windows), for ``seeded_sampling`` (the step's rows draw a seeded stream one token at a time;
+    distributed ranks always sample from a shared seed) and with ``--draft-model``, a
+    :class:`~mlxkv.engine.speculative.SpeculativeEngine` drafts and verifies in rounds instead (it snapshots and
+    replays recurrent state, and draws every round from the one seeded stream).
 
     Raises:
         ValueError: incompatible options, or a draft model whose vocabulary differs from the target's.
@@ -59,14 +61,16 @@ def build_engine(loaded: Any, run: RunConfig, context_tokens: int) -> DirectEngi
     from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
     from mlxkv.engine.speculative import SpeculativeEngine
 
-    if spec.prompt_lookup:
+    if spec.prompt_lookup and seeded_sampling:
+        drafter: Any = PromptLookupDrafter(ngram_size=spec.ngram_size)
+    elif spec.prompt_lookup:
         from mlxkv.engine.speculation import Speculation
 
         speculation = Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size)
         try:
             return DirectEngine(loaded.model, loaded.tokenizer, pool=pool, speculation=speculation)
         except ValueError:  # caches the step cannot rewind: the rounds replay recurrent state (and refuse the rest)
-            drafter: Any = PromptLookupDrafter(ngram_size=spec.ngram_size)
+            drafter = PromptLookupDrafter(ngram_size=spec.ngram_size)
     else:
         from mlxkv.models import load
 
