@@ -17,8 +17,9 @@ import pytest
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.distributed import changes as ch
+from mlxkv.distributed.follower import Replayer
 from mlxkv.distributed.leader_pool import POOL_READS, SEQUENCE_READS, ChangeLog, LeaderPool, LeaderSequence
-from mlxkv.distributed.steps import ChunkRun, DecodeRun, PrefillRun, describe
+from mlxkv.distributed.steps import ChunkRun, DecodeRun, PrefillRun, StepMessage, Stop, describe
 from mlxkv.engine.plan import PrefillChunk, StepPlan
 from mlxkv.kv import CacheRequest, CachePool, Sequence
 from mlxkv.models import load
@@ -66,7 +67,8 @@ def test_the_recorded_changes_are_what_rank_0_applied(llama):
     applying the pickled list through :func:`apply_change` holds the same block tables and free blocks."""
     model = llama.model
     log = ChangeLog()
-    leader = LeaderPool(_pool(model), log, on_idle=lambda: None, on_stop=lambda t: None, heartbeat_s=1.0,
+    own = _pool(model)
+    leader = LeaderPool(own, log, on_idle=lambda: None, on_stop=lambda t: None, heartbeat_s=1.0,
                         extra_stats=dict)
     follower = _pool(model)
     seq = leader.open(len(PROMPT), prompt=PROMPT, cache_request=CacheRequest(salt="a"))
@@ -92,7 +94,7 @@ def test_the_recorded_changes_are_what_rank_0_applied(llama):
     assert sent[3].children == tuple(c.id.value for c in children)
     assert sent[11] == ch.NameToken(children[0].id.value, position, 7)
     results = [ch.apply_change(follower, change) for change in sent]
-    assert _tables(follower) == _tables(leader.inner)
+    assert _tables(follower) == _tables(own)
     assert follower.free_capacity() == leader.free_capacity()
     assert results[10] == position  # the same placeholder position on both ranks
     assert not log.pending
@@ -108,6 +110,22 @@ def test_a_follower_whose_pool_answers_otherwise_stops(llama):
         ch.apply_change(follower, ("seq", "feed", 1, ([5],)))  # an untyped call is not a change
     with pytest.raises(RuntimeError, match="this rank has no tier"):
         ch.apply_change(follower, ch.TierRestore(PROMPT, (None, None, ()), 0, 5, [(0, 0, 0)], 1))
+
+
+def test_a_follower_stops_on_what_it_does_not_know(llama):
+    """An unknown change or step from rank 0 is an error the follower stops on (serve_follower ends the launch),
+    not a failed forward it would log and go past."""
+    from test_distributed_replay import _FollowerChannel
+
+    pool = _pool(llama.model)
+    replayer = Replayer(llama.model, pool, _FollowerChannel())
+    with pytest.raises(TypeError, match="unknown step"):
+        replayer.receive(StepMessage(free=pool.free_capacity(), step=("forward", [1], (1, 1), True)))
+    with pytest.raises(TypeError, match="not a KV pool change"):
+        replayer.receive(StepMessage(changes=[("release", 1)], free=pool.free_capacity()))
+    assert replayer.receive(StepMessage(free=pool.free_capacity(), now=5.0))  # an idle heartbeat: the clock moves
+    assert replayer.clock.now == 5.0 and not replayer.receive(StepMessage(free=pool.free_capacity(), step=Stop(2.0)))
+    assert replayer.flush_timeout == 2.0
 
 
 def test_a_method_added_to_the_pool_is_not_reachable_through_rank_0s_facade(llama):

@@ -112,7 +112,7 @@ def llama(test_model_dir):
     return load(str(test_model_dir("llama")), progress=False)
 
 
-def test_replayed_journal_keeps_every_block_the_same(llama):
+def test_applied_changes_keep_every_block_the_same(llama):
     kv = KvCacheConfig(backend="paged", block_size=8)
     config = EngineConfig(max_sequences=6, batched_prefill=True)
     leader_pool = CachePool(llama.model, max_sequences=6, backend="paged", kv_config=kv, num_blocks=24)

@@ -144,7 +144,7 @@ class _Ranks:
         assert _cached(self.follower_pool) == _cached(self.leader_pool)
 
 
-def test_restores_are_agreed_and_replayed(llama):
+def test_restores_are_agreed_and_applied(llama):
     kv = KvCacheConfig(backend="paged", block_size=8, secondary_memory_bytes=1 << 24)
     ranks = _Ranks(llama.model, kv)
     try:

@@ -2,9 +2,10 @@
 
 A message (:class:`~mlxkv.distributed.steps.StepMessage`: pool changes, then the step to run) is pickled to
 bytes: its length, then its bytes as a ``uint8`` array, each an ``all_sum`` of the leader's values and zeros
-elsewhere (MLX has no broadcast; a sum with zeros is exact). Pickle is safe here: every rank runs the same program started by one ``mlx.launch``, and the
-group is not a network endpoint anyone else can write to. The decode inputs travel inside the step's graph
-(:meth:`PlanChannel.share`), so the leader can build a step while the previous one is still computing its tokens.
+elsewhere (MLX has no broadcast; a sum with zeros is exact). Pickle is safe here: every rank runs the same program
+started by one ``mlx.launch``, and the group is not a network endpoint anyone else can write to. The decode inputs
+travel inside the step's graph (:meth:`PlanChannel.share`), so the leader can build a step while the previous one
+is still computing its tokens.
 """
 
 from __future__ import annotations

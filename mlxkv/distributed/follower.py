@@ -71,6 +71,8 @@ class Replayer:
         if isinstance(message.step, Stop):
             self.flush_timeout = message.step.flush_timeout
             return False
+        if not isinstance(message.step, (DecodeRun, PrefillRun, ProbeRun, TierHave, Idle)):
+            raise TypeError(f"unknown step {message.step!r} from rank 0")  # not a failed forward: a divergence
         try:
             self.run_step(message.step)
         except BatchUnsupported:
@@ -93,8 +95,8 @@ class Replayer:
         match step:
             case DecodeRun(seqs, shape, batched):
                 self.runner.batched = batched
-                logits = self.runner.forward([self._seq(v) for v in seqs], self.channel.share(None, shape))  # (B, vocab)
-                mx.eval(logits)
+                inputs = self.channel.share(None, shape)  # (B, 1): rank 0's tokens
+                mx.eval(self.runner.forward([self._seq(v) for v in seqs], inputs))  # (B, vocab)
                 self.forwards += 1
             case PrefillRun(chunks, together=True):
                 self.runner.prefill_together([self._seq(c.seq) for c in chunks], [c.tokens for c in chunks])
@@ -113,8 +115,6 @@ class Replayer:
                     self.tier.have(self.channel, keys)
             case Idle():
                 pass
-            case _:
-                raise AssertionError(f"unknown step {step!r} from rank 0")
 
 
 def _runner_totals() -> dict[str, int]:

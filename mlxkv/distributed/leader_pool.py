@@ -5,7 +5,8 @@ with :func:`~mlxkv.distributed.changes.apply_change` and recorded for the follow
 :class:`~mlxkv.kv.CachePool` / :class:`~mlxkv.kv.Sequence` method: the mutating ones build their change and apply
 it (:meth:`ChangeLog.apply`), the others read through (:data:`POOL_READS`, :data:`SEQUENCE_READS`). Nothing is
 forwarded by name, so a method added to the pool is simply absent here until it is given a change type or declared
-a read (tests/test_distributed_changes.py checks both lists against the pool's methods).
+a read (tests/test_distributed_changes.py checks both lists against the pool's methods), and the paged backend
+behind the pool is not reachable through it.
 
 Every rank's block pool reads the leader's clock (:class:`ChangeLog`), so that retention expiry and LRU order are
 the same on every rank.
@@ -144,10 +145,6 @@ class LeaderSequence:
         return self._seq.created_at
 
     @property
-    def paged(self) -> Any:
-        return self._seq.paged
-
-    @property
     def cache_request(self) -> Any:
         return self._seq.cache_request
 
@@ -262,17 +259,8 @@ class LeaderPool:
 
     # ---- reads ---------------------------------------------------------------------------------------------
     @property
-    def inner(self) -> Any:
-        """The pool itself (rank 0's batch probes run on it, as each follower's run on its own)."""
-        return self._pool
-
-    @property
     def is_paged(self) -> bool:
         return self._pool.is_paged
-
-    @property
-    def paged(self) -> Any:
-        return self._pool.paged
 
     @property
     def backend(self) -> str:
