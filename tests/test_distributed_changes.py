@@ -128,6 +128,28 @@ def test_a_follower_stops_on_what_it_does_not_know(llama):
     assert replayer.flush_timeout == 2.0
 
 
+def test_a_change_made_behind_the_facade_stops_the_follower_at_the_next_message(llama):
+    """What reaches rank 0's pool without a change (here a slot taken on the pool itself, as a layer cache's own trim
+    would) shows in the sequences every message carries: the follower stops instead of drifting."""
+    from test_distributed_replay import _FollowerChannel
+
+    model = llama.model
+    own, log = _pool(model), ChangeLog()
+    leader = LeaderPool(own, log, on_idle=lambda: None, on_stop=lambda t: None, heartbeat_s=1.0, extra_stats=dict)
+    replayer = Replayer(model, _pool(model), _FollowerChannel())
+
+    def message() -> StepMessage:
+        return StepMessage(log.take(), free=own.free_capacity(), sequences=ch.sequence_state(own))
+
+    seq = leader.open(len(PROMPT), prompt=PROMPT)
+    seq.reserve(0, 18)
+    assert replayer.receive(message())
+    own.get(seq.id).reserve(18, 19)  # behind the facade, inside a block already held: no change, same free blocks
+    assert own.free_capacity() == replayer.pool.free_capacity()
+    with pytest.raises(ch.Diverged, match=r"\(id, slots, committed\) \[\(1, 18, 0\)\], rank 0's \[\(1, 19, 0\)\]"):
+        replayer.receive(message())
+
+
 def test_a_method_added_to_the_pool_is_not_reachable_through_rank_0s_facade(llama):
     inner = CachePool(llama.model, max_sequences=2)
     leader = LeaderPool(inner, ChangeLog(), on_idle=lambda: None, on_stop=lambda t: None, heartbeat_s=1.0,

@@ -230,6 +230,13 @@ def apply_change(pool: Any, change: Change) -> Any:
     raise TypeError(f"not a KV pool change: {change!r}")
 
 
+def sequence_state(pool: Any) -> tuple[tuple[int, int, int], ...]:
+    """What every rank's pool must agree on after the same changes, beside its free block count: each open paged
+    sequence's id, positions with a slot and positions committed (cheap: no block table is read). A change made
+    to one rank's pool outside :func:`apply_change` shows here at the next message."""
+    return tuple((s.id.value, s.paged.num_tokens, s.paged.num_committed) for s in pool if s.paged is not None)
+
+
 def _seq(pool: Any, value: int) -> Any:
     return pool.get(SequenceId(value))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.distributed.changes import Change, apply_change
+from mlxkv.distributed.changes import Change, Diverged, apply_change, sequence_state
 from mlxkv.distributed.channel import PlanChannel
 from mlxkv.distributed.leader_pool import ChangeLog, use_plan_clock
 from mlxkv.distributed.steps import DecodeRun, Idle, PrefillRun, ProbeRun, Step, StepMessage, Stop, TierHave
@@ -58,13 +58,21 @@ class Replayer:
             pass
 
     def receive(self, message: StepMessage) -> bool:
-        """Apply one message and run its step; False when it says stop."""
+        """Apply one message and run its step; False when it says stop.
+
+        Raises:
+            Diverged: this rank's pool does not hold what rank 0's does after the same changes (the follower then
+                ends the launch, :func:`serve_follower`).
+        """
         for change in message.changes:
             self.apply(change)
         free = self.pool.free_capacity()
         if free != message.free:
-            fatal(self.channel.rank, f"this rank's pool diverged from rank 0's ({free} free blocks, rank 0 has "
-                                     f"{message.free})")
+            raise Diverged(f"this rank's pool holds {free} free blocks, rank 0's {message.free}: the ranks diverged")
+        mine, theirs = set(sequence_state(self.pool)), set(message.sequences)
+        if mine != theirs:  # (id, positions with a slot, committed) of each open sequence
+            raise Diverged(f"this rank's sequences hold (id, slots, committed) {sorted(mine - theirs)[:3]}, rank 0's "
+                           f"{sorted(theirs - mine)[:3]}: the ranks diverged")
         self.clock.now = message.now
         if message.gather:
             self.channel.gather_memory()

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.distributed.changes import sequence_state
 from mlxkv.distributed.channel import PlanChannel
 from mlxkv.distributed.group import agree_grow_blocks, agree_num_blocks, shard_model
 from mlxkv.distributed.leader_pool import ChangeLog, LeaderPool
@@ -38,7 +39,7 @@ class Plans:
         self.channel = channel
         self.mode = mode
         self.changes = changes
-        self.pool = pool  # the inner pool: its free block count lets followers check they applied alike
+        self.pool = pool  # the inner pool: its free blocks and sequences let followers check they applied alike
         self.last_sent = time.monotonic()
         self.last_gathered = 0.0
         self.ranks: list[dict] = []  # every rank's memory figures, as of the last gathering
@@ -49,10 +50,12 @@ class Plans:
             return
         if not self.channel.sent:
             self.channel.watchdog.start()
-        free = self.pool.free_capacity() if self.pool is not None else 0
+        pool = self.pool
         now = time.monotonic()
         gather = not isinstance(step, Stop) and now - self.last_gathered >= HEARTBEAT_S
-        self.channel.send(StepMessage(self.changes.take(), free, now, gather, step))
+        self.channel.send(StepMessage(self.changes.take(), free=0 if pool is None else pool.free_capacity(),
+                                      sequences=() if pool is None else sequence_state(pool), now=now,
+                                      gather=gather, step=step))
         self.changes.now = self.last_sent = now  # what follows reads this time, on the followers too
         if gather:  # every rank answers right after this message, before its step
             self.ranks, self.last_gathered = self.channel.gather_memory(), now

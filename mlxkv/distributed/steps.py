@@ -77,11 +77,13 @@ Step = PrefillRun | DecodeRun | ProbeRun | TierHave | Idle | Stop
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    """One message of rank 0: apply ``changes`` (in order), check the pool then holds ``free`` free blocks, set the
-    block pools' clock to ``now``, gather every rank's memory figures when ``gather``, then run ``step``."""
+    """One message of rank 0: apply ``changes`` (in order), check the pool then holds ``free`` free blocks and its
+    sequences are ``sequences`` (:func:`~mlxkv.distributed.changes.sequence_state`), set the block pools' clock to
+    ``now``, gather every rank's memory figures when ``gather``, then run ``step``."""
 
     changes: list = field(default_factory=list)
     free: int = 0
+    sequences: tuple = ()
     now: float = 0.0
     gather: bool = False
     step: Any = Idle()
