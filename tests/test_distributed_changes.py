@@ -19,7 +19,7 @@ from mlxkv.config import KvCacheConfig
 from mlxkv.distributed import changes as ch
 from mlxkv.distributed.follower import Replayer
 from mlxkv.distributed.leader_pool import POOL_READS, SEQUENCE_READS, ChangeLog, LeaderPool, LeaderSequence
-from mlxkv.distributed.steps import ChunkRun, DecodeRun, PrefillRun, StepMessage, Stop, describe
+from mlxkv.distributed.steps import ChunkRun, DecodeRun, PrefillRun, ProbeRun, StepMessage, Stop, describe
 from mlxkv.engine.plan import PrefillChunk, StepPlan
 from mlxkv.kv import CacheRequest, CachePool, Sequence
 from mlxkv.models import load
@@ -119,8 +119,9 @@ def test_a_follower_stops_on_what_it_does_not_know(llama):
 
     pool = _pool(llama.model)
     replayer = Replayer(llama.model, pool, _FollowerChannel())
-    with pytest.raises(TypeError, match="unknown step"):
-        replayer.receive(StepMessage(free=pool.free_capacity(), step=("forward", [1], (1, 1), True)))
+    for step in (("forward", [1], (1, 1), True), ProbeRun("sideways")):
+        with pytest.raises(TypeError, match="unknown step"):
+            replayer.receive(StepMessage(free=pool.free_capacity(), step=step))
     with pytest.raises(TypeError, match="not a KV pool change"):
         replayer.receive(StepMessage(changes=[("release", 1)], free=pool.free_capacity()))
     assert replayer.receive(StepMessage(free=pool.free_capacity(), now=5.0))  # an idle heartbeat: the clock moves

@@ -3,9 +3,9 @@
 A follower loads the same model, keeps its shard (:func:`~mlxkv.distributed.group.shard_model`) and builds its
 shard of the paged pool, then loops: receive a :class:`~mlxkv.distributed.steps.StepMessage`, apply its pool
 changes in order with :func:`~mlxkv.distributed.changes.apply_change` (the function rank 0 applied them with),
-check that its pool holds as many free blocks as rank 0's, and run the step the message describes — the same
-forward rank 0 runs at the same time, through the same collectives. It never samples: rank 0 does, and sends the
-next step's inputs inside the graph.
+check that its pool holds as many free blocks and the same sequences as rank 0's, and run the step the message
+describes — the same forward rank 0 runs at the same time, through the same collectives. It never samples: rank 0
+does, and sends the next step's inputs inside the graph.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from mlxkv.engine.runner import ModelRunner
 from mlxkv.kv import BatchUnsupported, CachePool, SequenceId
 
 log = logging.getLogger("mlxkv.distributed")
+
+
+class UnknownStep(TypeError):
+    """Rank 0 sent a step this rank does not know."""
 
 
 class Replayer:
@@ -79,10 +83,10 @@ class Replayer:
         if isinstance(message.step, Stop):
             self.flush_timeout = message.step.flush_timeout
             return False
-        if not isinstance(message.step, (DecodeRun, PrefillRun, ProbeRun, TierHave, Idle)):
-            raise TypeError(f"unknown step {message.step!r} from rank 0")  # not a failed forward: a divergence
         try:
             self.run_step(message.step)
+        except UnknownStep:
+            raise  # not a failed forward: the ranks no longer run the same program
         except BatchUnsupported:
             pass  # rank 0 met the same and falls back (its next messages say how)
         except Exception as exc:  # noqa: BLE001 - rank 0's same forward failed alike: its requests fail
@@ -123,6 +127,8 @@ class Replayer:
                     self.tier.have(self.channel, keys)
             case Idle():
                 pass
+            case _:
+                raise UnknownStep(f"unknown step {step!r} from rank 0")
 
 
 def _runner_totals() -> dict[str, int]:
