@@ -22,8 +22,9 @@ from mlxkv.distributed.changes import (Change, Commit, EvictCached, Feed, FeedPl
                                        Preempt, Release, ReleaseUnused, Reserve, ReserveLast, Resume, RewindTo,
                                        apply_change)
 
-#: CachePool methods that change nothing: :class:`LeaderPool` reads them through (those handing out sequences
-#: wrap them in :class:`LeaderSequence`; the tier and stats hooks add rank 0's own duties).
+#: CachePool methods that change nothing the ranks must agree on: :class:`LeaderPool` reads them through (those
+#: handing out sequences wrap them in :class:`LeaderSequence`). The KV tier's write-behind and flush change only
+#: each rank's own tier, which every rank runs itself; rank 0's hooks add its heartbeat and its stop message.
 POOL_READS = ("admission_cost", "block_map", "block_stats", "can_extend", "check_invariants", "check_overflow",
               "flush_tier", "free_capacity", "get", "has_decode_headroom", "kv_events", "max_sequence_tokens",
               "memory_usage_bytes", "persist_tier", "release_due_in", "tier_due_in", "tier_ready", "victim_for",
