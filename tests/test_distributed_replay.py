@@ -1,7 +1,7 @@
-"""The leader's journal replayed on a second pool gives the same blocks, message by message (no mlx.launch).
+"""The leader's pool changes applied on a second pool give the same blocks, message by message (no mlx.launch).
 
 A :class:`~mlxkv.distributed.leader.LeaderEngine` serves concurrent requests (shared prefixes, ``n=2`` forks, a
-pool small enough to preempt) over a journaled pool; its channel hands every message at once to a
+pool small enough to preempt) over a recording pool; its channel hands every message at once to a
 :class:`~mlxkv.distributed.follower.Replayer` over a second pool of the same model, in the same process. After each
 message the follower must hold exactly the leader's block tables, free blocks and cached blocks — what makes
 every rank of a real launch read and write the same pages.
@@ -9,12 +9,15 @@ every rank of a real launch read and write the same pages.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.distributed.follower import Replayer
-from mlxkv.distributed.journal import Journal, LeaderPool
 from mlxkv.distributed.leader import LeaderEngine, Plans
+from mlxkv.distributed.leader_pool import ChangeLog, LeaderPool
+from mlxkv.distributed.steps import StepMessage
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.request import GenerationRequest
 from mlxkv.engine.sampling import SamplingParams
@@ -64,8 +67,8 @@ class _LoopbackChannel:
         self.replayer = replayer
         self.sent = 0
         self.leader_pool = None
-        self.kinds: list[str] = []
-        self.ops: list[tuple] = []  # every journaled operation sent
+        self.kinds: list[str] = []  # every change and step sent, by type name
+        self.changes: list = []  # every change sent
 
     @staticmethod
     def share(inputs, shape):
@@ -81,22 +84,22 @@ class _LoopbackChannel:
         assert len(theirs) == len(flags)
         return [a and b for a, b in zip(flags, theirs)]
 
-    def send(self, message: dict) -> None:
+    def send(self, message: StepMessage) -> None:
+        import pickle
+
         self.sent += 1
+        message = pickle.loads(pickle.dumps(message))  # what a real channel carries
         follower = self.replayer
-        for op in message["ops"]:
-            self.ops.append(op)
-            follower.apply(op)
-            self.kinds.append(op[0] if op[0] != "seq" else op[1])
-        assert follower.pool.free_capacity() == message["free"]
+        for change in message.changes:
+            self.changes.append(change)
+            follower.apply(change)
+            self.kinds.append(type(change).__name__)
+        assert follower.pool.free_capacity() == message.free
         assert _tables(follower.pool) == _tables(self.leader_pool)
         assert follower.pool.block_stats()["kv_blocks"] == self.leader_pool.block_stats()["kv_blocks"]
-        follower.journal.now = message["now"]
-        assert "gather" in message  # a real channel gathers every rank's memory then (not in one process)
-        then = message["then"]
-        self.kinds.append(then[0])
-        if then[0] != "stop":
-            follower.execute(then)
+        self.kinds.append(type(message.step).__name__)
+        # the rest of a follower's loop: the clock, then the step (a real channel gathers memory figures first)
+        follower.receive(dataclasses.replace(message, changes=[], gather=False))
 
 
 def _tables(pool: CachePool) -> dict:
@@ -109,16 +112,16 @@ def llama(test_model_dir):
     return load(str(test_model_dir("llama")), progress=False)
 
 
-def test_replayed_journal_keeps_every_block_the_same(llama):
+def test_applied_changes_keep_every_block_the_same(llama):
     kv = KvCacheConfig(backend="paged", block_size=8)
     config = EngineConfig(max_sequences=6, batched_prefill=True)
     leader_pool = CachePool(llama.model, max_sequences=6, backend="paged", kv_config=kv, num_blocks=24)
     follower_pool = CachePool(llama.model, max_sequences=6, backend="paged", kv_config=kv, num_blocks=24)
     channel = _LoopbackChannel(Replayer(llama.model, follower_pool, _FollowerChannel()))
     channel.leader_pool = leader_pool
-    journal = Journal()
-    plans = Plans(channel, journal, leader_pool)
-    pool = LeaderPool(leader_pool, journal, on_idle=plans.heartbeat, on_stop=plans.stop, heartbeat_s=1.0,
+    changes = ChangeLog()
+    plans = Plans(channel, changes, leader_pool)
+    pool = LeaderPool(leader_pool, changes, on_idle=plans.heartbeat, on_stop=plans.stop, heartbeat_s=1.0,
                       extra_stats=dict)
     engine = LeaderEngine(llama.model, None, config=config, pool=pool, context_length=4096, plans=plans).start()
     try:
@@ -132,35 +135,9 @@ def test_replayed_journal_keeps_every_block_the_same(llama):
         stats = engine.stats()
     finally:
         engine.stop()
-    assert "stop" in channel.kinds  # the engine's last act tells the followers
-    for kind in ("open", "fork", "preempt", "resume", "feed_placeholder", "name_token", "commit", "forward",
-                 "probe_decode", "release"):
-        assert kind in channel.kinds, kind  # the workload went through every journaled path it is meant to test
+    assert "Stop" in channel.kinds  # the engine's last act tells the followers
+    for kind in ("Open", "Fork", "Preempt", "Resume", "Feed", "FeedPlaceholder", "NameToken", "Reserve", "ReserveLast",
+                 "Commit", "Release", "DecodeRun", "PrefillRun", "ProbeRun"):
+        assert kind in channel.kinds, kind  # the workload went through every path it is meant to test
     assert stats["preemptions"] >= 1 and stats["prefix_cache"]["hits"] > 0
     assert follower_pool.free_capacity() == leader_pool.free_capacity()
-
-
-def test_every_pool_and_sequence_method_is_journaled_or_declared_read_only(llama):
-    """A pool or sequence method the journal does not know would change the leader's pool unseen by the followers:
-    each public method is either journaled or declared read-only, and an unclassified one is refused when called."""
-    import inspect
-
-    from mlxkv.distributed.journal import POOL_READS, SEQUENCE_OPS, SEQUENCE_READS, UnjournaledCall
-    from mlxkv.kv import Sequence
-
-    def methods(cls):
-        return {n for n in dir(cls) if not n.startswith("_") and inspect.isfunction(inspect.getattr_static(cls, n))}
-
-    assert methods(Sequence) == set(SEQUENCE_OPS) | set(SEQUENCE_READS)
-    own = {n for n in vars(LeaderPool) if not n.startswith("_")}  # journaled or handled by the leader itself
-    assert methods(CachePool) <= own | set(POOL_READS), methods(CachePool) - own - set(POOL_READS)
-    pool = LeaderPool(CachePool(llama.model, max_sequences=2), Journal(), on_idle=lambda: None,
-                      on_stop=lambda timeout: None, heartbeat_s=1.0, extra_stats=dict)
-    seq = pool.open(prompt_length=3, prompt=[1, 2, 3])
-    seq._seq.snapshot = lambda: None  # as if a new method appeared on the sequence, unclassified
-    with pytest.raises(UnjournaledCall, match="Sequence.snapshot"):
-        seq.snapshot()
-    pool._pool.shrink = lambda: None
-    with pytest.raises(UnjournaledCall, match="CachePool.shrink"):
-        pool.shrink()
-    assert seq.nbytes() >= 0 and pool.free_capacity() >= 0  # declared reads pass through

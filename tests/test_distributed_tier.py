@@ -1,5 +1,5 @@
 """The secondary KV tier under ``--distributed``, without mlx.launch: per-rank folders and fingerprints, and rank 0's
-agreed restores replayed on a follower's pool in this process (the loopback channel of test_distributed_replay).
+agreed restores applied on a follower's pool in this process (the loopback channel of test_distributed_replay).
 
 A follower whose tier lacks its shard of a block shortens rank 0's hit instead of diverging; one that loses a block
 after agreeing to it stops with a clear error. The launches themselves: test_distributed_tier_launch.py.
@@ -16,9 +16,10 @@ from test_distributed_replay import _FollowerChannel, _LoopbackChannel, _tables
 from typer.testing import CliRunner
 
 from mlxkv.config import KvCacheConfig
+from mlxkv.distributed.changes import TierRestore
 from mlxkv.distributed.follower import Replayer
-from mlxkv.distributed.journal import Journal, LeaderPool
 from mlxkv.distributed.leader import LeaderEngine, Plans
+from mlxkv.distributed.leader_pool import ChangeLog, LeaderPool
 from mlxkv.distributed.tier import parse_shard_name, rank_tier_config, shard_name
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.request import GenerationRequest
@@ -100,7 +101,7 @@ def _cached(pool: CachePool) -> set:
 
 
 class _Ranks:
-    """Rank 0's engine over a journaled pool with a host tier, and a follower pool (its own host tier) replaying
+    """Rank 0's engine over a recording pool with a host tier, and a follower pool (its own host tier) replaying
     every message in this process."""
 
     def __init__(self, model, kv: KvCacheConfig):
@@ -112,12 +113,12 @@ class _Ranks:
         self.replayer = Replayer(model, self.follower_pool, _FollowerChannel())
         self.channel = _LoopbackChannel(self.replayer)
         self.channel.leader_pool = self.leader_pool
-        journal = Journal()
-        self.plans = Plans(self.channel, journal, self.leader_pool)
+        changes = ChangeLog()
+        self.plans = Plans(self.channel, changes, self.leader_pool)
         from mlxkv.distributed.tier import rank_tier
 
         self.leader_tier = rank_tier(self.leader_pool, self.plans)
-        pooled = LeaderPool(self.leader_pool, journal, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
+        pooled = LeaderPool(self.leader_pool, changes, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
                             heartbeat_s=1.0, extra_stats=dict)
         self.engine = LeaderEngine(model, None, config=EngineConfig(max_sequences=2), pool=pooled,
                                    context_length=4096, plans=self.plans).start()
@@ -135,7 +136,7 @@ class _Ranks:
     def check_same(self) -> None:
         """The follower's blocks are rank 0's, once the last release reached it (rank 0's idle heartbeat)."""
         deadline = time.monotonic() + 10
-        while self.plans.journal.ops:
+        while self.plans.changes.pending:
             assert time.monotonic() < deadline, "rank 0 sent no heartbeat"
             time.sleep(0.05)
         time.sleep(0.05)  # the heartbeat's message is replayed as it is sent
@@ -143,7 +144,7 @@ class _Ranks:
         assert _cached(self.follower_pool) == _cached(self.leader_pool)
 
 
-def test_restores_are_agreed_and_replayed(llama):
+def test_restores_are_agreed_and_applied(llama):
     kv = KvCacheConfig(backend="paged", block_size=8, secondary_memory_bytes=1 << 24)
     ranks = _Ranks(llama.model, kv)
     try:
@@ -155,7 +156,7 @@ def test_restores_are_agreed_and_replayed(llama):
         tokens, hit = ranks.run(PROMPT)
         assert (tokens, hit) == (reference, 40)  # 5 blocks from the host tier, on both ranks
         assert ranks.leader_tier.figures()[2] == follower.figures()[2] == 5
-        assert [op for op in ranks.channel.ops if op[0] == "tier_restore"][-1][-1] == 5
+        assert [c for c in ranks.channel.changes if isinstance(c, TierRestore)][-1].grew == 5
         ranks.check_same()
 
         ranks.evict_prompt()
@@ -170,9 +171,9 @@ def test_restores_are_agreed_and_replayed(llama):
         errors: list[str] = []
         replay = ranks.replayer.apply
 
-        def apply(op: tuple) -> None:  # a real follower stops the launch with this error (serve_follower)
+        def apply(change) -> None:  # a real follower stops the launch with this error (serve_follower)
             try:
-                replay(op)
+                replay(change)
             except RuntimeError as exc:
                 errors.append(str(exc))
                 raise

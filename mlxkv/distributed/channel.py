@@ -1,10 +1,11 @@
 """The leader's plan for each forward, and the decode inputs, sent to every rank over ``mx.distributed``.
 
-A message is a list of operations (:mod:`mlxkv.distributed.journal`) pickled to bytes: its length, then its bytes
-as a ``uint8`` array, each an ``all_sum`` of the leader's values and zeros elsewhere (MLX has no broadcast; a sum
-with zeros is exact). Pickle is safe here: every rank runs the same program started by one ``mlx.launch``, and the
-group is not a network endpoint anyone else can write to. The decode inputs travel inside the step's graph
-(:meth:`PlanChannel.share`), so the leader can build a step while the previous one is still computing its tokens.
+A message (:class:`~mlxkv.distributed.steps.StepMessage`: pool changes, then the step to run) is pickled to
+bytes: its length, then its bytes as a ``uint8`` array, each an ``all_sum`` of the leader's values and zeros
+elsewhere (MLX has no broadcast; a sum with zeros is exact). Pickle is safe here: every rank runs the same program
+started by one ``mlx.launch``, and the group is not a network endpoint anyone else can write to. The decode inputs
+travel inside the step's graph (:meth:`PlanChannel.share`), so the leader can build a step while the previous one
+is still computing its tokens.
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ class PlanChannel:
         self.watchdog.beat()
         return out
 
-    def send(self, ops: list) -> None:
-        """Leader: ``ops`` to every rank (blocks until they have it)."""
+    def send(self, message: Any) -> None:
+        """Leader: ``message`` to every rank (blocks until they have it)."""
         assert self.is_leader, "only rank 0 sends plans"
-        payload = pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._sum(mx.array([len(payload)], dtype=mx.int64))
         self._sum(mx.array(memoryview(payload), dtype=mx.uint8))  # (n,)
         self.sent += 1
         self.bytes += len(payload)
 
-    def receive(self) -> list:
-        """Follower: the next list of operations from rank 0 (blocks until it comes)."""
+    def receive(self) -> Any:
+        """Follower: the next message from rank 0 (blocks until it comes)."""
         assert not self.is_leader, "rank 0 sends plans"
         n = int(self._sum(mx.zeros((1,), dtype=mx.int64)).item())
         data = self._sum(mx.zeros((n,), dtype=mx.uint8))

@@ -1,10 +1,11 @@
-"""Ranks 1..N-1 of ``mlxkv serve --distributed``: no HTTP and no scheduler, only the leader's plans, replayed.
+"""Ranks 1..N-1 of ``mlxkv serve --distributed``: no HTTP and no scheduler, only rank 0's messages, applied.
 
 A follower loads the same model, keeps its shard (:func:`~mlxkv.distributed.group.shard_model`) and builds its
-shard of the paged pool, then loops: receive a message, replay its pool operations in order (the leader's
-journal, :mod:`mlxkv.distributed.journal`), check that its pool holds as many free blocks as the leader's, and run
-the forward the message announces — the same forward the leader runs at the same time, through the same
-collectives. It never samples: the leader does, and sends the next step's inputs inside the graph.
+shard of the paged pool, then loops: receive a :class:`~mlxkv.distributed.steps.StepMessage`, apply its pool
+changes in order with :func:`~mlxkv.distributed.changes.apply_change` (the function rank 0 applied them with),
+check that its pool holds as many free blocks and the same sequences as rank 0's, and run the step the message
+describes — the same forward rank 0 runs at the same time, through the same collectives. It never samples: rank 0
+does, and sends the next step's inputs inside the graph.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.distributed.changes import Change, Diverged, apply_change, sequence_state
 from mlxkv.distributed.channel import PlanChannel
-from mlxkv.distributed.journal import Journal, use_plan_clock
+from mlxkv.distributed.leader_pool import ChangeLog, use_plan_clock
+from mlxkv.distributed.steps import DecodeRun, Idle, PrefillRun, ProbeRun, Step, StepMessage, Stop, TierHave
 from mlxkv.distributed.tier import rank_tier, report_flush
 from mlxkv.distributed.watchdog import Watchdog, fatal
 from mlxkv.engine.batch_probe import probe_batched_decode, probe_batched_prefill
@@ -28,18 +31,22 @@ from mlxkv.kv import BatchUnsupported, CachePool, SequenceId
 log = logging.getLogger("mlxkv.distributed")
 
 
+class UnknownStep(TypeError):
+    """Rank 0 sent a step this rank does not know."""
+
+
 class Replayer:
-    """Applies the leader's messages to this rank's ``pool`` and runs its forwards on ``model``."""
+    """Applies rank 0's messages to this rank's ``pool`` and runs their steps on ``model``."""
 
     def __init__(self, model: Any, pool: CachePool, channel: PlanChannel):
         self.model = model
         self.pool = pool
         self.channel = channel
-        self.journal = Journal()
-        use_plan_clock(pool, self.journal)
+        self.clock = ChangeLog()  # only its clock: rank 0's time, as of its last message
+        use_plan_clock(pool, self.clock)
         self.runner = ModelRunner(model, batched=True, batched_prefill=True, totals=_runner_totals())
         self.forwards = 0
-        self.tier = rank_tier(pool)  # this rank's KV tier: restores come from rank 0's journal
+        self.tier = rank_tier(pool)  # this rank's KV tier: restores come from rank 0's changes
         if self.tier is not None:
             channel.tier_figures = self.tier.figures
         self.flush_timeout = 0.0  # the stop message's: how long this rank's KV tier may take to flush
@@ -50,100 +57,83 @@ class Replayer:
         report_flush(self.channel.rank, self.pool.flush_tier(self.flush_timeout))
 
     def run(self) -> None:
-        """Until the leader says stop."""
-        while True:
-            message = self.channel.receive()
-            for op in message["ops"]:
-                self.apply(op)
-            free = self.pool.free_capacity()
-            if free != message["free"]:
-                fatal(self.channel.rank, f"this rank's pool diverged from rank 0's ({free} free blocks, rank 0 has "
-                                         f"{message['free']})")
-            self.journal.now = message["now"]
-            if message.get("gather"):
-                self.channel.gather_memory()
-            then = message["then"]
-            if then[0] == "stop":
-                self.flush_timeout = then[1] if len(then) > 1 else 0.0
-                return
-            try:
-                self.execute(then)
-            except BatchUnsupported:
-                pass  # the leader met the same and falls back (its next messages say how)
-            except Exception as exc:  # noqa: BLE001 - the leader's same forward failed alike: its requests fail
-                log.warning("rank %d: %s failed: %s: %s", self.channel.rank, then[0], type(exc).__name__, exc)
-            self.pool.persist_tier()  # this rank's write-behind sweep, when due (rank 0 runs its own)
+        """Until rank 0 says stop."""
+        while self.receive(self.channel.receive()):
+            pass
+
+    def receive(self, message: StepMessage) -> bool:
+        """Apply one message and run its step; False when it says stop.
+
+        Raises:
+            Diverged: this rank's pool does not hold what rank 0's does after the same changes (the follower then
+                ends the launch, :func:`serve_follower`).
+        """
+        for change in message.changes:
+            self.apply(change)
+        free = self.pool.free_capacity()
+        if free != message.free:
+            raise Diverged(f"this rank's pool holds {free} free blocks, rank 0's {message.free}: the ranks diverged")
+        mine, theirs = set(sequence_state(self.pool)), set(message.sequences)
+        if mine != theirs:  # (id, positions with a slot, committed) of each open sequence
+            raise Diverged(f"this rank's sequences hold (id, slots, committed) {sorted(mine - theirs)[:3]}, rank 0's "
+                           f"{sorted(theirs - mine)[:3]}: the ranks diverged")
+        self.clock.now = message.now
+        if message.gather:
+            self.channel.gather_memory()
+        if isinstance(message.step, Stop):
+            self.flush_timeout = message.step.flush_timeout
+            return False
+        try:
+            self.run_step(message.step)
+        except UnknownStep:
+            raise  # not a failed forward: the ranks no longer run the same program
+        except BatchUnsupported:
+            pass  # rank 0 met the same and falls back (its next messages say how)
+        except Exception as exc:  # noqa: BLE001 - rank 0's same forward failed alike: its requests fail
+            log.warning("rank %d: %s failed: %s: %s", self.channel.rank, type(message.step).__name__,
+                        type(exc).__name__, exc)
+        self.pool.persist_tier()  # this rank's write-behind sweep, when due (rank 0 runs its own)
+        return True
+
+    def apply(self, change: Change) -> None:
+        """One of rank 0's pool changes (a different outcome is a divergence: the rank stops)."""
+        apply_change(self.pool, change)
 
     def _seq(self, value: int) -> Any:
         return self.pool.get(SequenceId(value))
 
-    def apply(self, op: tuple) -> None:
-        """One journaled pool operation (a mismatch is a divergence: the rank stops)."""
-        kind = op[0]
-        if kind == "open":
-            _, value, prompt_length, kwargs = op
-            seq = self.pool.open(prompt_length, **kwargs)
-            _same(seq.id.value, value, "opened sequence id")
-        elif kind == "release":
-            self.pool.release(SequenceId(op[1]))
-        elif kind == "preempt":
-            self.pool.preempt(SequenceId(op[1]))
-        elif kind == "resume":
-            self.pool.resume(SequenceId(op[1]), op[2])
-        elif kind == "fork":
-            _, value, n, children = op
-            _same([c.id.value for c in self.pool.fork(SequenceId(value), n)], children, "forked sequence ids")
-        elif kind == "evict_cached":
-            self.pool.evict_cached(op[1])
-        elif kind == "release_unused":
-            self.pool.release_unused()
-        elif kind == "seq":
-            _, method, value, args = op
-            getattr(self._seq(value), method)(*args)
-        elif kind == "tier_restore":
-            if self.tier is None:
-                raise RuntimeError("rank 0 restored KV tier blocks but this rank has no tier: run every rank with "
-                                   "the same options")
-            self.tier.replay(*op[1:])
-        else:
-            raise AssertionError(f"unknown pool operation {kind!r} from rank 0")
-
-    def execute(self, op: tuple) -> None:
-        """The forward (or probe) rank 0 runs now."""
-        kind = op[0]
-        if kind == "forward":
-            _, values, shape, batched = op
-            self.runner.batched = batched
-            seqs = [self._seq(v) for v in values]
-            logits = self.runner.forward(seqs, self.channel.share(None, shape))  # (B, vocab)
-            mx.eval(logits)
-            self.forwards += 1
-        elif kind == "prefill":
-            # the same outputs as rank 0's: without logits the last layer's collectives are never evaluated
-            self.runner.prefill(self._seq(op[1]), op[2], want_logits=op[3])
-        elif kind == "prefill_together":
-            self.runner.prefill_together([self._seq(v) for v in op[1]], op[2])
-        elif kind == "probe_decode":
-            probe_batched_decode(self.model, self.pool)
-        elif kind == "probe_prefill":
-            probe_batched_prefill(self.model, self.pool)
-        elif kind == "tier_have":
-            if self.tier is None:
-                self.channel.agree([False] * len(op[1]))
-            else:
-                self.tier.have(self.channel, op[1])
-        elif kind != "noop":
-            raise AssertionError(f"unknown step {kind!r} from rank 0")
+    def run_step(self, step: Step) -> None:
+        """The forward (or probe, or agreement) rank 0 runs now."""
+        match step:
+            case DecodeRun(seqs, shape, batched):
+                self.runner.batched = batched
+                inputs = self.channel.share(None, shape)  # (B, 1): rank 0's tokens
+                mx.eval(self.runner.forward([self._seq(v) for v in seqs], inputs))  # (B, vocab)
+                self.forwards += 1
+            case PrefillRun(chunks, together=True):
+                self.runner.prefill_together([self._seq(c.seq) for c in chunks], [c.tokens for c in chunks])
+            case PrefillRun(chunks):
+                # the same outputs as rank 0's: without logits the last layer's collectives are never evaluated
+                for c in chunks:
+                    self.runner.prefill(self._seq(c.seq), c.tokens, want_logits=c.want_logits)
+            case ProbeRun("decode"):
+                probe_batched_decode(self.model, self.pool)
+            case ProbeRun("prefill"):
+                probe_batched_prefill(self.model, self.pool)
+            case TierHave(keys):
+                if self.tier is None:
+                    self.channel.agree([False] * len(keys))
+                else:
+                    self.tier.have(self.channel, keys)
+            case Idle():
+                pass
+            case _:
+                raise UnknownStep(f"unknown step {step!r} from rank 0")
 
 
 def _runner_totals() -> dict[str, int]:
     """Counters the runner adds to (a follower reports none of them)."""
     return {"batched_steps": 0, "unbatched_steps": 0, "batched_prefills": 0}
-
-
-def _same(got: Any, expected: Any, what: str) -> None:
-    if got != expected:
-        raise RuntimeError(f"{what} {got} differs from rank 0's {expected}: the ranks diverged")
 
 
 def serve_follower(run: Any, group: Any, mode: str, timeout_s: float) -> int:

@@ -1,9 +1,10 @@
 """Rank 0 of ``mlxkv serve --distributed``: HTTP, the scheduler and the block manager, sending each forward's plan.
 
-:class:`Leader` plugs into :func:`mlxkv.server.runner.build`: it shards the loaded model, wraps the pool in a
-:class:`~mlxkv.distributed.journal.LeaderPool` and builds a :class:`LeaderEngine`, whose runner sends the journal
-and the forward it is about to run before running it (:class:`LeaderRunner`). Every scheduling decision (admission,
-deadlines, preemption, prefix hits, forks) is made here only; followers replay the outcome.
+:class:`Leader` plugs into :func:`mlxkv.server.runner.build`: it shards the loaded model, puts the pool behind a
+:class:`~mlxkv.distributed.leader_pool.LeaderPool` (every change typed, applied and recorded) and builds a
+:class:`LeaderEngine`, whose runner sends the changes since its last forward and the description of the plan it
+executes (:mod:`mlxkv.distributed.steps`) before running it (:class:`LeaderRunner`). Every scheduling decision
+(admission, deadlines, preemption, prefix hits, forks) is made here only; followers apply the outcome.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.distributed.changes import sequence_state
 from mlxkv.distributed.channel import PlanChannel
 from mlxkv.distributed.group import agree_grow_blocks, agree_num_blocks, shard_model
-from mlxkv.distributed.journal import Journal, LeaderPool
+from mlxkv.distributed.leader_pool import ChangeLog, LeaderPool
+from mlxkv.distributed.steps import Idle, ProbeRun, Step, StepMessage, Stop, describe
 from mlxkv.distributed.tier import rank_tier, rank_tier_config
 from mlxkv.distributed.watchdog import Watchdog
 from mlxkv.engine.batch import BatchEngine
+from mlxkv.engine.plan import StepOutput, StepPlan
 from mlxkv.engine.runner import ModelRunner
 
 #: Seconds between the leader's no-op messages while idle (the followers' watchdogs see it alive), and at least
@@ -28,45 +32,47 @@ HEARTBEAT_S = 1.0
 
 
 class Plans:
-    """The journal and the channel together: :meth:`send` ships what happened since the last send, then ``op``."""
+    """The change log and the channel together: :meth:`send` ships the changes since the last send, then the step
+    every rank runs."""
 
-    def __init__(self, channel: PlanChannel, journal: Journal, pool: Any = None, mode: str = "tensor"):
+    def __init__(self, channel: PlanChannel, changes: ChangeLog, pool: Any = None, mode: str = "tensor"):
         self.channel = channel
         self.mode = mode
-        self.journal = journal
-        self.pool = pool  # the inner pool: its free block count lets followers check they replayed alike
+        self.changes = changes
+        self.pool = pool  # the inner pool: its free blocks and sequences let followers check they applied alike
         self.last_sent = time.monotonic()
         self.last_gathered = 0.0
         self.ranks: list[dict] = []  # every rank's memory figures, as of the last gathering
         self.stopped = False
 
-    def send(self, *op: Any) -> None:
+    def send(self, step: Step) -> None:
         if self.stopped:
             return
         if not self.channel.sent:
             self.channel.watchdog.start()
-        ops = self.journal.take()
-        free = self.pool.free_capacity() if self.pool is not None else 0
+        pool = self.pool
         now = time.monotonic()
-        gather = op[0] != "stop" and now - self.last_gathered >= HEARTBEAT_S
-        self.channel.send({"ops": ops, "free": free, "now": now, "then": op, "gather": gather})
-        self.journal.now = self.last_sent = now  # what follows reads this time, on the followers too
-        if gather:  # every rank answers right after this message, before its forward
+        gather = not isinstance(step, Stop) and now - self.last_gathered >= HEARTBEAT_S
+        self.channel.send(StepMessage(self.changes.take(), free=0 if pool is None else pool.free_capacity(),
+                                      sequences=() if pool is None else sequence_state(pool), now=now,
+                                      gather=gather, step=step))
+        self.changes.now = self.last_sent = now  # what follows reads this time, on the followers too
+        if gather:  # every rank answers right after this message, before its step
             self.ranks, self.last_gathered = self.channel.gather_memory(), now
 
     def heartbeat(self) -> None:
         if time.monotonic() - self.last_sent >= HEARTBEAT_S:
-            self.send("noop")
+            self.send(Idle())
 
     def stop(self, flush_timeout: float = 0.0) -> None:
         """The followers stop, after flushing their KV tier (if any) within ``flush_timeout`` seconds."""
-        self.send("stop", flush_timeout)
+        self.send(Stop(flush_timeout))
         self.stopped = True
         self.channel.watchdog.stop()
 
 
 class LeaderRunner(ModelRunner):
-    """The model runner of rank 0: each forward is announced to the followers before it runs."""
+    """The model runner of rank 0: each plan's forward is described to the followers before it runs."""
 
     def __init__(self, plans: Plans, model: Any, *, always_logits: bool = False, **kwargs: Any):
         super().__init__(model, **kwargs)
@@ -75,28 +81,28 @@ class LeaderRunner(ModelRunner):
         # rank evaluates every forward's logits (the last rank's output reaches all through them)
         self.always_logits = always_logits
 
+    def execute(self, plan: StepPlan) -> StepOutput:
+        try:
+            step = describe(plan, batched=self.batched, always_logits=self.always_logits)
+        except ValueError as exc:  # nothing ran: the requests of the plan fail, the followers see nothing
+            return StepOutput(error=exc)
+        if step is not None:
+            self.plans.send(step)
+        return super().execute(plan)
+
     def prefill(self, seq: Any, tokens: Sequence[int], want_logits: bool, media: Sequence[Any] = (),
                 start: int = 0) -> mx.array | None:
-        if media:  # the followers replay token ids: an image's features would have to travel too
-            raise ValueError("images are not served under --distributed")
-        run_logits = want_logits or self.always_logits
-        self.plans.send("prefill", seq.id.value, list(tokens), run_logits)
-        last = super().prefill(seq, tokens, run_logits)
+        last = super().prefill(seq, tokens, want_logits or self.always_logits, media, start)
         return last if want_logits else None
 
-    def prefill_together(self, seqs: Sequence[Any], chunks: Sequence[Sequence[int]]) -> mx.array:
-        self.plans.send("prefill_together", [s.id.value for s in seqs], [list(c) for c in chunks])
-        return super().prefill_together(seqs, chunks)
-
     def forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
-        shape = tuple(inputs.shape)
-        self.plans.send("forward", [s.id.value for s in seqs], shape, self.batched)
-        return super().forward(seqs, self.plans.channel.share(inputs, shape))  # (B, vocab)
+        shared = self.plans.channel.share(inputs, tuple(inputs.shape))  # (B, 1): the followers' inputs too
+        return super().forward(seqs, shared)  # (B, vocab)
 
 
 class LeaderEngine(BatchEngine):
     """A :class:`~mlxkv.engine.batch.BatchEngine` on rank 0: its runner announces forwards and its start-up batch
-    probes run on every rank (each rank probes its own pool, journaling paused)."""
+    probes run on every rank (each rank probes its own pool; rank 0's probe changes are not sent)."""
 
     def __init__(self, *args: Any, plans: Plans, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -109,15 +115,15 @@ class LeaderEngine(BatchEngine):
     def _decide_batching(self) -> tuple[bool, str]:
         if self.config.batched_decode is False or self.config.max_sequences < 2:
             return super()._decide_batching()  # no probe: nothing runs
-        self.plans.send("probe_decode")
-        with self.plans.journal.paused():
+        self.plans.send(ProbeRun("decode"))
+        with self.plans.changes.paused():
             return super()._decide_batching()
 
     def _decide_prefill_batching(self, batched_decode: bool) -> tuple[bool, str]:
         if not self.config.batched_prefill or not batched_decode:
             return super()._decide_prefill_batching(batched_decode)
-        self.plans.send("probe_prefill")
-        with self.plans.journal.paused():
+        self.plans.send(ProbeRun("prefill"))
+        with self.plans.changes.paused():
             return super()._decide_prefill_batching(batched_decode)
 
 
@@ -134,14 +140,14 @@ class Leader:
         self.group = group
         self.mode = mode
         self.watchdog = Watchdog(0, timeout_s)  # started by the first plan: loading the model may take long
-        self.plans = Plans(PlanChannel(group, self.watchdog), Journal(), mode=mode)
+        self.plans = Plans(PlanChannel(group, self.watchdog), ChangeLog(), mode=mode)
 
     def shard(self, loaded: Any) -> None:
         """Shard the loaded model over the group (before its pool is built)."""
         shard_model(loaded.model, self.group, self.mode)
 
     def pool(self, model: Any, kv: Any, *, max_sequences: int, context_tokens: int | None) -> LeaderPool:
-        """Rank 0's pool (:func:`build_rank_pool`), journaled."""
+        """Rank 0's pool (:func:`build_rank_pool`), its changes recorded for the followers."""
         pool = build_rank_pool(model, kv, max_sequences=max_sequences, context_tokens=context_tokens,
                                group=self.group, mode=self.mode)
         self.plans.pool = pool
@@ -152,7 +158,7 @@ class Leader:
                  "bytes_per_block_per_rank": pool.paged.bytes_per_block if pool.is_paged else None}
         if tier is not None:  # how often rank 0 asked the ranks, and the blocks it held that another did not
             stats["tier"] = lambda: {"agreements": tier.agreements, "refused_blocks": tier.refused_blocks}
-        return LeaderPool(pool, self.plans.journal, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
+        return LeaderPool(pool, self.plans.changes, on_idle=self.plans.heartbeat, on_stop=self.plans.stop,
                           heartbeat_s=HEARTBEAT_S, extra_stats=lambda: _distributed_stats(stats, self.plans.ranks))
 
     def engine(self, *args: Any, **kwargs: Any) -> LeaderEngine:

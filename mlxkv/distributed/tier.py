@@ -6,24 +6,25 @@ names that shard (:func:`mlxkv.kv.tier.fingerprint.with_shard`), so a folder wri
 read as this one.
 
 What goes to the tier needs no decision of its own: blocks reach it when the pool evicts them (and through the
-write-behind of cached blocks), and every rank's pool, replaying rank 0's journal, evicts the same blocks in the
+write-behind of cached blocks), and every rank's pool, applying rank 0's changes, evicts the same blocks in the
 same order. Each rank's stores then keep or drop them by their own caps, and a rank's disk may lack blocks
 another has (a crash between two write-behind sweeps, a folder removed between restarts, pipeline ranks whose
 blocks differ in size). So a restore is agreed before it counts (:class:`RankTier`):
 
 1. rank 0 finds the blocks that would extend the prompt's primary hit and that it holds, and sends their keys
-   (a ``tier_have`` step of the plan channel);
+   (a :class:`~mlxkv.distributed.steps.TierHave` step);
 2. every rank answers, for each key, whether its own tier holds its shard (one ``all_sum`` of 0/1 flags);
 3. rank 0 restores only the longest hit every rank holds (``plan_restore`` over the blocks all ranks hold) and
-   journals what it restored (``tier_restore``, with the retention priority of each block); each follower replays
-   exactly that, before the ``open`` it precedes, so block ids and prefix hits stay the same on every rank.
+   records what it restored (a :class:`~mlxkv.distributed.changes.TierRestore` change, with the retention priority
+   of each block); each follower restores exactly that, before the ``Open`` it precedes, so block ids and prefix
+   hits stay the same on every rank.
 
 A follower missing its shard thus only shortens the hit (down to none), never gives a wrong answer. This is the
 simplest correct order: the agreement costs one collective, and only when rank 0 holds a candidate block. What
 the agreement cannot see (a file removed or failing verification between the answer and the replay) makes the
 replay fail; the follower then ends the launch with a clear error, as any divergence does (and so does rank 0
 when its own restore raises midway: its allocations may have evicted blocks the other ranks still hold). Agreeing on flags
-rather than restoring and undoing keeps every rank's pool changes in the journal order they already follow.
+rather than restoring and undoing keeps every rank's pool changes in the order rank 0 made them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mlxkv.distributed.changes import TierRestore
+from mlxkv.distributed.steps import TierHave
 from mlxkv.distributed.watchdog import fatal
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.fingerprint import parse_shard_name, shard_name
@@ -66,7 +69,8 @@ class RankTier:
 
     Args:
         bridge: this rank's tier bridge (installed as ``bridge.ranks``).
-        plans: rank 0's :class:`~mlxkv.distributed.leader.Plans` (it decides); None on a follower (it replays).
+        plans: rank 0's :class:`~mlxkv.distributed.leader.Plans` (it decides); None on a follower (it applies rank
+            0's restores).
     """
 
     def __init__(self, bridge: Any, plans: Any = None):
@@ -89,10 +93,11 @@ class RankTier:
 
     # ---- rank 0 ------------------------------------------------------------------------------------------
     def restore(self, tokens: list[int], ctx: HashContext, hit: Any, first: int, usable: int) -> int:
-        """Rank 0: the tier blocks every rank holds that extend the prompt's primary hit, restored and journaled;
-        by how many blocks the hit grew. A follower restores nothing here (rank 0's journal brings it)."""
+        """Rank 0: the tier blocks every rank holds that extend the prompt's primary hit, restored and recorded
+        for the followers; by how many blocks the hit grew. A follower restores nothing here (rank 0's
+        :class:`~mlxkv.distributed.changes.TierRestore` brings it)."""
         plans = self.plans
-        if plans is None or plans.stopped or plans.journal.paused_now:
+        if plans is None or plans.stopped or plans.changes.paused_now:
             return 0  # a follower, the last stop, or a batch probe (each rank probes alone): no tier
         b = self.bridge
         specs = b.backend.specs
@@ -121,14 +126,15 @@ class RankTier:
         except Exception as exc:  # noqa: BLE001 - its allocations may have evicted blocks the others still hold
             fatal(0, f"a KV tier restore failed ({type(exc).__name__}: {exc}); the ranks' pools would diverge")
         grew = length - first if complete else 0
-        if done:  # replayed by every follower before the open that follows
-            plans.journal.add("tier_restore", tokens, (ctx.salt, ctx.extra, ctx.spans), first, usable, done, grew)
+        if done:  # applied by every follower before the open that follows
+            plans.changes.record(TierRestore(list(tokens), (ctx.salt, ctx.extra, ctx.spans), first, usable, done,
+                                             grew))
         b.secondary_hit_blocks += grew
         return grew
 
     def agree(self, keys: list) -> list[bool]:
         """Rank 0: for each ``(group, hash)`` key, whether every rank's tier holds its shard (one collective)."""
-        self.plans.send("tier_have", keys)
+        self.plans.send(TierHave(keys))
         self.agreements += 1
         return self.plans.channel.agree([self.bridge.tier.contains(k) for k in keys])
 
@@ -138,15 +144,16 @@ class RankTier:
         self.agreements += 1
         channel.agree([self.bridge.tier.contains(tuple(k)) for k in keys])
 
-    def replay(self, tokens: list[int], ctx_parts: tuple, first: int, usable: int, done: list, grew: int) -> None:
-        """A follower: restore exactly the blocks rank 0 restored (its ``tier_restore`` journal entry).
+    def replay(self, change: TierRestore) -> None:
+        """A follower: restore exactly the blocks rank 0 restored (``change``).
 
         Raises:
             RuntimeError: this rank's pool has another primary hit, or its tier lost a block it had agreed to
                 (the follower then stops the launch).
         """
         b = self.bridge
-        ctx = HashContext(*ctx_parts)
+        tokens, first, usable, done = change.tokens, change.first, change.usable, change.restored
+        ctx = HashContext(*change.hash_context)
         hit = b.manager.find_prefix_hit(tokens, ctx.salt, ctx.extra, ctx.spans)
         if hit.num_full_blocks != first:
             raise RuntimeError(f"prefix hit of {hit.num_full_blocks} blocks differs from rank 0's {first} before a "
@@ -160,7 +167,7 @@ class RankTier:
             i, g, _ = done[len(got)]
             raise RuntimeError(f"this rank's KV tier lost its shard of block {i} (group {g}, {hashes[i].hex()[:12]}) "
                                "after agreeing to restore it (a file removed or failing verification meanwhile)")
-        b.secondary_hit_blocks += grew
+        b.secondary_hit_blocks += change.grew
 
     def figures(self) -> list[int]:
         """This rank's tier figures for the per-rank stats: host blocks, disk blocks, blocks restored."""
