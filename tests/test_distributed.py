@@ -171,3 +171,19 @@ def test_mlx_launch_without_distributed_is_refused(llama_dir):
                          timeout=120, env=env)
     assert out.returncode == 1
     assert "started by mlx.launch without --distributed" in out.stderr
+
+
+@pytest.mark.slow
+def test_prompt_lookup_under_mlx_launch_equals_plain_one_process(llama_dir):
+    """Every rank runs the same speculative steps (proposals come from the same committed tokens), so the greedy
+    text equals plain decoding in one process."""
+    from testkit.serve_process import free_port
+
+    args = ["generate", "abc abc abc abc abc abc", "--raw", "--temp", "0", "--max-tokens", "24", "-m", llama_dir]
+    single = subprocess.run([sys.executable, "-m", "mlxkv", *args], capture_output=True, text=True, timeout=120)
+    launched = subprocess.run(["mlx.launch", "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+                               sys.executable, "-m", "mlxkv", *args, "--distributed", "tensor", "--prompt-lookup",
+                               "--verbose"], capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0 and launched.returncode == 0, launched.stderr
+    assert single.stdout.strip() and launched.stdout == single.stdout
+    assert "speculative: acceptance" in launched.stderr
