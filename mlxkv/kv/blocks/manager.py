@@ -147,6 +147,7 @@ class KVCacheManager:
         spans: tuple = (),
         retention: RetentionConfig | None = None,
         priority: int = 0,
+        block_hashes: Sequence | None = None,
     ) -> OpenResult:
         """Register a sequence with its prompt and take its prefix hit.
 
@@ -157,6 +158,8 @@ class KVCacheManager:
                 ranges with a key for the blocks they overlap (e.g. image hashes).
             retention: retention priorities for this sequence's blocks.
             priority: scheduling priority (higher is preempted later).
+            block_hashes: the chained hashes of the prompt's full blocks under this salt, extra and spans, when
+                the caller has them already (a tier lookup): not computed again.
         Returns:
             OpenResult: the engine computes from ``num_cached_tokens`` on, after applying ``copies``.
         """
@@ -168,6 +171,8 @@ class KVCacheManager:
             ctx=HashContext(salt, tuple(extra), tuple(spans)), retention=retention or DEFAULT_RETENTION,
             priority=priority, arrival=next(self._arrivals), tables=[GroupTable() for _ in self.specs],
         )
+        if block_hashes is not None:
+            seq.block_hashes = list(block_hashes[:len(tokens) // self.block_size])
         self._seqs[seq.seq_id] = seq
         cached, copies = self.tables.attach(seq)
         state = None

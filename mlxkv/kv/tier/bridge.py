@@ -31,10 +31,12 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.kv.blocks import KVCacheBlock
+from mlxkv.kv.blocks.cache_request import CacheRequest
 from mlxkv.kv.blocks.events import BlockStored
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
 from mlxkv.kv.tier.host_store import Key
+from mlxkv.kv.tier.prefix_lookup import Lookups, PrefixLookup, lookup_key
 from mlxkv.kv.tier.restore_plan import plan_restore
 from mlxkv.kv.tier.secondary import SecondaryTier
 from mlxkv.kv.tier.state_tier import SnapshotTier
@@ -73,6 +75,7 @@ class TierBridge:
         self.states: SnapshotTier | None = None  # models with recurrent layers: their snapshots travel too
         # under --distributed: rank 0 decides restores with the other ranks (mlxkv.distributed.tier.RankTier)
         self.ranks = None
+        self.lookups = Lookups()  # prompts looked up by ready(), not opened yet
         if self.active and backend.manager.snapshots is not None:
             self.states = SnapshotTier(self, backend.recurrent_layers, backend.snapshot_probe)
 
@@ -238,41 +241,76 @@ class TierBridge:
                     return False
         return True
 
-    def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
-                spans: tuple = ()) -> int:
-        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
-        (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
-        the same arguments. Returns by how many blocks the hit grew (0 when nothing was restored)."""
+    def lookup(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+               spans: tuple = ()) -> PrefixLookup:
+        """The prompt's prefix hit across the pool and the tier (:class:`PrefixLookup`): its blocks hashed and the
+        pool searched once, then the tier blocks extending the hit planned, counted apart in host memory and on
+        disk. Under ``--distributed`` and for models with recurrent layers the tier part is left to their own
+        restore (ranks agree on it; snapshots decide the hit's end): ``length`` is then ``first``."""
         tokens = [int(t) for t in tokens]
         bs = self.block_size
-        usable = max(0, len(tokens) - 1) // bs  # the last prompt token is always recomputed
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, len(tokens), bs, ctx, [])
+        found = PrefixLookup(tokens, ctx, hashes, max(0, len(tokens) - 1) // bs,
+                             self.manager.tables.find(tokens, hashes, ctx))
+        self._plan(found)
+        return found
+
+    def _plan(self, found: PrefixLookup) -> None:
+        """Set ``found``'s tier part: the blocks a restore brings and where they are now."""
+        found.length, found.wanted, found.host_blocks, found.disk_keys = found.first, [], 0, []
+        if not self.active or found.first >= found.usable or self.ranks is not None or self.states is not None:
+            return
+        hashes, tier = found.hashes, self.tier
+        found.length, found.wanted = plan_restore(self.backend.specs, self.block_size, found.first, found.usable,
+                                                  lambda g, i: tier.contains((g, hashes[i])), self.pool.num_free_blocks)
+        keys = [(g, hashes[i]) for i, g in found.wanted]
+        found.disk_keys = [k for k in keys if tier.needs_read(k)]
+        found.host_blocks = len(keys) - len(found.disk_keys)
+
+    def lookup_for_open(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+                        spans: tuple = ()) -> PrefixLookup:
+        """The lookup :meth:`ready` made for this prompt (taken: an open uses it once), else a new one."""
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        found = self.lookups.pop(lookup_key([int(t) for t in tokens], ctx))
+        return found if found is not None else self.lookup(tokens, salt, extra, spans)
+
+    def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+                spans: tuple = (), lookup: PrefixLookup | None = None) -> int:
+        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
+        (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
+        the same arguments; ``lookup``: this prompt's :class:`PrefixLookup` (default: a new one), whose primary
+        hit and plan are taken as they are while the hit's blocks still hold their content (else the pool is
+        searched again over its hashes). Returns by how many blocks the hit grew (0 when nothing was restored)."""
+        found = lookup if lookup is not None else self.lookup(tokens, salt, extra, spans)
+        if not found.still_holds():
+            found.hit = self.manager.tables.find(found.tokens, found.hashes, found.ctx)
+            found.refs = [b.ref for b in found.held]
+            self._plan(found)
+        elif len(found.wanted) > self.pool.num_free_blocks:
+            self._plan(found)
+        tokens, ctx, hit, first, usable = found.tokens, found.ctx, found.hit, found.first, found.usable
         self.prompt_blocks += usable
-        hit = self.manager.find_prefix_hit(tokens, salt, extra, spans)
-        first = hit.num_full_blocks
         self.primary_hit_blocks += first
         if not self.active or first >= usable:
             return 0
-        ctx = HashContext(salt, tuple(extra), tuple(spans))
         if self.ranks is not None:  # --distributed: every rank must hold its shard of a restored block
             return self.ranks.restore(tokens, ctx, hit, first, usable)
         if self.states is not None:  # recurrent layers: the hit also needs a snapshot (state_tier.py)
             return self.states.restore(tokens, ctx, first, usable)
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
-        length, wanted = plan_restore(self.backend.specs, bs, first, usable,
-                                      lambda g, i: self.tier.contains((g, hashes[i])), self.pool.num_free_blocks)
-        if not wanted:
+        if not found.wanted:
             return 0
-        held = [b for chain in hit.blocks for b in chain if not b.is_null]
-        if not self.restore_blocks(tokens, ctx, hashes, hit.blocks, held, wanted):
+        if not self.restore_blocks(tokens, ctx, found.hashes, hit.blocks, found.held, list(found.wanted)):
             return 0
-        self.secondary_hit_blocks += length - first
-        return length - first
+        grew = found.length - first
+        self.secondary_hit_blocks += grew
+        return grew
 
-    def read_ahead(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
-                   spans: tuple = ()) -> bool:
-        """Whether :meth:`restore` of this prompt is ready to run without reading a file on the calling thread.
-        When not, the disk blocks it would take are being read by the tier's read-ahead thread: ask again later
-        (the caller keeps the request queued, so the sequences already decoding do not wait for the disk).
+    def ready(self, tokens: Sequence[int], cache_request: CacheRequest) -> bool:
+        """Whether opening ``tokens`` under ``cache_request`` runs its :meth:`restore` without reading a file on the
+        calling thread. When not, the disk blocks it would take are being read by the tier's read-ahead thread:
+        ask again later (the caller keeps the request queued, so the sequences already decoding do not wait for the
+        disk). The first call makes the prompt's :class:`PrefixLookup`; later ones and the open reuse it.
 
         Always ready without a disk store, under ``--distributed`` (ranks restore in lockstep) and for models with
         recurrent layers (their snapshot restore reads its own files)."""
@@ -280,17 +318,18 @@ class TierBridge:
         if not self.active or tier.ahead is None or self.ranks is not None or self.states is not None:
             return True
         tokens = [int(t) for t in tokens]
-        bs = self.block_size
-        usable = max(0, len(tokens) - 1) // bs
-        first = self.manager.find_prefix_hit(tokens, salt, extra, spans).num_full_blocks
-        if first >= usable:
-            return True
-        ctx = HashContext(salt, tuple(extra), tuple(spans))
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
-        _, wanted = plan_restore(self.backend.specs, bs, first, usable,
-                                 lambda g, i: tier.contains((g, hashes[i])), self.pool.num_free_blocks)
-        keys = [(g, hashes[i]) for i, g in wanted]
-        return tier.ahead.request([k for k in keys if tier.needs_read(k)]) and not tier.ahead.pending(keys)
+        ctx = HashContext(cache_request.salt, (), tuple(cache_request.spans))
+        key = lookup_key(tokens, ctx)
+        found = self.lookups.get(key)
+        if found is None:
+            found = self.lookup(tokens, ctx.salt, spans=ctx.spans)
+            self.lookups.put(key, found)
+        return tier.ahead.request(found.disk_keys) and not tier.ahead.pending(found.disk_keys)
+
+    def wait_reads(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for a disk read ahead to finish (an engine with nothing else to run)."""
+        if self.tier.ahead is not None:
+            self.tier.ahead.wait(timeout)
 
     def restore_blocks(self, tokens: list[int], ctx: HashContext, hashes: list, hit_blocks: list, held: list,
                        wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None,
