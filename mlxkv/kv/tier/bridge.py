@@ -252,7 +252,7 @@ class TierBridge:
         ctx = HashContext(salt, tuple(extra), tuple(spans))
         hashes = extend_block_hashes(self.manager.hash_fn, tokens, len(tokens), bs, ctx, [])
         found = PrefixLookup(tokens, ctx, hashes, max(0, len(tokens) - 1) // bs,
-                             self.manager.tables.find(tokens, hashes, ctx))
+                             self.manager.tables.find(tokens, hashes, ctx), version=self.pool.cache_version)
         self._plan(found)
         return found
 
@@ -275,17 +275,25 @@ class TierBridge:
         found = self.lookups.pop(lookup_key([int(t) for t in tokens], ctx))
         return found if found is not None else self.lookup(tokens, salt, extra, spans)
 
+    def hit_for_open(self, found: PrefixLookup):
+        """``found``'s primary hit when the block manager's open may take it as it is (the pool's cache unchanged
+        since it was found: nothing restored, nothing else cached or evicted); None: the open searches. Models
+        with recurrent layers always search (their hit's end also depends on the snapshots)."""
+        if self.manager.snapshots is not None or not found.holds(self.pool.cache_version):
+            return None
+        return found.hit
+
     def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
                 spans: tuple = (), lookup: PrefixLookup | None = None) -> int:
         """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
         (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
         the same arguments; ``lookup``: this prompt's :class:`PrefixLookup` (default: a new one), whose primary
-        hit and plan are taken as they are while the hit's blocks still hold their content (else the pool is
-        searched again over its hashes). Returns by how many blocks the hit grew (0 when nothing was restored)."""
+        hit and plan are taken as they are while the pool's cache is unchanged since (else the pool is searched
+        again over its hashes). Returns by how many blocks the hit grew (0 when nothing was restored)."""
         found = lookup if lookup is not None else self.lookup(tokens, salt, extra, spans)
-        if not found.still_holds():
+        if not found.holds(self.pool.cache_version):  # the pool's cache changed since: search again (same hashes)
             found.hit = self.manager.tables.find(found.tokens, found.hashes, found.ctx)
-            found.refs = [b.ref for b in found.held]
+            found.version = self.pool.cache_version
             self._plan(found)
         elif len(found.wanted) > self.pool.num_free_blocks:
             self._plan(found)

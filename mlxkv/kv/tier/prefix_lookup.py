@@ -4,8 +4,9 @@ The scheduler asks whether a queued prompt is ready to open (:meth:`~mlxkv.kv.ti
 hashes the prompt's blocks and searches the pool once, and says how far the hit goes with the tier and where its
 blocks are — ``first`` blocks in the pool, ``host_blocks`` in host memory, ``disk_keys`` to read from disk (read
 ahead by the tier's thread while other sequences decode). The lookup is kept (:class:`Lookups`) and, when the
-prompt opens, carried to the restore (which takes the primary hit from it while none of its blocks has changed
-since) and to the block manager's open (which takes its hashes), so the prompt is hashed once.
+prompt opens, carried to the restore and to the block manager's open: the prompt is hashed once, and its hit is
+searched again only where the pool's cache changed in between (other sequences committed or evicted blocks, or
+the restore itself brought blocks back; ``BlockPool.cache_version`` tells).
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ class PrefixLookup:
     wanted: list[tuple[int, int]] = field(default_factory=list)
     host_blocks: int = 0
     disk_keys: list[Key] = field(default_factory=list)
+    version: int = 0  # the pool's cache_version when ``hit`` was found
     made_at: float = field(default_factory=time.monotonic)
-    refs: list = field(default_factory=list)  # the primary hit's blocks' refs when found
 
     def __post_init__(self) -> None:
-        self.refs = [b.ref for chain in self.hit.blocks for b in chain if not b.is_null]
         self.length = max(self.length, self.first)
 
     @property
@@ -65,10 +65,9 @@ class PrefixLookup:
         """The primary hit's blocks (the null block left out)."""
         return [b for chain in self.hit.blocks for b in chain if not b.is_null]
 
-    def still_holds(self) -> bool:
-        """Whether every block of the primary hit still holds the content it was found with (none evicted)."""
-        held = self.held
-        return len(held) == len(self.refs) and all(b.cached and b.ref == r for b, r in zip(held, self.refs))
+    def holds(self, cache_version: int) -> bool:
+        """Whether ``hit`` is still what a search would find: nothing cached or uncached in the pool since."""
+        return cache_version == self.version
 
 
 def lookup_key(tokens: list[int], ctx: HashContext) -> tuple:
