@@ -63,10 +63,12 @@ def test_a_disk_tier_hit_is_hashed_once_and_read_off_the_caller(model, tmp_path)
 
     seq = restarted.open(prompt=PROMPT)
     assert seq.num_cached == 40
-    # the restore took the lookup's hit and plan as they were; the open took its hashes and searched once, over a
-    # pool the restore had just changed
-    assert counts == {"hashed": 10, "searched": 2}
+    # the restore took the lookup's hit and plan as they were and extended the hit; the open took both
+    assert counts == {"hashed": 10, "searched": 1}
     assert len(restarted.paged.tier.lookups) == 0
+    manager = restarted.paged.manager  # the blocks a search finds now are the ones the open took
+    found = [b.block_id for b in manager.find_prefix_hit(PROMPT).blocks[0]]
+    assert manager.block_tables(seq.paged.seq_id)[0][:10] == found
     logits = model(mx.array(PROMPT[40:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
     assert mx.array_equal(logits, reference).item()
     secondary = restarted.block_stats()["tier"]["secondary"]

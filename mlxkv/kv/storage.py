@@ -2,9 +2,10 @@
 implementation (the paged one is :class:`mlxkv.kv.storage_paged.PagedKVStorage`).
 
 The pool owns the sequences (ids, ``max_sequences``, preemption marks); a storage gives each one its layer caches
-and its per-step slots (:class:`mlxkv.kv.sequence.Slots`), and answers every question about room, sharing and the prefix cache.
-Dense storage has no blocks: everything fits, nothing is shared, nothing is cached. The secondary tier's I/O is a
-storage's :attr:`Storage.tier` (:class:`TierIO`): the paged storage's tier bridge, else :data:`NO_TIER`.
+and its per-step slots (:class:`mlxkv.kv.sequence.Slots`), and answers every question about room, sharing and the
+prefix cache. Dense storage has no blocks: everything fits, nothing is shared, nothing is cached. The secondary
+tier's I/O is a storage's :attr:`Storage.tier` (:class:`TierIO`): the paged storage's tier bridge, else
+:data:`NO_TIER`.
 """
 
 from __future__ import annotations

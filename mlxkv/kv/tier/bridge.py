@@ -9,6 +9,12 @@ Two hooks, nothing else in the paged code changes:
   into fresh pages and cached in the pool exactly as if it had never left, so the following ``open`` finds
   it as an ordinary hit.
 
+Before that, :meth:`TierBridge.ready` (the scheduler's question for a queued prompt) makes the prompt's
+:class:`~mlxkv.kv.tier.prefix_lookup.PrefixLookup` — hashes, primary hit, the tier blocks that extend it, host vs
+disk — and starts reading its disk blocks on the read-ahead thread; the open takes that lookup
+(:meth:`TierBridge.lookup_for_open`): the restore extends its hit, and the block manager's open reuses its hashes
+and, while the pool's cache is unchanged since, that hit.
+
 With a disk store, cached blocks are also written *behind* (:meth:`TierBridge.persist`, every
 ``write_interval_s`` seconds between engine steps; :meth:`TierBridge.flush` at shutdown): the blocks stored since
 the last sweep (the pool's ``BlockStored`` events), at or above the tier's priority threshold and not on disk
@@ -32,6 +38,7 @@ import numpy as np
 
 from mlxkv.kv.blocks import KVCacheBlock
 from mlxkv.kv.blocks.cache_request import CacheRequest
+from mlxkv.kv.blocks.coordinator import PrefixHit
 from mlxkv.kv.blocks.events import BlockStored
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
@@ -276,9 +283,9 @@ class TierBridge:
         return found if found is not None else self.lookup(tokens, salt, extra, spans)
 
     def hit_for_open(self, found: PrefixLookup):
-        """``found``'s primary hit when the block manager's open may take it as it is (the pool's cache unchanged
-        since it was found: nothing restored, nothing else cached or evicted); None: the open searches. Models
-        with recurrent layers always search (their hit's end also depends on the snapshots)."""
+        """``found``'s hit when the block manager's open may take it as it is (the pool's cache unchanged since it
+        was found or since the restore that extended it); None: the open searches. Models with recurrent layers
+        always search (their hit's end also depends on the snapshots)."""
         if self.manager.snapshots is not None or not found.holds(self.pool.cache_version):
             return None
         return found.hit
@@ -308,11 +315,30 @@ class TierBridge:
             return self.states.restore(tokens, ctx, first, usable)
         if not found.wanted:
             return 0
-        if not self.restore_blocks(tokens, ctx, found.hashes, hit.blocks, found.held, list(found.wanted)):
+        placed: dict[tuple[int, int], KVCacheBlock] = {}
+        if not self.restore_blocks(tokens, ctx, found.hashes, hit.blocks, found.held, list(found.wanted),
+                                   placed=placed):
             return 0
+        hit = self._restored_hit(found.length, placed)  # what a search of the pool finds now
+        if hit is not None:
+            found.hit, found.version = hit, self.pool.cache_version
         grew = found.length - first
         self.secondary_hit_blocks += grew
         return grew
+
+    def _restored_hit(self, length: int, placed: dict[tuple[int, int], KVCacheBlock]) -> PrefixHit | None:
+        """The hit of ``length`` blocks a complete restore leaves (``placed``: its blocks by ``(group, index)``),
+        as the block manager's search would find it: every block of a full-attention group, a windowed group's
+        window at the hit's end (the null block before it), and no partial block after it (nothing cached links
+        to a restored block yet). None if a block it needs is not among them (the open then searches)."""
+        bs, null = self.block_size, self.pool.null_block
+        blocks = []
+        for g, spec in enumerate(self.backend.specs):
+            needed = spec.needed_blocks(length * bs, bs)
+            if any((g, i) not in placed for i in needed):
+                return None
+            blocks.append([placed[(g, i)] if i in needed else null for i in range(length)])
+        return PrefixHit(block_size=bs, num_full_blocks=length, blocks=blocks)
 
     def ready(self, tokens: Sequence[int], cache_request: CacheRequest) -> bool:
         """Whether opening ``tokens`` under ``cache_request`` runs its :meth:`restore` without reading a file on the
@@ -341,16 +367,18 @@ class TierBridge:
 
     def restore_blocks(self, tokens: list[int], ctx: HashContext, hashes: list, hit_blocks: list, held: list,
                        wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None,
-                       done: list | None = None, priorities: dict | None = None) -> bool:
+                       done: list | None = None, priorities: dict | None = None,
+                       placed: dict | None = None) -> bool:
         """Bring the ``wanted`` ``(index, group)`` tier blocks into the pool, linked to the primary hit's
         ``hit_blocks`` (per group), with ``held`` kept from eviction meanwhile; then ``after()`` (the snapshot
         restore), still under that protection. Whether every block (and ``after``) came back. ``done`` gets
         ``(index, group, priority)`` of each block restored, in order; ``priorities`` (by ``(index, group)``)
-        replaces the retention priority the tier kept (a follower takes rank 0's, mlxkv.distributed.tier)."""
+        replaces the retention priority the tier kept (a follower takes rank 0's, mlxkv.distributed.tier).
+        ``placed`` gets every block of the hit by ``(group, index)``: the primary hit's and the restored ones."""
         bs = self.block_size
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
-        placed: dict[tuple[int, int], KVCacheBlock] = {
-            (g, i): b for g, chain in enumerate(hit_blocks) for i, b in enumerate(chain) if not b.is_null}
+        placed = {} if placed is None else placed
+        placed.update({(g, i): b for g, chain in enumerate(hit_blocks) for i, b in enumerate(chain) if not b.is_null})
         anchor_group = self._anchor_group if self._windowed else None
         restored: list[KVCacheBlock] = []
         writes: list[tuple[int, TierBlock]] = []

@@ -4,9 +4,9 @@ The scheduler asks whether a queued prompt is ready to open (:meth:`~mlxkv.kv.ti
 hashes the prompt's blocks and searches the pool once, and says how far the hit goes with the tier and where its
 blocks are — ``first`` blocks in the pool, ``host_blocks`` in host memory, ``disk_keys`` to read from disk (read
 ahead by the tier's thread while other sequences decode). The lookup is kept (:class:`Lookups`) and, when the
-prompt opens, carried to the restore and to the block manager's open: the prompt is hashed once, and its hit is
-searched again only where the pool's cache changed in between (other sequences committed or evicted blocks, or
-the restore itself brought blocks back; ``BlockPool.cache_version`` tells).
+prompt opens, carried to the restore (which extends its hit with the blocks it brings back) and to the block
+manager's open: the prompt is hashed once, and its hit is searched again only where the pool's cache changed in
+between (other sequences cached or evicted blocks meanwhile; ``BlockPool.cache_version`` tells).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class PrefixLookup:
         tokens, ctx: the prompt and its hash context (salt, extra keys, spans).
         hashes: chained hashes of every full block of the prompt.
         usable: blocks a hit may cover (the last prompt token is always recomputed).
-        hit: the primary pool's :class:`~mlxkv.kv.blocks.coordinator.PrefixHit` (``first`` full blocks).
+        hit: the primary pool's :class:`~mlxkv.kv.blocks.coordinator.PrefixHit` (``first`` full blocks; after a
+            restore, the hit it extended).
         length: blocks the hit covers with the tier's blocks restored (``first`` when the tier adds none).
         wanted: the ``(index, group)`` tier blocks that restore brings back, in index order.
         host_blocks: how many of them are in host memory (or queued for disk); ``disk_keys``: the rest, read from
