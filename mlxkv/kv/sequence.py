@@ -86,9 +86,9 @@ class Sequence:
     """One sequence's handle: its id, its layer caches and the per-step protocol.
 
     ``slots`` is what the storage gives it for that protocol (:class:`Slots`: the paged sequence, or
-    :class:`DenseSlots` when it holds no blocks); ``paged`` is the block-manager
-    bridge of a paged sequence (:class:`mlxkv.kv.paged.PagedSequence`; None when dense, or while preempted).
-    Both are internal to the KV package.
+    :class:`DenseSlots` when it holds no blocks); ``paged`` is the block-manager bridge of a paged sequence
+    (:class:`mlxkv.kv.paged.PagedSequence`; None when dense, or while preempted). Both are internal to the KV
+    package.
     """
 
     id: SequenceId
@@ -136,8 +136,9 @@ class Sequence:
         return self.slots.feed_placeholder()
 
     def name_token(self, position: int | None, token_id: int) -> None:
-        """The id of the token :meth:`feed_placeholder` announced at ``position``."""
-        self.slots.name_token(position, token_id)
+        """The id of the token :meth:`feed_placeholder` announced at ``position`` (None: nothing was announced)."""
+        if position is not None:
+            self.slots.name_token(position, token_id)
 
     def reserve(self, start: int, end: int) -> None:
         """Take the slots of prompt positions ``[start, end)`` before the step that writes them (paged: so that
