@@ -5,7 +5,6 @@ sequence while it holds blocks, no-ops while it holds none)."""
 from __future__ import annotations
 
 import mlx.core as mx
-import pytest
 
 from mlxkv.config import KvCacheConfig
 from mlxkv.kv.sequence import DenseSlots, Slots
