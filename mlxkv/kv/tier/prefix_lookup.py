@@ -72,6 +72,7 @@ class PrefixLookup:
 
 
 def lookup_key(tokens: list[int], ctx: HashContext) -> tuple:
+    """What a kept lookup is found by: the prompt and everything hashed with it."""
     return (ctx.salt, ctx.extra, ctx.spans, tuple(tokens))
 
 
