@@ -1,6 +1,7 @@
 """One prefix lookup per prompt: ``tier_ready`` hashes a queued prompt's blocks and searches the pool once, saying how
-much of its hit is on disk (read ahead meanwhile); the open takes that lookup, so the restore and the block
-manager's open hash nothing again and search again only where the pool's cache changed in between."""
+much of its hit is on disk (read ahead meanwhile, then brought back a slice per step); the open takes that lookup,
+so the restore and the block manager's open hash nothing again and search again only where the pool's cache
+changed in between."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import mlx.core as mx
 
 from mlxkv.config import KvCacheConfig
+from mlxkv.kv.tier import bridge as tier_bridge
 from mlxkv.kv.store import CachePool
 from testkit.pool_runs import prefill_and_release
 
@@ -92,3 +94,29 @@ def test_a_lookup_made_before_the_pool_changed_is_searched_again(model, tmp_path
     seq = pool.open(prompt=LONGER)
     assert seq.num_cached == 42  # PROMPT's 10 blocks and its last 2 tokens: the stale lookup was not taken as it was
     assert counts == {"hashed": 0, "searched": 1}
+
+
+def test_a_long_disk_hit_comes_back_a_slice_per_step(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_bridge, "RESTORE_SLICE_TOKENS", 4 * B)  # 4 blocks a step
+    first = pool_for(model, tmp_path)
+    reference, _ = prefill_and_release(first, PROMPT)
+    first.flush_tier(10)
+    restarted = pool_for(model, tmp_path)
+    bridge = restarted.paged.tier
+    counts = counted(restarted)
+    slices: list[int] = []
+    restore_blocks = bridge.restore_blocks
+
+    def recording(tokens, ctx, hashes, hit_blocks, held, wanted, **kw):
+        slices.append(len(wanted))
+        return restore_blocks(tokens, ctx, hashes, hit_blocks, held, wanted, **kw)
+
+    bridge.restore_blocks = recording
+    wait_ready(restarted, PROMPT)
+    assert slices == [4, 4]  # each step the prompt waited brought 4 blocks back: the running sequences decode between
+    seq = restarted.open(prompt=PROMPT)
+    assert slices == [4, 4, 2] and seq.num_cached == 40 and counts == {"hashed": 10, "searched": 1}
+    logits = model(mx.array(PROMPT[40:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
+    assert mx.array_equal(logits, reference).item()
+    tier = restarted.block_stats()["tier"]
+    assert (tier["prompt_blocks"], tier["primary_hit_blocks"], tier["secondary_hit_blocks"]) == (10, 0, 10)

@@ -52,6 +52,9 @@ from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
 
 log = logging.getLogger("mlxkv.kv.tier")
 DEFAULT_WRITE_INTERVAL_S = 2.0
+#: Tier blocks (in tokens) one engine step brings back at most for a prompt still waiting to open, on a model whose
+#: groups are all full attention: a long hit's page writes are spread over steps the running sequences decode in.
+RESTORE_SLICE_TOKENS = 256
 
 
 class TierBridge:
@@ -305,8 +308,10 @@ class TierBridge:
         elif len(found.wanted) > self.pool.num_free_blocks:
             self._plan(found)
         tokens, ctx, hit, first, usable = found.tokens, found.ctx, found.hit, found.first, found.usable
+        ahead = min(found.restored, first)  # brought back by earlier slices (ready), still in the pool
         self.prompt_blocks += usable
-        self.primary_hit_blocks += first
+        self.primary_hit_blocks += first - ahead
+        self.secondary_hit_blocks += ahead
         if not self.active or first >= usable:
             return 0
         if self.ranks is not None:  # --distributed: every rank must hold its shard of a restored block
@@ -342,14 +347,16 @@ class TierBridge:
 
     def ready(self, tokens: Sequence[int], cache_request: CacheRequest) -> bool:
         """Whether opening ``tokens`` under ``cache_request`` runs its :meth:`restore` without reading a file on the
-        calling thread. When not, the disk blocks it would take are being read by the tier's read-ahead thread:
-        ask again later (the caller keeps the request queued, so the sequences already decoding do not wait for the
-        disk). The first call makes the prompt's :class:`PrefixLookup`; later ones and the open reuse it.
+        calling thread and with at most one slice (:data:`RESTORE_SLICE_TOKENS`) of tier blocks left to bring back.
+        When not, the disk blocks it would take are being read by the tier's read-ahead thread, or this call
+        brought one slice back: ask again at a later step (the caller keeps the request queued, so the sequences
+        already decoding do not wait for the disk, nor for a long hit's page writes). The first call makes the
+        prompt's :class:`PrefixLookup`; later ones and the open reuse it.
 
-        Always ready without a disk store, under ``--distributed`` (ranks restore in lockstep) and for models with
-        recurrent layers (their snapshot restore reads its own files)."""
+        Always ready under ``--distributed`` (ranks restore in lockstep) and for models with recurrent layers (their
+        snapshot restore reads its own files)."""
         tier = self.tier
-        if not self.active or tier.ahead is None or self.ranks is not None or self.states is not None:
+        if not self.active or self.ranks is not None or self.states is not None:
             return True
         tokens = [int(t) for t in tokens]
         ctx = HashContext(cache_request.salt, (), tuple(cache_request.spans))
@@ -358,7 +365,35 @@ class TierBridge:
         if found is None:
             found = self.lookup(tokens, ctx.salt, spans=ctx.spans)
             self.lookups.put(key, found)
-        return tier.ahead.request(found.disk_keys) and not tier.ahead.pending(found.disk_keys)
+        if tier.ahead is not None and (not tier.ahead.request(found.disk_keys) or tier.ahead.pending(found.disk_keys)):
+            return False
+        return not self._restore_slice(found)
+
+    def _restore_slice(self, found: PrefixLookup) -> bool:
+        """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks when more than that is
+        left (models whose groups are all full attention: any prefix of the hit is a hit); whether it did, so the
+        prompt waits one more step. The rest, at most one slice, comes back when it opens."""
+        step = max(1, RESTORE_SLICE_TOKENS // self.block_size)
+        if self._windowed:
+            return False
+        if not found.holds(self.pool.cache_version):  # e.g. a slice evicted since: look again, same hashes
+            found.hit = self.manager.tables.find(found.tokens, found.hashes, found.ctx)
+            found.version = self.pool.cache_version
+            self._plan(found)
+        first = found.first
+        if found.length - first <= step:
+            return False
+        end = first + step
+        placed: dict[tuple[int, int], KVCacheBlock] = {}
+        done = self.restore_blocks(found.tokens, found.ctx, found.hashes, found.hit.blocks, found.held,
+                                   [(i, g) for i, g in found.wanted if i < end], placed=placed)
+        hit = self._restored_hit(end, placed) if done else None
+        if hit is None:
+            return False  # a block was missing: the open restores what it can, as without slices
+        found.restored += end - first
+        found.hit, found.version = hit, self.pool.cache_version
+        self._plan(found)  # what is left, from the hit's new end
+        return True
 
     def wait_reads(self, timeout: float) -> None:
         """Block up to ``timeout`` seconds for a disk read ahead to finish (an engine with nothing else to run)."""

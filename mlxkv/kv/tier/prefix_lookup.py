@@ -3,10 +3,11 @@
 The scheduler asks whether a queued prompt is ready to open (:meth:`~mlxkv.kv.tier.bridge.TierBridge.ready`): that
 hashes the prompt's blocks and searches the pool once, and says how far the hit goes with the tier and where its
 blocks are — ``first`` blocks in the pool, ``host_blocks`` in host memory, ``disk_keys`` to read from disk (read
-ahead by the tier's thread while other sequences decode). The lookup is kept (:class:`Lookups`) and, when the
-prompt opens, carried to the restore (which extends its hit with the blocks it brings back) and to the block
-manager's open: the prompt is hashed once, and its hit is searched again only where the pool's cache changed in
-between (other sequences cached or evicted blocks meanwhile; ``BlockPool.cache_version`` tells).
+ahead by the tier's thread while other sequences decode, then brought back into the pool a slice per step). The
+lookup is kept (:class:`Lookups`) and, when the prompt opens, carried to the restore (which extends its hit with
+the blocks it brings back) and to the block manager's open: the prompt is hashed once, and its hit is searched
+again only where the pool's cache changed in between (other sequences cached or evicted blocks meanwhile;
+``BlockPool.cache_version`` tells).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class PrefixLookup:
     host_blocks: int = 0
     disk_keys: list[Key] = field(default_factory=list)
     version: int = 0  # the pool's cache_version when ``hit`` was found
+    restored: int = 0  # blocks of ``hit`` that slices brought back from the tier before the open
     made_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
