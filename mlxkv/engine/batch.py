@@ -35,7 +35,7 @@ from mlxkv.engine.scheduler import EngineObserver, Job, Scheduler
 from mlxkv.engine.speculation import Speculation, check_pool
 from mlxkv.kernels.fast_exp import fast_exp2_ready
 from mlxkv.config import EngineConfig
-from mlxkv.kv import CachePool
+from mlxkv.kv import CachePool, event_to_json
 
 log = logging.getLogger("mlxkv.engine")
 
@@ -242,13 +242,18 @@ class BatchEngine:
         return future.result(timeout)
 
     def kv_events(self, since: int = 0) -> dict | None:
-        """The KV cache's events numbered above ``since`` (see :meth:`mlxkv.kv.CachePool.kv_events`; any thread;
-        None without a paged pool).
+        """The KV cache's events numbered above ``since`` (:meth:`mlxkv.kv.CachePool.kv_events`; any thread) in
+        their JSON form: ``{"events": [{"seq": n, "type": ..., ...}], "cursor": newest number, "dropped": events
+        missed}``; None without a paged pool.
 
         Raises:
             ValueError: ``since`` < 0.
         """
-        return self.pool.kv_events(since)
+        batch = self.pool.kv_events(since)
+        if batch is None:
+            return None
+        return {"events": [{"seq": n, **event_to_json(e)} for n, e in batch.events], "cursor": batch.cursor,
+                "dropped": batch.dropped}
 
     # ---- engine thread -------------------------------------------------------------------------------------
     def _dequeued(self) -> None:

@@ -39,6 +39,7 @@ _EXPORTS = {
     "can_drop_tokens": "mlxkv.kv.layouts",
     "each_layer_cache": "mlxkv.kv.layouts",
     "paged_blocks_for": "mlxkv.kv.admission",
+    "event_to_json": "mlxkv.kv.blocks.events",
 }
 
 

@@ -107,6 +107,7 @@ class BlockPool:
             self._free.push(block, UNCACHED_BUCKET)
         self._by_hash: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
         self._by_parent: dict[tuple, dict[int, KVCacheBlock]] = {}
+        self.cache_version = 0  # changes whenever a block is cached or uncached: a prefix search holds while equal
         self._expiry_heap: list[tuple[float, int, int]] = []  # (expiry, block_id, free_stamp) of free blocks
         self._evict_hooks: list[Callable[[KVCacheBlock], None]] = []
         self.num_evictions = 0
@@ -275,6 +276,7 @@ class BlockPool:
         assert not block.is_null and not block.cached, f"cannot cache {block}"
         assert block.ref_cnt > 0, f"only a held block can be cached: {block}"
         block.cached = True
+        self.cache_version += 1
         block.group_id = group_id
         block.token_ids = tuple(token_ids)
         block.extra_keys = extra_keys
@@ -349,6 +351,7 @@ class BlockPool:
         self.quota.remove(block)
         block.tenant = None
         block.cached = False
+        self.cache_version += 1
         block.block_hash = None
         block.token_ids = ()
         block.extra_keys = ()

@@ -57,11 +57,13 @@ class BlockTables:
             hit = self.coordinator.find_prefix_hit(tokens, hashes, ctx, max_tokens=k * self.block_size)
         return hit
 
-    def attach(self, seq: SequenceState) -> tuple[int, list[CopyOp]]:
-        """Take the prefix hit of a sequence with empty tables; returns (cached tokens, copies)."""
+    def attach(self, seq: SequenceState, hit: PrefixHit | None = None) -> tuple[int, list[CopyOp]]:
+        """Take the prefix hit of a sequence with empty tables; returns (cached tokens, copies). ``hit``: the one
+        :meth:`find` gave for its tokens while the pool's cache is unchanged since (not searched again)."""
         bs, pool = self.block_size, self.pool
         hashes = extend_block_hashes(self.hash_fn, seq.tokens, len(seq.tokens), bs, seq.ctx, seq.block_hashes)
-        hit = self.find(seq.tokens, hashes, seq.ctx)
+        if hit is None:
+            hit = self.find(seq.tokens, hashes, seq.ctx)
         now = pool.clock()
         for g, table in enumerate(seq.tables):
             blocks = hit.blocks[g]

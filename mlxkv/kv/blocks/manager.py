@@ -147,6 +147,8 @@ class KVCacheManager:
         spans: tuple = (),
         retention: RetentionConfig | None = None,
         priority: int = 0,
+        block_hashes: Sequence | None = None,
+        hit: PrefixHit | None = None,
     ) -> OpenResult:
         """Register a sequence with its prompt and take its prefix hit.
 
@@ -157,6 +159,9 @@ class KVCacheManager:
                 ranges with a key for the blocks they overlap (e.g. image hashes).
             retention: retention priorities for this sequence's blocks.
             priority: scheduling priority (higher is preempted later).
+            block_hashes: the chained hashes of the prompt's full blocks under this salt, extra and spans, when
+                the caller has them already (a tier lookup): not computed again. ``hit``: :meth:`find_prefix_hit`'s
+                answer for these tokens while ``pool.cache_version`` is unchanged since: not searched again.
         Returns:
             OpenResult: the engine computes from ``num_cached_tokens`` on, after applying ``copies``.
         """
@@ -168,8 +173,10 @@ class KVCacheManager:
             ctx=HashContext(salt, tuple(extra), tuple(spans)), retention=retention or DEFAULT_RETENTION,
             priority=priority, arrival=next(self._arrivals), tables=[GroupTable() for _ in self.specs],
         )
+        if block_hashes is not None:
+            seq.block_hashes = list(block_hashes[:len(tokens) // self.block_size])
         self._seqs[seq.seq_id] = seq
-        cached, copies = self.tables.attach(seq)
+        cached, copies = self.tables.attach(seq, hit)
         state = None
         if self.snapshots is not None and cached:
             k = cached // self.block_size

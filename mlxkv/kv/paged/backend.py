@@ -266,10 +266,13 @@ class PagedBackend:
         request = request or CacheRequest()
         self._active_at = time.monotonic()
         salt, spans = request.salt, request.spans
-        if self.tier is not None:
-            self.tier.restore(prompt, salt, spans=spans)  # tier blocks extending the primary hit come back cached
+        hashes = hit = None
+        if self.tier is not None:  # the prompt's lookup (made when it was queued, if it was): hashed once
+            lookup = self.tier.lookup_for_open(prompt, salt, spans=spans)
+            self.tier.restore(prompt, salt, spans=spans, lookup=lookup)  # tier blocks extending the hit come back
+            hashes, hit = lookup.hashes, self.tier.hit_for_open(lookup)
         res = self.manager.open(prompt, salt=salt, spans=spans, retention=request.retention,
-                                priority=request.preemption_rank)
+                                priority=request.preemption_rank, block_hashes=hashes, hit=hit)
         seq = PagedSequence(self.manager, self.storage, [list(s.layer_ids) for s in self.specs],
                             res.seq_id, res.num_cached_tokens, self.layer_block_bytes)
         seq.apply_copies(res.copies)

@@ -9,7 +9,10 @@
 - tenants.py / quota.py: a block's tenant (its chain's cache salt) and the per-tenant quota of a store;
 - listing.py: a folder's verified content for ``mlxkv cache ls`` (cycles and duplicates counted once);
 - secondary.py: ``SecondaryTier`` (priority threshold, memory → disk cascade, counters);
-- bridge.py: ``TierBridge`` (evict → offload, hit → restore for a paged backend; imports MLX).
+- read_ahead.py: disk blocks a restore will take, read on a thread of their own;
+- prefix_lookup.py: ``PrefixLookup``, a prompt's hit across pool and tier, made once and carried to the open;
+- restore_plan.py: which tier blocks a restore brings back, for every layout;
+- bridge.py: ``TierBridge`` (evict → offload, lookup → read ahead → restore for a paged backend; imports MLX).
 """
 
 from mlxkv.kv.tier.disk_store import DiskStore

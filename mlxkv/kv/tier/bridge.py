@@ -9,6 +9,12 @@ Two hooks, nothing else in the paged code changes:
   into fresh pages and cached in the pool exactly as if it had never left, so the following ``open`` finds
   it as an ordinary hit.
 
+Before that, :meth:`TierBridge.ready` (the scheduler's question for a queued prompt) makes the prompt's
+:class:`~mlxkv.kv.tier.prefix_lookup.PrefixLookup` — hashes, primary hit, the tier blocks that extend it, host vs
+disk — and starts reading its disk blocks on the read-ahead thread; the open takes that lookup
+(:meth:`TierBridge.lookup_for_open`): the restore extends its hit, and the block manager's open reuses its hashes
+and, while the pool's cache is unchanged since, that hit.
+
 With a disk store, cached blocks are also written *behind* (:meth:`TierBridge.persist`, every
 ``write_interval_s`` seconds between engine steps; :meth:`TierBridge.flush` at shutdown): the blocks stored since
 the last sweep (the pool's ``BlockStored`` events), at or above the tier's priority threshold and not on disk
@@ -31,10 +37,13 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.kv.blocks import KVCacheBlock
+from mlxkv.kv.blocks.cache_request import CacheRequest
+from mlxkv.kv.blocks.coordinator import PrefixHit
 from mlxkv.kv.blocks.events import BlockStored
 from mlxkv.kv.blocks.hashing import HashContext, extend_block_hashes
 from mlxkv.kv.tier.format import TierBlock, extra_digest, to_host, to_mx
 from mlxkv.kv.tier.host_store import Key
+from mlxkv.kv.tier.prefix_lookup import Lookups, PrefixLookup, lookup_key
 from mlxkv.kv.tier.restore_plan import plan_restore
 from mlxkv.kv.tier.secondary import SecondaryTier
 from mlxkv.kv.tier.state_tier import SnapshotTier
@@ -43,6 +52,9 @@ from mlxkv.kv.tier.write_behind import DEFAULT_QUEUE_BYTES, WriteBehind
 
 log = logging.getLogger("mlxkv.kv.tier")
 DEFAULT_WRITE_INTERVAL_S = 2.0
+#: Tier blocks (in tokens) one engine step brings back at most for a prompt still waiting to open, on a model whose
+#: groups are all full attention: a long hit's page writes are spread over steps the running sequences decode in.
+RESTORE_SLICE_TOKENS = 256
 
 
 class TierBridge:
@@ -73,6 +85,7 @@ class TierBridge:
         self.states: SnapshotTier | None = None  # models with recurrent layers: their snapshots travel too
         # under --distributed: rank 0 decides restores with the other ranks (mlxkv.distributed.tier.RankTier)
         self.ranks = None
+        self.lookups = Lookups()  # prompts looked up by ready(), not opened yet
         if self.active and backend.manager.snapshots is not None:
             self.states = SnapshotTier(self, backend.recurrent_layers, backend.snapshot_probe)
 
@@ -238,72 +251,169 @@ class TierBridge:
                     return False
         return True
 
-    def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
-                spans: tuple = ()) -> int:
-        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
-        (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
-        the same arguments. Returns by how many blocks the hit grew (0 when nothing was restored)."""
+    def lookup(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+               spans: tuple = ()) -> PrefixLookup:
+        """The prompt's prefix hit across the pool and the tier (:class:`PrefixLookup`): its blocks hashed and the
+        pool searched once, then the tier blocks extending the hit planned, counted apart in host memory and on
+        disk. Under ``--distributed`` and for models with recurrent layers the tier part is left to their own
+        restore (ranks agree on it; snapshots decide the hit's end): ``length`` is then ``first``."""
         tokens = [int(t) for t in tokens]
         bs = self.block_size
-        usable = max(0, len(tokens) - 1) // bs  # the last prompt token is always recomputed
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        hashes = extend_block_hashes(self.manager.hash_fn, tokens, len(tokens), bs, ctx, [])
+        found = PrefixLookup(tokens, ctx, hashes, max(0, len(tokens) - 1) // bs,
+                             self.manager.tables.find(tokens, hashes, ctx), version=self.pool.cache_version)
+        self._plan(found)
+        return found
+
+    def _plan(self, found: PrefixLookup) -> None:
+        """Set ``found``'s tier part: the blocks a restore brings and where they are now."""
+        found.length, found.wanted, found.host_blocks, found.disk_keys = found.first, [], 0, []
+        if not self.active or found.first >= found.usable or self.ranks is not None or self.states is not None:
+            return
+        hashes, tier = found.hashes, self.tier
+        found.length, found.wanted = plan_restore(self.backend.specs, self.block_size, found.first, found.usable,
+                                                  lambda g, i: tier.contains((g, hashes[i])), self.pool.num_free_blocks)
+        keys = [(g, hashes[i]) for i, g in found.wanted]
+        found.disk_keys = [k for k in keys if tier.needs_read(k)]
+        found.host_blocks = len(keys) - len(found.disk_keys)
+
+    def lookup_for_open(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+                        spans: tuple = ()) -> PrefixLookup:
+        """The lookup :meth:`ready` made for this prompt (taken: an open uses it once), else a new one."""
+        ctx = HashContext(salt, tuple(extra), tuple(spans))
+        found = self.lookups.pop(lookup_key([int(t) for t in tokens], ctx))
+        return found if found is not None else self.lookup(tokens, salt, extra, spans)
+
+    def hit_for_open(self, found: PrefixLookup):
+        """``found``'s hit when the block manager's open may take it as it is (the pool's cache unchanged since it
+        was found or since the restore that extended it); None: the open searches. Models with recurrent layers
+        always search (their hit's end also depends on the snapshots)."""
+        if self.manager.snapshots is not None or not found.holds(self.pool.cache_version):
+            return None
+        return found.hit
+
+    def restore(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
+                spans: tuple = (), lookup: PrefixLookup | None = None) -> int:
+        """Bring back into the primary pool the tier blocks that extend the prompt's primary prefix hit
+        (every layout: windowed groups get only their window, see restore_plan.py). Call before ``open`` with
+        the same arguments; ``lookup``: this prompt's :class:`PrefixLookup` (default: a new one), whose primary
+        hit and plan are taken as they are while the pool's cache is unchanged since (else the pool is searched
+        again over its hashes). Returns by how many blocks the hit grew (0 when nothing was restored)."""
+        found = lookup if lookup is not None else self.lookup(tokens, salt, extra, spans)
+        if not found.holds(self.pool.cache_version):  # the pool's cache changed since: search again (same hashes)
+            found.hit = self.manager.tables.find(found.tokens, found.hashes, found.ctx)
+            found.version = self.pool.cache_version
+            self._plan(found)
+        elif len(found.wanted) > self.pool.num_free_blocks:
+            self._plan(found)
+        tokens, ctx, hit, first, usable = found.tokens, found.ctx, found.hit, found.first, found.usable
+        ahead = min(found.restored, first)  # brought back by earlier slices (ready), still in the pool
         self.prompt_blocks += usable
-        hit = self.manager.find_prefix_hit(tokens, salt, extra, spans)
-        first = hit.num_full_blocks
-        self.primary_hit_blocks += first
+        self.primary_hit_blocks += first - ahead
+        self.secondary_hit_blocks += ahead
         if not self.active or first >= usable:
             return 0
-        ctx = HashContext(salt, tuple(extra), tuple(spans))
         if self.ranks is not None:  # --distributed: every rank must hold its shard of a restored block
             return self.ranks.restore(tokens, ctx, hit, first, usable)
         if self.states is not None:  # recurrent layers: the hit also needs a snapshot (state_tier.py)
             return self.states.restore(tokens, ctx, first, usable)
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
-        length, wanted = plan_restore(self.backend.specs, bs, first, usable,
-                                      lambda g, i: self.tier.contains((g, hashes[i])), self.pool.num_free_blocks)
-        if not wanted:
+        if not found.wanted:
             return 0
-        held = [b for chain in hit.blocks for b in chain if not b.is_null]
-        if not self.restore_blocks(tokens, ctx, hashes, hit.blocks, held, wanted):
+        placed: dict[tuple[int, int], KVCacheBlock] = {}
+        if not self.restore_blocks(tokens, ctx, found.hashes, hit.blocks, found.held, list(found.wanted),
+                                   placed=placed):
             return 0
-        self.secondary_hit_blocks += length - first
-        return length - first
+        hit = self._restored_hit(found.length, placed)  # what a search of the pool finds now
+        if hit is not None:
+            found.hit, found.version = hit, self.pool.cache_version
+        grew = found.length - first
+        self.secondary_hit_blocks += grew
+        return grew
 
-    def read_ahead(self, tokens: Sequence[int], salt: str | bytes | None = None, extra: tuple = (),
-                   spans: tuple = ()) -> bool:
-        """Whether :meth:`restore` of this prompt is ready to run without reading a file on the calling thread.
-        When not, the disk blocks it would take are being read by the tier's read-ahead thread: ask again later
-        (the caller keeps the request queued, so the sequences already decoding do not wait for the disk).
+    def _restored_hit(self, length: int, placed: dict[tuple[int, int], KVCacheBlock]) -> PrefixHit | None:
+        """The hit of ``length`` blocks a complete restore leaves (``placed``: its blocks by ``(group, index)``),
+        as the block manager's search would find it: every block of a full-attention group, a windowed group's
+        window at the hit's end (the null block before it), and no partial block after it (nothing cached links
+        to a restored block yet). None if a block it needs is not among them (the open then searches)."""
+        bs, null = self.block_size, self.pool.null_block
+        blocks = []
+        for g, spec in enumerate(self.backend.specs):
+            needed = spec.needed_blocks(length * bs, bs)
+            if any((g, i) not in placed for i in needed):
+                return None
+            blocks.append([placed[(g, i)] if i in needed else null for i in range(length)])
+        return PrefixHit(block_size=bs, num_full_blocks=length, blocks=blocks)
 
-        Always ready without a disk store, under ``--distributed`` (ranks restore in lockstep) and for models with
-        recurrent layers (their snapshot restore reads its own files)."""
+    def ready(self, tokens: Sequence[int], cache_request: CacheRequest) -> bool:
+        """Whether opening ``tokens`` under ``cache_request`` runs its :meth:`restore` without reading a file on the
+        calling thread and with at most one slice (:data:`RESTORE_SLICE_TOKENS`) of tier blocks left to bring back.
+        When not, the disk blocks it would take are being read by the tier's read-ahead thread, or this call
+        brought one slice back: ask again at a later step (the caller keeps the request queued, so the sequences
+        already decoding do not wait for the disk, nor for a long hit's page writes). The first call makes the
+        prompt's :class:`PrefixLookup`; later ones and the open reuse it.
+
+        Always ready under ``--distributed`` (ranks restore in lockstep) and for models with recurrent layers (their
+        snapshot restore reads its own files)."""
         tier = self.tier
-        if not self.active or tier.ahead is None or self.ranks is not None or self.states is not None:
+        if not self.active or self.ranks is not None or self.states is not None:
             return True
         tokens = [int(t) for t in tokens]
-        bs = self.block_size
-        usable = max(0, len(tokens) - 1) // bs
-        first = self.manager.find_prefix_hit(tokens, salt, extra, spans).num_full_blocks
-        if first >= usable:
-            return True
-        ctx = HashContext(salt, tuple(extra), tuple(spans))
-        hashes = extend_block_hashes(self.manager.hash_fn, tokens, usable * bs, bs, ctx, [])
-        _, wanted = plan_restore(self.backend.specs, bs, first, usable,
-                                 lambda g, i: tier.contains((g, hashes[i])), self.pool.num_free_blocks)
-        keys = [(g, hashes[i]) for i, g in wanted]
-        return tier.ahead.request([k for k in keys if tier.needs_read(k)]) and not tier.ahead.pending(keys)
+        ctx = HashContext(cache_request.salt, (), tuple(cache_request.spans))
+        key = lookup_key(tokens, ctx)
+        found = self.lookups.get(key)
+        if found is None:
+            found = self.lookup(tokens, ctx.salt, spans=ctx.spans)
+            self.lookups.put(key, found)
+        if tier.ahead is not None and (not tier.ahead.request(found.disk_keys) or tier.ahead.pending(found.disk_keys)):
+            return False
+        return not self._restore_slice(found)
+
+    def _restore_slice(self, found: PrefixLookup) -> bool:
+        """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks when more than that is
+        left (models whose groups are all full attention: any prefix of the hit is a hit); whether it did, so the
+        prompt waits one more step. The rest, at most one slice, comes back when it opens."""
+        step = max(1, RESTORE_SLICE_TOKENS // self.block_size)
+        if self._windowed:
+            return False
+        if not found.holds(self.pool.cache_version):  # e.g. a slice evicted since: look again, same hashes
+            found.hit = self.manager.tables.find(found.tokens, found.hashes, found.ctx)
+            found.version = self.pool.cache_version
+            self._plan(found)
+        first = found.first
+        if found.length - first <= step:
+            return False
+        end = first + step
+        placed: dict[tuple[int, int], KVCacheBlock] = {}
+        done = self.restore_blocks(found.tokens, found.ctx, found.hashes, found.hit.blocks, found.held,
+                                   [(i, g) for i, g in found.wanted if i < end], placed=placed)
+        hit = self._restored_hit(end, placed) if done else None
+        if hit is None:
+            return False  # a block was missing: the open restores what it can, as without slices
+        found.restored += end - first
+        found.hit, found.version = hit, self.pool.cache_version
+        self._plan(found)  # what is left, from the hit's new end
+        return True
+
+    def wait_reads(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for a disk read ahead to finish (an engine with nothing else to run)."""
+        if self.tier.ahead is not None:
+            self.tier.ahead.wait(timeout)
 
     def restore_blocks(self, tokens: list[int], ctx: HashContext, hashes: list, hit_blocks: list, held: list,
                        wanted: list[tuple[int, int]], after: Callable[[], bool] | None = None,
-                       done: list | None = None, priorities: dict | None = None) -> bool:
+                       done: list | None = None, priorities: dict | None = None,
+                       placed: dict | None = None) -> bool:
         """Bring the ``wanted`` ``(index, group)`` tier blocks into the pool, linked to the primary hit's
         ``hit_blocks`` (per group), with ``held`` kept from eviction meanwhile; then ``after()`` (the snapshot
         restore), still under that protection. Whether every block (and ``after``) came back. ``done`` gets
         ``(index, group, priority)`` of each block restored, in order; ``priorities`` (by ``(index, group)``)
-        replaces the retention priority the tier kept (a follower takes rank 0's, mlxkv.distributed.tier)."""
+        replaces the retention priority the tier kept (a follower takes rank 0's, mlxkv.distributed.tier).
+        ``placed`` gets every block of the hit by ``(group, index)``: the primary hit's and the restored ones."""
         bs = self.block_size
         self.pool.touch(held, hit=False)  # allocations below must not evict the primary hit
-        placed: dict[tuple[int, int], KVCacheBlock] = {
-            (g, i): b for g, chain in enumerate(hit_blocks) for i, b in enumerate(chain) if not b.is_null}
+        placed = {} if placed is None else placed
+        placed.update({(g, i): b for g, chain in enumerate(hit_blocks) for i, b in enumerate(chain) if not b.is_null})
         anchor_group = self._anchor_group if self._windowed else None
         restored: list[KVCacheBlock] = []
         writes: list[tuple[int, TierBlock]] = []

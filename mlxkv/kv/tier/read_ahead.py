@@ -1,8 +1,8 @@
 """ReadAhead: disk-tier blocks read into host memory by a thread of their own, before the engine restores them.
 
-A prompt whose prefix hit continues on disk used to read those files on the engine thread, inside
-:meth:`~mlxkv.kv.tier.bridge.TierBridge.restore`, while every decoding sequence waited for the step. The scheduler
-now asks first (:meth:`~mlxkv.kv.tier.bridge.TierBridge.read_ahead`): the blocks its restore would take from disk
+Read inside :meth:`~mlxkv.kv.tier.bridge.TierBridge.restore`, on the engine thread, the files of a prompt whose prefix
+hit continues on disk would hold every decoding sequence for the step. The scheduler asks first
+(:meth:`~mlxkv.kv.tier.bridge.TierBridge.ready`): the blocks the prompt's lookup says its restore takes from disk
 are read here, the request stays queued meanwhile and the other sequences keep decoding; when they are staged the
 restore takes them from host memory.
 
