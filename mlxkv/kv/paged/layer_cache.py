@@ -41,6 +41,7 @@ from mlxkv.kv.layouts.dense_attention import attend as dense_attend
 from mlxkv.kv.layouts.base import RewindError
 from mlxkv.kv.layouts.masks import standard_mask, visible
 from mlxkv.kv.overflow.mass import decode_mass
+from mlxkv.kv.paged.fetched_rows import FetchedRows
 from mlxkv.kv.paged.page_arrays import is_view, page_runs
 from mlxkv.kv.paged.paged_sequence import PagedSequence
 
@@ -68,9 +69,7 @@ class PagedLayerCache:
         self.group = group
         self.spec = spec
         self.offset = seq.num_cached
-        self._returned: tuple[mx.array, mx.array] | None = None  # this step's fetched K/V (identity check)
-        self._returned_view = False  # whether _returned is a zero-copy view of consecutive pages
-        self._returned_span = (0, 0)  # the positions _returned holds
+        self.fetched = FetchedRows()  # this step's fetched K/V, their positions, whether a view of the pages
 
     # -- geometry ----------------------------------------------------------------------------------
     @property
@@ -128,7 +127,7 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(1, n_kv, N, D)`` rows at ``offset``; return the attendable rows ``(1, n_kv, K, D)`` (lazy)."""
-        self._returned = None  # no view of the old pages may outlive this write
+        self.fetched.clear()  # no view of the old pages may outlive this write
         if keys.shape[0] != 1:
             raise ValueError(f"a paged layer cache holds one sequence; got a batch of {keys.shape[0]}")
         o, N = self.offset, keys.shape[2]
@@ -143,11 +142,9 @@ class PagedLayerCache:
             storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         self.offset = o + N
         start = self._first_returned(o)
-        self._returned_span = (start, o + N)
-        self._returned = self._fetch(start, o + N)
         kept = self._kept(o + N)
-        self._returned_view = is_view(kept[2] if kept is not None else self._pages(start, o + N)[1])
-        return self._returned
+        view = is_view(kept[2] if kept is not None else self._pages(start, o + N)[1])
+        return self.fetched.record(*self._fetch(start, o + N), span=(start, o + N), view=view)
 
     def refetch(self) -> tuple[mx.array, mx.array]:
         """What the last ``update_and_fetch`` returned, read again from the current page arrays.
@@ -155,15 +152,15 @@ class PagedLayerCache:
         For a forward in which other sequences then wrote the same layer (batched prefill): a view of the arrays
         as they were keeps that version alive, and MLX then copies the whole page array at each later write
         instead of updating it in place."""
-        self._returned = self._fetch(*self._returned_span)
-        return self._returned
+        f = self.fetched
+        return f.record(*self._fetch(*f.span), span=f.span, view=f.view)
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
         """Decode through ``paged_attention`` on the pages when handed this step's own fetched K/V with no
         mask (on the reference path: page runs in place when the rows lie in a few runs, a view being one; a causal
         prefill chunk too, but over a view dense SDPA); otherwise dense SDPA on the given tensors."""
-        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        own = self.fetched.handed_back(keys, values)
         ov = self.overflow
         if ov is not None and (ov.needs_mass or ov.dropped):
             return self._attend_overflow(ov, own, queries, keys, values, scale, mask, sinks)
@@ -172,17 +169,17 @@ class PagedLayerCache:
     def _attend_pages(self, own: bool, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
                       sinks: mx.array | None) -> mx.array:
         """:meth:`attend` over every page of the sequence (``own``: handed this step's fetched K/V)."""
-        self._returned = None
+        view = self.fetched.view
+        self.fetched.clear()
         storage = self.seq.storage
         if storage.quantized:  # the quantized kernel where it may run (Metal), else mx.quantized_matmul, any mask
             if (own and queries.shape[2] == 1 and queries.shape[0] == 1 and self._kernel_mask_ok(mask, keys[0])
                     and not reference_on_views() and keys[0].shape == values[0].shape
                     and queries.shape[-1] * storage.bits == keys[0].shape[-1] * 32):
                 return quantized_paged_attention(
-                    queries, *storage.planes(self.layer), self.seq.step.table(self.group)[None],
-                    mx.array([self.offset], dtype=mx.int32), bits=storage.bits, group_size=storage.group_size,
-                    scale=scale, window=self.window, chunk_size=self.chunk_size, sinks=sinks,
-                    max_context_len=self.offset,
+                    queries, *storage.planes(self.layer), *self.seq.step.decode_tables(self.group, self.offset),
+                    bits=storage.bits, group_size=storage.group_size, scale=scale, window=self.window,
+                    chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset, host_checked=True,
                 )  # (1, n_q, 1, D)
             return dense_attend(queries, keys, values, scale, mask, sinks, bits=storage.bits,
                                 group_size=storage.group_size)
@@ -191,19 +188,19 @@ class PagedLayerCache:
         k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
         # Every returned row visible to the query (decode), or causally to the chunk's queries (prefill).
         causal = self._kernel_mask_ok(mask, keys) if decode else isinstance(mask, str) and mask == "causal"
-        if (on_views and (decode or not self._returned_view) and sinks is None and causal
+        if (on_views and (decode or not view) and sinks is None and causal
                 and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             runs = self.seq.step.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
             if runs is not None:  # a few runs of consecutive pages (a view: one): attend to each in place
                 return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
-        if on_views and self._returned_view:  # a prefill chunk, or a decode step with sinks or a mask
+        if on_views and view:  # a prefill chunk, or a decode step with sinks or a mask
             return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
         if (own and decode and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1
                 and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
             return paged_attention(
-                queries, *storage.pages(self.layer), self.seq.step.table(self.group)[None],
-                mx.array([self.offset], dtype=mx.int32), scale=scale, window=self.window,
-                chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset,
+                queries, *storage.pages(self.layer), *self.seq.step.decode_tables(self.group, self.offset),
+                scale=scale, window=self.window, chunk_size=self.chunk_size, sinks=sinks,
+                max_context_len=self.offset, host_checked=True,
             )  # (1, n_q, 1, D)
         return dense_attend(queries, keys, values, scale, mask, sinks)
 
@@ -225,11 +222,11 @@ class PagedLayerCache:
         same = k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]
         if (kept is not None and own and queries.shape[2] == 1 and mask is None and not reference_on_views()
                 and same):
-            self._returned = None
+            self.fetched.clear()
             n = ov.kept_tokens(self.offset)
             out = paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
                                   mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks, max_context_len=n,
-                                  with_mass=ov.needs_mass)  # (1, n_q, 1, D) over the kept pages only
+                                  with_mass=ov.needs_mass, host_checked=True)  # (1, n_q, 1, D), kept pages only
             if not ov.needs_mass:
                 return out
             out, mass = out  # mass (1, n_kv, P) over the kept pages' positions
@@ -239,7 +236,7 @@ class PagedLayerCache:
             ov.add_mass(decode_mass(queries, keys, scale, mask, sinks), entries)  # (n_kv, K) rows -> pages
         if kept is None:
             return self._attend_pages(own, queries, keys, values, scale, mask, sinks)  # the plain path, exactly
-        self._returned = None
+        self.fetched.clear()
         n = ov.kept_tokens(self.offset)
         causal = mask is None if queries.shape[2] == 1 else isinstance(mask, str) and mask == "causal"
         if own and reference_on_views() and same and causal and sinks is None and len(kept[2]) <= MAX_VIEW_RUNS:
@@ -308,7 +305,7 @@ class PagedLayerCache:
         rows are written again. Unlike :meth:`trim`, the manager is not told."""
         if not 0 <= position <= self.offset:
             raise ValueError(f"rewind_to({position}) outside [0, {self.offset}]")
-        self._returned = None
+        self.fetched.clear()
         self.offset = position
 
     def trim(self, n: int) -> int:
@@ -318,7 +315,7 @@ class PagedLayerCache:
         if self.offset - target > self.rewindable():
             raise RewindError(f"cannot rewind {self.offset - target} tokens: an overflow policy evicted pages "
                               f"{self.rewindable()} tokens back")
-        self._returned = None
+        self.fetched.clear()
         if self.seq.num_tokens > target:
             self.seq.trim_to(target)
         new = min(self.offset, max(target, self.seq.num_tokens))
