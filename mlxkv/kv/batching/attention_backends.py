@@ -34,7 +34,7 @@ from mlxkv.kernels.page_views_ref import runs_attention, shared_prefix_attention
 from mlxkv.kernels.quantized_views_ref import quantized_shared_prefix_attention
 from mlxkv.kv.layouts.dense_attention import attend as dense_attend
 from mlxkv.kv.overflow.mass import decode_mass
-from mlxkv.kv.paged.layer_cache import MAX_VIEW_RUNS
+from mlxkv.kv.paged.sequence_attention import MAX_VIEW_RUNS
 from mlxkv.kv.paged.step_context import BatchStep
 
 #: Rows x kv heads x head_dim the batched gather would copy per layer from which sequences whose pages lie in a

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlxkv.kv.blocks import CopyOp, KVCacheManager
 from mlxkv.kv.paged.page_arrays import PagedStorage
+from mlxkv.kv.paged.sequence_attention import attention_for
 from mlxkv.kv.paged.step_context import SequenceStep
 
 #: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
@@ -48,6 +49,7 @@ class PagedSequence:
         self.seq_id = seq_id
         self.num_cached = num_cached
         self.layer_block_bytes = layer_block_bytes
+        self.attention = attention_for(storage)  # its layers' attention backend (one per storage kind)
         self.released = False
         self._step: SequenceStep | None = None  # this step's metadata (a new one once the slots change)
         self.recorder = None  # models with recurrent layers: takes state snapshots (state_snapshots.py)

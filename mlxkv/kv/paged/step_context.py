@@ -58,6 +58,9 @@ class SequenceStep:
         self._tables: dict[int, mx.array] = {}  # group -> int32 (n_blocks,)
         self._decode: dict[tuple[int, int], tuple[mx.array, mx.array]] = {}  # (group, context) -> kernel arrays
         self._runs: dict[tuple, tuple] = {}  # page_range results
+        #: whether the kernel would be the pure-MLX reference this step (read by the first layer that attends,
+        #: :func:`mlxkv.kv.paged.sequence_attention.on_views`)
+        self.on_views: bool | None = None
 
     def _mapping(self, start: int, end: int) -> tuple:
         if self._slots is None or self._slots[:2] != (start, end):
