@@ -184,7 +184,7 @@ def check_host_tables(block_tables: list[list[int]], context_lens: list[int], nu
     if len(block_tables) != len(context_lens):
         raise ValueError(f"{len(block_tables)} block tables but {len(context_lens)} context lengths")
     for row, (table, n) in enumerate(zip(block_tables, context_lens)):
-        if any(not 0 <= b < num_blocks for b in table):
+        if table and (min(table) < 0 or max(table) >= num_blocks):
             raise ValueError(f"block_tables row {row} has an id outside the pool [0, {num_blocks}): {list(table)}")
         if not 0 <= n <= len(table) * block_size:
             raise ValueError(f"context_lens[{row}]={n} is outside [0, {len(table) * block_size}] "
