@@ -2,11 +2,12 @@
 runs it (feed each row its token, build the views, forward, greedy tokens, evaluate, commit).
 
 Each row's prompt is its own (no shared prefix) unless ``--shared`` tokens start every prompt. The figure is the
-median step over ``--steps`` steps after a few warm-up steps.
+median step over ``--steps`` steps after a few warm-up steps, in wall time and in the process's CPU time (the
+latter is less sensitive to other processes on a shared machine).
 
 ``--against DIR`` measures a second source tree (a checkout of mlxkv, e.g. ``git worktree add /tmp/base main``)
 in the same run: each tree runs in its own worker process, model and pool loaded once, and the two alternate in
-rounds of a few steps so machine noise hits both alike.
+rounds of a few steps (which goes first alternating too) so machine noise hits both alike.
 
     python scripts/bench_decode_step.py --model random            # a random llama, hidden 256, 4 layers
     python scripts/bench_decode_step.py --against /tmp/base        # SmolLM2-135M (the reference model)
@@ -62,11 +63,11 @@ class Rows:
             self.seqs.append(seq)
             self.tokens.append(int(mx.argmax(logits[0, -1]).item()))
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
         from mlxkv.kv import check_attended, make_batch_views
 
         mx = self.mx
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for seq, t in zip(self.seqs, self.tokens):
             seq.feed([t])
         views = make_batch_views([s.caches for s in self.seqs])
@@ -77,7 +78,7 @@ class Rows:
         for seq in self.seqs:
             seq.commit()
         self.tokens = tokens.tolist()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -105,7 +106,7 @@ def start_worker(tree: Path) -> subprocess.Popen:
     return proc
 
 
-def ask(proc: subprocess.Popen, n: int) -> list[float]:
+def ask(proc: subprocess.Popen, n: int) -> list[list[float]]:
     proc.stdin.write(f"run {n}\n")
     proc.stdin.flush()
     return json.loads(proc.stdout.readline())
@@ -130,17 +131,31 @@ def main() -> None:
     print("mlxkv from: " + ", ".join(sources))
     print(f"{args.rows} rows, {args.context}-token prompts ({args.shared} shared), {args.steps} steps per tree, "
           f"alternating rounds of {ROUND}")
-    times: dict[str, list[float]] = {name: [] for name in procs}
+    times: dict[str, list[list[float]]] = {name: [] for name in procs}  # per step: [wall, cpu] seconds
+    order = list(procs)
+    ratios: list[tuple[float, float]] = []  # per round, wall and CPU: this tree's median step over the other's
     while min(len(t) for t in times.values()) < args.steps:
-        for name, proc in procs.items():
-            times[name] += ask(proc, min(ROUND, args.steps - len(times[name])))
+        rounds = {}
+        for name in order:
+            rounds[name] = ask(procs[name], min(ROUND, args.steps - len(times[name])))
+            times[name] += rounds[name]
+        if len(rounds) == 2:
+            ours, theirs = rounds["this tree"], next(v for k, v in rounds.items() if k != "this tree")
+            ratios.append(tuple(statistics.median(s[i] for s in ours) / statistics.median(s[i] for s in theirs)
+                                for i in (0, 1)))
+        order.reverse()  # neither tree always goes first
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
     for name, t in times.items():
-        print(f"{name:>40}: median step {statistics.median(t) * 1e3:7.2f} ms  "
-              f"(p10 {sorted(t)[len(t) // 10] * 1e3:.2f}, p90 {sorted(t)[len(t) * 9 // 10] * 1e3:.2f})")
-
+        wall, cpu = sorted(s[0] for s in t), sorted(s[1] for s in t)
+        print(f"{name:>40}: median step {statistics.median(wall) * 1e3:7.2f} ms wall (p10 {wall[len(t) // 10] * 1e3:.2f}"
+              f", p90 {wall[len(t) * 9 // 10] * 1e3:.2f}), {statistics.median(cpu) * 1e3:7.2f} ms CPU")
+    for i, kind in enumerate(("wall", "CPU")):
+        if ratios:
+            r = sorted(x[i] for x in ratios)
+            print(f"{'this tree / against, ' + kind + ', by round':>40}: median {statistics.median(r):.3f}x over "
+                  f"{len(r)} rounds (p25 {r[len(r) // 4]:.3f}, p75 {r[len(r) * 3 // 4]:.3f})")
 
 if __name__ == "__main__":
     main()
