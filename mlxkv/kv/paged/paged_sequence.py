@@ -140,9 +140,8 @@ class PagedSequence:
             self._step = SequenceStep(self.manager, self.seq_id, self.storage.block_size, self.storage.num_blocks)
         return self._step
 
-    def slots(self, group: int, start: int, end: int) -> mx.array:
-        """Flat slots (int32 ``(end - start,)``) of positions ``[start, end)`` in ``group``; allocates
-        pending prompt positions the first time a layer writes them."""
+    def _cover(self, start: int, end: int) -> None:
+        """Allocate pending prompt positions up to ``end`` (the first time a step writes them)."""
         have = self.num_tokens
         if end > have:
             if start != have:
@@ -153,11 +152,16 @@ class PagedSequence:
                     "paged cache: no slots for the new tokens; call feed(token_ids) (CachePool: "
                     "Sequence.feed) before the model step")
             self._allocate(end - start)
+
+    def slots(self, group: int, start: int, end: int) -> mx.array:
+        """Flat slots (int32 ``(end - start,)``) of positions ``[start, end)`` in ``group``; allocates
+        pending prompt positions the first time a layer writes them."""
+        self._cover(start, end)
         return self.step.slots(group, start, end)
 
     def host_slots(self, group: int, start: int, end: int) -> list[int]:
         """The slots of :meth:`slots` as Python ints (allocating as it does; do not modify)."""
-        self.slots(group, start, end)
+        self._cover(start, end)
         return self.step.host_slots(group, start, end)
 
     def blocks_held(self, group: int) -> int:
