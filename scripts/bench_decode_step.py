@@ -149,8 +149,9 @@ def main() -> None:
         proc.wait()
     for name, t in times.items():
         wall, cpu = sorted(s[0] for s in t), sorted(s[1] for s in t)
-        print(f"{name:>40}: median step {statistics.median(wall) * 1e3:7.2f} ms wall (p10 {wall[len(t) // 10] * 1e3:.2f}"
-              f", p90 {wall[len(t) * 9 // 10] * 1e3:.2f}), {statistics.median(cpu) * 1e3:7.2f} ms CPU")
+        print(f"{name:>40}: median step {statistics.median(wall) * 1e3:7.2f} ms wall "
+              f"(p10 {wall[len(t) // 10] * 1e3:.2f}, p90 {wall[len(t) * 9 // 10] * 1e3:.2f}), "
+              f"{statistics.median(cpu) * 1e3:7.2f} ms CPU")
     for i, kind in enumerate(("wall", "CPU")):
         if ratios:
             r = sorted(x[i] for x in ratios)

@@ -18,7 +18,7 @@ path there, once for every layer of the group:
 
 The batch views (:mod:`~mlxkv.kv.batching.paged_views`, :mod:`~mlxkv.kv.batching.overflow_views`) only write and
 fetch; their ``attend`` hands the call to the backend. What the step cannot decide is checked per call: whether
-the model handed back the rows the view fetched (:class:`~mlxkv.kv.paged.fetched_rows.FetchedRows`), its mask and
+the model handed back the rows the view fetched (:class:`~mlxkv.kv.layouts.fetched_rows.FetchedRows`), its mask and
 its sinks; a call the chosen path cannot serve gets each sequence's attention over the model's own tensors.
 """
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from mlxkv.kv.paged.fetched_rows import FetchedRows
+from mlxkv.kv.layouts.fetched_rows import FetchedRows
 
 
 class BatchUnsupported(RuntimeError):

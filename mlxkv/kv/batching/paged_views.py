@@ -28,7 +28,8 @@ class PagedBatchView(KVBatchView):
     Args:
         caches: the B sequences' :class:`PagedLayerCache` of this layer (same layer, same group).
         step: the group's metadata for this step, shared by the group's layers.
-        backend: the group's attention backend for this step (:func:`~mlxkv.kv.batching.attention_backends.backend_for`).
+        backend: the group's attention backend for this step
+            (:func:`~mlxkv.kv.batching.attention_backends.backend_for`).
     """
 
     def __init__(self, caches: Sequence[PagedLayerCache], step: BatchStep, backend: Any):

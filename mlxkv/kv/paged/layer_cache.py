@@ -27,8 +27,8 @@ import mlx.core as mx
 from mlxkv.kernels.kv_write_ref import slot_runs
 from mlxkv.kv.blocks import KVCacheGroupSpec
 from mlxkv.kv.layouts.base import RewindError
+from mlxkv.kv.layouts.fetched_rows import FetchedRows
 from mlxkv.kv.layouts.masks import standard_mask, visible
-from mlxkv.kv.paged.fetched_rows import FetchedRows
 from mlxkv.kv.paged.page_arrays import is_view, page_runs
 from mlxkv.kv.paged.paged_sequence import PagedSequence
 

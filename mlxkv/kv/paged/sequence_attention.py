@@ -2,7 +2,7 @@
 
 :class:`~mlxkv.kv.paged.layer_cache.PagedLayerCache` only writes and fetches; its ``attend`` hands the call to the
 sequence's backend (:func:`attention_for` its storage), with what the cache knows of the call: whether the model
-handed back the rows it fetched (:class:`~mlxkv.kv.paged.fetched_rows.FetchedRows`) and whether those were a
+handed back the rows it fetched (:class:`~mlxkv.kv.layouts.fetched_rows.FetchedRows`) and whether those were a
 zero-copy view of consecutive pages. Whether the kernel would be the pure-MLX reference (the CPU) is read once per
 step (:attr:`~mlxkv.kv.paged.step_context.SequenceStep.on_views`); the rest is the call's own shape.
 
