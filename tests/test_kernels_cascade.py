@@ -162,7 +162,7 @@ def test_batched_decode_on_the_kernel_path_cascades_shared_prefixes(monkeypatch)
     from testkit.archs import build_model
 
     import mlxkv.kernels.dispatch as dispatch_module
-    import mlxkv.kv.batching.paged_views as paged_views
+    import mlxkv.kv.batching.attention_backends as paged_views
     from mlxkv.config import KvCacheConfig
     from mlxkv.kv.layouts import install_attention_hook
     from mlxkv.kv.store import CachePool

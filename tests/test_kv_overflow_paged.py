@@ -176,7 +176,7 @@ def test_attention_over_kept_pages_is_dense_attention_over_those_rows(model, ker
     """One layer after an eviction: its output equals SDPA over the kept rows (the reference path, and the
     paged kernel over the kept pages' table; offload also scores its offloaded pages); h2o's and offload's mass
     (the kernel's own, or the second pass) is each kept page's share of that attention."""
-    import mlxkv.kv.paged.layer_cache as lc
+    import mlxkv.kv.paged.sequence_attention as lc
     from mlxkv.kv.overflow.mass import decode_mass
 
     monkeypatch.setattr(lc, "reference_on_views", lambda: not kernel)

@@ -31,7 +31,7 @@ from testkit.models import write_model
 from testkit.pool_runs import prefill_and_release
 from testkit.speculative import ScriptedDrafter
 
-import mlxkv.kv.paged.layer_cache as layer_cache_module
+import mlxkv.kv.paged.sequence_attention as layer_cache_module
 from mlxkv import env
 from mlxkv.config import KvCacheConfig
 from mlxkv.engine.direct import DirectEngine

@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from testkit.archs import build_model
 
-import mlxkv.kv.batching.paged_views as paged_batch_module
+import mlxkv.kv.batching.attention_backends as paged_batch_module
 from mlxkv.config import KvCacheConfig
 from mlxkv.kv.batching import check_attended, make_batch_views
 from mlxkv.kv.batching.paged_views import PagedBatchView
@@ -144,7 +144,7 @@ def test_the_batch_views_rows_are_each_caches_own_rows(arch):
     for view in views:
         if not isinstance(view, PagedBatchView):
             continue
-        keys, values = view._returned
+        keys, values = view.fetched.keys, view.fetched.values
         for b, (cache, (start, end)) in enumerate(zip(view.caches, view._fetched)):
             own_k, own_v = cache._fetch(start, end)  # (1, n_kv, end - start, D)
             assert mx.array_equal(keys[b : b + 1, :, : end - start], own_k).item()

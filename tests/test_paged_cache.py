@@ -5,7 +5,7 @@ import mlx.core as mx
 import pytest
 from testkit.archs import ARCHITECTURES, build_model
 
-import mlxkv.kv.paged.layer_cache as layer_cache_module
+import mlxkv.kv.paged.sequence_attention as layer_cache_module
 from mlxkv.config import KvCacheConfig
 from mlxkv.kv.layouts import install_attention_hook, make_caches
 from mlxkv.kv.paged import PagedLayerCache, PagedPoolExhausted

@@ -270,7 +270,8 @@ def test_batched_decode_attends_a_shared_prefix_once_on_quantized_pages(monkeypa
     """Three sequences sharing a system prompt through the prefix cache decode in one batch: the shared quantized
     pages are attended once (quantized_shared_prefix_attention, in place), and every row's logits equal that
     sequence decoded alone over a dense quantized cache (the same planes; float32 rounding of the merged softmax)."""
-    from mlxkv.kv.batching import make_batch_views, paged_views
+    from mlxkv.kv.batching import attention_backends as paged_views
+    from mlxkv.kv.batching import make_batch_views
 
     calls = []
     real = paged_views.quantized_shared_prefix_attention

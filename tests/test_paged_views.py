@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxkv.kv.paged import layer_cache as layer_cache_module
+from mlxkv.kv.paged import sequence_attention as layer_cache_module
 from mlxkv.kv.paged.page_arrays import MAX_CONCAT_RUNS, PagedStorage, is_view, page_runs
 
 

@@ -87,6 +87,8 @@ class ModelRunner:
         ``(1, vocab)`` when ``want_logits`` (a request's first token is sampled from them), else None. ``media``:
         the prompt's images, ``start``: the prompt position of ``tokens[0]``; image placeholders in the chunk go in
         as their image's features (input embeddings)."""
+        at = seq.offset
+        seq.reserve(at, at + len(tokens))  # paged: the step's slots and metadata, built and checked before the forward
         chunk = mx.array(list(tokens), dtype=mx.uint32)
         embeddings = chunk_embeddings(self.model, chunk, start, media) if media else None  # (1, n, hidden)
         if embeddings is None:

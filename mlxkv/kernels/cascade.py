@@ -8,7 +8,7 @@ is exact), and the two partial states are merged by log-sum-exp with the sinks, 
 partials are. Full-attention layers only: a window or chunk changes what a prefix may see.
 
 The engine's batched decode passes its step's groups to the dispatcher when the paged kernel runs
-(:mod:`mlxkv.kv.batching.paged_views`), keeping those :func:`worth_cascading` selects. Measured on
+(:mod:`mlxkv.kv.batching.attention_backends`), keeping those :func:`worth_cascading` selects. Measured on
 a shared 2-core CPU with the reference kernels (``python scripts/bench_cascade.py``: 8 sequences,
 SmolLM2-135M's attention shape; noisy, three runs): 4K context with 95% shared was faster every
 time (1.8x-2.7x without sinks, 1.1x-2.9x with), while 512 tokens at 95%, and 25% or 5% shared,

@@ -202,6 +202,7 @@ class KernelDispatch:
         max_context_len: int | None = None,
         prefix_groups: list[PrefixGroup] | None = None,
         with_mass: bool = False,
+        host_checked: bool = False,
     ) -> mx.array | tuple[mx.array, mx.array]:
         """Paged decode attention (arguments as ``paged_attention_reference``).
 
@@ -213,6 +214,9 @@ class KernelDispatch:
 
         Raises ``ValueError`` for a table entry outside the pool or a context longer than its table
         row (checked once per distinct pair of table arrays, so the layers of a step pay one sync).
+        ``host_checked``: the caller built ``block_tables`` and ``context_lens`` from host lists it checked
+        against this pool (:func:`~mlxkv.kernels.geometry.check_host_tables`; the paged caches' per-step
+        metadata does): no device check, no sync.
 
         ``prefix_groups`` (computed once per step for all layers, see
         :func:`~mlxkv.kernels.cascade.worth_cascading`): sequences sharing those whole-page
@@ -221,7 +225,8 @@ class KernelDispatch:
         B, H, D, bs, kv_heads, gqa = check_paged_inputs(
             queries, k_pages, v_pages, block_tables, context_lens, window, chunk_size, sinks
         )
-        self._check_tables(block_tables, context_lens, k_pages.shape[1], bs)
+        if not host_checked:
+            self._check_tables(block_tables, context_lens, k_pages.shape[1], bs)
 
         def impl_for(g: int):
             if queries.dtype != k_pages.dtype:  # the kernel reads both as one type T
@@ -251,6 +256,7 @@ class KernelDispatch:
         *,
         bits: int,
         group_size: int,
+        host_checked: bool = False,
         **options,
     ) -> mx.array | tuple[mx.array, mx.array]:
         """Paged decode attention over quantized pages (arguments, and the keyword ``options`` scale, window,
@@ -259,10 +265,11 @@ class KernelDispatch:
         :meth:`paged_attention`).
 
         Raises ``ValueError`` for planes that do not follow the layout, a table entry outside the pool or a
-        context longer than its table row."""
+        context longer than its table row (``host_checked`` as in :meth:`paged_attention`)."""
         D = check_quantized_inputs(queries, k_planes, v_planes, bits=bits, group_size=group_size)
         KVH, num_blocks, bs, _ = k_planes[1].shape
-        self._check_tables(block_tables, context_lens, num_blocks, bs)
+        if not host_checked:
+            self._check_tables(block_tables, context_lens, num_blocks, bs)
         dtype = k_planes[1].dtype  # the scales' dtype: the activations' (the kernel reads queries as it)
         if queries.dtype != dtype or queries.shape[1] % KVH:
             impl = ReferenceQuantizedPagedAttention(bits, group_size)

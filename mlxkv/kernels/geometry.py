@@ -173,6 +173,24 @@ def check_table_contents(block_tables: mx.array, context_lens: mx.array, num_blo
                              f"(the table row holds {max_blocks} blocks of {block_size})")
 
 
+def check_host_tables(block_tables: list[list[int]], context_lens: list[int], num_blocks: int,
+                      block_size: int) -> None:
+    """:func:`check_table_contents` on host lists, before any array is built (per-step metadata,
+    :mod:`mlxkv.kv.paged.step_context`): no device sync. Rows may differ in length (padding comes later).
+
+    Raises:
+        ValueError: naming the first bad row.
+    """
+    if len(block_tables) != len(context_lens):
+        raise ValueError(f"{len(block_tables)} block tables but {len(context_lens)} context lengths")
+    for row, (table, n) in enumerate(zip(block_tables, context_lens)):
+        if table and (min(table) < 0 or max(table) >= num_blocks):
+            raise ValueError(f"block_tables row {row} has an id outside the pool [0, {num_blocks}): {list(table)}")
+        if not 0 <= n <= len(table) * block_size:
+            raise ValueError(f"context_lens[{row}]={n} is outside [0, {len(table) * block_size}] "
+                             f"(the table row holds {len(table)} blocks of {block_size})")
+
+
 def page_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int]] | None:
     """``block_ids`` as runs ``(first id, pages)`` of consecutive ids, in order; None past ``limit`` runs."""
     runs: list[tuple[int, int]] = []

@@ -1,8 +1,10 @@
 """Batch views: B sequences' own layer caches seen as one batched cache for one decode forward.
 
 :mod:`~mlxkv.kv.batching.dense_views` wraps any mlx-lm-protocol cache (each sequence attends over its own
-rows); :mod:`~mlxkv.kv.batching.paged_views` runs one paged-attention call per layer over the B block tables
-(:mod:`~mlxkv.kv.batching.paged_batch` picks each paged layer's view). :func:`make_batch_views` picks between them.
+rows); :mod:`~mlxkv.kv.batching.paged_views` writes the B rows of a paged layer at once and hands its attention to the
+group's backend (:mod:`~mlxkv.kv.batching.attention_backends`: one paged-attention call per layer over the B block
+tables, or the in-place paths on the CPU); :mod:`~mlxkv.kv.batching.paged_batch` builds the step's metadata and
+picks each paged layer's view. :func:`make_batch_views` picks between them.
 """
 
 from __future__ import annotations

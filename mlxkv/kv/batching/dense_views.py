@@ -23,6 +23,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from mlxkv.kv.layouts.fetched_rows import FetchedRows
+
 
 class BatchUnsupported(RuntimeError):
     """The caches (or this step) cannot be run as one batched forward; decode the sequences one by one."""
@@ -39,8 +41,8 @@ class KVBatchView:
         self.caches = list(caches)
         self.offset = mx.array([c.offset for c in self.caches], dtype=mx.int32)  # (B,)
         self.attended = False  # set by attend: proves the attention hook routed this layer to us
-        self._fetched: list | None = None  # per sequence: what its cache returned, (1, n_kv, L_i, D) each
-        self._returned: tuple | None = None  # the padded (B, ...) pair handed back to the model
+        self._fetched: list | None = None  # per sequence: what its cache returned (set once the caches are written)
+        self.fetched = FetchedRows()  # the padded (B, ...) pair handed back to the model
         self._lengths: list[int] = []  # keys each sequence's cache returned this step
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any):
@@ -89,8 +91,7 @@ class KVBatchView:
             per_seq = [tree_map(lambda x, n=width - n_b: _pad_rows(x, n), f[part])
                        for f, n_b in zip(fetched, self._lengths)]
             stacked.append(tree_map(lambda *xs: mx.concatenate(xs, axis=0), *per_seq))  # (B, n_kv, Lmax, D)
-        self._returned = (stacked[0], stacked[1])
-        return self._returned
+        return self.fetched.record(stacked[0], stacked[1])
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
@@ -99,7 +100,7 @@ class KVBatchView:
 
         assert self._fetched is not None, "attend before update_and_fetch"
         self.attended = True
-        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        own = self.fetched.handed_back(keys, values)
         outs = []
         for b, cache in enumerate(self.caches):
             n = self._lengths[b]

@@ -37,8 +37,6 @@ class LatentBatchView(PagedBatchView):
         assert mask is None or (isinstance(mask, mx.array) and mask.dtype == mx.bool_), \
             f"a latent batch view takes no mask or its own boolean length mask, got {mask!r}"
         self.attended = True
-        for c in self.caches:
-            c._returned = None
         width = latent.shape[2]
         lengths = mx.array(self._lengths, dtype=mx.int32)  # (B,)
         visible = (mx.arange(width)[None] < lengths[:, None]).reshape(len(self.caches), 1, 1, width)  # (B, 1, 1, Lmax)

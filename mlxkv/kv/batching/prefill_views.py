@@ -83,10 +83,9 @@ class PrefillBatchView(KVBatchView):
         self._fetched = fetched
         self._lengths = [k.shape[-2] for k, _ in fetched]
         width = max(self._lengths)
-        self._returned = tuple(
+        return self.fetched.record(*(
             mx.concatenate([_pad_rows(f[part], width - n) for f, n in zip(fetched, self._lengths)], axis=0)
-            for part in (0, 1))  # (B, n_kv, Kmax, D) each
-        return self._returned
+            for part in (0, 1)))  # (B, n_kv, Kmax, D) each
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
@@ -96,7 +95,7 @@ class PrefillBatchView(KVBatchView):
 
         assert self._fetched is not None, "attend before update_and_fetch"
         self.attended = True
-        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
+        own = self.fetched.handed_back(keys, values)
         width = queries.shape[2]
         outs = []
         for b, (cache, n) in enumerate(zip(self.caches, self.lengths)):
@@ -125,7 +124,7 @@ class PrefillBatchView(KVBatchView):
         :meth:`attend`); ``chunk``: split-KV chunk or None."""
         assert self._fetched is not None, "latent_attend before update_and_fetch"
         self.attended = True
-        own = self._returned is not None and latent is self._returned[0] and k_pe is self._returned[1]
+        own = self.fetched.handed_back(latent, k_pe)
         width = q_lat.shape[2]
         outs = []
         for b, n in enumerate(self.lengths):

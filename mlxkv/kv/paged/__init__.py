@@ -4,9 +4,11 @@
   allocated at the first write; writes through ``kv_write``. :class:`QuantizedPagedStorage` (quantized_pages.py):
   the same pages as ``mx.quantize`` planes (``kv_bits`` 4 or 8), read with ``mx.quantized_matmul``.
 - :class:`PagedSequence` (paged_sequence.py): one sequence against the block manager — slots, block tables,
-  copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``.
-- :class:`PagedLayerCache` (layer_cache.py): mlx-lm's cache protocol for full, sliding and chunked layers;
-  decode attention through ``paged_attention`` on the pages, dense SDPA otherwise.
+  copy instructions, ``feed`` (decode tokens) / ``commit`` / ``trim_to`` / ``release``; its step's metadata
+  (step_context.py: tables and slots built and checked on the host before the forward).
+- :class:`PagedLayerCache` (layer_cache.py): mlx-lm's cache protocol for full, sliding and chunked layers: writes
+  and fetches; its attention is its storage kind's backend (sequence_attention.py: ``paged_attention`` on the
+  pages, page runs in place, dense SDPA).
 - :class:`~mlxkv.kv.paged.latent_pages.LatentPagedCache` (latent_pages.py): absorbed MLA's latent + rope-key rows in
   the K/V pages of its layers, read by ``latent_attend``.
 - :class:`~mlxkv.kv.paged.page_overflow.PageOverflow` (page_overflow.py): ``--kv-overflow window|h2o|offload`` on
@@ -16,10 +18,11 @@
   ``CachePool(model, backend="paged", kv_config=...)`` uses.
 
 Batched decode over paged sequences (one ``paged_attention`` call per layer) is in
-:mod:`mlxkv.kv.batching.paged_views`.
+:mod:`mlxkv.kv.batching.paged_views` and :mod:`mlxkv.kv.batching.attention_backends`.
 
 Engine protocol: ``CachePool.open(prompt=..., salt=...)`` (prefix hit: prefill from ``seq.num_cached``),
-prompt chunks allocate their slots themselves, ``seq.feed([token])`` before each decode step,
+``seq.reserve(start, end)`` before a prompt chunk (else the chunk's first layer allocates its slots),
+``seq.feed([token])`` before each decode step,
 ``seq.commit()`` after every model step, ``CachePool.release`` frees the blocks (they stay cached).
 """
 

@@ -43,7 +43,7 @@ class LatentPagedCache(PagedLayerCache):
                       mask: Any = None, chunk: int | None = None) -> mx.array:
         """Absorbed attention of ``q_lat (1, H, L, R)`` / ``q_pe (1, H, L, dr)`` over ``latent`` / ``k_pe`` (the rows
         ``update_and_fetch`` returned); ``chunk``: split-KV chunk or None. Returns ``(1, H, L, R)``."""
-        self._returned = None  # drop this step's view of the pages: the next write then updates them in place
+        self.fetched.clear()  # drop this step's view of the pages: the next write then updates them in place
         return latent_attention(q_lat, q_pe, latent, k_pe, scale, mask, chunk)
 
     def attend(self, *args: Any, **kwargs: Any) -> mx.array:

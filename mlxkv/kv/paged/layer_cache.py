@@ -7,21 +7,12 @@ positions, so masks and logits match). When those rows' pages are consecutive in
 a sequence consecutive blocks) they come back as a zero-copy *view* in a dense cache's exact layout; otherwise
 as *lazy* gathers of the pages.
 
-``attend`` runs a single-token decode step handed exactly the arrays it returned through ``paged_attention``
-over the page arrays (so a gather is never computed) — except where the kernel would be the pure-MLX
-reference (CPU), which could only copy the rows first: there rows lying in one run (a view) or a few runs of
-consecutive pages are attended run by run in place (``runs_attention``) — for a decode step and for a causal
-prefill chunk (a prompt's suffix after a prefix-cache hit lies in its own new pages, apart from the shared ones);
-a prefill chunk over a view gets dense SDPA on the view. (On the CPU ``runs_attention`` of a decode step beats
-MLX's SDPA on the same view: 4 heads over 4K rows ~0.6 vs ~1.2 ms per layer, 14 query / 2 kv heads ~1.3 vs ~3.3;
-SDPA's fallback handles grouped queries poorly there.) Anything else — masks given as arrays, tensors the model
-derived (MLA) — goes to dense SDPA on the given tensors.
+``attend`` hands the call to the sequence's attention backend (one per storage kind,
+:mod:`mlxkv.kv.paged.sequence_attention`), which chooses between the paged kernel, page runs attended in place,
+dense SDPA on a view, and dense SDPA on the tensors the model handed over.
 
 Quantized pages (:mod:`mlxkv.kv.paged.quantized_pages`): ``update_and_fetch`` returns mlx-lm's quantized
-``(packed, scales, biases)`` tuples (views of consecutive pages, else gathers of the planes) and ``attend`` runs
-:func:`mlxkv.kv.layouts.dense_attention.quantized_attend` on them (``mx.quantized_matmul``, as mlx-lm's quantized
-attention), for every step, mask and layout — except a decode step where the kernel may run (Metal), which goes
-through ``quantized_paged_attention`` on the page planes.
+``(packed, scales, biases)`` tuples (views of consecutive pages, else gathers of the planes).
 
 On the reference path a write whose slots are known on the host and form one or two in-page runs (every decode
 row) is a static slice update of the stored rows, exactly a dense cache's append.
@@ -33,24 +24,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxkv.kernels import paged_attention, quantized_paged_attention, reference_on_views
 from mlxkv.kernels.kv_write_ref import slot_runs
-from mlxkv.kernels.page_views_ref import runs_attention
 from mlxkv.kv.blocks import KVCacheGroupSpec
-from mlxkv.kv.layouts.dense_attention import attend as dense_attend
 from mlxkv.kv.layouts.base import RewindError
+from mlxkv.kv.layouts.fetched_rows import FetchedRows
 from mlxkv.kv.layouts.masks import standard_mask, visible
-from mlxkv.kv.overflow.mass import decode_mass
 from mlxkv.kv.paged.page_arrays import is_view, page_runs
 from mlxkv.kv.paged.paged_sequence import PagedSequence
 
 #: A write whose slots form at most this many in-page runs uses static slice updates instead of a scatter
 #: (a decode row is one run; a prefill chunk needs one per page and a scatter is then fewer operations).
 MAX_SLICE_RUNS = 2
-#: A decode step or causal prefill chunk on the reference path whose visible rows lie in at most this many runs
-#: of consecutive pages attends to each run in place (:func:`mlxkv.kernels.page_views_ref.runs_attention`)
-#: instead of gathering.
-MAX_VIEW_RUNS = 4
 
 
 class PagedLayerCache:
@@ -68,9 +52,7 @@ class PagedLayerCache:
         self.group = group
         self.spec = spec
         self.offset = seq.num_cached
-        self._returned: tuple[mx.array, mx.array] | None = None  # this step's fetched K/V (identity check)
-        self._returned_view = False  # whether _returned is a zero-copy view of consecutive pages
-        self._returned_span = (0, 0)  # the positions _returned holds
+        self.fetched = FetchedRows()  # this step's fetched K/V, their positions, whether a view of the pages
 
     # -- geometry ----------------------------------------------------------------------------------
     @property
@@ -128,7 +110,7 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(1, n_kv, N, D)`` rows at ``offset``; return the attendable rows ``(1, n_kv, K, D)`` (lazy)."""
-        self._returned = None  # no view of the old pages may outlive this write
+        self.fetched.clear()  # no view of the old pages may outlive this write
         if keys.shape[0] != 1:
             raise ValueError(f"a paged layer cache holds one sequence; got a batch of {keys.shape[0]}")
         o, N = self.offset, keys.shape[2]
@@ -143,11 +125,9 @@ class PagedLayerCache:
             storage.write(self.layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         self.offset = o + N
         start = self._first_returned(o)
-        self._returned_span = (start, o + N)
-        self._returned = self._fetch(start, o + N)
         kept = self._kept(o + N)
-        self._returned_view = is_view(kept[2] if kept is not None else self._pages(start, o + N)[1])
-        return self._returned
+        view = is_view(kept[2] if kept is not None else self._pages(start, o + N)[1])
+        return self.fetched.record(*self._fetch(start, o + N), span=(start, o + N), view=view)
 
     def refetch(self) -> tuple[mx.array, mx.array]:
         """What the last ``update_and_fetch`` returned, read again from the current page arrays.
@@ -155,110 +135,18 @@ class PagedLayerCache:
         For a forward in which other sequences then wrote the same layer (batched prefill): a view of the arrays
         as they were keeps that version alive, and MLX then copies the whole page array at each later write
         instead of updating it in place."""
-        self._returned = self._fetch(*self._returned_span)
-        return self._returned
+        f = self.fetched
+        return f.record(*self._fetch(*f.span), span=f.span, view=f.view)
 
     def attend(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Decode through ``paged_attention`` on the pages when handed this step's own fetched K/V with no
-        mask (on the reference path: page runs in place when the rows lie in a few runs, a view being one; a causal
-        prefill chunk too, but over a view dense SDPA); otherwise dense SDPA on the given tensors."""
-        own = self._returned is not None and keys is self._returned[0] and values is self._returned[1]
-        ov = self.overflow
-        if ov is not None and (ov.needs_mass or ov.dropped):
-            return self._attend_overflow(ov, own, queries, keys, values, scale, mask, sinks)
-        return self._attend_pages(own, queries, keys, values, scale, mask, sinks)
-
-    def _attend_pages(self, own: bool, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any,
-                      sinks: mx.array | None) -> mx.array:
-        """:meth:`attend` over every page of the sequence (``own``: handed this step's fetched K/V)."""
-        self._returned = None
-        storage = self.seq.storage
-        if storage.quantized:  # the quantized kernel where it may run (Metal), else mx.quantized_matmul, any mask
-            if (own and queries.shape[2] == 1 and queries.shape[0] == 1 and self._kernel_mask_ok(mask, keys[0])
-                    and not reference_on_views() and keys[0].shape == values[0].shape
-                    and queries.shape[-1] * storage.bits == keys[0].shape[-1] * 32):
-                return quantized_paged_attention(
-                    queries, *storage.planes(self.layer), self.seq.step.table(self.group)[None],
-                    mx.array([self.offset], dtype=mx.int32), bits=storage.bits, group_size=storage.group_size,
-                    scale=scale, window=self.window, chunk_size=self.chunk_size, sinks=sinks,
-                    max_context_len=self.offset,
-                )  # (1, n_q, 1, D)
-            return dense_attend(queries, keys, values, scale, mask, sinks, bits=storage.bits,
-                                group_size=storage.group_size)
-        on_views = own and reference_on_views()
-        decode = queries.shape[2] == 1
-        k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
-        # Every returned row visible to the query (decode), or causally to the chunk's queries (prefill).
-        causal = self._kernel_mask_ok(mask, keys) if decode else isinstance(mask, str) and mask == "causal"
-        if (on_views and (decode or not self._returned_view) and sinks is None and causal
-                and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
-            runs = self.seq.step.row_runs(self.group, self.offset - keys.shape[2], self.offset, MAX_VIEW_RUNS)
-            if runs is not None:  # a few runs of consecutive pages (a view: one): attend to each in place
-                return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
-        if on_views and self._returned_view:  # a prefill chunk, or a decode step with sinks or a mask
-            return dense_attend(queries, keys, values, scale, mask, sinks)  # zero-copy view of consecutive pages
-        if (own and decode and self._kernel_mask_ok(mask, keys) and queries.shape[0] == 1
-                and k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]):
-            return paged_attention(
-                queries, *storage.pages(self.layer), self.seq.step.table(self.group)[None],
-                mx.array([self.offset], dtype=mx.int32), scale=scale, window=self.window,
-                chunk_size=self.chunk_size, sinks=sinks, max_context_len=self.offset,
-            )  # (1, n_q, 1, D)
-        return dense_attend(queries, keys, values, scale, mask, sinks)
-
-    def _attend_overflow(self, ov: Any, own: bool, queries: mx.array, keys: Any, values: Any, scale: float,
-                         mask: Any, sinks: mx.array | None) -> mx.array:
-        """Attention under an overflow policy. Before any page was dropped the plain path runs (a budget above
-        the context changes nothing); then the kept rows are attended: in place run by run on the reference
-        path, through the kernel over the kept pages' table where it may run (h2o: with the mass it returns),
-        else dense SDPA. h2o and offload add each kept page's attention mass, from the kernel or from
-        ``decode_mass`` (a second score pass over the rows handed in); offload also estimates each offloaded page's
-        share of this attention from its key proxy (:meth:`~mlxkv.kv.paged.page_offload.PageHostStore.estimate`)."""
-        bs = self.seq.storage.block_size
-        kept = self._kept(self.offset)
-        if ov.host is not None and len(ov.host):
-            ov.host.estimate(self.layer, queries, keys, scale, mask, sinks)  # restored after the step, if picked
-        entries = kept[0] if kept is not None else list(range(-(-self.offset // bs)))
-        storage = self.seq.storage
-        k_rows, v_rows = storage.k_rows[self.layer], storage.v_rows[self.layer]
-        same = k_rows.shape == v_rows.shape and queries.shape[-1] == k_rows.shape[-1]
-        if (kept is not None and own and queries.shape[2] == 1 and mask is None and not reference_on_views()
-                and same):
-            self._returned = None
-            n = ov.kept_tokens(self.offset)
-            out = paged_attention(queries, *storage.pages(self.layer), mx.array(kept[1], dtype=mx.int32)[None],
-                                  mx.array([n], dtype=mx.int32), scale=scale, sinks=sinks, max_context_len=n,
-                                  with_mass=ov.needs_mass)  # (1, n_q, 1, D) over the kept pages only
-            if not ov.needs_mass:
-                return out
-            out, mass = out  # mass (1, n_kv, P) over the kept pages' positions
-            ov.add_mass(mass[0, :, :n], entries)
-            return out
-        if ov.needs_mass:
-            ov.add_mass(decode_mass(queries, keys, scale, mask, sinks), entries)  # (n_kv, K) rows -> pages
-        if kept is None:
-            return self._attend_pages(own, queries, keys, values, scale, mask, sinks)  # the plain path, exactly
-        self._returned = None
-        n = ov.kept_tokens(self.offset)
-        causal = mask is None if queries.shape[2] == 1 else isinstance(mask, str) and mask == "causal"
-        if own and reference_on_views() and same and causal and sinks is None and len(kept[2]) <= MAX_VIEW_RUNS:
-            runs, left = [], n  # the kept pages' rows in place, run by run
-            for block, pages in kept[2]:
-                rows = min(pages * bs, left)
-                runs.append((block * bs, rows))
-                left -= rows
-            return runs_attention(queries, k_rows, v_rows, runs, scale=scale)  # (1, n_q, L, D)
-        return dense_attend(queries, keys, values, scale, mask, sinks)
-
-    def _kernel_mask_ok(self, mask: Any, keys: mx.array) -> bool:
-        """Whether the kernel's own visibility rule covers ``mask`` for a decode query: no mask, or (chunked
-        layers) llama4's boolean chunk mask over exactly the returned rows — for one query at the newest
-        position every returned row (current chunk, up to the query) is visible, which is the kernel's rule."""
-        if mask is None:
-            return True
-        return (self.chunk_size is not None and isinstance(mask, mx.array) and mask.dtype == mx.bool_
-                and mask.shape[-1] == keys.shape[2] and mask.shape[-2] == 1)
+        """The sequence's attention backend (:mod:`mlxkv.kv.paged.sequence_attention`), told whether it was handed
+        this step's fetched rows and whether they were a view of the pages; the record is consumed (the next
+        write then updates the pages in place)."""
+        fetched = self.fetched
+        own, view = fetched.handed_back(keys, values), fetched.view
+        fetched.clear()
+        return self.seq.attention.attend(self, own, view, queries, keys, values, scale, mask, sinks)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for ``N`` new queries over the rows ``update_and_fetch`` will return (as the dense layouts)."""
@@ -308,7 +196,7 @@ class PagedLayerCache:
         rows are written again. Unlike :meth:`trim`, the manager is not told."""
         if not 0 <= position <= self.offset:
             raise ValueError(f"rewind_to({position}) outside [0, {self.offset}]")
-        self._returned = None
+        self.fetched.clear()
         self.offset = position
 
     def trim(self, n: int) -> int:
@@ -318,7 +206,7 @@ class PagedLayerCache:
         if self.offset - target > self.rewindable():
             raise RewindError(f"cannot rewind {self.offset - target} tokens: an overflow policy evicted pages "
                               f"{self.rewindable()} tokens back")
-        self._returned = None
+        self.fetched.clear()
         if self.seq.num_tokens > target:
             self.seq.trim_to(target)
         new = min(self.offset, max(target, self.seq.num_tokens))

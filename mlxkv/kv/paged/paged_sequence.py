@@ -1,9 +1,10 @@
 """PagedSequence: one sequence's bridge between its layer caches, the block manager and the page arrays.
 
 The manager works per sequence (slots, commits, trims); mlx-lm calls the layer caches one by one. This
-object holds what the layers of one sequence share for a model step: the slot mapping of the positions
-being written (allocated once, by the first layer that writes them), the block tables as int32 arrays,
-and the copy instructions to apply before any write.
+object holds what the layers of one sequence share for a model step (:class:`~mlxkv.kv.paged.step_context.SequenceStep`:
+the slot mapping of the positions being written, the block tables, checked on the host), built when the slots are
+allocated before the forward (``feed``, ``reserve``) or by the first layer that writes prompt positions nobody
+reserved, and the copy instructions to apply before any write.
 
 Slots for *prompt* tokens are allocated on demand (the manager knows the prompt from ``open``), so plain
 chunked prefill needs no engine help. Decode tokens must be announced with :meth:`feed` before the model
@@ -18,6 +19,7 @@ import mlx.core as mx
 
 from mlxkv.kv.blocks import CopyOp, KVCacheManager
 from mlxkv.kv.paged.page_arrays import PagedStorage
+from mlxkv.kv.paged.sequence_attention import attention_for
 from mlxkv.kv.paged.step_context import SequenceStep
 
 #: The manager's id for a fed token whose value an overlapped step is still computing (named before commit).
@@ -47,6 +49,7 @@ class PagedSequence:
         self.seq_id = seq_id
         self.num_cached = num_cached
         self.layer_block_bytes = layer_block_bytes
+        self.attention = attention_for(storage)  # its layers' attention backend (one per storage kind)
         self.released = False
         self._step: SequenceStep | None = None  # this step's metadata (a new one once the slots change)
         self.recorder = None  # models with recurrent layers: takes state snapshots (state_snapshots.py)
@@ -78,8 +81,10 @@ class PagedSequence:
         self.apply_copies(alloc.copies)
 
     def feed(self, token_ids: Sequence[int]) -> None:
-        """Announce the tokens the next model step appends (decode input, drafts): allocates their slots."""
+        """Announce the tokens the next model step appends (decode input, drafts): allocates their slots and
+        builds the step's metadata (:attr:`step`, checked on the host) before the forward."""
         self._allocate(token_ids=[int(t) for t in token_ids])
+        _ = self.step
 
     def feed_placeholder(self) -> int:
         """Allocate the slot of one token whose id is still being computed; returns its position, to name with
@@ -93,7 +98,7 @@ class PagedSequence:
 
     def reserve(self, start: int, end: int) -> None:
         """Allocate the slots of prompt positions ``[start, end)`` now (before the model step writes them), so a
-        room check made meanwhile for another sequence sees them taken."""
+        room check made meanwhile for another sequence sees them taken; the step's metadata is built with them."""
         self.slots(0, start, end)
 
     @property
@@ -132,12 +137,11 @@ class PagedSequence:
     def step(self) -> SequenceStep:
         """This step's metadata (block tables, slots, page runs), shared by every layer of the sequence."""
         if self._step is None:
-            self._step = SequenceStep(self.manager, self.seq_id, self.storage.block_size)
+            self._step = SequenceStep(self.manager, self.seq_id, self.storage.block_size, self.storage.num_blocks)
         return self._step
 
-    def slots(self, group: int, start: int, end: int) -> mx.array:
-        """Flat slots (int32 ``(end - start,)``) of positions ``[start, end)`` in ``group``; allocates
-        pending prompt positions the first time a layer writes them."""
+    def _cover(self, start: int, end: int) -> None:
+        """Allocate pending prompt positions up to ``end`` (the first time a step writes them)."""
         have = self.num_tokens
         if end > have:
             if start != have:
@@ -148,11 +152,16 @@ class PagedSequence:
                     "paged cache: no slots for the new tokens; call feed(token_ids) (CachePool: "
                     "Sequence.feed) before the model step")
             self._allocate(end - start)
+
+    def slots(self, group: int, start: int, end: int) -> mx.array:
+        """Flat slots (int32 ``(end - start,)``) of positions ``[start, end)`` in ``group``; allocates
+        pending prompt positions the first time a layer writes them."""
+        self._cover(start, end)
         return self.step.slots(group, start, end)
 
     def host_slots(self, group: int, start: int, end: int) -> list[int]:
         """The slots of :meth:`slots` as Python ints (allocating as it does; do not modify)."""
-        self.slots(group, start, end)
+        self._cover(start, end)
         return self.step.host_slots(group, start, end)
 
     def blocks_held(self, group: int) -> int:
