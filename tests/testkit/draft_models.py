@@ -16,14 +16,25 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def first_layers(src: str | Path, num_layers: int, out_dir: str | Path) -> Path:
     """Write the model in ``src`` (an mlx-lm folder of safetensors) cut to its first ``num_layers`` decoder layers
     into ``out_dir``: its other files (tokenizer, templates) copied, ``num_hidden_layers`` set in its config."""
+    return some_layers(src, list(range(num_layers)), out_dir)
+
+
+def some_layers(src: str | Path, layers: list[int], out_dir: str | Path) -> Path:
+    """Write the model in ``src`` with only its decoder ``layers`` (in that order, renumbered from 0) into
+    ``out_dir``, as :func:`first_layers` does."""
     src, out = Path(src), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    new_index = {old: new for new, old in enumerate(layers)}
+    num_layers = len(layers)
     weights = {}
     for file in sorted(src.glob("*.safetensors")):
         for name, value in mx.load(str(file)).items():
             layer = _LAYER.search(name)
-            if layer is None or int(layer.group(1)) < num_layers:
+            if layer is None:
                 weights[name] = value
+            elif int(layer.group(1)) in new_index:
+                start, end = layer.span(1)
+                weights[name[:start] + str(new_index[int(layer.group(1))]) + name[end:]] = value
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     for file in src.iterdir():
         if file.is_file() and not file.name.endswith(".safetensors") and file.name not in (
