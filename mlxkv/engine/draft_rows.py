@@ -32,7 +32,7 @@ from mlxkv.engine.drafters import Draft
 from mlxkv.engine.prefill_batch import forward_together, last_rows
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.verify import logprobs, sampling_logprobs
-from mlxkv.kv import BatchUnsupported, CachePool, cache_arrays
+from mlxkv.kv import BatchUnsupported, CachePool, cache_arrays, check_attended, make_batch_views
 from mlxkv.kv.blocks.cache_request import CacheRequest
 
 #: Committed tokens a row may feed in the shared first forward; a longer catch-up (a new row's prompt) runs alone
@@ -135,15 +135,22 @@ class DraftModelRows:
 
     def _forward(self, rows: Sequence["ModelRowDrafter"], feeds: Sequence[list[int]]) -> mx.array:
         """``feeds[b]`` into row b's draft caches in one forward; each row's last position's logits ``(B, V)``."""
-        self.totals["draft_forwards"] += 1
         self.totals["draft_rows"] += len(rows)
         if self.batched and len(rows) > 1:
             try:
-                logits = forward_together(self.model, [r.seq.caches for r in rows], feeds)  # (B, Lmax, V)
+                if all(len(f) == 1 for f in feeds):  # a draft step: the decode views (cheaper than prefill views)
+                    views = make_batch_views([r.seq.caches for r in rows])
+                    last = self.model(mx.array(feeds, dtype=mx.uint32), cache=views)[:, -1, :]  # (B, V)
+                    check_attended(views)
+                else:
+                    logits = forward_together(self.model, [r.seq.caches for r in rows], feeds)  # (B, Lmax, V)
+                    last = last_rows(logits, [len(f) for f in feeds])
             except BatchUnsupported:
                 self.batched = False  # raised before any cache was written
             else:
-                return last_rows(logits, [len(f) for f in feeds])
+                self.totals["draft_forwards"] += 1
+                return last
+        self.totals["draft_forwards"] += len(rows)
         return mx.concatenate([self.model(mx.array(f, dtype=mx.uint32)[None], cache=r.seq.caches)[:, -1, :]
                                for r, f in zip(rows, feeds)], axis=0)  # (B, V)
 
