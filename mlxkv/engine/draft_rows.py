@@ -87,7 +87,7 @@ class DraftModelRows:
     # ---- proposing ---------------------------------------------------------------------------------------------
     def propose(self, rows: Sequence["ModelRowDrafter"], budgets: Sequence[int]) -> list[Draft]:
         """Each row's proposal of up to ``min(row.k, budget)`` tokens (empty where the budget is < 1 or the draft
-        pool has no room), from ``1 + max length - 1`` batched forwards over the rows."""
+        pool has no room), in as many batched forwards over the rows as the longest proposal has tokens."""
         out = [Draft([]) for _ in rows]
         want = {}
         for i, (row, budget) in enumerate(zip(rows, budgets)):
@@ -146,7 +146,8 @@ class DraftModelRows:
                     logits = forward_together(self.model, [r.seq.caches for r in rows], feeds)  # (B, Lmax, V)
                     last = last_rows(logits, [len(f) for f in feeds])
             except BatchUnsupported:
-                self.batched = False  # raised before any cache was written
+                self.batched = False  # from now on one forward per row; this step's rows start over (suspended)
+                raise
             else:
                 self.totals["draft_forwards"] += 1
                 return last
