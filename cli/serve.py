@@ -270,6 +270,8 @@ def serve(
             raise ValueError(f"{'--draft-model' if draft_model else '--prompt-lookup'} does not run with --distributed")
         if draft_model and several:
             raise ValueError("--draft-model serves one model: drop the other --model / --models-file entries")
+        if draft_model:
+            _check_draft(draft_model)
         group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -408,3 +410,17 @@ def _distributed_group(mode: str):
         check_undistributed()
         return None
     return start_group(mode)
+
+
+def _check_draft(spec: str) -> None:
+    """A draft model that is not there fails now, named as the draft, not after the served model has loaded.
+
+    Raises:
+        ValueError: naming ``--draft-model`` and why it cannot be found.
+    """
+    from mlxkv.models import ModelLoadError, resolve_model_path
+
+    try:
+        resolve_model_path(spec)
+    except ModelLoadError as exc:
+        raise ValueError(f"--draft-model {spec}: {exc}") from None

@@ -237,7 +237,7 @@ def test_sampled_rows_keep_the_targets_distribution(served, shallow_draft, llama
     assert_draft_kv_given_back(srv)
 
 
-@pytest.mark.parametrize("case", ["distributed", "vocabulary", "window", "ngram"])
+@pytest.mark.parametrize("case", ["distributed", "vocabulary", "window", "ngram", "missing"])
 def test_serve_refuses_what_a_draft_model_cannot_run_in_one_line(case, test_model_dir, llama_dir, tmp_path):
     from typer.testing import CliRunner
 
@@ -250,6 +250,8 @@ def test_serve_refuses_what_a_draft_model_cannot_run_in_one_line(case, test_mode
         draft = ["--draft-model", str(other)]
     elif case == "window":
         draft = ["--draft-model", str(test_model_dir("gemma3_text"))]
+    elif case == "missing":
+        draft = ["--draft-model", str(tmp_path / "no-such-draft")]
     else:
         draft = ["--draft-model", llama_dir]
     extra = {"distributed": ["--distributed", "tensor"], "ngram": ["--ngram-size", "2"]}.get(case, [])
@@ -258,5 +260,5 @@ def test_serve_refuses_what_a_draft_model_cannot_run_in_one_line(case, test_mode
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "error" in lines[0].lower(), result.output
     expected_word = {"distributed": "--distributed", "vocabulary": "vocabulary", "window": "draft model",
-                     "ngram": "--prompt-lookup"}[case]
+                     "ngram": "--prompt-lookup", "missing": "--draft-model"}[case]
     assert expected_word in lines[0], lines[0]
