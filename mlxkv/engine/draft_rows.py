@@ -86,12 +86,12 @@ class DraftModelRows:
 
     # ---- proposing ---------------------------------------------------------------------------------------------
     def propose(self, rows: Sequence["ModelRowDrafter"], budgets: Sequence[int]) -> list[Draft]:
-        """Each row's proposal of up to ``min(row.k, budget)`` tokens (empty where the budget is < 1 or the draft
+        """Each row's proposal of up to ``min(row.length, budget)`` tokens (empty where the budget is < 1 or the draft
         pool has no room), in as many batched forwards over the rows as the longest proposal has tokens."""
         out = [Draft([]) for _ in rows]
         want = {}
         for i, (row, budget) in enumerate(zip(rows, budgets)):
-            n = min(row.k, budget)
+            n = min(row.length, budget)
             if n > 0 and row.prepare():
                 want[i] = n
         if not want:
@@ -180,6 +180,10 @@ class ModelRowDrafter:
     ``written`` positions, committed, and after a proposal of ``k`` tokens also ``d_1..d_{k-1}``, uncommitted until
     :meth:`verified`.
 
+    The proposal length adapts as prompt lookup's does: it doubles (up to ``k``) after a step that accepted every
+    proposed token and falls back to one more than the accepted count after a rejection, so a draft that seldom
+    agrees with the served model pays for short proposals only. Which tokens are proposed never changes the output.
+
     Args:
         source: the shared :class:`DraftModelRows`.
         prompt: the request's prompt tokens.
@@ -193,6 +197,7 @@ class ModelRowDrafter:
         self.tokens = prompt
         self.sampler = sampler
         self.k = k
+        self.length = k  # the next proposal's length
         self.salt = salt
         self.seq: Any = None
         self.written = 0  # positions of `tokens` in the draft caches, committed
@@ -202,7 +207,7 @@ class ModelRowDrafter:
 
     # ---- the row interface (see mlxkv.engine.speculation) -------------------------------------------------------
     def propose(self, budget: int) -> list[int]:
-        """Up to ``min(k, budget)`` tokens (one row alone; the scheduler asks every row at once instead)."""
+        """Up to ``min(length, budget)`` tokens (one row alone; the scheduler asks every row at once instead)."""
         return self.source.propose([self], [budget])[0].tokens
 
     def emitted(self, token: int) -> None:
@@ -214,6 +219,8 @@ class ModelRowDrafter:
         dropped before verification). The rejected draft positions are trimmed, the rest committed."""
         if not self.proposed:
             return
+        if proposed:
+            self.length = min(self.k, 2 * self.length) if accepted == proposed else max(1, accepted + 1)
         keep = min(accepted if proposed else 0, self.unverified)
         try:
             if self.seq is not None:
