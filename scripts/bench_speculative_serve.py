@@ -200,7 +200,9 @@ def main() -> None:
         if not args.no_mlx_lm:
             servers["mlx-lm"] = ("mlx-lm", models["mlx-lm"], [])
         if args.draft_model:
-            draft = quantized_draft(models["mlx-lm"], Path(tmp)) if args.draft_model == "quantized" else args.draft_model
+            draft = args.draft_model
+            if draft == "quantized":
+                draft = quantized_draft(models["mlx-lm"], Path(tmp))
             print(f"draft model: {draft}", flush=True)
             draft_flags = ["--draft-model", draft, "--num-draft-tokens", str(args.num_draft_tokens)]
             servers["mlxkv+draft"] = ("mlxkv", models["mlxkv"], extra + draft_flags)

@@ -254,7 +254,8 @@ class ModelRowDrafter:
         try:
             if self.seq is None:
                 opened = self.tokens[:-1] or self.tokens  # the last token is always fed: its logits draft d_1
-                self.seq = pool.open(prompt_length=len(opened), prompt=opened, cache_request=CacheRequest(salt=self.salt))
+                self.seq = pool.open(prompt_length=len(opened), prompt=opened,
+                                     cache_request=CacheRequest(salt=self.salt))
                 self.written, self.known = self.seq.num_cached, len(opened)
                 if self.written >= len(self.tokens):  # a one-token prompt wholly cached: feed it again
                     CacheRewinder(self.seq.caches, max_trim=1).trim(1)

@@ -537,7 +537,8 @@ class Scheduler:
         preempted, as in :meth:`_reserve`)."""
         self._read_in_flight()
         drafting = [c for c in self.running if c.drafter is not None]
-        made = propose_rows([c.drafter for c in drafting], [c.job.max_tokens - len(c.generated) - 1 for c in drafting])
+        budgets = [c.job.max_tokens - len(c.generated) - 1 for c in drafting]  # the target adds one token of its own
+        made = propose_rows([c.drafter for c in drafting], budgets)
         proposals = {id(c): d for c, d in zip(drafting, made) if d.tokens}
         if not proposals:
             return None
