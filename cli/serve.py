@@ -183,6 +183,9 @@ def serve(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
     prompt_lookup: bool = options.PROMPT_LOOKUP,
+    draft_model: Optional[str] = typer.Option(
+        None, "--draft-model", metavar="MODEL", rich_help_panel=options.SPECULATIVE_PANEL,
+        help="Speculative decoding with this draft model (same vocabulary; its KV in a paged pool of its own)."),
     num_draft_tokens: int = options.NUM_DRAFT_TOKENS,
     ngram_size: int = options.NGRAM_SIZE,
 ) -> None:
@@ -196,9 +199,10 @@ def serve(
     refuse_unused(ctx, [("kv_group_size", "--kv-group-size", kv_bits is not None),
                         ("kv_block_size", "--kv-block-size", kv_backend == "paged"),
                         ("state_snapshot_interval", "--state-snapshot-interval", kv_backend == "paged")])
-    for name, flag in (("num_draft_tokens", "--num-draft-tokens"), ("ngram_size", "--ngram-size")):
-        if not prompt_lookup and given(ctx, name):
-            raise typer.BadParameter("applies to --prompt-lookup only", param_hint=flag)
+    if not (prompt_lookup or draft_model) and given(ctx, "num_draft_tokens"):
+        raise typer.BadParameter("applies to --prompt-lookup or --draft-model only", param_hint="--num-draft-tokens")
+    if not prompt_lookup and given(ctx, "ngram_size"):
+        raise typer.BadParameter("applies to --prompt-lookup only", param_hint="--ngram-size")
     from mlxkv.cli.served_models import named, served_models
 
     try:
@@ -255,15 +259,19 @@ def serve(
     try:
         engine = EngineConfig(max_sequences=max_sequences, max_queue_depth=max_queue_depth,
                               prefill_chunk_size=prefill_chunk_size, batched_prefill=batched_prefill)
-        speculative = SpeculativeConfig(prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
-                                        ngram_size=ngram_size)
+        speculative = SpeculativeConfig(prompt_lookup=prompt_lookup, draft_model=draft_model,
+                                        num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)
         run = RunConfig(model=None if several else model, dequantize=dequantize, kv=kv, engine=engine,
                         sampling=sampling, flags=flags, chat_template=chat_template, tool_parser=tool_parser,
                         adapter_path=adapter_path, speculative=speculative)
         if adapter_path is not None and distributed != "off":
             raise ValueError("--adapter-path: a LoRA adapter runs on one process: drop --distributed")
-        if prompt_lookup and distributed != "off":
-            raise ValueError("--prompt-lookup does not run with --distributed")
+        if (prompt_lookup or draft_model) and distributed != "off":
+            raise ValueError(f"{'--draft-model' if draft_model else '--prompt-lookup'} does not run with --distributed")
+        if draft_model and several:
+            raise ValueError("--draft-model serves one model: drop the other --model / --models-file entries")
+        if draft_model:
+            _check_draft(draft_model)
         group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -402,3 +410,17 @@ def _distributed_group(mode: str):
         check_undistributed()
         return None
     return start_group(mode)
+
+
+def _check_draft(spec: str) -> None:
+    """A draft model that is not there fails now, named as the draft, not after the served model has loaded.
+
+    Raises:
+        ValueError: naming ``--draft-model`` and why it cannot be found.
+    """
+    from mlxkv.models import ModelLoadError, resolve_model_path
+
+    try:
+        resolve_model_path(spec)
+    except ModelLoadError as exc:
+        raise ValueError(f"--draft-model {spec}: {exc}") from None

@@ -1,5 +1,5 @@
-"""Speculative serving benchmark: ``mlxkv serve --prompt-lookup`` vs ``mlxkv serve`` vs ``mlx_lm.server`` on an
-edit workload.
+"""Speculative serving benchmark: ``mlxkv serve --prompt-lookup`` (and ``--draft-model``) vs ``mlxkv serve`` vs
+``mlx_lm.server`` (and ``mlx_lm.server --draft-model`` on the same draft) on an edit workload.
 
 The workload is what coding agents and editors send: a prompt holding a few hundred tokens of code (pieces of
 this project's own source, ~300-600 tokens each) and an instruction to return it with one small change (a name
@@ -18,8 +18,15 @@ the first over the time after the first, median), TTFT p50, and for mlxkv with s
 tokens per verification row (from each response's ``usage.speculative``); then the ratios the targets name. The
 machine's load average is printed before and after: the machine is shared.
 
+``--draft-model D`` adds ``mlxkv+draft`` (``mlxkv serve --draft-model D``) and ``mlx-lm+draft`` (``mlx_lm.server
+--draft-model D``), both with ``--num-draft-tokens``; ``D`` is an mlx-lm folder, or ``quantized``: the peer's float32
+folder converted to 4-bit by mlx-lm into a temporary folder (same tokenizer and vocabulary, built offline).
+``--servers`` keeps only the named servers.
+
     python scripts/bench_speculative_serve.py                       # SmolLM2, 1 and 4 clients, 2 rounds
     python scripts/bench_speculative_serve.py --clients 1 4 8 --max-tokens 300 --num-draft-tokens 6
+    python scripts/bench_speculative_serve.py --clients 1 --draft-model quantized --servers mlxkv mlxkv+draft \
+        mlx-lm+draft
 """
 
 from __future__ import annotations
@@ -143,6 +150,16 @@ def summary(rounds: list[dict]) -> dict:
             "acceptance": accepted / proposed if proposed else None, "proposed": proposed, "accepted": accepted}
 
 
+def quantized_draft(folder: str, tmp: Path) -> str:
+    """``folder`` (an mlx-lm float32 model) converted by mlx-lm to 4-bit weights in ``tmp``: a draft model with the
+    served model's tokenizer and vocabulary, built offline."""
+    from mlx_lm import convert
+
+    out = tmp / "draft-4bit"
+    convert(folder, mlx_path=str(out), quantize=True, q_bits=4)
+    return str(out)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser, "hidden 256, 4 layers")
@@ -155,6 +172,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ngram-size", type=int, default=3)
     parser.add_argument("--max-sequences", type=int, default=8)
     parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
+    parser.add_argument("--draft-model", help="an mlx-lm folder, or 'quantized' (the peer folder in 4 bits): adds "
+                                              "mlxkv+draft and mlx-lm+draft")
+    parser.add_argument("--servers", nargs="+", help="only these servers (mlxkv+lookup, mlxkv, mlx-lm, mlxkv+draft, "
+                                                     "mlx-lm+draft)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     args.model = model_spec(parser, args, 256, 4)
@@ -178,6 +199,17 @@ def main() -> None:
                    "mlxkv": ("mlxkv", models["mlxkv"], extra)}
         if not args.no_mlx_lm:
             servers["mlx-lm"] = ("mlx-lm", models["mlx-lm"], [])
+        if args.draft_model:
+            draft = args.draft_model
+            if draft == "quantized":
+                draft = quantized_draft(models["mlx-lm"], Path(tmp))
+            print(f"draft model: {draft}", flush=True)
+            draft_flags = ["--draft-model", draft, "--num-draft-tokens", str(args.num_draft_tokens)]
+            servers["mlxkv+draft"] = ("mlxkv", models["mlxkv"], extra + draft_flags)
+            if not args.no_mlx_lm:
+                servers["mlx-lm+draft"] = ("mlx-lm", models["mlx-lm"], draft_flags)
+        if args.servers:
+            servers = {name: servers[name] for name in args.servers}
         procs, urls = {}, {}
         try:
             for name, (kind, model, flags) in servers.items():
@@ -215,12 +247,14 @@ def main() -> None:
         print(f"{name:14s} {clients:>7s} {f['tok_s']:8.1f} {f['decode_tok_s']:13.1f} {f['ttft_p50'] * 1000:7.0f}ms "
               f"{accept:>7s}")
     for clients in args.clients:
-        ours = figures.get(f"mlxkv+lookup@{clients}")
-        for other in ("mlxkv", "mlx-lm"):
-            theirs = figures.get(f"{other}@{clients}")
-            if ours and theirs:
-                print(f"{clients} client(s): mlxkv+lookup / {other}: {ours['tok_s'] / theirs['tok_s']:.2f}x aggregate, "
-                      f"{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x per-request decode")
+        for mine, others in (("mlxkv+lookup", ("mlxkv", "mlx-lm")),
+                             ("mlxkv+draft", ("mlxkv", "mlx-lm", "mlx-lm+draft"))):
+            ours = figures.get(f"{mine}@{clients}")
+            for other in others:
+                theirs = figures.get(f"{other}@{clients}")
+                if ours and theirs:
+                    print(f"{clients} client(s): {mine} / {other}: {ours['tok_s'] / theirs['tok_s']:.2f}x aggregate, "
+                          f"{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}x per-request decode")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

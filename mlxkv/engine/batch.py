@@ -69,7 +69,8 @@ class BatchEngine:
         pool: the CachePool (default: mlxkv layouts, ``config.max_sequences`` sequences).
         context_length: longest prompt + output in tokens (``None``: unlimited).
         observer: receives timings (time to first token, time per output token) on the engine thread.
-        speculation: speculative decoding by prompt lookup (:mod:`mlxkv.engine.speculation`; None: off).
+        speculation: speculative decoding by prompt lookup or a draft model (:mod:`mlxkv.engine.speculation`;
+            None: off).
 
     Raises:
         ValueError: settings the pool cannot run (speculation over layers it cannot rewind exactly).
@@ -400,14 +401,19 @@ class BatchEngine:
         sequence per decode forward (1.0 without speculation)."""
         drafted, accepted = totals["draft_tokens"], totals["accepted_draft_tokens"]
         steps = totals["decode_rows"]
-        return {"enabled": self.speculation is not None,
-                "num_draft_tokens": self.speculation.num_draft_tokens if self.speculation else None,
-                "verify_steps": totals["verify_steps"], "draft_tokens": drafted, "accepted_tokens": accepted,
-                "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "tokens_per_forward": totals["decode_tokens"] / steps if steps else 0.0}
+        spec = self.speculation
+        stats = {"enabled": spec is not None, "drafter": spec.drafter_name if spec else None,
+                 "num_draft_tokens": spec.num_draft_tokens if spec else None,
+                 "verify_steps": totals["verify_steps"], "draft_tokens": drafted, "accepted_tokens": accepted,
+                 "acceptance_rate": accepted / drafted if drafted else 0.0,
+                 "tokens_per_forward": totals["decode_tokens"] / steps if steps else 0.0}
+        if spec is not None and spec.draft is not None:
+            stats["draft_model"] = spec.draft.stats()  # its forwards, rows per forward and its own pool
+        return stats
 
     def _publish(self) -> None:
         sched = self._scheduler
+        draft = self.speculation.draft if self.speculation is not None else None  # its pool's bytes count too
         totals = sched.totals
         queries, hits = totals["prefix_queries"], totals["prefix_hits"]
         snap = {
@@ -417,7 +423,7 @@ class BatchEngine:
             "pool_sequences": len(self.pool),
             "max_sequences": self.config.max_sequences,
             "kv_backend": self.pool.backend,
-            "kv_bytes": self.pool.memory_usage_bytes(),
+            "kv_bytes": self.pool.memory_usage_bytes() + (draft.pool.memory_usage_bytes() if draft else 0),
             "mlx_active_bytes": int(mx.get_active_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory()),
             "batched_decode": sched.batched,

@@ -80,7 +80,7 @@ class Choice:
     # The grammar its output follows (``response_format``, forced tool calls), advanced by each emitted token
     # (:mod:`mlxkv.engine.constraints`); ``None`` when free, and once the choice is closed.
     constraint: TokenConstraint | None = None
-    # Speculative decoding: its prompt-lookup drafter (:mod:`mlxkv.engine.speculation`; None: it does not propose).
+    # Speculative decoding: its row drafter (:mod:`mlxkv.engine.speculation`; None: it does not propose).
     drafter: Any = None
 
 

@@ -51,6 +51,9 @@ class StepPlan:
         drafts: a verification step (speculative decoding): each decode row's proposed tokens, aligned with
             ``decode`` (empty: the row decodes one token); row b feeds ``[c.next_input, *drafts[b]]`` and
             ``decode_inputs`` is unused. Empty list: a plain decode step.
+        draft_logprobs: a verification step's draft log-probabilities per row, aligned with ``drafts``: ``(k, vocab)``
+            where a sampled row's tokens were drawn from a draft model's distribution, else None (greedy rows, prompt
+            lookup's point masses). Empty: all None.
     """
 
     cancelled: list[Job] = field(default_factory=list)
@@ -62,6 +65,7 @@ class StepPlan:
     decode_inputs: mx.array | None = None
     masks: Callable[[mx.array], list | None] | None = None
     drafts: list[list[int]] = field(default_factory=list)
+    draft_logprobs: list[mx.array | None] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)

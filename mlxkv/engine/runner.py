@@ -72,7 +72,7 @@ class ModelRunner:
                 logits = self.forward_rows([c.seq for c in plan.decode], rows)  # (B, Lmax, vocab)
                 masks = plan.masks(logits[:, 0, :]) if plan.masks is not None else None
                 out.committed = verify_rows(logits, plan.drafts, [c.sampler for c in plan.decode], masks,
-                                            out.row_errors)
+                                            out.row_errors, plan.draft_logprobs)
             elif plan.decode:
                 logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs)  # (B, vocab)
                 masks = plan.masks(logits) if plan.masks is not None else None

@@ -35,7 +35,7 @@ from mlxkv.engine.request import Event
 from mlxkv.engine.row_sampler import RowSampler
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.runner import ModelRunner
-from mlxkv.engine.speculation import RowDrafter, Speculation, may_speculate
+from mlxkv.engine.speculation import Speculation, may_speculate, propose_rows
 from mlxkv.kv import CachePool, Sequence
 from mlxkv.vision.spans import image_tokens_before
 
@@ -70,8 +70,8 @@ class Scheduler:
         intake: called by :meth:`schedule` once the step's prefills are planned, to :meth:`add` requests that
             arrived meanwhile, True if it added any: those are admitted and their short prompts prefilled before the
             step's decode, up to ``PREFILL_FIRST_S`` after the step began.
-        speculation: speculative decoding by prompt lookup (:mod:`mlxkv.engine.speculation`; None: off): rows that
-            propose tokens make the decode step a verification step.
+        speculation: speculative decoding by prompt lookup or a draft model (:mod:`mlxkv.engine.speculation`; None:
+            off): rows that propose tokens make the decode step a verification step.
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
@@ -348,6 +348,8 @@ class Scheduler:
                 return
         self.running.remove(choice)
         self._preempt(choice.seq)
+        if choice.drafter is not None:
+            choice.drafter.suspend()  # a draft model's sequence goes too; it reopens as a prefix hit on resume
         tokens = list(choice.job.request.prompt) + choice.generated
         self.preempted.append(Prefill(choice.job, tokens, choice, seq=choice.seq))
         choice.seq = None
@@ -485,7 +487,7 @@ class Scheduler:
                             next_input=request.prompt[-1], constraint=constraints[i])
             k = self.speculation.tokens_for(request.num_draft_tokens) if self.speculation is not None else 0
             if k > 0 and may_speculate(request, sampler, constraints[i] is not None, seq.overflow):
-                choice.drafter = RowDrafter(request.prompt, k, self.speculation.ngram_size)
+                choice.drafter = self.speculation.row(request.prompt, sampler, k, request.cache_salt)
             job.choices.append(choice)
             self._owners[seq.id] = choice
             self.running.append(choice)
@@ -534,21 +536,21 @@ class Scheduler:
         proposal (a row that cannot have room for its proposal decodes one token; one with no room at all is
         preempted, as in :meth:`_reserve`)."""
         self._read_in_flight()
-        proposals = {}
-        for c in self.running:
-            if c.drafter is not None:
-                proposal = c.drafter.propose(c.job.max_tokens - len(c.generated) - 1)
-                if proposal:
-                    proposals[id(c)] = proposal
+        drafting = [c for c in self.running if c.drafter is not None]
+        budgets = [c.job.max_tokens - len(c.generated) - 1 for c in drafting]  # the target adds one token of its own
+        made = propose_rows([c.drafter for c in drafting], budgets)
+        proposals = {id(c): d for c, d in zip(drafting, made) if d.tokens}
         if not proposals:
             return None
         drafts: dict[int, list[int]] = {}
+        draft_logprobs: dict[int, mx.array | None] = {}
         for choice in list(self.running):
             if choice not in self.running:  # preempted meanwhile
                 continue
-            draft = proposals.get(id(choice), [])
+            proposal = proposals.get(id(choice))
+            draft = proposal.tokens if proposal is not None else []
             if draft and not self._make_room(choice.seq, 1 + len(draft)):
-                draft = []
+                draft = []  # its drafter hears of it in verified(0, 0)
             if not draft and not self._make_room(choice.seq, 1):
                 if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
                     choice.job.handle.put(Event("token", index=choice.index, finish_reason="length"))
@@ -564,13 +566,15 @@ class Scheduler:
                 choice.seq.feed([choice.next_input, *draft])
             choice.input_known_to_pool = False
             drafts[id(choice)] = draft
+            draft_logprobs[id(choice)] = proposal.logprobs if draft and proposal is not None else None
         choices = [c for c in self.running if id(c) in drafts]
         if not choices:
             return None
         self.totals["decode_steps"] += 1
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
         self.totals["decode_rows"] += len(choices)
-        plan = StepPlan(decode=choices, drafts=[drafts[id(c)] for c in choices])
+        plan = StepPlan(decode=choices, drafts=[drafts[id(c)] for c in choices],
+                        draft_logprobs=[draft_logprobs[id(c)] for c in choices])
         if any(c.constraint is not None for c in choices):
             plan.masks = lambda logits: step_masks(choices, logits.shape[-1], self._fail)
         return plan
@@ -694,6 +698,8 @@ class Scheduler:
     def _close_choice(self, choice: Choice, finish: str) -> None:
         job = choice.job
         choice.done, choice.constraint = True, None
+        if choice.drafter is not None:
+            choice.drafter.end()  # a draft model's sequence is released with the row
         self.running.remove(choice)
         if choice.seq is job.sequence:
             self._owners.pop(choice.seq.id, None)  # a continued sequence stays open for its owner
@@ -722,6 +728,8 @@ class Scheduler:
         self.running = [c for c in self.running if c.job is not job]
         for choice in job.choices:
             choice.constraint = None  # the grammar engine's state goes with the request
+            if choice.drafter is not None:
+                choice.drafter.end()
         for seq in job.opened:
             self._release(seq)
         if job.sequence is not None:

@@ -1,12 +1,24 @@
 """Speculative decoding inside the engine step: which decode rows propose tokens, and what they proposed.
 
-With a drafter configured (``mlxkv serve --prompt-lookup``), every decoding choice that may speculate keeps a
-:class:`~mlxkv.engine.drafters.PromptLookupDrafter` over its prompt and emitted tokens. Before a decode step the
-scheduler asks each such row for up to ``K`` tokens; rows that proposed some turn the step into a verification
-step: each row feeds ``[input, d_1..d_k]`` (rows with no proposal feed their input alone), the target runs all rows
-in one forward, and each row keeps its own accepted prefix and the target's next token
-(:mod:`mlxkv.engine.verify_rows`); rejected positions are trimmed from its caches before anything is committed, so
-block hashes and the prefix cache only ever see verified tokens.
+With a drafter configured (``mlxkv serve --prompt-lookup`` or ``--draft-model M``), every decoding choice that may
+speculate keeps a row drafter: a :class:`RowDrafter` (prompt lookup over its prompt and emitted tokens) or a
+:class:`~mlxkv.engine.draft_rows.ModelRowDrafter` (its sequence in the draft model's own paged pool). Before a
+decode step the scheduler asks every such row for up to ``K`` tokens at once (:func:`propose_rows`: draft-model
+rows share batched draft forwards); rows that proposed some turn the step into a verification step: each row feeds
+``[input, d_1..d_k]`` (rows with no proposal feed their input alone), the target runs all rows in one forward, and
+each row keeps its own accepted prefix and the target's next token (:mod:`mlxkv.engine.verify_rows`); rejected
+positions are trimmed from its caches (and its draft's) before anything is committed, so block hashes and the prefix
+caches only ever see verified tokens.
+
+A row drafter is a small interface, whatever drafts behind it:
+
+* ``propose(budget) -> list[int]``: up to ``budget`` tokens after the emitted ones (one row alone);
+* ``emitted(token)``: a token was committed;
+* ``verified(proposed, accepted)``: the last proposal's outcome (``proposed`` 0: it never reached verification);
+* ``suspend()``: the row was preempted: free what it holds (it resumes from its committed tokens);
+* ``end()``: the row is done: free what it holds;
+* optionally ``source``: an object whose ``propose(rows, budgets) -> list[Draft]`` proposes for several rows at
+  once (a draft model batching its forwards); proposals then carry the draft's log-probabilities.
 
 A row speculates only where acceptance is exact and cheap to decide: greedy rows with no logits processor
 (penalties, ``logit_bias``), no grammar and no log-probabilities, and unseeded sampled rows under the same
@@ -30,10 +42,12 @@ class Speculation:
     Attributes:
         num_draft_tokens: tokens a row proposes per step at most (a request may ask for fewer, or none).
         ngram_size: longest n-gram prompt lookup matches.
+        draft: the draft model's rows (:class:`~mlxkv.engine.draft_rows.DraftModelRows`); None: prompt lookup.
     """
 
     num_draft_tokens: int = 3
     ngram_size: int = 3
+    draft: Any = None
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -44,6 +58,39 @@ class Speculation:
     def tokens_for(self, asked: int | None) -> int:
         """Draft tokens per step for a request that asked for ``asked`` (``None``: the server's; 0: off)."""
         return self.num_draft_tokens if asked is None else asked
+
+    @property
+    def drafter_name(self) -> str:
+        """``"draft_model"`` or ``"prompt_lookup"``."""
+        return "prompt_lookup" if self.draft is None else "draft_model"
+
+    def row(self, prompt: list[int], sampler: Any, k: int, salt: Any = None) -> Any:
+        """A row drafter (see the module's docstring) for one choice of ``prompt``, proposing up to ``k`` tokens;
+        ``salt``: the request's cache salt (a draft model's prefix cache is shared within a salt only)."""
+        if self.draft is not None:
+            return self.draft.row(prompt, sampler, k, salt)
+        return RowDrafter(prompt, k, self.ngram_size)
+
+
+def propose_rows(drafters: list[Any], budgets: list[int]) -> list[Draft]:
+    """Every row's proposal, rows with a shared ``source`` (a draft model) proposed together in batched forwards.
+
+    Args:
+        drafters: the rows' drafters.
+        budgets: each row's most tokens (its remaining ``max_tokens`` less the target's own token).
+    """
+    out: list[Draft] = [Draft([]) for _ in drafters]
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for i, drafter in enumerate(drafters):
+        source = getattr(drafter, "source", None)
+        if source is None:
+            out[i] = Draft(drafter.propose(budgets[i]))
+        else:
+            groups.setdefault(id(source), (source, []))[1].append(i)
+    for source, rows in groups.values():
+        for i, draft in zip(rows, source.propose([drafters[i] for i in rows], [budgets[i] for i in rows])):
+            out[i] = draft
+    return out
 
 
 class RowDrafter:
@@ -82,6 +129,12 @@ class RowDrafter:
             return
         self.length = min(self.k, 2 * self.length) if accepted == proposed else max(1, accepted + 1)
 
+    def suspend(self) -> None:
+        """Preempted: nothing to free (the lookup index is host memory and stays valid)."""
+
+    def end(self) -> None:
+        """Done: nothing to free."""
+
 
 def may_speculate(request: Any, sampler: Any, constrained: bool, overflow: Any) -> bool:
     """Whether a choice of ``request`` (its ``sampler``) may propose tokens: nothing of its own acts on its logits
@@ -91,10 +144,11 @@ def may_speculate(request: Any, sampler: Any, constrained: bool, overflow: Any) 
             and (sampler.greedy or request.params.seed is None))
 
 
-def check_pool(pool: Any) -> None:
+def check_pool(pool: Any, whose: str = "the model's, or --max-kv-size") -> None:
     """Refuse a KV store speculation cannot rewind exactly, in one line: sliding-window or chunked layers (a trim
     may stop short of a released block), recurrent layers (their state cannot be cut mid-forward) and a
-    server-wide overflow policy (evicted pages cannot come back).
+    server-wide overflow policy (evicted pages cannot come back). ``whose``: where the layers come from, for the
+    message.
 
     Raises:
         ValueError: naming what the store has.
@@ -115,6 +169,6 @@ def check_pool(pool: Any) -> None:
                 kind = "sliding-window or chunked" if windowed or "Rotating" in name or "Chunked" in name else None
             if kind is not None:
                 raise ValueError(f"speculative decoding needs full-attention KV caches; these have {kind} "
-                                 "layers (the model's, or --max-kv-size): run without --prompt-lookup")
+                                 f"layers ({whose}): run without --prompt-lookup / --draft-model")
     finally:
         pool.release(seq.id)

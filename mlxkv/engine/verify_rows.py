@@ -20,7 +20,8 @@ from mlxkv.engine.verify import logprobs, sampling_logprobs, verify_sampled
 
 def verify_rows(logits: mx.array, drafts: Sequence[list[int]], samplers: Sequence[RowSampler],
                 masks: Sequence[np.ndarray | None] | None = None,
-                failed: dict[int, BaseException] | None = None) -> list[list[int]]:
+                failed: dict[int, BaseException] | None = None,
+                draft_logprobs: Sequence[mx.array | None] | None = None) -> list[list[int]]:
     """The tokens each row commits: its accepted drafts, then one token of the target's.
 
     Args:
@@ -29,6 +30,8 @@ def verify_rows(logits: mx.array, drafts: Sequence[list[int]], samplers: Sequenc
         samplers: each row's sampler (a row with a proposal is greedy or sampled without processors).
         masks: grammar masks of the rows without a proposal (see :func:`~mlxkv.engine.row_sampler.sample_rows`).
         failed: rows whose own sampling raised go there (their result is a placeholder ``[0]``).
+        draft_logprobs: per row, the ``(k, vocab)`` log-probabilities a sampled row's draft was drawn from (a draft
+            model's); None or absent: the draft is deterministic (a point mass on each token).
     """
     first = sample_rows(logits[:, 0, :], list(samplers), masks, failed)  # (B,) every row's position-0 draw
     greedy = mx.argmax(logprobs(logits), axis=-1)  # (B, Lmax)
@@ -46,6 +49,7 @@ def verify_rows(logits: mx.array, drafts: Sequence[list[int]], samplers: Sequenc
             out.append([*draft[:n], target[n]])
         else:
             k = len(draft)
-            verdict = verify_sampled(sampling_logprobs(logits[b, : k + 1], sampler.params), draft, None)
+            q = draft_logprobs[b] if draft_logprobs else None  # (k, vocab) or None
+            verdict = verify_sampled(sampling_logprobs(logits[b, : k + 1], sampler.params), draft, q)
             out.append([*draft[: verdict.accepted], verdict.token])
     return out

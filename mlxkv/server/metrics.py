@@ -82,7 +82,7 @@ class _EngineCollector(Collector):
             by_priority.add_metric([str(priority)], float(count))
         yield by_priority
         spec = s.get("speculative") or {}
-        if spec.get("enabled"):  # mlxkv serve --prompt-lookup
+        if spec.get("enabled"):  # mlxkv serve --prompt-lookup or --draft-model
             yield CounterMetricFamily("mlxkv_speculative_draft_tokens", "Tokens proposed by speculative decoding.",
                                       value=float(spec.get("draft_tokens", 0)))
             yield CounterMetricFamily("mlxkv_speculative_accepted_tokens", "Proposed tokens the model accepted.",

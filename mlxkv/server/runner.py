@@ -95,6 +95,8 @@ def _serve_one(run: RunConfig, metrics: ServerMetrics, *, model_name: str | None
         make_pool, make_engine = distributed.pool, distributed.engine
     vision = vision_inputs(loaded, image_limits)
     pool = make_pool(loaded.model, run.kv, max_sequences=run.engine.max_sequences, context_tokens=context)
+    if run.speculative.draft_model:
+        speculation = replace(speculation, draft=load_draft(run, loaded, pool, context))
     extra = {"speculation": speculation} if speculation is not None else {}
     engine = make_engine(loaded.model, loaded.tokenizer, config=run.engine, pool=pool, context_length=context,
                          observer=metrics, **extra)
@@ -169,19 +171,49 @@ def _folder_name(name: str) -> str:
 
 
 def speculation_of(spec: SpeculativeConfig, distributed: bool) -> Speculation | None:
-    """The engine's speculative decoding for ``spec`` (``--prompt-lookup``, ``--num-draft-tokens``,
-    ``--ngram-size``); None when off.
+    """The engine's speculative decoding for ``spec`` (``--prompt-lookup`` or ``--draft-model``,
+    ``--num-draft-tokens``, ``--ngram-size``); None when off. A draft model is loaded later (:func:`load_draft`).
 
     Raises:
-        ValueError: a combination serve does not run (a draft model, ``--distributed``), in one line.
+        ValueError: a combination serve does not run (``--distributed``), in one line.
     """
-    if spec.draft_model:
-        raise ValueError("serve speculates by prompt lookup only: use --prompt-lookup instead of --draft-model")
-    if not spec.prompt_lookup:
+    if not spec.enabled:
         return None
     if distributed:
-        raise ValueError("--prompt-lookup does not run with --distributed")
+        raise ValueError(f"{'--draft-model' if spec.draft_model else '--prompt-lookup'} does not run with "
+                         "--distributed")
     return Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size)
+
+
+def load_draft(run: RunConfig, loaded: Any, pool: Any, context: int | None) -> Any:
+    """``run.speculative.draft_model`` loaded, with its own paged pool of full-precision pages and prefix caching,
+    holding as many tokens as the target's ``pool`` (so admission, decided on the target's pool, never waits for
+    the draft's) plus each sequence's unverified drafts: a :class:`~mlxkv.engine.draft_rows.DraftModelRows`.
+
+    Raises:
+        ValueError: the draft's vocabulary differs from the target's, or its layers cannot rewind exactly.
+        mlxkv.models.ModelLoadError: it cannot be loaded.
+    """
+    from mlxkv.config import KvCacheConfig
+    from mlxkv.engine.batch import vocab_size_of
+    from mlxkv.engine.draft_rows import DraftModelRows, draft_pool_blocks
+    from mlxkv.engine.speculation import check_pool
+    from mlxkv.kv import CachePool
+    from mlxkv.models import load
+
+    spec = run.speculative
+    draft = load(spec.draft_model, progress=True, dequantize=run.dequantize)
+    ours, theirs = vocab_size_of(draft.model), vocab_size_of(loaded.model)
+    if ours != theirs:
+        raise ValueError(f"the draft model's vocabulary has {ours} entries, the served model's {theirs}: a draft "
+                         "model must share the served model's tokenizer and vocabulary")
+    sequences = run.engine.max_sequences
+    tokens = pool.max_sequence_tokens() or sequences * (context or 4096)
+    kv = KvCacheConfig(backend="paged", block_size=run.kv.block_size, hash_algo=run.kv.hash_algo)
+    draft_pool = CachePool(draft.model, max_sequences=sequences * 2, backend="paged", kv_config=kv,
+                           num_blocks=draft_pool_blocks(tokens, sequences, spec.num_draft_tokens, kv.block_size))
+    check_pool(draft_pool, whose="the draft model's")
+    return DraftModelRows(draft.model, draft_pool)
 
 
 #: The server process's GIL switch interval (seconds). The engine thread builds each step's graph in Python;

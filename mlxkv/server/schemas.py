@@ -127,9 +127,12 @@ class SpeculativeBody(BaseModel):
 
 #: The ``speculative`` field's schema, shared by every generating route.
 SPECULATIVE_FIELD = Field(
-    None, description="mlxkv extension, on a server started with --prompt-lookup: false turns speculative decoding "
-                      "off for this request, {\"num_draft_tokens\": K} sets its draft length, true or null keep the "
-                      "server's")
+    None, description="mlxkv extension, on a server started with --prompt-lookup or --draft-model: false turns "
+                      "speculative decoding off for this request, {\"num_draft_tokens\": K} sets its draft length, "
+                      "true or null keep the server's")
+
+
+NOT_DRAFTING = "speculative: this server does not draft tokens (start it with --prompt-lookup or --draft-model)"
 
 
 def draft_tokens_of(value: "bool | SpeculativeBody | None", enabled: bool) -> int | None:
@@ -142,14 +145,12 @@ def draft_tokens_of(value: "bool | SpeculativeBody | None", enabled: bool) -> in
 
     if value is None or value is True:
         if value is True and not enabled:
-            raise APIError(400, "speculative: this server does not draft tokens (start it with --prompt-lookup)",
-                           "invalid_value", "speculative")
+            raise APIError(400, NOT_DRAFTING, "invalid_value", "speculative")
         return None
     if value is False:
         return 0
     if not enabled:
-        raise APIError(400, "speculative: this server does not draft tokens (start it with --prompt-lookup)",
-                       "invalid_value", "speculative")
+        raise APIError(400, NOT_DRAFTING, "invalid_value", "speculative")
     return value.num_draft_tokens
 
 
