@@ -32,8 +32,7 @@ from mlxkv.engine.drafters import Draft
 from mlxkv.engine.prefill_batch import forward_together, last_rows
 from mlxkv.engine.rewind import CacheRewinder
 from mlxkv.engine.verify import logprobs, sampling_logprobs
-from mlxkv.kv import BatchUnsupported, CachePool, cache_arrays, check_attended, make_batch_views
-from mlxkv.kv.blocks.cache_request import CacheRequest
+from mlxkv.kv import BatchUnsupported, CachePool, CacheRequest, cache_arrays, check_attended, make_batch_views
 
 #: Committed tokens a row may feed in the shared first forward; a longer catch-up (a new row's prompt) runs alone
 #: first, so that the other rows are not padded to its length.
