@@ -128,10 +128,9 @@ def test_chat_set_refuses_what_would_not_speculate_and_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--draft-model", "./small"], "--draft-model"),
     (["--num-draft-tokens", "4"], "--num-draft-tokens"),
     (["--prompt-lookup", "--kv-overflow", "window", "--kv-overflow-budget", "64"], "--prompt-lookup"),
-], ids=["draft-model", "draft-tokens-alone", "overflow"])
+], ids=["draft-tokens-alone", "overflow"])
 def test_chat_refuses_speculation_it_cannot_run_in_one_line(tmp_path, monkeypatch, args, named):
     import mlxkv.models
 
