@@ -136,6 +136,20 @@ def test_chat_drafts_on_the_step_across_turns_with_the_plain_answers(tmp_path, s
     assert len(rows.pool) == 0
 
 
+def test_chat_answer_cut_by_a_stop_string_gives_its_draft_back_and_the_next_turn_drafts(tmp_path, shallow_demo,
+                                                                                        no_round_loop, draft_rows):
+    """A stop string ends the first answer mid-speculation (the request is cancelled with proposals outstanding):
+    the draft's sequence is released, and the next turn drafts again with the plain answer."""
+    plain = _chat(tmp_path, "-n", "40", "--stop", "class", lines=LINES)
+    spec = _chat(tmp_path, "-n", "40", "--stop", "class", "--draft-model", shallow_demo, "--verbose", lines=LINES)
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    turns = TURN.findall(spec.stderr)
+    assert len(turns) == 2 and all(int(t[4]) > 0 for t in turns), spec.stderr
+    (rows,) = draft_rows
+    assert len(rows.pool) == 0 and rows.totals["draft_failures"] == 0
+
+
 def test_chat_refuses_a_missing_draft_before_loading_in_one_line(tmp_path, monkeypatch):
     import mlxkv.models
 
