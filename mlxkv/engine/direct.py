@@ -145,8 +145,8 @@ class DirectEngine:
         prompt (as far as it was prefilled) and the generated tokens fed back, which may stop short of the last.
 
         With :attr:`speculation`, every decode step proposes tokens (by prompt lookup over the prompt and the tokens
-        generated, or from the draft model) and verifies them in one forward: the same greedy tokens, the same distribution when sampling;
-        :attr:`last_stats` then holds the acceptance figures.
+        generated, or from the draft model) and verifies them in one forward: the same greedy tokens, the same
+        distribution when sampling; :attr:`last_stats` then holds the acceptance figures.
 
         Raises:
             PrefillStopped: ``should_stop`` turned true before the first token.
