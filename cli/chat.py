@@ -17,7 +17,14 @@ import typer
 from mlxkv import rules
 from mlxkv.cli import shared_options as options
 from mlxkv.cli.interrupt import StopOnCtrlC
-from mlxkv.cli.options import KV_PANEL, SAMPLING_PANEL, overflow_config, sampling_defaults, with_revision
+from mlxkv.cli.options import (
+    KV_PANEL,
+    SAMPLING_PANEL,
+    SPECULATIVE_PANEL,
+    overflow_config,
+    sampling_defaults,
+    with_revision,
+)
 from mlxkv.cli.validate import add_extra_eos, check_folder_option, refuse_unused, refuse_useless_dequantize, unused_sampling
 
 HELP = """commands:
@@ -54,8 +61,9 @@ CHAT_KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=options.KV_
                                      "h2o (+ most-attended tokens), offload (h2o, evicted rows to host memory and "
                                      "back). h2o and offload caches cannot be saved with /save.")
 
-CHAT_DRAFT_MODEL = typer.Option(None, "--draft-model", metavar="MODEL", hidden=True,
-                                help="Refused: chat speculates by --prompt-lookup.")
+CHAT_DRAFT_MODEL = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
+                                help="Speculative decoding with this draft model (same vocabulary; its KV in a paged "
+                                     "pool of its own, whose prefix cache carries over from turn to turn).")
 
 
 def chat(
@@ -97,11 +105,12 @@ def chat(
 ) -> None:
     """Chat with a model in the terminal; each turn prefills only the new message (/help lists the commands)."""
     refuse_unused(ctx, [*unused_sampling(temp), ("kv_group_size", "--kv-group-size", kv_bits is not None),
-                        ("num_draft_tokens", "--num-draft-tokens", prompt_lookup),
+                        ("num_draft_tokens", "--num-draft-tokens", prompt_lookup or bool(draft_model)),
                         ("ngram_size", "--ngram-size", prompt_lookup)])
-    if draft_model is not None:
-        raise typer.BadParameter("chat speculates by --prompt-lookup (no draft model); a draft model speculates in "
-                                 "mlxkv generate", param_hint="--draft-model")
+    if draft_model and prompt_lookup:
+        raise typer.BadParameter("choose one drafting mode: --draft-model or --prompt-lookup, not both",
+                                 param_hint="--draft-model")
+    drafting = "--draft-model" if draft_model else "--prompt-lookup" if prompt_lookup else None
     model = with_revision(model, revision)
     overflow = overflow_config(kv_overflow, kv_overflow_budget, kv_overflow_sinks, kv_overflow_recent)
     sampling = sampling_defaults(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
@@ -111,9 +120,9 @@ def chat(
                                  param_hint="--max-kv-size")
     if kv_bits is not None and overflow.policy in ("h2o", "offload"):
         raise typer.BadParameter(f"--kv-overflow {overflow.policy} keeps full-precision K/V", param_hint="--kv-bits")
-    if prompt_lookup and overflow.enabled:
+    if drafting and overflow.enabled:
         raise typer.BadParameter("speculative decoding cannot run with --kv-overflow: pages an overflow policy "
-                                 "evicts cannot be rewound", param_hint="--prompt-lookup")
+                                 "evicts cannot be rewound", param_hint=drafting)
     from mlxkv import env
     from mlxkv.chat.paths import saved_session_path
 
@@ -121,6 +130,8 @@ def chat(
         folder = sessions_dir or env.flags().sessions_dir
         if resume is not None:
             saved_session_path(folder, resume)
+        if draft_model:
+            _check_draft(draft_model)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1)
@@ -133,19 +144,23 @@ def chat(
     from mlxkv.engine.speculation import Speculation
     from mlxkv.models import ModelLoadError, load
 
-    speculation = Speculation(num_draft_tokens=num_draft_tokens, ngram_size=ngram_size) if prompt_lookup else None
     console = Console(highlight=False, stderr=True)
     try:
         params = SamplingParams(max_tokens=sampling.max_tokens, temp=sampling.temp, top_p=sampling.top_p,
                                 top_k=sampling.top_k, min_p=sampling.min_p, seed=seed, stop=tuple(stop or ()),
                                 repetition_penalty=sampling.repetition_penalty)
-        refusal = refusal_of_speculation(params) if speculation is not None else None
+        refusal = refusal_of_speculation(params, flag=drafting) if drafting else None
         if refusal is not None:
             raise ValueError(refusal)
         loaded = load(model, dequantize=dequantize, chat_template=chat_template, adapter_path=adapter_path)
         remember_gguf(loaded)
         refuse_useless_dequantize(loaded, dequantize)
         add_extra_eos(loaded.tokenizer, extra_eos_token)
+        speculation = None
+        if drafting:
+            limits = [n for n in (max_kv_size, loaded.config.get("max_position_embeddings")) if n]
+            draft = _draft_rows(loaded, draft_model, dequantize, num_draft_tokens, min(limits, default=None))
+            speculation = Speculation(num_draft_tokens=num_draft_tokens, ngram_size=ngram_size, draft=draft)
         session = ChatSession(loaded.model, loaded.tokenizer, system=system, max_kv_size=max_kv_size,
                               model_limit=loaded.config.get("max_position_embeddings"), kv_bits=kv_bits,
                               kv_group_size=kv_group_size, overflow=overflow,
@@ -169,6 +184,45 @@ def chat(
     console.print(f"mlxkv chat with {shown}: /help lists the commands, Ctrl-D leaves.", markup=False,
                   soft_wrap=True)
     repl.run(_line_reader(folder), verbose)
+
+
+def _check_draft(spec: str) -> None:
+    """A draft model that is not there fails now, named as the draft, not after the chat model has loaded.
+
+    Raises:
+        ValueError: naming ``--draft-model`` and why it cannot be found.
+    """
+    from mlxkv.models import ModelLoadError, resolve_model_path
+
+    try:
+        resolve_model_path(spec)
+    except ModelLoadError as exc:
+        raise ValueError(f"--draft-model {spec}: {exc}") from None
+
+
+def _draft_rows(loaded: Any, draft_model: str | None, dequantize: bool, num_draft_tokens: int,
+                context: int | None) -> Any:
+    """The draft model's rows for the conversation (None without ``--draft-model``): its paged pool holds the
+    conversation's ``context`` tokens (the model's context, or ``--max-kv-size``), and keeps what earlier turns
+    committed as cached blocks, so a later turn's draft catches up from its prefix hit.
+
+    Raises:
+        ValueError: a draft with another vocabulary, or layers it cannot rewind.
+        mlxkv.models.ModelLoadError: the draft cannot be loaded (named as the draft).
+    """
+    if not draft_model:
+        return None
+    from mlxkv.config import RunConfig, SpeculativeConfig
+    from mlxkv.engine.build import draft_model_rows, load_draft_model
+    from mlxkv.models import ModelLoadError
+
+    run = RunConfig(dequantize=dequantize,
+                    speculative=SpeculativeConfig(draft_model=draft_model, num_draft_tokens=num_draft_tokens))
+    try:
+        draft = load_draft_model(run, loaded.model)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--draft-model {draft_model}: {exc}") from None
+    return draft_model_rows(draft.model, run, target_tokens=(context or 4096) + num_draft_tokens, max_sequences=1)
 
 
 def _line_reader(folder: str) -> Callable[[], str]:
@@ -292,7 +346,7 @@ class _Repl:
                      f"{last.generation_seconds:.3f} s ({last.decode_tps:.1f} tok/s){self._speculated(last)}]", "dim")
 
     def _speculated(self, last: Any) -> str:
-        """The turn's speculation figures for its ``--verbose`` line (empty without ``--prompt-lookup``)."""
+        """The turn's speculation figures for its ``--verbose`` line (empty when chat does not speculate)."""
         if self.session.engine.speculation is None:
             return ""
         return (f" | speculative: acceptance {last.acceptance_rate:.1%} ({last.accepted_tokens} of "
@@ -348,7 +402,7 @@ class _Repl:
         import dataclasses
 
         from mlxkv.config import SamplingDefaults
-        from mlxkv.engine.direct import refusal_of_speculation
+        from mlxkv.engine.direct import refusal_of_speculation, speculation_flag
 
         p = self.params
         if not arg:
@@ -374,7 +428,8 @@ class _Repl:
         if field != "seed":  # the rules the options apply (a seed is any integer)
             SamplingDefaults(temp=changed.temp, top_p=changed.top_p, top_k=changed.top_k, min_p=changed.min_p,
                              max_tokens=changed.max_tokens, repetition_penalty=changed.repetition_penalty)
-        refusal = refusal_of_speculation(changed) if self.session.engine.speculation is not None else None
+        speculation = self.session.engine.speculation
+        refusal = refusal_of_speculation(changed, flag=speculation_flag(speculation)) if speculation else None
         if refusal is not None:
             raise ValueError(f"/set {name}: {refusal}")
         greedy = changed.temp == 0

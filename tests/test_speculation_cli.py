@@ -59,11 +59,13 @@ def test_generate_speculates_on_the_step_with_the_plain_greedy_text(llama_dir, n
 
 
 def test_generate_samples_with_speculation_unseeded(llama_dir, no_round_loop):
-    result = runner.invoke(app, ["generate", "-m", llama_dir, "--raw", "-n", "30", "--temp", "0.8", "--prompt-lookup",
+    # A low temperature and 60 tokens: the random test llama's sampled text then matches a lookup whatever the draws
+    # (at 0.8 and 30 tokens some draws never do).
+    result = runner.invoke(app, ["generate", "-m", llama_dir, "--raw", "-n", "60", "--temp", "0.1", "--prompt-lookup",
                                  "--verbose", REPEATING])
     assert result.exit_code == 0, result.output
     found = SPECULATIVE.search(result.stderr)
-    assert "generation: 30 tokens" in result.stderr and found and int(found.group(3)) > 0, result.stderr
+    assert "generation: 60 tokens" in result.stderr and found and int(found.group(3)) > 0, result.stderr
 
 
 def test_generate_refuses_a_penalty_with_speculation_in_one_line(llama_dir):
@@ -128,10 +130,9 @@ def test_chat_set_refuses_what_would_not_speculate_and_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--draft-model", "./small"], "--draft-model"),
     (["--num-draft-tokens", "4"], "--num-draft-tokens"),
     (["--prompt-lookup", "--kv-overflow", "window", "--kv-overflow-budget", "64"], "--prompt-lookup"),
-], ids=["draft-model", "draft-tokens-alone", "overflow"])
+], ids=["draft-tokens-alone", "overflow"])
 def test_chat_refuses_speculation_it_cannot_run_in_one_line(tmp_path, monkeypatch, args, named):
     import mlxkv.models
 

@@ -39,7 +39,7 @@ class TurnStats:
     generation_tokens: int = 0
     generation_seconds: float = 0.0  # first token to last (the first token's time is in prefill_seconds)
     dropped_turns: int = 0  # turns dropped from the front to make room
-    drafted_tokens: int = 0  # speculative decoding (prompt lookup): tokens proposed
+    drafted_tokens: int = 0  # speculative decoding: tokens proposed
     accepted_tokens: int = 0  # of those, verified and kept
     decode_forwards: int = 0  # decode forwards run (with speculation, fewer than the tokens after the first)
     finish_reason: str | None = None  # "stop" (EOS, stop string), "length" (max tokens or the context), "interrupted"
@@ -80,9 +80,10 @@ class ChatSession:
         overflow: a :class:`mlxkv.config.KvOverflowConfig`: the per-sequence budget policy of full-attention layers
             (see :func:`mlxkv.kv.make_caches`); the context may then outgrow the budget up to the model's limit.
         template_kwargs: extra chat template variables for every rendering (e.g. ``{"enable_thinking": False}``).
-        speculation: speculative decoding by prompt lookup (:class:`~mlxkv.engine.speculation.Speculation`; None:
-            off): each turn proposes tokens from the whole conversation rendered so far and the answer's own, and
-            verifies them on the engine step (the same greedy answers).
+        speculation: speculative decoding on the engine step (:class:`~mlxkv.engine.speculation.Speculation`;
+            None: off): each turn proposes tokens by prompt lookup over the whole conversation rendered so far and
+            the answer's own, or from a draft model (whose own paged pool keeps earlier turns as a prefix cache),
+            and verifies them on the step (the same greedy answers).
 
     Raises:
         ValueError: no chat template, or a bad cache option (a quantization group that does not divide head_dim);

@@ -39,12 +39,53 @@ def build_pool(model: Any, kv: KvCacheConfig, *, max_sequences: int, context_tok
                      overflow=kv.overflow)
 
 
+def load_draft_model(run: RunConfig, target: Any, *, progress: bool = False) -> Any:
+    """``run.speculative.draft_model`` loaded (``run.dequantize`` as the target's) and checked against the ``target``
+    model: a draft proposes the target's token ids, so both must have one vocabulary.
+
+    Raises:
+        ValueError: the draft's vocabulary differs from the target's.
+        mlxkv.models.ModelLoadError: it cannot be loaded.
+    """
+    from mlxkv.engine.batch import vocab_size_of
+    from mlxkv.models import load
+
+    draft = load(run.speculative.draft_model, progress=progress, dequantize=run.dequantize)
+    ours, theirs = vocab_size_of(draft.model), vocab_size_of(target)
+    if ours != theirs:
+        raise ValueError(f"the draft model's vocabulary has {ours} entries, the target's {theirs}: a draft model "
+                         "must share the target's tokenizer and vocabulary")
+    return draft
+
+
+def draft_model_rows(draft_model: Any, run: RunConfig, *, target_tokens: int, max_sequences: int) -> Any:
+    """The draft model's rows for speculation on the engine step (``mlxkv serve``, ``generate`` and ``chat``
+    ``--draft-model``): ``draft_model`` over a paged pool of its own, full-precision pages with prefix caching,
+    holding ``target_tokens`` (what the target's store holds, so that admission decided on the target's never
+    waits for the draft's) plus each of ``max_sequences`` sequences' unverified drafts: a
+    :class:`~mlxkv.engine.draft_rows.DraftModelRows`.
+
+    Raises:
+        ValueError: the draft's layers cannot rewind exactly (sliding-window, chunked or recurrent).
+    """
+    from mlxkv.engine.draft_rows import DraftModelRows, draft_pool_blocks
+    from mlxkv.engine.speculation import check_pool
+
+    spec = run.speculative
+    kv = KvCacheConfig(backend="paged", block_size=run.kv.block_size, hash_algo=run.kv.hash_algo)
+    pool = CachePool(draft_model, max_sequences=max_sequences * 2, backend="paged", kv_config=kv,
+                     num_blocks=draft_pool_blocks(target_tokens, max_sequences, spec.num_draft_tokens, kv.block_size))
+    check_pool(pool, whose="the draft model's")
+    return DraftModelRows(draft_model, pool)
+
+
 def build_engine(loaded: Any, run: RunConfig, context_tokens: int, *, seeded_sampling: bool = False) -> DirectEngine:
     """A DirectEngine over a one-sequence store sized for ``context_tokens`` (prompt + new tokens).
 
-    ``--prompt-lookup`` speculates on the engine step, as ``mlxkv serve`` does; over layers the step cannot rewind
-    (recurrent state, windows), for ``seeded_sampling`` (the step's rows draw a seeded stream one token at a time;
-    distributed ranks always sample from a shared seed) and with ``--draft-model``, a
+    ``--prompt-lookup`` and ``--draft-model`` speculate on the engine step, as ``mlxkv serve`` does (the draft model
+    over its own paged pool, :func:`draft_model_rows`). Over layers the step cannot rewind (recurrent state,
+    windows; the target's or the draft's) and for ``seeded_sampling`` (the step's rows draw a seeded stream one
+    token at a time; distributed ranks always sample from a shared seed), a
     :class:`~mlxkv.engine.speculative.SpeculativeEngine` drafts and verifies in rounds instead (it snapshots and
     replays recurrent state, and draws every round from the one seeded stream).
 
@@ -59,23 +100,24 @@ def build_engine(loaded: Any, run: RunConfig, context_tokens: int, *, seeded_sam
     if not spec.enabled:
         return DirectEngine(loaded.model, loaded.tokenizer, pool=pool)
     from mlxkv.engine.drafters import DraftModelDrafter, PromptLookupDrafter
+    from mlxkv.engine.speculation import Speculation, check_pool
     from mlxkv.engine.speculative import SpeculativeEngine
 
-    if spec.prompt_lookup and seeded_sampling:
-        drafter: Any = PromptLookupDrafter(ngram_size=spec.ngram_size)
-    elif spec.prompt_lookup:
-        from mlxkv.engine.speculation import Speculation
-
-        speculation = Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size)
+    draft = load_draft_model(run, loaded.model) if spec.draft_model else None
+    if not seeded_sampling:
         try:
-            return DirectEngine(loaded.model, loaded.tokenizer, pool=pool, speculation=speculation)
+            check_pool(pool)
+            rows = None if draft is None else draft_model_rows(draft.model, run, target_tokens=context_tokens + spare,
+                                                               max_sequences=1)
         except ValueError:  # caches the step cannot rewind: the rounds replay recurrent state (and refuse the rest)
-            drafter = PromptLookupDrafter(ngram_size=spec.ngram_size)
+            pass
+        else:
+            speculation = Speculation(num_draft_tokens=spec.num_draft_tokens, ngram_size=spec.ngram_size, draft=rows)
+            return DirectEngine(loaded.model, loaded.tokenizer, pool=pool, speculation=speculation)
+    if draft is None:
+        drafter: Any = PromptLookupDrafter(ngram_size=spec.ngram_size)
     else:
-        from mlxkv.models import load
-
-        draft = load(spec.draft_model, dequantize=run.dequantize)
-        # The draft's caches stay dense (one sequence, rewound every round): no prefix caching to gain.
+        # The rounds' draft caches stay dense (one sequence, rewound every round): no prefix caching to gain.
         dense = dataclasses.replace(run.kv, backend="dense")
         drafter = DraftModelDrafter(draft.model, pool=build_pool(draft.model, dense, max_sequences=1,
                                                                  context_tokens=context_tokens))

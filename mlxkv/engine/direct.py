@@ -84,8 +84,8 @@ class DirectEngine:
             tokens only, no EOS).
         pool: the CachePool to draw sequences from (default: a one-sequence pool over mlxkv's layouts).
         prefill_step_size: prompt tokens per prefill forward.
-        speculation: speculative decoding by prompt lookup on the step, as ``mlxkv serve --prompt-lookup`` runs it
-            (:mod:`mlxkv.engine.speculation`; None: off). Every generation then speculates: one that could not
+        speculation: speculative decoding on the step (prompt lookup, or a draft model's rows), as ``mlxkv serve``
+            runs it (:mod:`mlxkv.engine.speculation`; None: off). Every generation then speculates: one that could not
             (see :func:`refusal_of_speculation`) is refused.
 
     Raises:
@@ -144,9 +144,9 @@ class DirectEngine:
         rest, and leaves it open. Its caches then hold ``(prompt + last_generated)[:sequence.offset]`` — the
         prompt (as far as it was prefilled) and the generated tokens fed back, which may stop short of the last.
 
-        With :attr:`speculation`, every decode step proposes tokens by prompt lookup (over the prompt and the tokens
-        generated) and verifies them in one forward: the same greedy tokens, the same distribution when sampling;
-        :attr:`last_stats` then holds the acceptance figures.
+        With :attr:`speculation`, every decode step proposes tokens (by prompt lookup over the prompt and the tokens
+        generated, or from the draft model) and verifies them in one forward: the same greedy tokens, the same
+        distribution when sampling; :attr:`last_stats` then holds the acceptance figures.
 
         Raises:
             PrefillStopped: ``should_stop`` turned true before the first token.
@@ -156,7 +156,8 @@ class DirectEngine:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         if self.speculation is not None:
-            refusal = refusal_of_speculation(params, logits_processors, response_format, logprobs)
+            refusal = refusal_of_speculation(params, logits_processors, response_format, logprobs,
+                                             speculation_flag(self.speculation))
             if refusal is not None:
                 raise ValueError(refusal)
         if sequence is not None:
@@ -292,20 +293,27 @@ class _InterruptibleChunks:
             self.scheduler.prefill_chunk_size = max(1, min(self.step_size, int(rate * INTERRUPTIBLE_CHUNK_SECONDS)))
 
 
+def speculation_flag(speculation: Speculation) -> str:
+    """The option that turned ``speculation`` on: ``--draft-model`` or ``--prompt-lookup`` (for messages)."""
+    return "--prompt-lookup" if speculation.draft is None else "--draft-model"
+
+
 def refusal_of_speculation(params: SamplingParams, logits_processors: Seq[LogitsProcessor] = (),
-                           response_format: ResponseFormat | None = None, logprobs: int | None = None) -> str | None:
+                           response_format: ResponseFormat | None = None, logprobs: int | None = None,
+                           flag: str = "--prompt-lookup") -> str | None:
     """Why a generation with these settings could not speculate on the engine step (None: it can). The step
     decodes such rows one token at a time (:func:`~mlxkv.engine.speculation.may_speculate`): a one-sequence
-    engine refuses them rather than drop the speculation it was asked for."""
+    engine refuses them rather than drop the speculation it was asked for. ``flag``: the option that asked for
+    speculation (:func:`speculation_flag`), named in the message."""
     if logits_processors or (response_format is not None and response_format.constrained):
-        return "structured output (--json, --json-schema) does not work with speculative decoding (--prompt-lookup)"
+        return f"structured output (--json, --json-schema) does not work with speculative decoding ({flag})"
     if logprobs is not None:
-        return "--logprobs does not work with speculative decoding (--prompt-lookup)"
+        return f"--logprobs does not work with speculative decoding ({flag})"
     if params.has_processors:
-        return "--repetition-penalty does not work with speculative decoding (--prompt-lookup)"
+        return f"--repetition-penalty does not work with speculative decoding ({flag})"
     if params.temp > 0 and params.seed is not None:
         return ("a seeded sampled answer (--seed at --temp above 0) draws from its own random stream one token at a "
-                "time: it does not work with speculative decoding (--prompt-lookup)")
+                f"time: it does not work with speculative decoding ({flag})")
     return None
 
 

@@ -1,8 +1,9 @@
 """SpeculativeEngine: draft k tokens cheaply, verify them with one target forward, rewind what was rejected.
 
-``mlxkv generate`` runs it for ``--draft-model``, and for ``--prompt-lookup`` over layers the engine step cannot
-rewind inside a verification forward (recurrent state: snapshotted and replayed here); otherwise prompt lookup
-speculates on the engine step itself (:mod:`mlxkv.engine.speculation`).
+``mlxkv generate`` runs it for ``--prompt-lookup`` and ``--draft-model`` where the engine step cannot speculate:
+over layers it cannot rewind inside a verification forward (recurrent state: snapshotted and replayed here), and
+for a seeded sampled answer (every round draws from the one seeded stream); otherwise both speculate on the engine
+step itself (:mod:`mlxkv.engine.speculation`).
 
 One round, with ``y`` the last committed token (committed but not yet fed to the target):
 

@@ -186,34 +186,19 @@ def speculation_of(spec: SpeculativeConfig, distributed: bool) -> Speculation | 
 
 
 def load_draft(run: RunConfig, loaded: Any, pool: Any, context: int | None) -> Any:
-    """``run.speculative.draft_model`` loaded, with its own paged pool of full-precision pages and prefix caching,
-    holding as many tokens as the target's ``pool`` (so admission, decided on the target's pool, never waits for
-    the draft's) plus each sequence's unverified drafts: a :class:`~mlxkv.engine.draft_rows.DraftModelRows`.
+    """``run.speculative.draft_model`` loaded, with its own paged pool holding as many tokens as the target's
+    ``pool`` (:func:`mlxkv.engine.build.draft_model_rows`): a :class:`~mlxkv.engine.draft_rows.DraftModelRows`.
 
     Raises:
         ValueError: the draft's vocabulary differs from the target's, or its layers cannot rewind exactly.
         mlxkv.models.ModelLoadError: it cannot be loaded.
     """
-    from mlxkv.config import KvCacheConfig
-    from mlxkv.engine.batch import vocab_size_of
-    from mlxkv.engine.draft_rows import DraftModelRows, draft_pool_blocks
-    from mlxkv.engine.speculation import check_pool
-    from mlxkv.kv import CachePool
-    from mlxkv.models import load
+    from mlxkv.engine.build import draft_model_rows, load_draft_model
 
-    spec = run.speculative
-    draft = load(spec.draft_model, progress=True, dequantize=run.dequantize)
-    ours, theirs = vocab_size_of(draft.model), vocab_size_of(loaded.model)
-    if ours != theirs:
-        raise ValueError(f"the draft model's vocabulary has {ours} entries, the served model's {theirs}: a draft "
-                         "model must share the served model's tokenizer and vocabulary")
+    draft = load_draft_model(run, loaded.model, progress=True)
     sequences = run.engine.max_sequences
     tokens = pool.max_sequence_tokens() or sequences * (context or 4096)
-    kv = KvCacheConfig(backend="paged", block_size=run.kv.block_size, hash_algo=run.kv.hash_algo)
-    draft_pool = CachePool(draft.model, max_sequences=sequences * 2, backend="paged", kv_config=kv,
-                           num_blocks=draft_pool_blocks(tokens, sequences, spec.num_draft_tokens, kv.block_size))
-    check_pool(draft_pool, whose="the draft model's")
-    return DraftModelRows(draft.model, draft_pool)
+    return draft_model_rows(draft.model, run, target_tokens=tokens, max_sequences=sequences)
 
 
 #: The server process's GIL switch interval (seconds). The engine thread builds each step's graph in Python;
