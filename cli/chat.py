@@ -20,7 +20,6 @@ from mlxkv.cli.interrupt import StopOnCtrlC
 from mlxkv.cli.options import (
     KV_PANEL,
     SAMPLING_PANEL,
-    SPECULATIVE_PANEL,
     overflow_config,
     sampling_defaults,
     with_revision,
@@ -61,10 +60,6 @@ CHAT_KV_OVERFLOW = typer.Option("preempt", "--kv-overflow", callback=options.KV_
                                      "h2o (+ most-attended tokens), offload (h2o, evicted rows to host memory and "
                                      "back). h2o and offload caches cannot be saved with /save.")
 
-CHAT_DRAFT_MODEL = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
-                                help="Speculative decoding with this draft model (same vocabulary; its KV in a paged "
-                                     "pool of its own, whose prefix cache carries over from turn to turn).")
-
 
 def chat(
     ctx: typer.Context,
@@ -94,7 +89,7 @@ def chat(
     prompt_lookup: bool = options.PROMPT_LOOKUP,
     num_draft_tokens: int = options.NUM_DRAFT_TOKENS,
     ngram_size: int = options.NGRAM_SIZE,
-    draft_model: Optional[str] = CHAT_DRAFT_MODEL,
+    draft_model: Optional[str] = options.DRAFT_MODEL,
     resume: Optional[str] = typer.Option(None, "--resume", metavar="NAME", rich_help_panel="Sessions",
                                          help="Continue saved session NAME."),
     sessions_dir: Optional[str] = typer.Option(None, "--sessions-dir", metavar="DIR", rich_help_panel="Sessions",

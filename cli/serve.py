@@ -183,9 +183,7 @@ def serve(
         60.0, "--distributed-timeout", min=0.1, rich_help_panel=SERVER_PANEL,
         help="Seconds without an answer from another rank (longer than the slowest step) before every rank stops."),
     prompt_lookup: bool = options.PROMPT_LOOKUP,
-    draft_model: Optional[str] = typer.Option(
-        None, "--draft-model", metavar="MODEL", rich_help_panel=options.SPECULATIVE_PANEL,
-        help="Speculative decoding with this draft model (same vocabulary; its KV in a paged pool of its own)."),
+    draft_model: Optional[str] = options.DRAFT_MODEL,
     num_draft_tokens: int = options.NUM_DRAFT_TOKENS,
     ngram_size: int = options.NGRAM_SIZE,
 ) -> None:

@@ -139,6 +139,9 @@ __all__ = ["MODEL", "REVISION", "DEQUANTIZE", "ADAPTER_PATH", "CHAT_TEMPLATE", "
            "MAX_KV_SIZE", "KV_BITS", "KV_GROUP_SIZE", "KV_OVERFLOW", "KV_OVERFLOW_BUDGET", "KV_OVERFLOW_SINKS",
            "KV_OVERFLOW_RECENT", "VERBOSE", "SERVE_DEFAULTS", "SERVE_TEMP", "SERVE_MAX_TOKENS", "SERVE_KV_BACKEND"]
 
+DRAFT_MODEL = typer.Option(None, "--draft-model", metavar="MODEL", rich_help_panel=SPECULATIVE_PANEL,
+                           help="Speculative decoding with this draft model (same vocabulary; its KV in a paged pool "
+                                "of its own, with prefix caching).")
 PROMPT_LOOKUP = typer.Option(False, "--prompt-lookup", metavar=FLAG, rich_help_panel=SPECULATIVE_PANEL,
                              help="Speculative decoding by n-gram lookup in the prompt and output (no draft model).")
 NUM_DRAFT_TOKENS = typer.Option(3, "--num-draft-tokens", min=1, rich_help_panel=SPECULATIVE_PANEL,
