@@ -301,8 +301,6 @@ def refusal_of_speculation(params: SamplingParams, logits_processors: Seq[Logits
         return "structured output (--json, --json-schema) does not work with speculative decoding (--prompt-lookup)"
     if logprobs is not None:
         return "--logprobs does not work with speculative decoding (--prompt-lookup)"
-    if params.has_processors:
-        return "--repetition-penalty does not work with speculative decoding (--prompt-lookup)"
     if params.temp > 0 and params.seed is not None:
         return ("a seeded sampled answer (--seed at --temp above 0) draws from its own random stream one token at a "
                 "time: it does not work with speculative decoding (--prompt-lookup)")
