@@ -164,3 +164,37 @@ def test_position_logprobs_apply_the_processors_over_the_history_extended_by_the
         own = RowSampler(SamplingParams(), prompt=prompt)
         own.add_processor(lambda tokens, x: x)
         own.position_logprobs(logits[:1], [])
+
+
+def test_a_grammar_cuts_a_draft_where_it_refuses_and_masks_each_position_without_moving():
+    """``allowed_prefix`` stops at the first refused token (and before EOS); ``draft_words`` gives the masks plain
+    decoding would see after each draft token, and the grammar's state is left where it was."""
+    import numpy as np
+
+    from mlxkv.models import load
+    from mlxkv.structured import json_schema_format
+    from mlxkv.structured.constraint import make_constraint
+
+    tokenizer = load().tokenizer
+    fmt = json_schema_format({"type": "object", "properties": {"word": {"enum": ["red", "blue"]}},
+                              "required": ["word"], "additionalProperties": False})
+    doc = list(tokenizer.encode('{"word": "red"}', add_special_tokens=False))
+    eos = next(iter(tokenizer.eos_token_ids))
+    constraint = make_constraint(fmt, tokenizer)
+    assert constraint.allowed_prefix(doc) == len(doc)
+    assert constraint.allowed_prefix([*doc[:3], doc[0], *doc[4:]]) == 3
+    assert constraint.allowed_prefix([*doc, eos, doc[0]]) == len(doc)  # nothing after the document's end
+    before = constraint.words(2048)
+    masks = constraint.draft_words(doc[:4], 2048)  # (5, 64)
+    assert (constraint.words(2048) == before).all()  # rolled back
+    walked = make_constraint(fmt, tokenizer)
+    for i in range(5):
+        assert (masks[i] == walked.words(2048)).all(), i
+        if i < 4:
+            walked.advance(doc[i])
+    assert not (masks[1] == masks[0]).all()
+    with pytest.raises(Exception):
+        constraint.draft_words([doc[0], doc[0]], 2048)
+    assert (constraint.words(2048) == before).all()  # a refused draft leaves the state too
+    constraint.advance(doc[0])  # and the real matcher goes on
+    assert (constraint.words(2048) == masks[1]).all() and np.any(masks[1])

@@ -113,10 +113,13 @@ class TokenConstraint:
                 failed.
         """
         rows = [self.words(width)]
+        allowed = self.allowed_prefix(draft)  # checked first: a refused token would leave the matcher in error
+        if allowed < len(draft):
+            raise ConstraintError(f"draft token {draft[allowed]} is not allowed by the grammar here")
         consumed = 0
         try:
             for token in draft:
-                if int(token) in self.eos_token_ids or not self._matcher.consume_token(int(token)):
+                if not self._matcher.consume_token(int(token)):
                     raise ConstraintError(f"draft token {token} is not allowed by the grammar here: {self._error()}")
                 consumed += 1
                 rows.append(self.words(width))
