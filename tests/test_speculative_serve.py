@@ -196,6 +196,26 @@ def test_structured_output_speculates_with_the_plain_tokens(plain, spec, spec_se
     assert 0 < accepted < proposed, used
 
 
+def test_a_forced_tool_call_speculates_with_the_plain_call(served):
+    """``tool_choice`` naming a function: its call's grammar is verified like a schema's; the prompt (the rendered
+    tools and a call in the conversation) holds the text the call repeats."""
+    from pathlib import Path
+
+    template = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": 'Call {"name": "get_weather", "arguments": {"city": "Oslo"}} now.'}]
+    kw = dict(model="m", messages=messages, tools=[weather], max_tokens=60, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    expected = openai_client(served(chat_template=template).url).chat.completions.create(**kw)
+    got = openai_client(served(chat_template=template, prompt_lookup=True, num_draft_tokens=K).url
+                        ).chat.completions.create(**kw)
+    calls = [(c.function.name, c.function.arguments) for c in got.choices[0].message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in expected.choices[0].message.tool_calls]
+    assert calls[0][0] == "get_weather"
+    assert speculative_usage(got)["accepted_tokens"] > 0
+
+
 def test_a_server_without_a_drafter_refuses_the_field_on_every_route(served):
     srv = served()
     client = openai_client(srv.url)
