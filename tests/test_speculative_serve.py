@@ -1,8 +1,8 @@
 """``mlxkv serve --prompt-lookup``: speculative decoding through the official clients, on the random-weight test
 llama. Greedy output equals a server without speculation token for token — concurrent requests verified in one
 batched forward (paged), quantized pages and the dense store (one forward per row), ``n > 1``, stop strings,
-penalties and ``logit_bias`` (speculating), structured output, ``logprobs``, preemption and resume, a cancelled neighbour — while
-proposals are both accepted and rejected; the ``speculative`` request field on every route; the counts in
+penalties and ``logit_bias``, structured output and forced tool calls (all of these speculating), ``logprobs``,
+preemption and resume, a cancelled neighbour — while proposals are both accepted and rejected; the ``speculative`` request field on every route; the counts in
 ``usage``, ``/metrics`` and ``/v1/cache/stats``; the one-line refusals."""
 
 import concurrent.futures

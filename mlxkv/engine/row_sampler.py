@@ -21,8 +21,10 @@ row's first draw (its history then starts with the prompt).
 :meth:`RowSampler.position_logprobs` applies the processors at position ``i`` with the history extended by the
 first ``i`` draft tokens — what plain decoding would have seen — and :meth:`RowSampler.accept` extends the history
 by the committed tokens. Only processors that depend on the history alone (the params' penalties and bias) can be
-evaluated ahead like this; a caller's processor may keep state, so its row decodes one token at a time. Rows that are greedy, have no processor and record
-no log-probabilities take the batch's one ``argmax`` (no work of their own).
+evaluated ahead like this; a caller's processor may keep state, so its row decodes one token at a time.
+
+Rows that are greedy, have no processor and record no log-probabilities take the batch's one ``argmax`` (no work
+of their own).
 
 **Grammar masks** are not processors: the engine advances a row's grammar with each token it emits and hands
 :func:`sample_rows` the rows' next-token bitmasks, applied to all masked rows in one operation

@@ -2,13 +2,13 @@
 
 Row ``b`` fed ``[input, d_1..d_k]`` (``k = len(drafts[b])``, possibly 0) and its logits ``(B, Lmax, vocab)`` hold, at
 position ``i``, the target's prediction after ``d_i``. A row with a proposal scores every position with its own
-sampler (:meth:`~mlxkv.engine.row_sampler.RowSampler.position_logprobs`: its penalties and logit bias applied with the
-history extended by the draft tokens before that position, as plain decoding would have applied them; a
-constrained row's logits masked by its grammar's mask after those draft tokens), keeps its
-longest accepted prefix and then the target's own token (:mod:`mlxkv.engine.verify`: exact match with the argmax for
-greedy rows, rejection sampling for sampled ones, so every committed token is distributed as the target's); a row
-without one draws its token from position 0 with its own sampler, under its grammar mask if any, exactly as a plain
-decode step does.
+sampler (:meth:`~mlxkv.engine.row_sampler.RowSampler.position_logprobs`: its penalties and logit bias applied with
+the history extended by the draft tokens before that position, as plain decoding would have applied them; a
+constrained row's logits masked first by its grammar's mask after those draft tokens), keeps its longest accepted
+prefix and then the target's own token (:mod:`mlxkv.engine.verify`: exact match with the argmax for greedy rows,
+rejection sampling for sampled ones, so every committed token is distributed as the target's); a row without one
+draws its token from position 0 with its own sampler, under its grammar mask if any, exactly as a plain decode step
+does.
 """
 
 from __future__ import annotations
