@@ -194,6 +194,11 @@ def test_structured_output_speculates_with_the_plain_tokens(plain, spec, spec_se
     used = [speculative_usage(r) for r in got]
     proposed, accepted = sum(u["proposed_tokens"] for u in used), sum(u["accepted_tokens"] for u in used)
     assert 0 < accepted < proposed, used
+    # rejection sampling under the masks (room for a note of 12 multi-byte characters, a few tokens each)
+    sampled = together(spec, prompts, **{**kw, "temperature": 0.8, "max_tokens": 120})
+    for r in sampled:
+        assert json.loads(texts(r)[0])["name"] in QUOTED["properties"]["name"]["enum"]
+    assert sum(speculative_usage(r)["accepted_tokens"] for r in sampled) > 0
 
 
 def test_a_forced_tool_call_speculates_with_the_plain_call(served):
