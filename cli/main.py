@@ -176,9 +176,6 @@ def generate(
     if json_object and json_schema is not None:
         raise typer.BadParameter("--json and --json-schema exclude each other.", param_hint="--json")
     structured = json_object or json_schema is not None
-    if structured and (draft_model or prompt_lookup):
-        _fail("structured output (--json, --json-schema) does not work with speculative decoding "
-              "(--draft-model, --prompt-lookup)", verbose)
     if image and (draft_model or prompt_lookup or raw or distributed != "off"):
         _fail("--image works with the chat template on one process, without speculative decoding", verbose)
     if logprobs is not None and (draft_model or prompt_lookup):

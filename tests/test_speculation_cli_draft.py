@@ -105,10 +105,13 @@ def test_generate_draft_over_recurrent_layers_runs_in_rounds_with_the_plain_text
     assert spec.stdout == plain.stdout and acceptance(spec.stderr)[0] > 0
 
 
-def test_generate_refuses_a_penalty_with_a_draft_naming_the_draft(llama_dir):
-    line = one_line(runner.invoke(app, ["generate", "-m", llama_dir, "-n", "4", "--draft-model", llama_dir,
-                                        "--repetition-penalty", "1.2", "hi"]))
-    assert "--repetition-penalty" in line and "--draft-model" in line
+def test_generate_with_a_penalty_and_a_draft_keeps_the_plain_greedy_text(llama_dir, no_round_loop):
+    """The penalty applies at every proposed position over the tokens before it: the text is plain decoding's."""
+    args = ["generate", "-m", llama_dir, "--raw", "-n", "24", "--repetition-penalty", "1.2", REPEATING]
+    plain = runner.invoke(app, args)
+    spec = runner.invoke(app, [*args, "--draft-model", llama_dir, "--verbose"])
+    assert plain.exit_code == spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout and acceptance(spec.stderr)[1] > 0
 
 
 # ------------------------------------------------------------------------------------------------------- chat
@@ -175,9 +178,9 @@ def test_chat_refuses_a_draft_of_another_vocabulary_in_one_line(tmp_path, llama_
     assert "vocabulary" in line
 
 
-def test_chat_set_refusal_names_the_draft(tmp_path):
+def test_chat_set_takes_a_repetition_penalty_with_a_draft(tmp_path):
     done = _chat(tmp_path, "-n", "4", "--draft-model", str(demo_model_path()),
-                 lines="/set repetition-penalty 1.3\nHello\n")
+                 lines="/set repetition-penalty 1.3\nHello\n/set\n")
     assert done.exit_code == 0, done.output
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "/set repetition-penalty" in errors[0] and "--draft-model" in errors[0], errors
+    assert not [line for line in done.stderr.splitlines() if line.startswith("error:")], done.stderr
+    assert done.stdout.strip() and "repetition-penalty 1.3" in done.stderr  # answered with the setting on

@@ -125,3 +125,76 @@ def test_verify_sampled_edge_cases():
         # Draft distribution equal to the target's: always accepted, bonus from the last row.
         v = verify_sampled(p, [1, 2], p[:2])
         assert (v.accepted, v.token) == (2, 0)
+
+
+def test_position_logprobs_apply_the_processors_over_the_history_extended_by_the_draft():
+    """Verification position i of a penalised, biased row scores as a plain decode step would after emitting the
+    draft's first i tokens: the same log-probabilities, the same greedy token; a history without the draft tokens
+    would choose otherwise."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxkv.engine.row_sampler import RowSampler
+    from mlxkv.engine.sampling import SamplingParams
+
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.6, presence_penalty=0.2,
+                            logit_bias={5: 0.3}, repetition_context_size=6)
+    prompt, draft = [1, 2, 3, 1], [7, 8, 7]
+    logits = mx.array(np.random.default_rng(3).normal(size=(4, 12)).astype(np.float32) * 0.1)
+    logits[:, 7] += 1.0  # 7 leads until it has been seen
+    logits[:, 8] += 0.9
+    scores = RowSampler(params, prompt=prompt).position_logprobs(logits, draft)  # (4, 12)
+    stale = []
+    for i in range(len(draft) + 1):
+        seen, row = mx.array(prompt + draft[:i]), logits[i : i + 1]
+        for process in params.processors():
+            row = process(seen, row)
+        assert np.allclose(scores[i].tolist(), (row - mx.logsumexp(row)).tolist()[0], atol=1e-6)
+        fresh = RowSampler(params, prompt=prompt + draft[:i])  # plain decoding there
+        assert fresh(logits[i : i + 1]).item() == int(mx.argmax(scores[i]).item())
+        row = logits[i : i + 1]
+        for process in params.processors():
+            row = process(mx.array(prompt), row)
+        stale.append(int(mx.argmax(row).item()))
+    assert stale != mx.argmax(scores, axis=-1).tolist()
+    sampler = RowSampler(params, prompt=prompt)
+    sampler.accept([7, 8])  # committed: the next position sees them
+    assert sampler.position_logprobs(logits[2:3], []).tolist() == scores[2:3].tolist()
+    with pytest.raises(ValueError):
+        own = RowSampler(SamplingParams(), prompt=prompt)
+        own.add_processor(lambda tokens, x: x)
+        own.position_logprobs(logits[:1], [])
+
+
+def test_a_grammar_cuts_a_draft_where_it_refuses_and_masks_each_position_without_moving():
+    """``allowed_prefix`` stops at the first refused token (and before EOS); ``draft_words`` gives the masks plain
+    decoding would see after each draft token, and the grammar's state is left where it was."""
+    import numpy as np
+
+    from mlxkv.models import load
+    from mlxkv.structured import json_schema_format
+    from mlxkv.structured.constraint import make_constraint
+
+    tokenizer = load().tokenizer
+    fmt = json_schema_format({"type": "object", "properties": {"word": {"enum": ["red", "blue"]}},
+                              "required": ["word"], "additionalProperties": False})
+    doc = list(tokenizer.encode('{"word": "red"}', add_special_tokens=False))
+    eos = next(iter(tokenizer.eos_token_ids))
+    constraint = make_constraint(fmt, tokenizer)
+    assert constraint.allowed_prefix(doc) == len(doc)
+    assert constraint.allowed_prefix([*doc[:3], doc[0], *doc[4:]]) == 3
+    assert constraint.allowed_prefix([*doc, eos, doc[0]]) == len(doc)  # nothing after the document's end
+    before = constraint.words(2048)
+    masks = constraint.draft_words(doc[:4], 2048)  # (5, 64)
+    assert (constraint.words(2048) == before).all()  # rolled back
+    walked = make_constraint(fmt, tokenizer)
+    for i in range(5):
+        assert (masks[i] == walked.words(2048)).all(), i
+        if i < 4:
+            walked.advance(doc[i])
+    assert not (masks[1] == masks[0]).all()
+    with pytest.raises(Exception):
+        constraint.draft_words([doc[0], doc[0]], 2048)
+    assert (constraint.words(2048) == before).all()  # a refused draft leaves the state too
+    constraint.advance(doc[0])  # and the real matcher goes on
+    assert (constraint.words(2048) == masks[1]).all() and np.any(masks[1])

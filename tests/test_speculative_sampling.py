@@ -237,3 +237,36 @@ def test_engine_step_sampled_speculation_keeps_the_target_distribution():
             counts[key] = counts.get(key, 0) + 1
         stat, critical = chi_square_ok(counts, probs, n)
         assert stat < critical, f"positions {idx}: chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_a_penalised_biased_row_keeps_its_processed_distribution_through_verification():
+    """A sampled verification row with presence and frequency penalties and a logit bias (``verify_rows``, the
+    engine step's acceptance): its first committed token is distributed as the processed ``p_0``, and after an
+    accepted draft token ``d_1`` its second as ``p_1`` processed over the history extended by ``d_1`` — the
+    penalties move ``d_1``'s own probability there, so a history without it would fail."""
+    from mlxkv.engine.row_sampler import RowSampler
+    from mlxkv.engine.verify_rows import verify_rows
+
+    params = SamplingParams(temp=1.0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={2: 1.0})
+    prompt, draft = [0, 1], [3, 3]
+    logits = mx.array(np.random.default_rng(7).normal(size=(1, 3, V)).astype(np.float32))
+    logits[0, :, 3] += 1.5  # the drafted token is likely at first, much less once it has been seen
+
+    def processed(i):  # what plain decoding draws from after draft[:i]
+        row = logits[0, i : i + 1]
+        for process in params.processors():
+            row = process(mx.array(prompt + draft[:i]), row)
+        return mx.softmax(row, axis=-1)[0].tolist()
+
+    mx.random.seed(11)
+    n, first, second = 1000, {}, {}
+    for _ in range(n):
+        tokens = verify_rows(logits, [draft], [RowSampler(params, prompt=prompt)])[0]
+        first[(tokens[0],)] = first.get((tokens[0],), 0) + 1
+        if len(tokens) > 1:
+            second[(tokens[1],)] = second.get((tokens[1],), 0) + 1
+    p1 = processed(1)
+    assert p1[3] < 0.5 * mx.softmax(logits[0, 1], axis=-1)[3].item()  # the penalties act on the draft's token
+    for counts, probs in ((first, processed(0)), (second, p1)):
+        stat, critical = chi_square_ok(counts, {(i,): p for i, p in enumerate(probs)}, sum(counts.values()))
+        assert stat < critical, (counts, probs)

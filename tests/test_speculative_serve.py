@@ -1,8 +1,8 @@
 """``mlxkv serve --prompt-lookup``: speculative decoding through the official clients, on the random-weight test
 llama. Greedy output equals a server without speculation token for token — concurrent requests verified in one
 batched forward (paged), quantized pages and the dense store (one forward per row), ``n > 1``, stop strings,
-penalties and ``logit_bias``, structured output, ``logprobs``, preemption and resume, a cancelled neighbour — while
-proposals are both accepted and rejected; the ``speculative`` request field on every route; the counts in
+penalties and ``logit_bias``, structured output and forced tool calls (all of these speculating), ``logprobs``,
+preemption and resume, a cancelled neighbour — while proposals are both accepted and rejected; the ``speculative`` request field on every route; the counts in
 ``usage``, ``/metrics`` and ``/v1/cache/stats``; the one-line refusals."""
 
 import concurrent.futures
@@ -122,16 +122,31 @@ def test_n_stop_penalties_bias_and_logprobs_keep_their_output(plain, spec):
     full = texts(complete(plain, prompt, max_tokens=40))[0]
     stop = full[len(full) // 2: len(full) // 2 + 3]
     assert texts(complete(spec, prompt, stop=[stop]))[0] == texts(complete(plain, prompt, stop=[stop]))[0]
-    for extra in ({"frequency_penalty": 0.7, "presence_penalty": 0.3}, {"logit_bias": {"17": 5, "40": -100}}):
-        expected = complete(plain, prompt, **extra)
-        got = complete(spec, prompt, **extra)
-        assert texts(got) == texts(expected)
-        assert speculative_usage(got) is None  # rows with processors decode one token per step
     expected = complete(plain, prompt, logprobs=2)
     got = complete(spec, prompt, logprobs=2)
     assert texts(got) == texts(expected)
     assert got.choices[0].logprobs.token_logprobs == pytest.approx(expected.choices[0].logprobs.token_logprobs,
                                                                    abs=1e-4)
+
+
+# Penalties and biases that change the output while it still repeats its prompt in part.
+PROCESSED = [{"presence_penalty": 0.5}, {"frequency_penalty": 0.3},
+             {"extra_body": {"repetition_penalty": 1.1}},
+             {"extra_body": {"repetition_penalty": 1.3, "repetition_context_size": 8}},
+             {"logit_bias": {"17": 5, "40": -100}}, {"logit_bias": {"73": 2, "74": -3, "193": -2}}]
+
+
+@pytest.mark.parametrize("extra", PROCESSED, ids=lambda e: "-".join(sorted({**e, **e.get("extra_body", {})})))
+def test_penalised_and_biased_rows_speculate_and_keep_their_output(plain, spec, extra):
+    """Each verification position sees its penalties over the history extended by the draft tokens before it, as
+    plain decoding would have: equal output, with proposals accepted and rejected over the prompts."""
+    expected = [texts(r) for r in together(plain, PROMPTS[:3], **extra)]
+    assert expected != [texts(r) for r in together(plain, PROMPTS[:3])]  # the processors act
+    got = together(spec, PROMPTS[:3], **extra)
+    assert [texts(r) for r in got] == expected
+    used = [speculative_usage(r) for r in got]
+    proposed, accepted = sum(u["proposed_tokens"] for u in used), sum(u["accepted_tokens"] for u in used)
+    assert 0 < accepted < proposed, used
 
 
 def test_structured_output_and_the_request_field(plain, spec):
@@ -154,6 +169,56 @@ def test_structured_output_and_the_request_field(plain, spec):
     with pytest.raises(Exception) as bad:
         complete(spec, prompt, extra_body={"speculative": {"num_draft_tokens": 0}})
     assert bad.value.status_code == 400
+
+
+QUOTED = {"type": "object", "properties": {
+    "name": {"enum": ["the quick brown fox jumps over the lazy dog", "a slow green turtle"]},
+    "note": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["name", "note", "count"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.3}], ids=["greedy", "penalised"])
+def test_structured_output_speculates_with_the_plain_tokens(plain, spec, spec_server, extra):
+    """A schema whose output quotes the prompt: proposals are cut where the grammar refuses, every position is
+    verified under its grammar mask, the accepted tokens advance the grammar; the documents equal plain decoding's
+    and proposals are both accepted and rejected."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "q", "schema": QUOTED}}
+    quoted = '{"name": "the quick brown fox jumps over the lazy dog", "note": "x", "count": 3}'
+    prompts = [f"copy this: {quoted} {quoted}", f"name the fox: {quoted}", "a slow green turtle " * 3]
+    kw = dict(max_tokens=60, temperature=0, extra_body={"response_format": fmt}, **extra)
+    expected = [texts(r) for r in together(plain, prompts, **kw)]
+    got = together(spec, prompts, **kw)
+    assert [texts(r) for r in got] == expected
+    for (text,) in expected:
+        json.loads(text)  # whole documents of the schema (the limit is not reached)
+    used = [speculative_usage(r) for r in got]
+    proposed, accepted = sum(u["proposed_tokens"] for u in used), sum(u["accepted_tokens"] for u in used)
+    assert 0 < accepted < proposed, used
+    # rejection sampling under the masks (room for a note of 12 multi-byte characters, a few tokens each)
+    sampled = together(spec, prompts, **{**kw, "temperature": 0.8, "max_tokens": 120})
+    for r in sampled:
+        assert json.loads(texts(r)[0])["name"] in QUOTED["properties"]["name"]["enum"]
+    assert sum(speculative_usage(r)["accepted_tokens"] for r in sampled) > 0
+
+
+def test_a_forced_tool_call_speculates_with_the_plain_call(served):
+    """``tool_choice`` naming a function: its call's grammar is verified like a schema's; the prompt (the rendered
+    tools and a call in the conversation) holds the text the call repeats."""
+    from pathlib import Path
+
+    template = str(Path(__file__).parent / "testkit" / "templates" / "tools_chatml.jinja")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": 'Call {"name": "get_weather", "arguments": {"city": "Oslo"}} now.'}]
+    kw = dict(model="m", messages=messages, tools=[weather], max_tokens=60, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    expected = openai_client(served(chat_template=template).url).chat.completions.create(**kw)
+    got = openai_client(served(chat_template=template, prompt_lookup=True, num_draft_tokens=K).url
+                        ).chat.completions.create(**kw)
+    calls = [(c.function.name, c.function.arguments) for c in got.choices[0].message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in expected.choices[0].message.tool_calls]
+    assert calls[0][0] == "get_weather"
+    assert speculative_usage(got)["accepted_tokens"] > 0
 
 
 def test_a_server_without_a_drafter_refuses_the_field_on_every_route(served):

@@ -1,9 +1,11 @@
 """``mlxkv serve --prompt-lookup`` on SmolLM2-135M-Instruct through the openai client: on an edit request (return
 this code with one name changed) greedy output equals the same server without speculation token for token —
 alone, two requests verified in one forward, with a stop string, ``n = 2`` and quantized pages — while most
-proposals are accepted. Needs ``MLXKV_TEST_GGUF`` (see tests/test_real_model.py); run with OpenBLAS preloaded."""
+proposals are accepted; a ``json_schema`` answer quoting its prompt likewise. Needs ``MLXKV_TEST_GGUF`` (see
+tests/test_real_model.py); run with OpenBLAS preloaded."""
 
 import concurrent.futures
+import json
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,29 @@ def test_edit_requests_equal_plain_decoding_and_mostly_accept(servers):
             == answer(plain, edit(*EDITS[0]), stop=[stop]).choices[0].message.content)
     two = answer(spec, edit(*EDITS[1]), n=2)
     assert [c.message.content for c in two.choices] == [both[1], both[1]]
+
+
+PAPER = {"title": "Fast Inference from Transformers via Speculative Decoding",
+         "authors": ["Yaniv Leviathan", "Matan Kalman", "Yossi Matias"], "year": 2023,
+         "abstract": "Inference from large autoregressive models like Transformers is slow; decoding K tokens takes K "
+                     "serial runs of the model."}
+PAPER_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "authors": {"type": "array", "items": {"type": "string"}}, "year": {"type": "integer"},
+    "abstract": {"type": "string"}}, "required": ["title", "authors", "year", "abstract"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.2}], ids=["greedy", "penalised"])
+def test_a_json_schema_answer_quoting_the_prompt_equals_plain_decoding_and_mostly_accepts(servers, extra):
+    """Structured output speculates: proposals cut by the grammar, each position verified under its mask."""
+    plain, spec = servers
+    messages = [{"role": "user", "content": f"Here is a paper record:\n{json.dumps(PAPER)}\nReturn it as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "paper", "schema": PAPER_SCHEMA}}
+    expected, got = (c.chat.completions.create(model="m", messages=messages, max_tokens=120, temperature=0,
+                                               response_format=fmt, **extra) for c in (plain, spec))
+    assert got.choices[0].message.content == expected.choices[0].message.content
+    assert json.loads(got.choices[0].message.content)["authors"] == PAPER["authors"]
+    used = got.usage.model_extra["speculative"]
+    assert used["accepted_tokens"] > 0.5 * used["proposed_tokens"] > 0, used
 
 
 def test_quantized_pages_equal_plain_decoding():

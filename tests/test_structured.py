@@ -288,12 +288,21 @@ def test_cli_json_cut_by_max_tokens_fails_in_one_line():
 
 @pytest.mark.parametrize("args, fragment", [
     (["--json-schema", "/no/such/schema.json"], "cannot read the JSON schema file"),
-    (["--json", "--prompt-lookup"], "does not work with speculative decoding"),
 ])
 def test_cli_refusals_are_one_line_and_non_zero(args, fragment):
     result = _cli("Reply:", *args)
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and fragment in result.stderr
+
+
+def test_cli_json_with_prompt_lookup_prints_the_plain_document(tmp_path):
+    """Proposed tokens are cut where the grammar refuses them and each verified position is masked: the document is
+    the one plain constrained decoding prints."""
+    (tmp_path / "s.json").write_text(json.dumps(PERSON))
+    args = ("Name a person called Ada Ada Ada, aged 36.", "--json-schema", str(tmp_path / "s.json"), "-n", "48")
+    plain, spec = _cli(*args), _cli(*args, "--prompt-lookup", "--verbose")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and "speculative: acceptance" in spec.stderr
 
 
 def test_cli_unsupported_schema_feature_is_named(tmp_path):

@@ -61,3 +61,24 @@ def consume(choice: Any, token: int) -> None:
     """
     if choice.constraint is not None:
         choice.constraint.advance(token)
+
+
+def verify_masks(choices: Sequence[Any], drafts: Sequence[Sequence[int]], width: int,
+                 fail: Callable[[Any, BaseException], None]) -> list[np.ndarray | None] | None:
+    """A verification step's grammar masks: for a constrained row with a proposal, one mask per position
+    ``(k + 1, ceil(width / 32))`` (:meth:`~mlxkv.structured.constraint.TokenConstraint.draft_words`: the masks
+    after each draft token, the grammar's state left as it was); for one without, its next-token mask as in
+    :func:`step_masks`; ``None`` for a free row; ``None`` altogether when no row is constrained. A choice whose
+    grammar engine fails has its request failed and goes free."""
+    if all(c.constraint is None for c in choices):
+        return None
+    masks: list[np.ndarray | None] = []
+    for choice, draft in zip(choices, drafts):
+        mask = None
+        if choice.constraint is not None:
+            try:
+                mask = choice.constraint.draft_words(draft, width) if draft else choice.constraint.words(width)
+            except Exception as exc:  # noqa: BLE001 - the grammar engine's failure is this request's alone
+                fail(choice.job, exc)
+        masks.append(mask)
+    return masks

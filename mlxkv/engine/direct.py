@@ -305,12 +305,10 @@ def refusal_of_speculation(params: SamplingParams, logits_processors: Seq[Logits
     decodes such rows one token at a time (:func:`~mlxkv.engine.speculation.may_speculate`): a one-sequence
     engine refuses them rather than drop the speculation it was asked for. ``flag``: the option that asked for
     speculation (:func:`speculation_flag`), named in the message."""
-    if logits_processors or (response_format is not None and response_format.constrained):
-        return f"structured output (--json, --json-schema) does not work with speculative decoding ({flag})"
+    if logits_processors:  # a caller's own processors may keep state a proposed position would corrupt
+        return f"logits processors of the caller's own do not work with speculative decoding ({flag})"
     if logprobs is not None:
         return f"--logprobs does not work with speculative decoding ({flag})"
-    if params.has_processors:
-        return f"--repetition-penalty does not work with speculative decoding ({flag})"
     if params.temp > 0 and params.seed is not None:
         return ("a seeded sampled answer (--seed at --temp above 0) draws from its own random stream one token at a "
                 f"time: it does not work with speculative decoding ({flag})")

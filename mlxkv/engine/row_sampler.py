@@ -15,8 +15,16 @@ usually a lazy array: a processor that only does array arithmetic with it (penal
 A processor that needs the concrete previous token in Python (a grammar matcher advancing its state, say) must
 read it (``int(tokens[-1].item())``), which waits for the previous step to finish: a sync per step for the rows
 that have one, the others unaffected. Add such a processor with :meth:`RowSampler.add_processor` before the
-row's first draw (its history then starts with the prompt). Rows that are greedy, have no processor and record
-no log-probabilities take the batch's one ``argmax`` (no work of their own).
+row's first draw (its history then starts with the prompt).
+
+**Verification rows** (speculative decoding) score ``k + 1`` positions at once:
+:meth:`RowSampler.position_logprobs` applies the processors at position ``i`` with the history extended by the
+first ``i`` draft tokens — what plain decoding would have seen — and :meth:`RowSampler.accept` extends the history
+by the committed tokens. Only processors that depend on the history alone (the params' penalties and bias) can be
+evaluated ahead like this; a caller's processor may keep state, so its row decodes one token at a time.
+
+Rows that are greedy, have no processor and record no log-probabilities take the batch's one ``argmax`` (no work
+of their own).
 
 **Grammar masks** are not processors: the engine advances a row's grammar with each token it emits and hands
 :func:`sample_rows` the rows' next-token bitmasks, applied to all masked rows in one operation
@@ -56,10 +64,11 @@ class RowSampler:
         self._key = mx.random.key(mlx_seed(seed)) if seed is not None and not self.greedy else None
         self._prompt = list(prompt)
         self._processors: list[LogitsProcessor] = []
+        self._callers = 0  # processors added by the caller (not the params'): may hold state of their own
         self._history: Any = None  # mlx-lm's TokenBuffer: prompt + sampled tokens, made with the first processor
         self._recorder = LogprobRecorder(logprobs) if logprobs is not None else None
         for processor in params.processors():
-            self.add_processor(processor)
+            self.add_processor(processor, history_only=True)
 
     @classmethod
     def for_choice(cls, request: Any, index: int) -> "RowSampler":
@@ -79,13 +88,52 @@ class RowSampler:
         """Greedy with no processor and no log-probabilities: the batch's shared ``argmax`` serves it."""
         return self.greedy and not self._processors and self._recorder is None
 
-    def add_processor(self, processor: LogitsProcessor) -> None:
-        """Apply ``processor`` to this row's logits from the next draw on, after those added before it."""
+    @property
+    def history_only(self) -> bool:
+        """Whether every processor is a function of the token history alone (the params' penalties and logit bias),
+        so :meth:`position_logprobs` can apply them at positions not decoded yet."""
+        return self._callers == 0
+
+    def add_processor(self, processor: LogitsProcessor, *, history_only: bool = False) -> None:
+        """Apply ``processor`` to this row's logits from the next draw on, after those added before it.
+        ``history_only``: it keeps no state of its own (its output depends on the history and logits only)."""
         if self._history is None:
             from mlx_lm.models.cache import TokenBuffer
 
             self._history = TokenBuffer(self._prompt)
         self._processors.append(processor)
+        self._callers += not history_only
+
+    def position_logprobs(self, logits: mx.array, draft: Sequence[int]) -> mx.array:
+        """The log-probabilities this row would draw from at each position of a verification row: ``logits``
+        ``(k + 1, vocab)`` follow its last token and each of the ``k`` ``draft`` tokens; position ``i`` gets the
+        processors applied with the history extended by ``draft[:i]`` — what a plain decode step would see had it
+        emitted those tokens — then normalized as :meth:`__call__` does. Returns ``(k + 1, vocab)`` (lazy).
+
+        Raises:
+            ValueError: a processor keeps state of its own (:attr:`history_only` is false).
+        """
+        assert logits.shape[0] == len(draft) + 1, (logits.shape, len(draft))
+        if not self._processors:
+            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (k + 1, vocab)
+        if not self.history_only:
+            raise ValueError("a caller's logits processor cannot be applied ahead of the tokens it has seen")
+        history = mx.concatenate([self._history.tokens, mx.array(list(draft), dtype=mx.int32)])  # (T + k,)
+        start = history.shape[0] - len(draft)
+        rows = []
+        for i in range(len(draft) + 1):
+            row = logits[i : i + 1]  # (1, vocab)
+            seen = history[: start + i]
+            for process in self._processors:
+                row = process(seen, row)
+            rows.append(row - mx.logsumexp(row, axis=-1, keepdims=True))
+        return mx.concatenate(rows)  # (k + 1, vocab)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """``tokens`` were committed after a verification row scored by :meth:`position_logprobs`: the history
+        the processors see goes on with them."""
+        if self._processors and tokens:
+            self._history.update_and_fetch(mx.array(list(tokens), dtype=mx.int32))
 
     def __call__(self, logits: mx.array, logprobs: mx.array | None = None, *, masked: bool = False) -> mx.array:
         """The sampled token ``(1,)`` (lazy) from this row's ``logits`` ``(1, vocab)``; ``logprobs`` is their

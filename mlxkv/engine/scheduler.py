@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
-from mlxkv.engine.constraints import consume, constraints_for, step_masks
+from mlxkv.engine.constraints import consume, constraints_for, step_masks, verify_masks
 from mlxkv.engine.decode_loop import DecodeLoop, decode_inputs, ends_in_flight
 from mlxkv.engine.jobs import Choice, EngineObserver, Job, Prefill, cache_request
 from mlxkv.engine.output import TextStream, emit_token, end_event, flush_wakeups
@@ -486,7 +486,7 @@ class Scheduler:
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
                             next_input=request.prompt[-1], constraint=constraints[i])
             k = self.speculation.tokens_for(request.num_draft_tokens) if self.speculation is not None else 0
-            if k > 0 and may_speculate(request, sampler, constraints[i] is not None, seq.overflow):
+            if k > 0 and may_speculate(request, sampler, seq.overflow):
                 choice.drafter = self.speculation.row(request.prompt, sampler, k, request.cache_salt)
             job.choices.append(choice)
             self._owners[seq.id] = choice
@@ -549,6 +549,10 @@ class Scheduler:
                 continue
             proposal = proposals.get(id(choice))
             draft = proposal.tokens if proposal is not None else []
+            if draft and choice.constraint is not None:  # cut where its grammar would refuse (it verifies the rest)
+                draft = draft[: self._allowed_prefix(choice, draft)]
+                if choice.job.finished:
+                    continue
             if draft and not self._make_room(choice.seq, 1 + len(draft)):
                 draft = []  # its drafter hears of it in verified(0, 0)
             if not draft and not self._make_room(choice.seq, 1):
@@ -566,7 +570,8 @@ class Scheduler:
                 choice.seq.feed([choice.next_input, *draft])
             choice.input_known_to_pool = False
             drafts[id(choice)] = draft
-            draft_logprobs[id(choice)] = proposal.logprobs if draft and proposal is not None else None
+            q = proposal.logprobs if draft and proposal is not None else None
+            draft_logprobs[id(choice)] = q[: len(draft)] if q is not None else None
         choices = [c for c in self.running if id(c) in drafts]
         if not choices:
             return None
@@ -576,8 +581,17 @@ class Scheduler:
         plan = StepPlan(decode=choices, drafts=[drafts[id(c)] for c in choices],
                         draft_logprobs=[draft_logprobs[id(c)] for c in choices])
         if any(c.constraint is not None for c in choices):
-            plan.masks = lambda logits: step_masks(choices, logits.shape[-1], self._fail)
+            plan.masks = lambda logits: verify_masks(choices, plan.drafts, logits.shape[-1], self._fail)
         return plan
+
+    def _allowed_prefix(self, choice: Choice, draft: list[int]) -> int:
+        """How many leading tokens of ``draft`` ``choice``'s grammar allows (0 when its grammar engine fails: the
+        request is failed)."""
+        try:
+            return choice.constraint.allowed_prefix(draft)
+        except Exception as exc:  # noqa: BLE001 - the grammar engine's failure is this request's alone
+            self._fail(choice.job, exc)
+            return 0
 
     def _verified(self, plan: StepPlan, out: StepOutput) -> None:
         """A verification step's rows: rejected positions trimmed from each row's caches (paged: their slots go back

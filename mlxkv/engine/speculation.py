@@ -20,11 +20,17 @@ A row drafter is a small interface, whatever drafts behind it:
 * optionally ``source``: an object whose ``propose(rows, budgets) -> list[Draft]`` proposes for several rows at
   once (a draft model batching its forwards); proposals then carry the draft's log-probabilities.
 
-A row speculates only where acceptance is exact and cheap to decide: greedy rows with no logits processor
-(penalties, ``logit_bias``), no grammar and no log-probabilities, and unseeded sampled rows under the same
-conditions (rejection sampling keeps the target's distribution; a seeded row keeps its own reproducible stream, so
-it decodes one token at a time). Constrained, penalised, biased, seeded and logprob rows decode normally in the
-same forward, and their tokens are those of a server without speculation.
+A row speculates where acceptance is exact and cheap to decide: greedy rows and unseeded sampled rows (rejection
+sampling keeps the target's distribution; a seeded row keeps its own reproducible stream, so it decodes one token at
+a time) that record no log-probabilities. Penalties and ``logit_bias`` speculate too: the verification applies them
+at every position with the history extended by the draft tokens before it, exactly what plain decoding would have
+seen (:meth:`~mlxkv.engine.row_sampler.RowSampler.position_logprobs`). So do grammar-constrained rows (structured
+output, forced tool calls): a proposal is cut before the first token the grammar refuses
+(:meth:`~mlxkv.structured.constraint.TokenConstraint.allowed_prefix`), each verification position is masked with
+the grammar's mask after the draft tokens before it (computed on the matcher and rolled back,
+:func:`~mlxkv.engine.constraints.verify_masks`), and the grammar advances by the committed tokens only. Seeded and
+logprob rows, and rows with a caller's own logits processor, decode normally in the same forward, and their tokens
+are those of a server without speculation.
 """
 
 from __future__ import annotations
@@ -136,11 +142,13 @@ class RowDrafter:
         """Done: nothing to free."""
 
 
-def may_speculate(request: Any, sampler: Any, constrained: bool, overflow: Any) -> bool:
-    """Whether a choice of ``request`` (its ``sampler``) may propose tokens: nothing of its own acts on its logits
-    (processors, grammar, log-probabilities), a sampled row is unseeded, and its sequence has no overflow policy
-    (pages it evicts could not be rewound)."""
-    return (not sampler.processors and not constrained and request.logprobs is None and overflow is None
+def may_speculate(request: Any, sampler: Any, overflow: Any) -> bool:
+    """Whether a choice of ``request`` (its ``sampler``) may propose tokens: its logits processors, if any, depend on
+    the token history alone (penalties, logit bias: the verification scores every position with them), it records
+    no log-probabilities, a sampled row is unseeded, and its sequence has no overflow policy (pages it evicts could
+    not be rewound). A grammar does not stop it: its proposals are cut where the grammar would refuse and every
+    position verified under its mask."""
+    return (sampler.history_only and request.logprobs is None and overflow is None
             and (sampler.greedy or request.params.seed is None))
 
 

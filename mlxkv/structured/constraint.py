@@ -95,6 +95,39 @@ class TokenConstraint:
         if int(token) in self.eos_token_ids:
             self._eos_seen = True
 
+    def allowed_prefix(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of ``draft`` (proposed continuations) the grammar allows in a row from here,
+        stopping before an EOS (nothing follows it); the state is left as it is."""
+        if self._eos_seen or self._matcher.is_error():
+            return 0
+        n = self._matcher.validate_tokens([int(t) for t in draft])
+        return next((i for i, t in enumerate(draft[:n]) if int(t) in self.eos_token_ids), n)
+
+    def draft_words(self, draft: Sequence[int], width: int) -> np.ndarray:
+        """The allowed-next masks at each position of a verification row, ``(k + 1, ceil(width / 32))`` uint32
+        words: row 0 is :meth:`words` now, row ``i`` the mask after ``draft[:i]``. The draft tokens are consumed
+        on the matcher for the masks, then rolled back: the state is left as it was.
+
+        Raises:
+            ConstraintError: a draft token is not allowed (cut drafts with :meth:`allowed_prefix`), or the matcher
+                failed.
+        """
+        rows = [self.words(width)]
+        allowed = self.allowed_prefix(draft)  # checked first: a refused token would leave the matcher in error
+        if allowed < len(draft):
+            raise ConstraintError(f"draft token {draft[allowed]} is not allowed by the grammar here")
+        consumed = 0
+        try:
+            for token in draft:
+                if not self._matcher.consume_token(int(token)):
+                    raise ConstraintError(f"draft token {token} is not allowed by the grammar here: {self._error()}")
+                consumed += 1
+                rows.append(self.words(width))
+        finally:
+            if consumed and not self._matcher.rollback(consumed):
+                raise ConstraintError(f"the grammar engine could not roll back a draft: {self._error()}")
+        return np.stack(rows)  # (k + 1, ceil(width / 32))
+
     def is_complete(self) -> bool:
         """Whether the text so far is a whole valid document (EOS is allowed now)."""
         return self._eos_seen or self._matcher.is_accepting()
