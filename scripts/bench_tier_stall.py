@@ -84,7 +84,16 @@ def stream(port: int, arrivals: list[float], running: threading.Event) -> None:
     running.set()
 
 
-def one_round(python: str, model: str, messages: list[dict]) -> dict:
+def drop_page_cache() -> None:
+    """Empty the kernel's page cache (Linux, root), so the disk hit really reads the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise SystemExit(f"--drop-caches needs root on Linux: {exc}") from None
+
+
+def one_round(python: str, model: str, messages: list[dict], drop_caches: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="mlxkv-stall-") as folder:
         port = free_port()
         proc = start(python, model, folder, port)
@@ -99,6 +108,8 @@ def one_round(python: str, model: str, messages: list[dict]) -> dict:
             worker = threading.Thread(target=stream, args=(port, arrivals, running))
             worker.start()
             running.wait(300)
+            if drop_caches:
+                drop_page_cache()
             t0, ttft, cached = hit(port, messages)
             worker.join(600)
         finally:
@@ -118,6 +129,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="approximate length of the disk-hit prompt")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-python", default=None, help="another checkout's python, run alternately")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="empty the page cache just before the hit (Linux, root): the tier's files come from disk")
     args = parser.parse_args()
     blas = ensure_openblas()
     model = args.model or os.path.expanduser(default_model())
@@ -128,7 +141,7 @@ def main() -> int:
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, python in sides.items():
-            results[name].append(one_round(python, model, messages))
+            results[name].append(one_round(python, model, messages, args.drop_caches))
             print(f"{name}: {results[name][-1]}", file=sys.stderr, flush=True)
     summary = {}
     for name, rounds in results.items():
