@@ -24,7 +24,8 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import add_extra_eos, check_folder_option, refuse_unused, refuse_useless_dequantize, unused_sampling
+from mlxkv.cli.validate import (add_extra_eos, check_draft_model, check_folder_option, refuse_unused,
+                                refuse_useless_dequantize, unused_sampling)
 
 HELP = """commands:
   /help            this list
@@ -126,7 +127,7 @@ def chat(
         if resume is not None:
             saved_session_path(folder, resume)
         if draft_model:
-            _check_draft(draft_model)
+            check_draft_model(draft_model)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=1)
@@ -179,20 +180,6 @@ def chat(
     console.print(f"mlxkv chat with {shown}: /help lists the commands, Ctrl-D leaves.", markup=False,
                   soft_wrap=True)
     repl.run(_line_reader(folder), verbose)
-
-
-def _check_draft(spec: str) -> None:
-    """A draft model that is not there fails now, named as the draft, not after the chat model has loaded.
-
-    Raises:
-        ValueError: naming ``--draft-model`` and why it cannot be found.
-    """
-    from mlxkv.models import ModelLoadError, resolve_model_path
-
-    try:
-        resolve_model_path(spec)
-    except ModelLoadError as exc:
-        raise ValueError(f"--draft-model {spec}: {exc}") from None
 
 
 def _draft_rows(loaded: Any, draft_model: str | None, dequantize: bool, num_draft_tokens: int,

@@ -22,6 +22,7 @@ from mlxkv.cli.options import (
 )
 from mlxkv.cli.validate import (
     add_extra_eos,
+    check_draft_model,
     check_files_option,
     check_utf8,
     read_prompt,
@@ -199,7 +200,7 @@ def generate(
         from mlxkv.config import RunConfig, SpeculativeConfig
         from mlxkv.engine.build import build_engine
         from mlxkv.engine.sampling import SamplingParams
-        from mlxkv.models import ModelLoadError, load, resolve_model_path
+        from mlxkv.models import ModelLoadError, load
         from mlxkv.prompt import encode_prompt, response_primer
     except ImportError as exc:  # a broken install should still end in one line
         _fail(f"mlxkv is not installed correctly: {exc}", verbose)
@@ -223,10 +224,10 @@ def generate(
     if chat_template_kwargs is not None and raw:
         raise typer.BadParameter("applies to the chat template: drop --raw", param_hint="--chat-template-kwargs")
     if draft_model:
-        try:  # a draft that is not there fails now, named as the draft, not after the target has loaded
-            resolve_model_path(draft_model)
-        except ModelLoadError as exc:
-            _fail(f"--draft-model {draft_model}: {exc}", verbose)
+        try:
+            check_draft_model(draft_model)
+        except ValueError as exc:
+            _fail(str(exc), verbose)
     try:
         speculative = SpeculativeConfig(draft_model=draft_model, prompt_lookup=prompt_lookup,
                                         num_draft_tokens=num_draft_tokens, ngram_size=ngram_size)

@@ -26,7 +26,7 @@ from mlxkv.cli.options import (
     sampling_defaults,
     with_revision,
 )
-from mlxkv.cli.validate import (check_file_option, check_folder_option, given, refuse_unused,
+from mlxkv.cli.validate import (check_draft_model, check_file_option, check_folder_option, given, refuse_unused,
                                 refuse_useless_dequantize)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -269,7 +269,7 @@ def serve(
         if draft_model and several:
             raise ValueError("--draft-model serves one model: drop the other --model / --models-file entries")
         if draft_model:
-            _check_draft(draft_model)
+            check_draft_model(draft_model)
         group = _distributed_group(distributed)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -410,15 +410,3 @@ def _distributed_group(mode: str):
     return start_group(mode)
 
 
-def _check_draft(spec: str) -> None:
-    """A draft model that is not there fails now, named as the draft, not after the served model has loaded.
-
-    Raises:
-        ValueError: naming ``--draft-model`` and why it cannot be found.
-    """
-    from mlxkv.models import ModelLoadError, resolve_model_path
-
-    try:
-        resolve_model_path(spec)
-    except ModelLoadError as exc:
-        raise ValueError(f"--draft-model {spec}: {exc}") from None

@@ -5,7 +5,6 @@ penalties and ``logit_bias``, structured output and forced tool calls (all of th
 preemption and resume, a cancelled neighbour — while proposals are both accepted and rejected; the ``speculative`` request field on every route; the counts in
 ``usage``, ``/metrics`` and ``/v1/cache/stats``; the one-line refusals."""
 
-import concurrent.futures
 import json
 
 import httpx
@@ -14,6 +13,7 @@ from testkit.archs import build_from_config, get_config
 from testkit.models import write_model
 from testkit.run_config import run_config
 from testkit.serve_thread import anthropic_client, openai_client, serve_in_thread
+from testkit.speculative_requests import complete, speculative_usage, texts, together
 
 pytestmark = [pytest.mark.float_order, pytest.mark.server]
 
@@ -29,26 +29,6 @@ def cycle(a):
 # rejected), and one whose output barely repeats.
 PROMPTS = [cycle(73), cycle(192), cycle(122), list(range(10, 40))]
 WIDE_PROMPTS = [cycle(220), cycle(234), cycle(318), cycle(94)]  # the same for the head_dim-32 llama below
-
-
-def complete(client, prompt, **kw):
-    kw.setdefault("max_tokens", 40)
-    kw.setdefault("temperature", 0)
-    return client.completions.create(model="m", prompt=prompt, **kw)
-
-
-def texts(response):
-    return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
-
-
-def together(client, prompts, **kw):
-    """The prompts as concurrent requests (one engine step verifies them together)."""
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: complete(client, p, **kw), prompts))
-
-
-def speculative_usage(response):
-    return (response.usage.model_extra or {}).get("speculative")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ strings, penalties, ``logprobs``, structured output, preemption and resume, a ca
 KV is all given back afterwards; the draft's own prefix cache hits on a repeated prompt; at temperature 1 rejection
 sampling with the draft's probabilities keeps the target's distribution; the one-line refusals."""
 
-import concurrent.futures
 import json
 from collections import Counter
 
@@ -14,6 +13,7 @@ import pytest
 from test_speculative_sampling import chi_square_ok
 from testkit.draft_models import first_layers
 from testkit.serve_thread import openai_client
+from testkit.speculative_requests import complete, speculative_usage, texts, together
 from testkit.waiting import wait_for
 
 pytestmark = [pytest.mark.float_order, pytest.mark.server]
@@ -26,25 +26,6 @@ def cycle(a):
 
 
 PROMPTS = [cycle(73), cycle(192), cycle(122), list(range(10, 40))]
-
-
-def complete(client, prompt, **kw):
-    kw.setdefault("max_tokens", 40)
-    kw.setdefault("temperature", 0)
-    return client.completions.create(model="m", prompt=prompt, **kw)
-
-
-def texts(response):
-    return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
-
-
-def together(client, prompts, **kw):
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: complete(client, p, **kw), prompts))
-
-
-def speculative_usage(response):
-    return (response.usage.model_extra or {}).get("speculative")
 
 
 @pytest.fixture(scope="module")
