@@ -17,7 +17,7 @@ from mlxkv.config import KvCacheConfig
 from mlxkv.distributed.follower import Replayer
 from mlxkv.distributed.leader import LeaderEngine, Plans
 from mlxkv.distributed.leader_pool import ChangeLog, LeaderPool
-from mlxkv.distributed.steps import StepMessage
+from mlxkv.distributed.steps import DecodeRun, StepMessage
 from mlxkv.engine.batch import EngineConfig
 from mlxkv.engine.request import GenerationRequest
 from mlxkv.engine.sampling import SamplingParams
@@ -69,6 +69,7 @@ class _LoopbackChannel:
         self.leader_pool = None
         self.kinds: list[str] = []  # every change and step sent, by type name
         self.changes: list = []  # every change sent
+        self.steps: list = []  # every step sent
 
     @staticmethod
     def share(inputs, shape):
@@ -98,6 +99,7 @@ class _LoopbackChannel:
         assert _tables(follower.pool) == _tables(self.leader_pool)
         assert follower.pool.block_stats()["kv_blocks"] == self.leader_pool.block_stats()["kv_blocks"]
         self.kinds.append(type(message.step).__name__)
+        self.steps.append(message.step)
         # the rest of a follower's loop: the clock, then the step (a real channel gathers memory figures first)
         follower.receive(dataclasses.replace(message, changes=[], gather=False))
 
@@ -132,6 +134,11 @@ def test_applied_changes_keep_every_block_the_same(llama):
             assert events[-1].kind == "done", events[-1]
         again = list(engine.submit(GenerationRequest(PROMPTS[0], SamplingParams(max_tokens=4, temp=0.0))))
         assert again[-1].kind == "done"
+        # a prompt cached but for its last 5 tokens, arriving while another request decodes: it joins the batch
+        running = iter(engine.submit(GenerationRequest(PROMPTS[3], SamplingParams(max_tokens=40, temp=0.0))))
+        assert next(running).kind == "token"
+        joined = list(engine.submit(GenerationRequest(SHARED + [77, 78, 79, 80, 81], params)))
+        assert joined[-1].kind == "done" and list(running)[-1].kind == "done"
         stats = engine.stats()
     finally:
         engine.stop()
@@ -140,4 +147,5 @@ def test_applied_changes_keep_every_block_the_same(llama):
                  "Commit", "Release", "DecodeRun", "PrefillRun", "ProbeRun"):
         assert kind in channel.kinds, kind  # the workload went through every path it is meant to test
     assert stats["preemptions"] >= 1 and stats["prefix_cache"]["hits"] > 0
+    assert any(isinstance(step, DecodeRun) and any(step.prompt_tails) for step in channel.steps)
     assert follower_pool.free_capacity() == leader_pool.free_capacity()

@@ -204,9 +204,13 @@ def test_decode_plans_name_every_running_row_and_release_at_max_tokens():
     sched.add(b)
     while sched.has_work():
         sched.step()
-    decode_rows = [[c.job for c in p.decode] for p in runner.plans if p.decode]
-    assert decode_rows[0] == [a, b]  # both decode in one plan
-    assert tokens(a) == [0, 7, 7] and tokens(b) == [0, 7, 7, 7, 7]  # first token sampled from zeros: 0
+    decode_plans = [p for p in runner.plans if p.decode]
+    assert [c.job for c in decode_plans[0].decode] == [a, b]  # both decode in one plan
+    # b, short and planned once a decodes, runs no prefill: its prompt is fed in that plan (all but its last token,
+    # the row's input), which samples its first token
+    assert decode_plans[0].prompt_tails == [[], [6] * 5] and not any(p.prompt_tails for p in decode_plans[1:])
+    assert not any(c.task.job is b for p in runner.plans for c in p.prefills)
+    assert tokens(a) == [0, 7, 7] and tokens(b) == [7] * 5  # a's first token sampled from its prefill's zeros: 0
     assert a.finished and b.finished and len(pool) == 0  # released at max_tokens
 
 

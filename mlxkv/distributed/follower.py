@@ -105,10 +105,10 @@ class Replayer:
     def run_step(self, step: Step) -> None:
         """The forward (or probe, or agreement) rank 0 runs now."""
         match step:
-            case DecodeRun(seqs, shape, batched):
+            case DecodeRun(seqs, shape, batched, tails):
                 self.runner.batched = batched
                 inputs = self.channel.share(None, shape)  # (B, 1): rank 0's tokens
-                mx.eval(self.runner.forward([self._seq(v) for v in seqs], inputs))  # (B, vocab)
+                mx.eval(self.runner.forward([self._seq(v) for v in seqs], inputs, tails))  # (B, vocab)
                 self.forwards += 1
             case PrefillRun(chunks, together=True):
                 self.runner.prefill_together([self._seq(c.seq) for c in chunks], [c.tokens for c in chunks])

@@ -95,9 +95,9 @@ class LeaderRunner(ModelRunner):
         last = super().prefill(seq, tokens, want_logits or self.always_logits, media, start)
         return last if want_logits else None
 
-    def forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
+    def forward(self, seqs: Sequence[Any], inputs: mx.array, prompt_tails: Sequence[list[int]] = ()) -> mx.array:
         shared = self.plans.channel.share(inputs, tuple(inputs.shape))  # (B, 1): the followers' inputs too
-        return super().forward(seqs, shared)  # (B, vocab)
+        return super().forward(seqs, shared, prompt_tails)  # (B, vocab)
 
 
 class LeaderEngine(BatchEngine):

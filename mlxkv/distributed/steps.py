@@ -38,11 +38,13 @@ class PrefillRun:
 @dataclass(frozen=True, slots=True)
 class DecodeRun:
     """One decode forward: one input token per sequence of ``seqs`` (token ids of ``shape`` ``(B, 1)``, shared in
-    the graph), batched through batch views when ``batched``."""
+    the graph), batched through batch views when ``batched``; ``prompt_tails``: per row, the prompt tokens it feeds
+    before its input (a prompt's uncached end joining the batch; empty: none does)."""
 
     seqs: list[int]
     shape: tuple[int, ...]
     batched: bool
+    prompt_tails: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,5 +109,6 @@ def describe(plan: Any, *, batched: bool, always_logits: bool = False) -> Prefil
     if plan.drafts:
         raise ValueError("speculative decoding does not run under --distributed")
     if plan.decode:
-        return DecodeRun([c.seq.id.value for c in plan.decode], tuple(plan.decode_inputs.shape), batched)
+        return DecodeRun([c.seq.id.value for c in plan.decode], tuple(plan.decode_inputs.shape), batched,
+                         [list(t) for t in plan.prompt_tails])
     return None

@@ -46,6 +46,8 @@ class StepPlan:
         started: tasks whose prompt is fully cached: their choices start decoding without a forward (a request
             cached but for its last token joins the decode batch).
         decode: the choices decoding one token each (``decode_inputs`` ``(B, 1)``, lazily built).
+        prompt_tails: a decode step some of whose rows end a prompt (aligned with ``decode``; empty: none does): row b
+            feeds ``prompt_tails[b]`` then its input, and samples from its last position.
         masks: ``masks(logits)`` gives the decode rows' grammar masks, called once the forward is queued (None: no
             constrained row).
         drafts: a verification step (speculative decoding): each decode row's proposed tokens, aligned with
@@ -63,6 +65,7 @@ class StepPlan:
     started: list[Prefill] = field(default_factory=list)
     decode: list[Choice] = field(default_factory=list)
     decode_inputs: mx.array | None = None
+    prompt_tails: list[list[int]] = field(default_factory=list)
     masks: Callable[[mx.array], list | None] | None = None
     drafts: list[list[int]] = field(default_factory=list)
     draft_logprobs: list[mx.array | None] = field(default_factory=list)

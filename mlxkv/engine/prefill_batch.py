@@ -38,8 +38,20 @@ def forward_together(model: Any, seq_caches: Sequence[Sequence[Any]], rows: Sequ
     Raises:
         BatchUnsupported: the layers cannot be batched (raised before any cache is written).
     """
-    views = make_prefill_views(seq_caches, [len(r) for r in rows])
-    logits = model(prefill_inputs(rows), cache=views)  # (B, Lmax, vocab)
+    return forward_inputs(model, seq_caches, prefill_inputs(rows), [len(r) for r in rows])
+
+
+def forward_inputs(model: Any, seq_caches: Sequence[Sequence[Any]], inputs: mx.array,
+                   lengths: Sequence[int]) -> mx.array:
+    """:func:`forward_together` of rows given as one right-padded ``(B, Lmax)`` batch (row b's first ``lengths[b]``
+    are real; its tokens may be lazy, e.g. a decode step's in-flight token); every position's logits
+    ``(B, Lmax, vocab)`` (lazy).
+
+    Raises:
+        BatchUnsupported: the layers cannot be batched (raised before any cache is written).
+    """
+    views = make_prefill_views(seq_caches, lengths)
+    logits = model(inputs, cache=views)  # (B, Lmax, vocab)
     check_attended(views)
     return logits
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.engine.plan import StepOutput, StepPlan
-from mlxkv.engine.prefill_batch import forward_together, prefill_together
+from mlxkv.engine.prefill_batch import forward_inputs, forward_together, last_rows, prefill_together
 from mlxkv.engine.row_sampler import RowSampler, lazy_outputs, sample_rows
 from mlxkv.engine.verify_rows import verify_rows
 from mlxkv.kv import BatchUnsupported, cache_arrays, check_attended, make_batch_views
@@ -74,7 +74,7 @@ class ModelRunner:
                 out.committed = verify_rows(logits, plan.drafts, [c.sampler for c in plan.decode], masks,
                                             out.row_errors, plan.draft_logprobs)
             elif plan.decode:
-                logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs)  # (B, vocab)
+                logits = self.forward([c.seq for c in plan.decode], plan.decode_inputs, plan.prompt_tails)  # (B, vocab)
                 masks = plan.masks(logits) if plan.masks is not None else None
                 out.tokens = self.sample(logits, [c.sampler for c in plan.decode], masks, out.row_errors)  # (B,)
         except Exception as exc:  # noqa: BLE001 - the scheduler fails the requests the forward touched
@@ -122,9 +122,38 @@ class ModelRunner:
         """One decode step: :meth:`forward` then :meth:`sample`; returns the tokens ``(B,)`` uint32."""
         return self.sample(self.forward(seqs, inputs), samplers, masks)
 
-    def forward(self, seqs: Sequence[Any], inputs: mx.array) -> mx.array:
-        """Token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``; the next-token logits ``(B, vocab)`` (lazy)."""
+    def forward(self, seqs: Sequence[Any], inputs: mx.array, prompt_tails: Sequence[list[int]] = ()) -> mx.array:
+        """Token ``inputs[b]`` ``(B, 1)`` appended to ``seqs[b]``; the next-token logits ``(B, vocab)`` (lazy).
+        ``prompt_tails[b]`` (if given): prompt tokens row b feeds before its input, in the same forward."""
+        if any(prompt_tails):
+            return self._forward_tails(seqs, inputs, prompt_tails)
         return self._forward(seqs, inputs)
+
+    def _forward_tails(self, seqs: Sequence[Any], inputs: mx.array, tails: Sequence[list[int]]) -> mx.array:
+        """A decode step some of whose rows end a prompt: row b is ``tails[b]`` then ``inputs[b]``, right-padded with
+        that input (lazy: an in-flight token stays unread), in one forward through batched prefill views; each row's
+        logits at its input ``(B, vocab)``. Row by row where the layers cannot be batched."""
+        lengths = [len(t) + 1 for t in tails]
+        width = max(lengths)
+        rows = []
+        for b, tail in enumerate(tails):
+            own = inputs[b]  # (1,)
+            parts = ([mx.array(tail, dtype=mx.uint32)] if tail else []) + [own]
+            if lengths[b] < width:
+                parts.append(mx.repeat(own, width - lengths[b]))
+            rows.append(mx.concatenate(parts) if len(parts) > 1 else own)
+        batch = mx.stack(rows)  # (B, Lmax)
+        if self.batched and len(seqs) > 1:
+            try:
+                logits = forward_inputs(self.model, [s.caches for s in seqs], batch, lengths)  # (B, Lmax, vocab)
+            except BatchUnsupported:
+                pass  # raised before any cache was written
+            else:
+                self.totals["batched_steps"] += 1
+                return last_rows(logits, lengths)
+        self.totals["unbatched_steps"] += 1
+        return mx.concatenate([self.model(batch[b : b + 1, : lengths[b]], cache=s.caches)[:, -1, :]
+                               for b, s in enumerate(seqs)], axis=0)  # (B, vocab)
 
     def forward_rows(self, seqs: Sequence[Any], rows: Sequence[Sequence[int]]) -> mx.array:
         """Row ``rows[b]`` (its decode input and proposed tokens, ragged) appended to ``seqs[b]``; every position's

@@ -50,6 +50,12 @@ TIER_READ_WAIT_S = 0.05
 #: Prefill chunks of at most this many tokens may share one batched forward (a longer one would pad every row of
 #: the batch to its length); see :mod:`mlxkv.engine.prefill_batch`.
 MAX_BATCHED_CHUNK = 128
+#: A request whose uncached prompt end is this short joins a running decode batch: that end is fed in the batch's
+#: forward, its first token sampled with theirs (one forward for the step instead of its prefill's two and theirs).
+MAX_JOINED_TAIL = 32
+#: ... while the joined forward's rows, padded to the longest, hold at most this many positions (on the CPU every
+#: padded position costs what a real one does in the projections and MLPs).
+MAX_JOINED_POSITIONS = 64
 
 
 class Scheduler:
@@ -83,6 +89,7 @@ class Scheduler:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.tokenizer = tokenizer
         self.pool = pool
+        self._model = model
         self.max_sequences = pool.max_sequences if max_sequences is None else min(max_sequences, pool.max_sequences)
         self.prefill_chunk_size = prefill_chunk_size
         self.observer = observer or EngineObserver()
@@ -96,7 +103,7 @@ class Scheduler:
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
-                           batched_prefills=0, prefills_joined_decode=0, image_tokens=0,
+                           batched_prefills=0, prefills_joined_decode=0, prompt_tokens_joined_decode=0, image_tokens=0,
                            image_tokens_cached=0, decode_rows=0, decode_tokens=0, verify_steps=0,
                            batched_verify_steps=0, unbatched_verify_steps=0, draft_tokens=0, accepted_draft_tokens=0)
         self.speculation = speculation
@@ -347,6 +354,7 @@ class Scheduler:
             if choice.done or choice.job.finished:
                 return
         self.running.remove(choice)
+        choice.prompt_tail = []  # never written: the resume prefills it with the rest
         self._preempt(choice.seq)
         if choice.drafter is not None:
             choice.drafter.suspend()  # a draft model's sequence goes too; it reopens as a prefix hit on resume
@@ -384,6 +392,10 @@ class Scheduler:
                 if n == 1 and task.done == target - 1 and self._last_token_decodes(task):
                     self.totals["prefills_joined_decode"] += 1
                     plan = StepPlan(started=[task])  # its first decode step, with the running batch, feeds that token
+                elif n == target - task.done and self._tail_joins_decode(task, n):
+                    self.totals["prefills_joined_decode"] += 1
+                    self.totals["prompt_tokens_joined_decode"] += n
+                    plan = StepPlan(started=[task])  # its first decode step feeds the rest of its prompt
                 elif n > 0:
                     n = self._room_for_chunk(task, task.seq.prefill_chunk(task.done, n))
                     if n == 0:
@@ -440,6 +452,21 @@ class Scheduler:
         of a one-token prefill forward, which would cost about a whole decode step of its own."""
         return self.pool.is_paged and self.batched and task.first_from_prefill
 
+    def _tail_joins_decode(self, task: Prefill, n: int) -> bool:
+        """Whether a request whose prompt's last ``n`` (> 1) tokens are uncached feeds them in the running batch's
+        next decode forward (a row of ``n`` positions) instead of prefilling them first: paged and batched, while
+        sequences decode; one sequence (``n`` = 1), no images, no speculation (its verification rows carry drafts)
+        and not on a 3-D-position model; the forward's padded rows within :data:`MAX_JOINED_POSITIONS`. The step the
+        running sequences wait for then runs one forward, not three."""
+        if not (self.running and self._last_token_decodes(task) and 1 < n <= MAX_JOINED_TAIL):
+            return False
+        request = task.job.request
+        if (request.n != 1 or request.media or self.speculation is not None or task.seq.overflow is not None
+                or getattr(self._model, "mrope_positions", None) is not None):
+            return False
+        width = max([n] + [len(c.prompt_tail) + 1 for c in self.running])
+        return (len(self.running) + 1) * width <= MAX_JOINED_POSITIONS
+
     def _prefilled(self, chunks: list[PrefillChunk], last: list[mx.array | None]) -> None:
         """``chunks`` were written; tasks whose prompt is complete start decoding, a request's own sampling its
         first token from its chunk's logits ``(1, vocab)`` and waking its client at once."""
@@ -473,6 +500,7 @@ class Scheduler:
             self._owners[task.seq.id] = task.choice
             self.running.append(task.choice)
             return
+        tail = [] if last_logits is not None else task.tokens[task.done : task.target - 1]  # see _tail_joins_decode
         constraints = constraints_for(request, self.tokenizer, request.n)
         seqs = [task.seq]
         if request.n > 1:  # parallel samples: forks of the prefilled sequence (paged: sharing its blocks)
@@ -484,7 +512,8 @@ class Scheduler:
                 sampler.add_processor(processor)
             choice = Choice(job=job, index=i, seq=seq, sampler=sampler,
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
-                            next_input=request.prompt[-1], constraint=constraints[i])
+                            next_input=request.prompt[-1], constraint=constraints[i], prompt_tail=tail,
+                            prompt_tail_at=task.done)
             k = self.speculation.tokens_for(request.num_draft_tokens) if self.speculation is not None else 0
             if k > 0 and may_speculate(request, sampler, seq.overflow):
                 choice.drafter = self.speculation.row(request.prompt, sampler, k, request.cache_salt)
@@ -526,6 +555,8 @@ class Scheduler:
         self.totals["max_batch"] = max(self.totals["max_batch"], len(choices))
         self.totals["decode_rows"] += len(choices)
         plan = StepPlan(decode=choices, decode_inputs=decode_inputs(choices))
+        if any(c.prompt_tail for c in choices):
+            plan.prompt_tails = [c.prompt_tail for c in choices]
         if any(c.constraint is not None for c in choices):
             plan.masks = lambda logits: self._masks(choices, logits)
         return plan
@@ -644,8 +675,8 @@ class Scheduler:
         for choice in list(self.running):
             if choice not in self.running or ends_in_flight(choice):  # preempted meanwhile / nothing to feed
                 continue
-            if not self._make_room(choice.seq, 1):
-                self._read_in_flight()  # (normally done already: schedule_decode reads them first when blocks are short)
+            if not self._make_room(choice.seq, 1 + len(choice.prompt_tail)):
+                self._read_in_flight()  # (normally done already: schedule_decode reads them first when short)
                 if choice.done or choice.job.finished:
                     continue
                 if len(self.pool) == 1:  # alone and still no room (a safety net: submit caps every request)
@@ -654,7 +685,10 @@ class Scheduler:
                 else:
                     self._preempt_choice(choice)
                 continue
-            if choice.input_known_to_pool:  # the opened tokens' last: known to the pool, its slot only is taken
+            if choice.prompt_tail:  # its prompt's uncached end and last token: known to the pool, slots taken
+                at = choice.prompt_tail_at
+                choice.seq.reserve(at, at + len(choice.prompt_tail) + 1)
+            elif choice.input_known_to_pool:  # the opened tokens' last: known to the pool, its slot only is taken
                 choice.seq.reserve_last()
             elif choice.in_flight is not None:  # its value is still being computed: named when it is read
                 choice.placeholder_at = choice.seq.feed_placeholder()
@@ -678,6 +712,7 @@ class Scheduler:
         for b, c in enumerate(choices):
             if b in out.row_errors and not c.job.finished:
                 self._fail(c.job, out.row_errors[b])  # its own sampling failed: the other rows go on
+            c.prompt_tail = []  # written by this step (or failed with it)
             if c.done or c.job.finished:
                 continue  # closed by its previous token: this step's token is dropped
             c.seq.commit()

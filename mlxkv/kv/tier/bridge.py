@@ -347,11 +347,12 @@ class TierBridge:
 
     def ready(self, tokens: Sequence[int], cache_request: CacheRequest) -> bool:
         """Whether opening ``tokens`` under ``cache_request`` runs its :meth:`restore` without reading a file on the
-        calling thread and with at most one slice (:data:`RESTORE_SLICE_TOKENS`) of tier blocks left to bring back.
-        When not, the disk blocks it would take are being read by the tier's read-ahead thread, or this call
-        brought one slice back: ask again at a later step (the caller keeps the request queued, so the sequences
-        already decoding do not wait for the disk, nor for a long hit's page writes). The first call makes the
-        prompt's :class:`PrefixLookup`; later ones and the open reuse it.
+        calling thread and with no tier block left to bring back (models whose groups are all full attention; a
+        windowed model's open restores its window). When not, the disk blocks it would take are being read by the
+        tier's read-ahead thread, or this call brought one slice (:data:`RESTORE_SLICE_TOKENS`) back: ask again at
+        a later step (the caller keeps the request queued, so the sequences already decoding do not wait for the
+        disk, nor for a long hit's page writes). The first call makes the prompt's :class:`PrefixLookup`; later ones
+        and the open reuse it.
 
         Always ready under ``--distributed`` (ranks restore in lockstep) and for models with recurrent layers (their
         snapshot restore reads its own files)."""
@@ -370,9 +371,9 @@ class TierBridge:
         return not self._restore_slice(found)
 
     def _restore_slice(self, found: PrefixLookup) -> bool:
-        """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks when more than that is
-        left (models whose groups are all full attention: any prefix of the hit is a hit); whether it did, so the
-        prompt waits one more step. The rest, at most one slice, comes back when it opens."""
+        """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks, if any are left (models
+        whose groups are all full attention: any prefix of the hit is a hit); whether it did, so the prompt waits
+        one more step: it opens with its whole hit in the pool, in a step of its own."""
         step = max(1, RESTORE_SLICE_TOKENS // self.block_size)
         if self._windowed:
             return False
@@ -381,9 +382,9 @@ class TierBridge:
             found.version = self.pool.cache_version
             self._plan(found)
         first = found.first
-        if found.length - first <= step:
+        if found.length <= first:
             return False
-        end = first + step
+        end = min(first + step, found.length)
         placed: dict[tuple[int, int], KVCacheBlock] = {}
         done = self.restore_blocks(found.tokens, found.ctx, found.hashes, found.hit.blocks, found.held,
                                    [(i, g) for i, g in found.wanted if i < end], placed=placed)
