@@ -26,6 +26,7 @@ paged pool's prefix cache (``--kv-backend paged``, the default; ``--kv-backend d
     ... --workload shared-unique                       # the same, every user question asked once
     python scripts/bench_serve.py --model random --prefix-repeat 10 --context 8192   # a random llama
     python scripts/bench_serve.py --model path/to/model --max-tokens 64 --json out.json
+    ... --baseline-python ../base/.venv/bin/python    # a third server: another checkout's mlxkv serve
 """
 
 from __future__ import annotations
@@ -107,18 +108,22 @@ def model_tokenizer(model: str):
 
 def start_server(name: str, model: str, port: int, max_sequences: int, kv_backend: str = "paged",
                  kv_budget: int | None = None, extra: list[str] | None = None,
-                 timeout: float = 180) -> subprocess.Popen:
-    """Start server ``name`` ("mlxkv" or "mlx-lm") on ``model`` with ``extra`` options of its own and wait until
-    it answers /v1/models (at most ``timeout`` seconds)."""
-    if name == "mlxkv":
-        cmd = [sys.executable, "-m", "mlxkv.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-               "--max-sequences", str(max_sequences), "--max-queue-depth", "256", "--log-level", "warning",
-               "--kv-backend", kv_backend] + (["--kv-cache-budget", str(kv_budget)] if kv_budget else [])
+                 timeout: float = 180, python: str | None = None) -> subprocess.Popen:
+    """Start server ``name`` ("mlxkv", "baseline" or "mlx-lm") on ``model`` with ``extra`` options of its own and
+    wait until it answers /v1/models (at most ``timeout`` seconds). "baseline" is ``mlxkv serve`` run by ``python``,
+    another checkout's interpreter (which imports its own tree)."""
+    if name in ("mlxkv", "baseline"):
+        cmd = [sys.executable if name == "mlxkv" else python, "-m", "mlxkv.server", "--model", model, "--host",
+               "127.0.0.1", "--port", str(port), "--max-sequences", str(max_sequences), "--max-queue-depth", "256",
+               "--log-level", "warning", "--kv-backend", kv_backend] + (
+                   ["--kv-cache-budget", str(kv_budget)] if kv_budget else [])
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
     cmd += extra or []
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = dict(os.environ)
+    if name != "baseline":
+        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop_server; not a pipe (nobody reads it)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log = log
@@ -248,9 +253,9 @@ def check_same_text(urls: dict[str, str], max_tokens: int) -> bool:
         one_request(url, "warm up", max_tokens, text=pieces)
         texts[name] = "".join(pieces)
     if len(set(texts.values())) == 1:
-        print(f"warm-up: both servers answer the same greedy text: {texts['mlxkv'][:80]!r}", flush=True)
+        print(f"warm-up: the servers answer the same greedy text: {texts['mlxkv'][:80]!r}", flush=True)
         return True
-    print("WARNING: the two servers answer the warm-up request with different greedy texts:", flush=True)
+    print("WARNING: the servers answer the warm-up request with different greedy texts:", flush=True)
     for name, text in texts.items():
         print(f"  {name:6s} {text[:300]!r}", flush=True)
     return False
@@ -258,24 +263,25 @@ def check_same_text(urls: dict[str, str], max_tokens: int) -> bool:
 
 def bench(models: dict[str, str], levels: list[int], per_client: int, max_tokens: int, workload: str, rounds: int,
           kv_backend: str = "paged", kv_budget: int | None = None, client_per_request: bool = False,
-          extra: list[str] | None = None) -> tuple[dict[str, list[dict]], bool]:
-    """Both servers up at once (an idle server takes no CPU), ``models[name]`` each; at each level the two
-    alternate round by round (mlxkv first in even rounds, mlx-lm first in odd ones), so a slow patch of the
-    machine hits both. Returns the figures and whether the warm-up texts agreed."""
-    names = ("mlxkv", "mlx-lm")
+          extra: list[str] | None = None, baseline: str | None = None) -> tuple[dict[str, list[dict]], bool]:
+    """Every server up at once (an idle server takes no CPU), ``models[name]`` each; at each level they take turns
+    round by round, the order rotating each round (two servers: mlxkv first in even rounds, mlx-lm first in odd
+    ones), so a slow patch of the machine hits all. ``baseline``: another checkout's python, whose ``mlxkv serve``
+    runs as a third server. Returns the figures and whether the warm-up texts agreed."""
+    names = ("mlxkv", "baseline", "mlx-lm") if baseline else ("mlxkv", "mlx-lm")
     procs, urls = {}, {}
     try:
         for name in names:
             port = free_port()
-            procs[name] = start_server(name, models[name], port, max(levels), kv_backend, kv_budget,
-                                       extra if name == "mlxkv" else None)
+            procs[name] = start_server(name, models[name if name != "baseline" else "mlxkv"], port, max(levels),
+                                       kv_backend, kv_budget, extra if name != "mlx-lm" else None, python=baseline)
             urls[name] = f"http://127.0.0.1:{port}"
         same = check_same_text(urls, max_tokens)
         results: dict[str, list[dict]] = {name: [] for name in names}
         for clients in levels:
             per_round: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(rounds):
-                for name in names if r % 2 == 0 else names[::-1]:
+                for name in names[r % len(names):] + names[: r % len(names)]:
                     per_round[name].append(run_level(urls[name], clients, per_client, max_tokens, workload,
                                                      client_per_request, r))
             for name in names:
@@ -342,6 +348,8 @@ def parse_args() -> argparse.Namespace:
                         "counted in every TTFT, for both servers)")
     p.add_argument("--mlxkv-arg", action="append", default=[],
                    help="extra option for mlxkv serve, repeatable (e.g. --mlxkv-arg=--switch-interval-ms=5)")
+    p.add_argument("--baseline-python", default=None,
+                   help="another checkout's python (e.g. a venv over an older tree): its mlxkv serve takes turns too")
     p.add_argument("--plot", default="bench_serve.png", help="PNG path (needs matplotlib)")
     p.add_argument("--json", help="also write every figure (and the settings) to this JSON file")
     args = p.parse_args()
@@ -389,9 +397,13 @@ def report(args, results: dict, models: dict[str, str], same: bool, model_line: 
     print(f"\nworkload: {args.workload} prefix x{args.prefix_repeat}, {args.max_tokens} tokens per request, "
           f"{args.rounds} alternating rounds; mlxkv {args.kv_backend} KV; ratios mlxkv / mlx-lm (TTFT: lower is "
           "better; tok/s: higher is better)")
-    for ours, theirs in zip(results["mlxkv"], results["mlx-lm"]):
-        print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
-              f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")
+    for other in ("mlx-lm", "baseline"):
+        if other not in results:
+            continue
+        print(f" mlxkv / {other}:")
+        for ours, theirs in zip(results["mlxkv"], results[other]):
+            print(f"  clients={ours['clients']}: TTFT p50 x{ours['ttft_p50'] / theirs['ttft_p50']:.2f}  "
+                  f"p95 x{ours['ttft_p95'] / theirs['ttft_p95']:.2f}  tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}")
     if not same:
         print("WARNING: the warm-up texts differed (see above): the servers may not compute the same thing")
     shared_tokens = len(model_tokenizer(models["mlx-lm"]).encode(SHARED[0]))
@@ -418,7 +430,7 @@ def main() -> None:
         SHARED[0] = PREFIX * args.prefix_repeat
         results, same = bench(models, args.clients, args.requests_per_client, args.max_tokens, args.workload,
                               args.rounds, args.kv_backend, args.kv_cache_budget, args.client_per_request,
-                              extra + args.mlxkv_arg)
+                              extra + args.mlxkv_arg, args.baseline_python)
         report(args, results, models, same, model_line)
 
 

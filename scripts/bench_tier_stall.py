@@ -5,7 +5,7 @@ Per side and round: start ``mlxkv serve --kv-disk-cache DIR``, send the long pro
 gracefully (they are written to DIR), start again; open a decoding stream, and once it runs send the long prompt
 again (a disk hit). Reported: the stream's longest gap between chunks while that hit was served, its median gap,
 the hit's TTFT and cached tokens. ``--baseline-python`` names another checkout's interpreter (e.g. a venv over a
-tree without the tier's read-ahead) to run the same rounds beside this checkout's, alternately.
+tree without the tier's read-ahead; repeatable) to run the same rounds beside this checkout's, alternately.
 
     python scripts/bench_tier_stall.py --prompt-tokens 2048 --baseline-python ../wt-base/.venv/bin/python
 """
@@ -128,7 +128,8 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="GGUF file, 'demo', or a model path (default: reference GGUF)")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="approximate length of the disk-hit prompt")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--baseline-python", default=None, help="another checkout's python, run alternately")
+    parser.add_argument("--baseline-python", action="append", default=[],
+                        help="another checkout's python, run alternately (repeatable)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="empty the page cache just before the hit (Linux, root): the tier's files come from disk")
     args = parser.parse_args()
@@ -136,8 +137,8 @@ def main() -> int:
     model = args.model or os.path.expanduser(default_model())
     messages = [{"role": "user", "content": SENTENCE * max(1, args.prompt_tokens // 20)}]
     sides = {"this checkout": sys.executable}
-    if args.baseline_python:
-        sides["baseline"] = args.baseline_python
+    for python in args.baseline_python:
+        sides[f"baseline {python}"] = python
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, python in sides.items():

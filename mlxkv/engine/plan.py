@@ -43,8 +43,8 @@ class StepPlan:
         admitted: tasks moved from the waiting queue (or back from preemption) to prefilling.
         prefills: prompt chunks; one by one, or in one forward when ``together``.
         together: the chunks share one batched forward.
-        started: tasks whose prompt is fully cached: their choices start decoding without a forward (a request
-            cached but for its last token joins the decode batch).
+        started: tasks whose choices start decoding without a forward of their own: the prompt is cached, or but
+            for its last token or a short end, which the decode batch's forward feeds (``prompt_tails``).
         decode: the choices decoding one token each (``decode_inputs`` ``(B, 1)``, lazily built).
         prompt_tails: a decode step some of whose rows end a prompt (aligned with ``decode``; empty: none does): row b
             feeds ``prompt_tails[b]`` then its input, and samples from its last position.
