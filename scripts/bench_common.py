@@ -20,12 +20,15 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the tiny test models
 
@@ -450,3 +453,22 @@ def median_ms(fn, iters: int) -> float:
         mx.eval(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+def side_env(python: str | None) -> tuple[dict[str, str], str | None]:
+    """``(environment, working folder)`` to start ``python -m mlxkv ...`` of one side of a comparison with: this
+    checkout's tree first on the path (``python`` None), or another checkout's interpreter importing its own tree
+    (run from a neutral folder: ``-m`` puts the working folder first on the path, which would be this checkout)."""
+    env = dict(os.environ)
+    if python is None:
+        env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        return env, None
+    env.pop("PYTHONPATH", None)
+    return env, tempfile.gettempdir()
+
+
+def side_tree(python: str, env: dict[str, str], cwd: str | None) -> str:
+    """The folder of the ``mlxkv`` package ``python`` imports under ``env`` from ``cwd`` (printed by a comparison,
+    so each side's tree is on record)."""
+    out = subprocess.run([python, "-c", "import mlxkv, os; print(os.path.dirname(mlxkv.__file__))"], env=env,
+                         cwd=cwd, capture_output=True, text=True, check=True)
+    return out.stdout.strip()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ from bench_common import (  # noqa: E402
     peer_folder,
     print_header,
     resolve_spec,
+    side_env,
+    side_tree,
     stored_note,
     versions,
 )
@@ -121,11 +122,9 @@ def start_server(name: str, model: str, port: int, max_sequences: int, kv_backen
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "WARNING"]
     cmd += extra or []
-    env = dict(os.environ)
-    if name != "baseline":
-        env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env, cwd = side_env(python if name == "baseline" else None)
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in stop_server; not a pipe (nobody reads it)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log = log
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, log, timeout=timeout, path="/v1/models")
@@ -269,6 +268,10 @@ def bench(models: dict[str, str], levels: list[int], per_client: int, max_tokens
     ones), so a slow patch of the machine hits all. ``baseline``: another checkout's python, whose ``mlxkv serve``
     runs as a third server. Returns the figures and whether the warm-up texts agreed."""
     names = ("mlxkv", "baseline", "mlx-lm") if baseline else ("mlxkv", "mlx-lm")
+    if baseline:
+        for name, python in (("mlxkv", sys.executable), ("baseline", baseline)):
+            print(f"{name}: mlxkv from {side_tree(python, *side_env(python if name == 'baseline' else None))}",
+                  flush=True)
     procs, urls = {}, {}
     try:
         for name in names:

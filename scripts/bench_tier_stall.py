@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from bench_common import default_model, ensure_openblas  # noqa: E402
+from bench_common import default_model, ensure_openblas, side_env, side_tree  # noqa: E402
 
 import openai  # noqa: E402
 from testkit.serve_process import free_port, wait_for_health  # noqa: E402
@@ -41,7 +41,8 @@ def start(python: str, model: str, folder: str, port: int) -> subprocess.Popen:
             "--port", str(port), "--max-sequences", "4", "--log-level", "warning"]
     if model != "demo":
         args += ["-m", model, "--dequantize"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env, cwd = side_env(None if python == sys.executable else python)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, timeout=300)
     except RuntimeError as exc:
@@ -139,6 +140,10 @@ def main() -> int:
     sides = {"this checkout": sys.executable}
     for python in args.baseline_python:
         sides[f"baseline {python}"] = python
+    trees = {name: side_tree(python, *side_env(None if python == sys.executable else python))
+             for name, python in sides.items()}
+    for name, tree in trees.items():
+        print(f"{name}: mlxkv from {tree}", file=sys.stderr, flush=True)
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, python in sides.items():
@@ -148,7 +153,7 @@ def main() -> int:
     for name, rounds in results.items():
         summary[name] = {key: round(statistics.median(r[key] for r in rounds), 4) for key in rounds[0]}
         summary[name]["rounds"] = [{k: round(v, 4) for k, v in r.items()} for r in rounds]
-    print(json.dumps({"model": Path(model).name, "blas": blas, "prompt_tokens_approx": args.prompt_tokens,
+    print(json.dumps({"model": Path(model).name, "blas": blas, "prompt_tokens_approx": args.prompt_tokens, "trees": trees,
                       "results": summary}, indent=2))
     return 0
 

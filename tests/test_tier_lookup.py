@@ -5,6 +5,7 @@ changed in between."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import mlx.core as mx
@@ -120,3 +121,37 @@ def test_a_long_disk_hit_comes_back_a_slice_per_step(model, tmp_path, monkeypatc
     assert mx.array_equal(logits, reference).item()
     tier = restarted.block_stats()["tier"]
     assert (tier["prompt_blocks"], tier["primary_hit_blocks"], tier["secondary_hit_blocks"]) == (10, 0, 10)
+
+
+def test_a_slice_comes_back_while_later_blocks_are_still_read(model, tmp_path, monkeypatch):
+    """The read-ahead reads the hit's blocks in order; a slice whose blocks are read comes back at once, while the
+    thread still reads later ones (their reads held here until the first slice is in the pool)."""
+    monkeypatch.setattr(tier_bridge, "RESTORE_SLICE_TOKENS", 4 * B)
+    first = pool_for(model, tmp_path)
+    reference, _ = prefill_and_release(first, PROMPT)
+    first.flush_tier(10)
+    restarted = pool_for(model, tmp_path)
+    bridge, ahead = restarted.paged.tier, restarted.paged.tier.tier.ahead
+    slices: list[int] = []
+    restore_blocks = bridge.restore_blocks
+    bridge.restore_blocks = lambda *a, **kw: slices.append(len(a[5])) or restore_blocks(*a, **kw)
+    read, held, reads = ahead._read, threading.Event(), []
+
+    def slow_after_four(key):
+        reads.append(key)
+        if len(reads) > 4:
+            held.wait(30)
+        return read(key)
+
+    ahead._read = slow_after_four
+    deadline = time.monotonic() + 30
+    while not slices:
+        assert restarted.tier_ready(PROMPT) is False and time.monotonic() < deadline
+        restarted.wait_tier_reads(0.05)
+    assert slices == [4] and ahead.pending([k for k in reads[4:]])  # the rest is still being read
+    held.set()
+    wait_ready(restarted, PROMPT)
+    seq = restarted.open(prompt=PROMPT)
+    assert slices == [4, 4, 2] and seq.num_cached == 40
+    logits = model(mx.array(PROMPT[40:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
+    assert mx.array_equal(logits, reference).item()

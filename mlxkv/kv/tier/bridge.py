@@ -54,7 +54,7 @@ log = logging.getLogger("mlxkv.kv.tier")
 DEFAULT_WRITE_INTERVAL_S = 2.0
 #: Tier blocks (in tokens) one engine step brings back at most for a prompt still waiting to open, on a model whose
 #: groups are all full attention: a long hit's page writes are spread over steps the running sequences decode in.
-RESTORE_SLICE_TOKENS = 256
+RESTORE_SLICE_TOKENS = 512
 
 
 class TierBridge:
@@ -348,8 +348,8 @@ class TierBridge:
     def ready(self, tokens: Sequence[int], cache_request: CacheRequest) -> bool:
         """Whether opening ``tokens`` under ``cache_request`` runs its :meth:`restore` without reading a file on the
         calling thread and with no tier block left to bring back (models whose groups are all full attention; a
-        windowed model's open restores its window). When not, the disk blocks it would take are being read by the
-        tier's read-ahead thread, or this call brought one slice (:data:`RESTORE_SLICE_TOKENS`) back: ask again at
+        windowed model's open restores its window). When not, this call brought one slice (:data:`RESTORE_SLICE_TOKENS`)
+        back, or the disk blocks the hit takes are still being read by the tier's read-ahead thread: ask again at
         a later step (the caller keeps the request queued, so the sequences already decoding do not wait for the
         disk, nor for a long hit's page writes). The first call makes the prompt's :class:`PrefixLookup`; later ones
         and the open reuse it.
@@ -366,14 +366,18 @@ class TierBridge:
         if found is None:
             found = self.lookup(tokens, ctx.salt, spans=ctx.spans)
             self.lookups.put(key, found)
-        if tier.ahead is not None and (not tier.ahead.request(found.disk_keys) or tier.ahead.pending(found.disk_keys)):
+        ahead = tier.ahead
+        if ahead is not None:
+            ahead.request(found.disk_keys)  # read in the hit's order: the first slice's blocks come first
+        if self._restore_slice(found, staged=lambda keys: ahead is None or not ahead.pending(keys)):
             return False
-        return not self._restore_slice(found)
+        return ahead is None or not ahead.pending(found.disk_keys)
 
-    def _restore_slice(self, found: PrefixLookup) -> bool:
-        """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks, if any are left (models
-        whose groups are all full attention: any prefix of the hit is a hit); whether it did, so the prompt waits
-        one more step: it opens with its whole hit in the pool, in a step of its own."""
+    def _restore_slice(self, found: PrefixLookup, staged: Callable[[list[Key]], bool]) -> bool:
+        """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks, if any are left and
+        ``staged(keys)`` says their disk blocks are read (models whose groups are all full attention: any prefix of
+        the hit is a hit); whether it did, so the prompt waits one more step. Slices come back while later blocks
+        are still being read; the prompt opens with its whole hit in the pool, in a step of its own."""
         step = max(1, RESTORE_SLICE_TOKENS // self.block_size)
         if self._windowed:
             return False
@@ -385,9 +389,12 @@ class TierBridge:
         if found.length <= first:
             return False
         end = min(first + step, found.length)
+        wanted = [(i, g) for i, g in found.wanted if i < end]
+        if not staged([(g, found.hashes[i]) for i, g in wanted]):
+            return False
         placed: dict[tuple[int, int], KVCacheBlock] = {}
-        done = self.restore_blocks(found.tokens, found.ctx, found.hashes, found.hit.blocks, found.held,
-                                   [(i, g) for i, g in found.wanted if i < end], placed=placed)
+        done = self.restore_blocks(found.tokens, found.ctx, found.hashes, found.hit.blocks, found.held, wanted,
+                                   placed=placed)
         hit = self._restored_hit(end, placed) if done else None
         if hit is None:
             return False  # a block was missing: the open restores what it can, as without slices
