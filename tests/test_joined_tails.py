@@ -77,11 +77,10 @@ def test_a_short_uncached_prompt_end_joins_the_running_batch(model, monkeypatch,
 
 
 def test_a_longer_end_prefills_as_before(model, monkeypatch):
-    """Past ``MAX_JOINED_TAIL`` uncached tokens the request prefills them first (every other token, then the last
-    alone, as mlx-lm does), and its tokens are the same."""
+    """Past ``MAX_JOINED_TAIL`` uncached tokens the request prefills them first, and its tokens are the same."""
     tail = [(3 * i) % 500 + 40 for i in range(MAX_JOINED_TAIL + 1)]
     sched, _, arriving, chunks, _ = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY)
-    assert chunks == [len(tail) - 1, 1] and sched.totals["prefills_joined_decode"] == 0
+    assert chunks == [len(tail)] and sched.totals["prefills_joined_decode"] == 0
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     assert tokens(arriving) == list(direct.generate_tokens(SHARED + tail, GREEDY))
 
@@ -90,7 +89,7 @@ def test_unbatched_decode_prefills_the_end(model, monkeypatch):
     """Decoding one sequence at a time there is no batch to join."""
     tail = [401, 402, 403]
     sched, _, arriving, chunks, _ = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY, batched=False)
-    assert chunks == [2, 1] and sched.totals["prefills_joined_decode"] == 0
+    assert chunks == [3] and sched.totals["prefills_joined_decode"] == 0
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     assert tokens(arriving) == list(direct.generate_tokens(SHARED + tail, GREEDY))
 

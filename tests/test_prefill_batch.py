@@ -150,8 +150,8 @@ def test_a_prompt_cached_but_for_its_last_token_joins_the_decode_batch(model, mo
     results = run(sched, [other, repeated, repeated], seeded)
     assert results[1][-1].usage.cached_tokens == len(repeated) - 1
     rest = len(other) - results[0][-1].usage.cached_tokens
-    # other's uncached part only (batched), its last token alone as mlx-lm runs it
-    assert chunks == ([rest - 1, 1] if batched else [rest - 1, 1, 1, 1])
+    # other's uncached part only (batched), in one forward with its last position's logits
+    assert chunks == ([rest] if batched else [rest, 1, 1])
     assert sched.totals["prefills_joined_decode"] == (2 if batched else 0)
     for prompt, events in zip([other, repeated, repeated], results):
         assert [e.token for e in events if e.kind == "token"] == list(direct.generate_tokens(prompt, seeded))

@@ -24,7 +24,7 @@ def open_sequence(pool, cached):
 
 def test_a_continued_sequence_prefills_only_past_its_offset_and_stays_open():
     pool, runner = FakePool(64), FakeRunner()
-    sched = scheduler(pool, runner, prefill_chunk_size=16)
+    sched = scheduler(pool, runner, prefill_chunk_size=16, last_token_alone=True)  # as chat runs it
     seq = open_sequence(pool, 6)
     turn = job(range(10, 20), max_tokens=3)
     turn.sequence = seq

@@ -8,6 +8,7 @@ EOS and at ``max_tokens``.
 import itertools
 
 import mlx.core as mx
+import pytest
 
 from mlxkv.engine.plan import StepOutput, StepPlan
 from mlxkv.engine.runner import ModelRunner
@@ -180,10 +181,13 @@ def test_admission_follows_priority_then_arrival():
     assert [entry[2] for entry in sched.waiting] == [low]
 
 
-def test_chunked_prefill_ranges_then_the_first_token_from_the_last_chunk():
+@pytest.mark.parametrize("last_token_alone", [False, True])
+def test_chunked_prefill_ranges_then_the_first_token_from_the_last_chunk(last_token_alone):
+    """10 tokens in chunks of 4: [0, 4), [4, 8), then [8, 10) with its last position's logits — or, in mlx-lm's
+    order (generate and chat), [8, 9) and the last token alone."""
     runner = FakeRunner()
-    sched = scheduler(FakePool(64), runner, prefill_chunk_size=4)
-    a = job(range(10, 20))  # 10 tokens: chunks [0, 4), [4, 8), [8, 10) — its last token alone, as mlx-lm runs it
+    sched = scheduler(FakePool(64), runner, prefill_chunk_size=4, last_token_alone=last_token_alone)
+    a = job(range(10, 20))
     sched.add(a)
     ranges = []
     for _ in range(3):
@@ -191,8 +195,9 @@ def test_chunked_prefill_ranges_then_the_first_token_from_the_last_chunk():
         while (plan := sched.schedule()) is not None:
             ranges += [(c.start, c.end, c.want_logits) for c in plan.prefills]
             sched.update(plan, runner.execute(plan))
-    assert ranges == [(0, 4, False), (4, 8, False), (8, 9, False), (9, 10, True)]
-    assert len(sched.running) == 1 and a.first_token_at is not None  # sampled from the last token's logits
+    ending = [(8, 9, False), (9, 10, True)] if last_token_alone else [(8, 10, True)]
+    assert ranges == [(0, 4, False), (4, 8, False)] + ending
+    assert len(sched.running) == 1 and a.first_token_at is not None  # sampled from the last chunk's logits
 
 
 def test_decode_plans_name_every_running_row_and_release_at_max_tokens():

@@ -117,7 +117,7 @@ class DirectEngine:
 
             self._scheduler = Scheduler(self.model, self.tokenizer, self.pool, max_sequences=1,
                                         prefill_chunk_size=self.prefill_step_size, batched=False,
-                                        speculation=self.speculation)
+                                        speculation=self.speculation, last_token_alone=True)
         return self._scheduler
 
     def generate_tokens(self, prompt: Seq[int], params: SamplingParams, *, salt: str | bytes | None = None,

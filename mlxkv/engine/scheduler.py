@@ -78,18 +78,25 @@ class Scheduler:
             step's decode, up to ``PREFILL_FIRST_S`` after the step began.
         speculation: speculative decoding by prompt lookup or a draft model (:mod:`mlxkv.engine.speculation`; None:
             off): rows that propose tokens make the decode step a verification step.
+        last_token_alone: a request's prompt ends as mlx-lm runs it: its last token in a forward of its own, after
+            the rest filled the caches without logits, so the first token and the caches are ``mlx_lm.generate``'s
+            bit for bit (``generate`` and ``chat``). Off (``serve``): the last chunk computes its last position's
+            logits in the same forward, one forward less before the first token (the same tokens; logits equal but
+            for float summation order).
     """
 
     def __init__(self, model: Any, tokenizer: Any, pool: CachePool, *, max_sequences: int | None = None,
                  prefill_chunk_size: int = 512,
                  observer: EngineObserver | None = None, on_dequeue: Callable[[], None] = lambda: None,
                  batched: bool = True, batched_prefill: bool = False, runner: Any = None,
-                 intake: Callable[[], bool] | None = None, speculation: Speculation | None = None):
+                 intake: Callable[[], bool] | None = None, speculation: Speculation | None = None,
+                 last_token_alone: bool = False):
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.tokenizer = tokenizer
         self.pool = pool
         self._model = model
+        self.last_token_alone = last_token_alone
         self.max_sequences = pool.max_sequences if max_sequences is None else min(max_sequences, pool.max_sequences)
         self.prefill_chunk_size = prefill_chunk_size
         self.observer = observer or EngineObserver()
@@ -406,7 +413,7 @@ class Scheduler:
                     if self.batched_prefill and n <= MAX_BATCHED_CHUNK and task.seq.overflow is None:
                         task.seq.reserve(task.done, task.done + n)  # the next task's room check sees them
                         together.append(chunk)
-                    elif chunk.want_logits and n > 1:
+                    elif chunk.want_logits and n > 1 and self.last_token_alone:
                         yield from self._body_then_last(chunk)
                     else:
                         plan = StepPlan(prefills=[chunk])
