@@ -34,22 +34,27 @@ def tokens(job: Job) -> list[int]:
     return [e.token for e in job.handle if e.kind == "token"]
 
 
-def joined_beside_a_running_request(model, monkeypatch, tail: list[int], params: SamplingParams, **sched_kw):
-    """``SHARED`` cached; a request decoding; then ``SHARED + tail`` arrives. Returns (scheduler, running job, the
-    new job, prefill chunk lengths run after the arrival, whether the new job had its first token after one step)."""
+def joined_beside_a_running_request(model, monkeypatch, tail: list[int], params: SamplingParams, rows: int = 1,
+                                    **sched_kw):
+    """``SHARED`` cached; ``rows`` requests decoding; then ``SHARED + tail`` arrives. Returns (scheduler, the first
+    running job, the new job, prefill chunk lengths run after the arrival, whether the new job had its first token
+    after one step, whether it joined the decode batch)."""
     pool = paged_pool(model)
     sched = Scheduler(model, None, pool, **sched_kw)
     warm = new_job(SHARED + [5], SamplingParams(max_tokens=1))
     sched.add(warm)
     while sched.has_work():
         sched.step()
-    running = new_job(SHARED[:8] + [900, 901, 902], params)
-    sched.add(running)
+    running = [new_job(SHARED[:8] + [900 + r, 901, 902], params) for r in range(rows)]
+    for job in running:
+        sched.add(job)
     sched.step()
-    sched.step()  # it decodes, a token in flight
+    sched.step()  # they decode, a token in flight
+    assert len(sched.running) == rows
     chunks: list[int] = []
     real = sched._forward_chunk
     monkeypatch.setattr(sched, "_forward_chunk", lambda task, n: chunks.append(n) or real(task, n))
+    joined_before = sched.totals["prefills_joined_decode"]
     arriving = new_job(SHARED + tail, params)
     sched.add(arriving)
     sched.step()
@@ -58,7 +63,7 @@ def joined_beside_a_running_request(model, monkeypatch, tail: list[int], params:
         sched.step()
     assert len(pool) == 0
     pool.check_invariants()
-    return sched, running, arriving, chunks, first_at_once
+    return sched, running[0], arriving, chunks, first_at_once, sched.totals["prefills_joined_decode"] - joined_before
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -67,9 +72,10 @@ def test_a_short_uncached_prompt_end_joins_the_running_batch(model, monkeypatch,
     request's first token, which is out after that one step. Both requests' tokens equal DirectEngine's, each
     alone on a dense cache."""
     tail = [401, 402, 403, 404, 405, 406]
-    sched, running, arriving, chunks, first_at_once = joined_beside_a_running_request(model, monkeypatch, tail, params)
-    assert chunks == [] and first_at_once
-    assert sched.totals["prefills_joined_decode"] == 1 and sched.totals["prompt_tokens_joined_decode"] == len(tail)
+    sched, running, arriving, chunks, first_at_once, joined = joined_beside_a_running_request(model, monkeypatch, tail,
+                                                                                               params)
+    assert chunks == [] and first_at_once and joined == 1
+    assert sched.totals["prompt_tokens_joined_decode"] == len(tail)
     assert arriving.cached_tokens == len(SHARED)
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     assert tokens(arriving) == list(direct.generate_tokens(SHARED + tail, params))
@@ -79,8 +85,19 @@ def test_a_short_uncached_prompt_end_joins_the_running_batch(model, monkeypatch,
 def test_a_longer_end_prefills_as_before(model, monkeypatch):
     """Past ``MAX_JOINED_TAIL`` uncached tokens the request prefills them first, and its tokens are the same."""
     tail = [(3 * i) % 500 + 40 for i in range(MAX_JOINED_TAIL + 1)]
-    sched, _, arriving, chunks, _ = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY)
-    assert chunks == [len(tail)] and sched.totals["prefills_joined_decode"] == 0
+    _, _, arriving, chunks, _, joined = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY)
+    assert chunks == [len(tail)] and joined == 0
+    direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
+    assert tokens(arriving) == list(direct.generate_tokens(SHARED + tail, GREEDY))
+
+
+@pytest.mark.parametrize("tail_length, joins", [(3, True), (6, False)])
+def test_an_end_joins_only_while_the_padding_it_adds_stays_small(model, monkeypatch, tail_length, joins):
+    """Beside four decoding rows, a 3-token end pads the forward by 8 positions (joins); a 6-token one by 20, more
+    than ``MAX_JOINED_PADDING`` (prefills first). The tokens are the same either way."""
+    tail = [401 + i for i in range(tail_length)]
+    _, _, arriving, chunks, _, joined = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY, rows=4)
+    assert (chunks == []) is joins and joined == int(joins)
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     assert tokens(arriving) == list(direct.generate_tokens(SHARED + tail, GREEDY))
 
@@ -88,8 +105,9 @@ def test_a_longer_end_prefills_as_before(model, monkeypatch):
 def test_unbatched_decode_prefills_the_end(model, monkeypatch):
     """Decoding one sequence at a time there is no batch to join."""
     tail = [401, 402, 403]
-    sched, _, arriving, chunks, _ = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY, batched=False)
-    assert chunks == [3] and sched.totals["prefills_joined_decode"] == 0
+    _, _, arriving, chunks, _, joined = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY,
+                                                                        batched=False)
+    assert chunks == [3] and joined == 0
     direct = DirectEngine(model, None, pool=CachePool(model, max_sequences=1))
     assert tokens(arriving) == list(direct.generate_tokens(SHARED + tail, GREEDY))
 

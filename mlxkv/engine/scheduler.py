@@ -10,9 +10,9 @@ cancelled requests; admits preempted sequences, then waiting requests by priorit
 (a sequence opens, taking its prefix hit, only when its turn comes, so requests admitted together share what the
 first computes; short chunks may share one forward); and decodes every running sequence once. A request's own
 prompt is prefilled whole and its first token sampled from the last logits (one cached but for its last token,
-or while sequences decode, for a short end, joins the decode batch instead); ``n > 1`` forks the prefilled sequence. When a sequence needs room, the
-lowest-ranked one (lowest priority, then newest) is preempted and resumes, under the same id, with its prompt and
-generated tokens as a prefix hit. Failures are contained to the requests they touch; every sequence a request
+or while sequences decode for a short end, joins the decode batch instead); ``n > 1`` forks the prefilled
+sequence. When a sequence needs room, the lowest-ranked one (lowest priority, then newest) is preempted and
+resumes, under the same id, with its prompt and generated tokens as a prefix hit. Failures are contained to the requests they touch; every sequence a request
 opened is released when it ends, however it ends (docs/architecture.md has the whole picture).
 """
 
@@ -50,12 +50,13 @@ TIER_READ_WAIT_S = 0.05
 #: Prefill chunks of at most this many tokens may share one batched forward (a longer one would pad every row of
 #: the batch to its length); see :mod:`mlxkv.engine.prefill_batch`.
 MAX_BATCHED_CHUNK = 128
-#: A request whose uncached prompt end is this short joins a running decode batch: that end is fed in the batch's
-#: forward, its first token sampled with theirs (one forward for the step instead of its prefill's two and theirs).
+#: A request whose uncached prompt end is this short may join a running decode batch: that end is fed in the batch's
+#: forward, its first token sampled with theirs (one forward for the step instead of its prefill's and theirs).
 MAX_JOINED_TAIL = 32
-#: ... while the joined forward's rows, padded to the longest, hold at most this many positions (on the CPU every
-#: padded position costs what a real one does in the projections and MLPs).
-MAX_JOINED_POSITIONS = 64
+#: ... when padding every row to the longest adds at most this many positions to the forward. Joining saves a
+#: forward's fixed cost (reading every weight: ~65 ms for SmolLM2-135M in float32 on this CPU) and pays the padded
+#: positions' compute (~3 ms each there): one running row takes a 17-token end, seven take a 3-token one.
+MAX_JOINED_PADDING = 16
 
 
 class Scheduler:
@@ -110,8 +111,8 @@ class Scheduler:
         self.totals = dict(requests=0, finished=0, cancelled=0, failed=0, prompt_tokens=0, generation_tokens=0,
                            steps=0, decode_steps=0, batched_steps=0, unbatched_steps=0, max_batch=0,
                            preemptions=0, prefix_queries=0, prefix_hits=0, overlapped_steps=0,
-                           batched_prefills=0, prefills_joined_decode=0, prompt_tokens_joined_decode=0, image_tokens=0,
-                           image_tokens_cached=0, decode_rows=0, decode_tokens=0, verify_steps=0,
+                           batched_prefills=0, prefills_joined_decode=0, prompt_tokens_joined_decode=0,
+                           image_tokens=0, image_tokens_cached=0, decode_rows=0, decode_tokens=0, verify_steps=0,
                            batched_verify_steps=0, unbatched_verify_steps=0, draft_tokens=0, accepted_draft_tokens=0)
         self.speculation = speculation
         self.runner = runner if runner is not None else ModelRunner(model, batched=batched,
@@ -462,17 +463,17 @@ class Scheduler:
     def _tail_joins_decode(self, task: Prefill, n: int) -> bool:
         """Whether a request whose prompt's last ``n`` (> 1) tokens are uncached feeds them in the running batch's
         next decode forward (a row of ``n`` positions) instead of prefilling them first: paged and batched, while
-        sequences decode; one sequence (``n`` = 1), no images, no speculation (its verification rows carry drafts)
-        and not on a 3-D-position model; the forward's padded rows within :data:`MAX_JOINED_POSITIONS`. The step the
-        running sequences wait for then runs one forward, not three."""
+        sequences decode; one sample (``n=1``), no images, no speculation (its verification rows carry drafts)
+        and not on a 3-D-position model; padding the forward's rows adds at most :data:`MAX_JOINED_PADDING`
+        positions. The step the running sequences wait for then runs one forward, not two."""
         if not (self.running and self._last_token_decodes(task) and 1 < n <= MAX_JOINED_TAIL):
             return False
         request = task.job.request
         if (request.n != 1 or request.media or self.speculation is not None or task.seq.overflow is not None
                 or getattr(self._model, "mrope_positions", None) is not None):
             return False
-        width = max([n] + [len(c.prompt_tail) + 1 for c in self.running])
-        return (len(self.running) + 1) * width <= MAX_JOINED_POSITIONS
+        rows = [len(c.prompt_tail) + 1 for c in self.running] + [n]  # each row's positions
+        return len(rows) * max(rows) - sum(rows) <= MAX_JOINED_PADDING
 
     def _prefilled(self, chunks: list[PrefillChunk], last: list[mx.array | None]) -> None:
         """``chunks`` were written; tasks whose prompt is complete start decoding, a request's own sampling its
