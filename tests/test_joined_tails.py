@@ -93,8 +93,8 @@ def test_a_longer_end_prefills_as_before(model, monkeypatch):
 
 @pytest.mark.parametrize("tail_length, joins", [(3, True), (6, False)])
 def test_an_end_joins_only_while_the_padding_it_adds_stays_small(model, monkeypatch, tail_length, joins):
-    """Beside four decoding rows, a 3-token end pads the forward by 8 positions (joins); a 6-token one by 20, more
-    than ``MAX_JOINED_PADDING`` (prefills first). The tokens are the same either way."""
+    """Beside four decoding rows, a joined 3-token end makes a forward of 15 positions, 12 more than its own prefill
+    (joins); a 6-token one 24 more, past ``MAX_JOINED_EXTRA`` (prefills first). The tokens are the same either way."""
     tail = [401 + i for i in range(tail_length)]
     _, _, arriving, chunks, _, joined = joined_beside_a_running_request(model, monkeypatch, tail, GREEDY, rows=4)
     assert (chunks == []) is joins and joined == int(joins)

@@ -53,10 +53,11 @@ MAX_BATCHED_CHUNK = 128
 #: A request whose uncached prompt end is this short may join a running decode batch: that end is fed in the batch's
 #: forward, its first token sampled with theirs (one forward for the step instead of its prefill's and theirs).
 MAX_JOINED_TAIL = 32
-#: ... when padding every row to the longest adds at most this many positions to the forward. Joining saves a
-#: forward's fixed cost (reading every weight: ~65 ms for SmolLM2-135M in float32 on this CPU) and pays the padded
-#: positions' compute (~3 ms each there): one running row takes a 17-token end, seven take a 3-token one.
-MAX_JOINED_PADDING = 16
+#: ... when the joined forward (every row padded to the longest) computes at most this many positions more than the
+#: request's own prefill would: joining saves every running row a forward's fixed cost (reading every weight: ~65 ms
+#: for SmolLM2-135M in float32 on this CPU) and makes the request's first token wait for those positions (~3 ms each
+#: there). One running row takes an end of up to 20 tokens, three of up to 6, seven of up to 2.
+MAX_JOINED_EXTRA = 20
 
 
 class Scheduler:
@@ -464,8 +465,8 @@ class Scheduler:
         """Whether a request whose prompt's last ``n`` (> 1) tokens are uncached feeds them in the running batch's
         next decode forward (a row of ``n`` positions) instead of prefilling them first: paged and batched, while
         sequences decode; one sample (``n=1``), no images, no speculation (its verification rows carry drafts)
-        and not on a 3-D-position model; padding the forward's rows adds at most :data:`MAX_JOINED_PADDING`
-        positions. The step the running sequences wait for then runs one forward, not two."""
+        and not on a 3-D-position model; the joined forward computes at most :data:`MAX_JOINED_EXTRA` positions more
+        than its own prefill would. The step the running sequences wait for then runs one forward, not two."""
         if not (self.running and self._last_token_decodes(task) and 1 < n <= MAX_JOINED_TAIL):
             return False
         request = task.job.request
@@ -473,7 +474,7 @@ class Scheduler:
                 or getattr(self._model, "mrope_positions", None) is not None):
             return False
         rows = [len(c.prompt_tail) + 1 for c in self.running] + [n]  # each row's positions
-        return len(rows) * max(rows) - sum(rows) <= MAX_JOINED_PADDING
+        return len(rows) * max(rows) - n <= MAX_JOINED_EXTRA
 
     def _prefilled(self, chunks: list[PrefillChunk], last: list[mx.array | None]) -> None:
         """``chunks`` were written; tasks whose prompt is complete start decoding, a request's own sampling its
