@@ -12,8 +12,9 @@ first computes; short chunks may share one forward); and decodes every running s
 prompt is prefilled whole and its first token sampled from the last logits (one cached but for its last token,
 or while sequences decode for a short end, joins the decode batch instead); ``n > 1`` forks the prefilled
 sequence. When a sequence needs room, the lowest-ranked one (lowest priority, then newest) is preempted and
-resumes, under the same id, with its prompt and generated tokens as a prefix hit. Failures are contained to the requests they touch; every sequence a request
-opened is released when it ends, however it ends (docs/architecture.md has the whole picture).
+resumes, under the same id, with its prompt and generated tokens as a prefix hit. Failures are contained to the
+requests they touch; every sequence a request opened is released when it ends, however it ends
+(docs/architecture.md has the whole picture).
 """
 
 from __future__ import annotations
