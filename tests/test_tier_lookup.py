@@ -114,7 +114,7 @@ def test_a_long_disk_hit_comes_back_a_slice_per_step(model, tmp_path, monkeypatc
 
     bridge.restore_blocks = recording
     wait_ready(restarted, PROMPT)
-    assert slices == [4, 4, 2]  # each step the prompt waited brought 4 blocks back: the running sequences decode between
+    assert slices == [4, 4, 2]  # each step the prompt waited brought 4 blocks back; the others decode between
     seq = restarted.open(prompt=PROMPT)
     assert slices == [4, 4, 2] and seq.num_cached == 40 and counts == {"hashed": 10, "searched": 1}
     logits = model(mx.array(PROMPT[40:], dtype=mx.uint32)[None], cache=seq.caches)[0, -1]
