@@ -178,11 +178,6 @@ def check_files_option(values: Optional[list[str]]) -> Optional[list[str]]:
     return values
 
 
-__all__ = ["check_files_option", "given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
-           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "check_adapter_option",
-           "WHY"]
-
-
 def check_draft_model(spec: str) -> None:
     """A draft model that is not there fails now, named as the draft, not after the model it drafts for has loaded.
 
@@ -195,3 +190,8 @@ def check_draft_model(spec: str) -> None:
         resolve_model_path(spec)
     except ModelLoadError as exc:
         raise ValueError(f"--draft-model {spec}: {exc}") from None
+
+
+__all__ = ["check_files_option", "given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
+           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "check_adapter_option",
+           "check_draft_model", "WHY"]

@@ -57,10 +57,14 @@ def test_a_disk_tier_hit_is_hashed_once_and_read_off_the_caller(model, tmp_path)
     assert first.flush_tier(10)["on_disk"] == 10
     restarted = pool_for(model, tmp_path)  # a restart: the primary pool is empty, the blocks are on disk
     counts = counted(restarted)
+    ahead, opened = restarted.paged.tier.tier.ahead, threading.Event()
+    read = ahead._read
+    ahead._read = lambda key: opened.wait(30) and read(key)  # the reads wait for the checks below
 
     assert restarted.tier_ready(PROMPT) is False  # its blocks are being read on the read-ahead thread
     (lookup,) = restarted.paged.tier.lookups._kept.values()
     assert (lookup.first, lookup.length, lookup.host_blocks, len(lookup.disk_keys)) == (0, 10, 0, 10)
+    opened.set()
     wait_ready(restarted, PROMPT)
     assert counts == {"hashed": 10, "searched": 1}  # asking again while reading reuses the lookup
 
@@ -148,7 +152,7 @@ def test_a_slice_comes_back_while_later_blocks_are_still_read(model, tmp_path, m
     while not slices:
         assert restarted.tier_ready(PROMPT) is False and time.monotonic() < deadline
         restarted.wait_tier_reads(0.05)
-    assert slices == [4] and ahead.pending([k for k in reads[4:]])  # the rest is still being read
+    assert slices == [4] and ahead.pending(reads[4:])  # the rest is still being read
     held.set()
     wait_ready(restarted, PROMPT)
     seq = restarted.open(prompt=PROMPT)

@@ -73,9 +73,8 @@ class Choice:
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (a resume recomputes them)
     input_known_to_pool: bool = True  # next_input is the last token the sequence was opened with (no feed)
     # A prompt whose uncached end joined the decode batch: those tokens (all but the prompt's last, which is
-    # next_input) and their first position, fed before next_input by its first decode step (empty: none).
+    # next_input), fed before next_input by its first decode step (empty: none).
     prompt_tail: list[int] = field(default_factory=list)
-    prompt_tail_at: int = 0
     done: bool = False
     # Overlapped decode: the token the last step sampled for this choice, not read yet — ``(tokens, row)``; the
     # next step feeds it lazily. ``placeholder_at``: its position in the pool, named once it is read.

@@ -522,8 +522,7 @@ class Scheduler:
                 sampler.add_processor(processor)
             choice = Choice(job=job, index=i, seq=seq, sampler=sampler,
                             text=TextStream(self.tokenizer, request.params.stop, job.max_tokens),
-                            next_input=request.prompt[-1], constraint=constraints[i], prompt_tail=tail,
-                            prompt_tail_at=task.done)
+                            next_input=request.prompt[-1], constraint=constraints[i], prompt_tail=tail)
             k = self.speculation.tokens_for(request.num_draft_tokens) if self.speculation is not None else 0
             if k > 0 and may_speculate(request, sampler, seq.overflow):
                 choice.drafter = self.speculation.row(request.prompt, sampler, k, request.cache_salt)
@@ -696,8 +695,8 @@ class Scheduler:
                     self._preempt_choice(choice)
                 continue
             if choice.prompt_tail:  # its prompt's uncached end and last token: known to the pool, slots taken
-                at = choice.prompt_tail_at
-                choice.seq.reserve(at, at + len(choice.prompt_tail) + 1)
+                end = len(choice.job.request.prompt)
+                choice.seq.reserve(end - len(choice.prompt_tail) - 1, end)
             elif choice.input_known_to_pool:  # the opened tokens' last: known to the pool, its slot only is taken
                 choice.seq.reserve_last()
             elif choice.in_flight is not None:  # its value is still being computed: named when it is read
@@ -722,7 +721,8 @@ class Scheduler:
         for b, c in enumerate(choices):
             if b in out.row_errors and not c.job.finished:
                 self._fail(c.job, out.row_errors[b])  # its own sampling failed: the other rows go on
-            c.prompt_tail = []  # written by this step (or failed with it)
+            if c.prompt_tail:
+                c.prompt_tail = []  # written by this step
             if c.done or c.job.finished:
                 continue  # closed by its previous token: this step's token is dropped
             c.seq.commit()

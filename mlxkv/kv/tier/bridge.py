@@ -369,9 +369,11 @@ class TierBridge:
         ahead = tier.ahead
         if ahead is not None:
             ahead.request(found.disk_keys)  # read in the hit's order: the first slice's blocks come first
-        if self._restore_slice(found, staged=lambda keys: ahead is None or not ahead.pending(keys)):
-            return False
-        return ahead is None or not ahead.pending(found.disk_keys)
+
+        def staged(keys: list[Key]) -> bool:
+            return ahead is None or not ahead.pending(keys)
+
+        return not self._restore_slice(found, staged) and staged(found.disk_keys)
 
     def _restore_slice(self, found: PrefixLookup, staged: Callable[[list[Key]], bool]) -> bool:
         """Bring back the next :data:`RESTORE_SLICE_TOKENS` worth of ``found``'s tier blocks, if any are left and
