@@ -55,7 +55,6 @@ def fields(data: bytes) -> list[tuple[int, str, str]]:
         return text
 
     def value(kind: int, label: str, first: bool = True) -> None:
-        nonlocal pos
         if kind in _SCALARS:
             take(_SCALARS[kind], f"{label}.value" if first else None)
         elif kind == _STRING:
@@ -129,7 +128,16 @@ def cases(data: bytes, per_field: int = 5, seed: int = 35) -> Iterator[tuple[str
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+    """This process's peak RSS since it started. Linux: /proc's VmHWM, since getrusage's ru_maxrss keeps the
+    parent's peak across fork and exec (a child of a large test worker would report the worker's size)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kilobytes
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
 def run(base: Path, out: Path, convert_every: int = 10) -> None:
