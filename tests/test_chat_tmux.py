@@ -147,6 +147,7 @@ def test_prompt_lookup_answers_as_plain_chat_and_a_stopped_answer_keeps_the_cach
     spec.send("/set max-tokens 480")
     _stop_an_answer(spec, "Write a very long story about everything.", turn_line=True)
     stopped = _stats(spec)
+    spec.send("/set max-tokens 40")  # the next turn fits the context beside a stopped answer of any length
     assert spec.send("Hello")
     assert _stats(spec)["cached"] == stopped["context"]
     spec.key("C-d")
