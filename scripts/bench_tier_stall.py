@@ -41,7 +41,7 @@ def start(python: str, model: str, folder: str, port: int) -> subprocess.Popen:
             "--port", str(port), "--max-sequences", "4", "--log-level", "warning"]
     if model != "demo":
         args += ["-m", model, "--dequantize"]
-    env, cwd = side_env(None if python == sys.executable else python)
+    env, cwd = side_env(python)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, timeout=300)
@@ -140,8 +140,7 @@ def main() -> int:
     sides = {"this checkout": sys.executable}
     for python in args.baseline_python:
         sides[f"baseline {python}"] = python
-    trees = {name: side_tree(python, *side_env(None if python == sys.executable else python))
-             for name, python in sides.items()}
+    trees = {name: side_tree(python) for name, python in sides.items()}
     for name, tree in trees.items():
         print(f"{name}: mlxkv from {tree}", file=sys.stderr, flush=True)
     results: dict[str, list[dict]] = {name: [] for name in sides}

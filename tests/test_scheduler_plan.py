@@ -123,7 +123,7 @@ class FakePool:
 class FakeRunner:
     """Records each plan; writes chunk lengths into the fake sequences; decodes ``script(choice)`` per row."""
 
-    batched, batched_prefill = True, False
+    batched, batched_prefill, mrope = True, False, False
     sample_first = staticmethod(ModelRunner.sample_first)  # the first token, from all-zero logits: 0
 
     def __init__(self, script=lambda choice: 7):

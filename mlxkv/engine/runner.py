@@ -44,6 +44,11 @@ class ModelRunner:
         self.batched_prefill = batched_prefill
         self.totals = totals
 
+    @property
+    def mrope(self) -> bool:
+        """The model places tokens by 3-D positions (M-RoPE): each step binds its rows' image spans."""
+        return getattr(self.model, "mrope_positions", None) is not None
+
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``'s forwards and sampling: its prefill chunks (one forward each, or all in one when
         ``plan.together``), else its decode rows (one forward, then each row's token under its grammar mask, the
@@ -52,7 +57,7 @@ class ModelRunner:
         returned as ``error``, not raised. A model with 3-D positions (M-RoPE) sees each row's image spans, bound to
         its sequence for the step (:mod:`mlxkv.vision.mrope`)."""
         out = StepOutput()
-        if getattr(self.model, "mrope_positions", None) is None:
+        if not self.mrope:
             return self._execute(plan, out)
         rows = [(c.task.seq.caches, c.task.job.request.media) for c in plan.prefills] + \
             [(c.seq.caches, c.job.request.media) for c in plan.decode]
@@ -135,14 +140,8 @@ class ModelRunner:
         logits at its input ``(B, vocab)``. Row by row where the layers cannot be batched."""
         lengths = [len(t) + 1 for t in tails]
         width = max(lengths)
-        rows = []
-        for b, tail in enumerate(tails):
-            own = inputs[b]  # (1,)
-            parts = ([mx.array(tail, dtype=mx.uint32)] if tail else []) + [own]
-            if lengths[b] < width:
-                parts.append(mx.repeat(own, width - lengths[b]))
-            rows.append(mx.concatenate(parts) if len(parts) > 1 else own)
-        batch = mx.stack(rows)  # (B, Lmax)
+        batch = mx.stack([mx.concatenate([mx.array(tail, dtype=mx.uint32), inputs[b], mx.repeat(inputs[b], width - n)])
+                          for b, (tail, n) in enumerate(zip(tails, lengths))])  # (B, Lmax)
         if self.batched and len(seqs) > 1:
             try:
                 logits = forward_inputs(self.model, [s.caches for s in seqs], batch, lengths)  # (B, Lmax, vocab)

@@ -98,7 +98,6 @@ class Scheduler:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         self.tokenizer = tokenizer
         self.pool = pool
-        self._model = model
         self.last_token_alone = last_token_alone
         self.max_sequences = pool.max_sequences if max_sequences is None else min(max_sequences, pool.max_sequences)
         self.prefill_chunk_size = prefill_chunk_size
@@ -472,7 +471,7 @@ class Scheduler:
             return False
         request = task.job.request
         if (request.n != 1 or request.media or self.speculation is not None or task.seq.overflow is not None
-                or getattr(self._model, "mrope_positions", None) is not None):
+                or self.runner.mrope):
             return False
         rows = [len(c.prompt_tail) + 1 for c in self.running] + [n]  # each row's positions
         return len(rows) * max(rows) - n <= MAX_JOINED_EXTRA
