@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_common import add_model_args, ensure_openblas, model_spec, peer_folder, resolve_spec  # noqa: E402
+from testkit.launch_process import ring_port  # noqa: E402
 from testkit.serve_process import free_port, wait_for_health  # noqa: E402
 
 PROMPTS = ["Tell me about the ocean.", "What is a prime number?", "Name three colors.", "Why is the sky blue?",
@@ -131,13 +132,13 @@ def main() -> None:
     runs = [("mlxkv serve (1 process)", lambda p: [sys.executable, "-m", "mlxkv", "serve", "-m", *ours,
                                                    "--port", str(p), "--log-level", "warning"], False),
             (f"mlxkv serve --distributed {args.mode} ({args.ranks} ranks)",
-             lambda p: [*launch, "--starting-port", str(free_port()), "--", sys.executable, "-m", "mlxkv", "serve",
+             lambda p: [*launch, "--starting-port", str(ring_port(args.ranks)), "--", sys.executable, "-m", "mlxkv", "serve",
                         "-m", *ours, "--distributed", args.mode, "--port", str(p), "--log-level", "warning"], True)]
     if not args.skip_mlx_lm:
         folder = peer_folder(path, dequantize=dequantize)
         pipeline = ["--pipeline"] if args.mode == "pipeline" else []
         runs.append((" ".join(["mlx_lm.server", *pipeline, f"({args.ranks} ranks)"]),
-                     lambda p: [*launch, "--starting-port", str(free_port()), "--", sys.executable, "-m",
+                     lambda p: [*launch, "--starting-port", str(ring_port(args.ranks)), "--", sys.executable, "-m",
                                 "mlx_lm.server", "--model", str(folder), *pipeline, "--port", str(p)], True))
     reference = None
     for name, cmd, distributed in runs:
@@ -164,7 +165,7 @@ def main() -> None:
         else:
             kv = "n/a (dense per-request caches)"
         rows.append((name, f"{same}/{len(texts)} equal to 1 process", kv, f"{tokens / seconds:.2f}"))
-    print(f"\n| server | greedy outputs | KV bytes/token per rank | output tok/s |\n|---|---|---|---|")
+    print("\n| server | greedy outputs | KV bytes/token per rank | output tok/s |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 

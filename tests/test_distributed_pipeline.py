@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from test_distributed import BUDGET, GENERATE, PROMPTS, _complete_all, _stats
 
-from testkit.launch_process import launch_available, start_launch
+from testkit.launch_process import launch_available, ring_port, start_launch
 from testkit.run_config import run_config
 
 from mlxkv.distributed.pipeline import split_layers
@@ -38,9 +38,7 @@ def test_split_layers_is_contiguous_and_balanced():
 @pytest.fixture(scope="module")
 def generating(llama_dir):
     """``mlxkv generate --distributed pipeline`` under mlx.launch, started with the server launch."""
-    from testkit.serve_process import free_port
-
-    proc = subprocess.Popen(["mlx.launch", "-n", "2", "--backend", "ring", "--starting-port", str(free_port()), "--",
+    proc = subprocess.Popen(["mlx.launch", "-n", "2", "--backend", "ring", "--starting-port", str(ring_port(2)), "--",
                              sys.executable, "-m", "mlxkv", *GENERATE, "-m", llama_dir, "--distributed", "pipeline"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     yield proc
@@ -138,6 +136,6 @@ def test_generate_under_mlx_launch_equals_one_process(generating, llama_dir):
     single = subprocess.run([sys.executable, "-m", "mlxkv", *GENERATE, "-m", llama_dir], capture_output=True,
                             text=True, timeout=120)
     out, err = generating.communicate(timeout=240)
-    assert single.returncode == 0 and generating.returncode == 0, err
-    assert single.stdout.strip()
-    assert out == single.stdout  # printed once (rank 0), the same greedy text
+    assert single.returncode == 0 and single.stdout.strip(), single.stderr
+    # mlx.launch exits 0 even when a rank fails: the text is the check, and the ranks' stderr says why it is missing
+    assert out == single.stdout, err  # printed once (rank 0), the same greedy text

@@ -25,18 +25,39 @@ def start_group(mode: str) -> Any:
     """The ``mx.distributed`` group of this launch for ``mode`` (``"tensor"`` or ``"pipeline"``).
 
     Raises:
-        ValueError: an unknown mode, or a launch of one rank (not started by ``mlx.launch``).
+        ValueError: an unknown mode, a launch of one rank (not started by ``mlx.launch``), or a group that could
+            not form (a port of the ring in use, an unreachable peer).
     """
     import mlx.core as mx
 
     check_mode(mode)
     if not mx.distributed.is_available():
         raise ValueError("this MLX build has no distributed backend (mx.distributed.is_available() is False)")
-    group = mx.distributed.init()
+    try:
+        group = mx.distributed.init()
+    except RuntimeError as exc:
+        raise ValueError(f"the distributed group did not start: {_explained(str(exc))}") from None
     if group.size() < 2:
         raise ValueError(f"--distributed {mode} needs several ranks: start it with mlx.launch, e.g. "
                          f"'mlx.launch -n 2 --backend ring -- mlxkv serve --distributed {mode} ...'")
     return group
+
+
+def _explained(message: str) -> str:
+    """MLX's error from ``mx.distributed.init``, its errno spelled out (``[ring] Couldn't bind socket (error: 98)``
+    names no cause), with the remedy for a ring port in use."""
+    import errno
+    import os
+    import re
+
+    found = re.search(r"\(error: (\d+)\)", message)
+    if found is None:
+        return message
+    code = int(found.group(1))
+    message = f"{message[:found.start()]}({os.strerror(code)}){message[found.end():]}"
+    if code == errno.EADDRINUSE:
+        message += ": a port of this launch's ring is taken; give mlx.launch another --starting-port"
+    return message
 
 
 def check_undistributed() -> None:

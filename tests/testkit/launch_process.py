@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,28 @@ from pathlib import Path
 from typing import Iterator
 
 from testkit.serve_process import free_port
+
+
+def ring_port(ranks: int) -> int:
+    """A ``--starting-port`` for a ring of ``ranks`` ranks: ``ranks`` consecutive loopback ports, all free now and
+    below the kernel's ephemeral range. mlx.launch gives rank i the port ``start + i``; a port of
+    :func:`free_port` is ephemeral, and its neighbour may be the source port of any connection the suite opens
+    meanwhile (rank 1 then fails to bind, and mlx.launch stops rank 0 yet exits 0)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 49152  # IANA's dynamic range, macOS's default
+    for _ in range(200):
+        start = random.randrange(10000, ephemeral - ranks)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(start, start + ranks):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+    raise RuntimeError(f"no {ranks} consecutive free loopback ports below {ephemeral}")
 
 
 def launch_available() -> str | None:
@@ -107,7 +131,7 @@ def start_launch(n: int, *args: str, mode: str = "tensor") -> Launch:
     waiting for it: see :meth:`Launch.wait_ready`)."""
     import openai
 
-    port, ring = free_port(), free_port()
+    port, ring = free_port(), ring_port(n)
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
         cmd = ["mlx.launch", "-n", str(n), "--backend", "ring", "--starting-port", str(ring), "--",
                sys.executable, "-m", "mlxkv", "serve", "--distributed", mode, *args, "--port", str(port)]
