@@ -192,6 +192,6 @@ def check_draft_model(spec: str) -> None:
         raise ValueError(f"--draft-model {spec}: {exc}") from None
 
 
-__all__ = ["check_files_option", "given", "check_utf8", "check_stop", "read_prompt", "check_folder_option", "check_file_option",
-           "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos", "check_adapter_option",
-           "check_draft_model", "WHY"]
+__all__ = ["check_files_option", "given", "check_utf8", "check_stop", "read_prompt", "check_folder_option",
+           "check_file_option", "refuse_unused", "unused_sampling", "refuse_useless_dequantize", "add_extra_eos",
+           "check_adapter_option", "check_draft_model", "WHY"]

@@ -132,8 +132,9 @@ def main() -> None:
     runs = [("mlxkv serve (1 process)", lambda p: [sys.executable, "-m", "mlxkv", "serve", "-m", *ours,
                                                    "--port", str(p), "--log-level", "warning"], False),
             (f"mlxkv serve --distributed {args.mode} ({args.ranks} ranks)",
-             lambda p: [*launch, "--starting-port", str(ring_port(args.ranks)), "--", sys.executable, "-m", "mlxkv", "serve",
-                        "-m", *ours, "--distributed", args.mode, "--port", str(p), "--log-level", "warning"], True)]
+             lambda p: [*launch, "--starting-port", str(ring_port(args.ranks)), "--", sys.executable, "-m", "mlxkv",
+                        "serve", "-m", *ours, "--distributed", args.mode, "--port", str(p), "--log-level", "warning"],
+             True)]
     if not args.skip_mlx_lm:
         folder = peer_folder(path, dequantize=dequantize)
         pipeline = ["--pipeline"] if args.mode == "pipeline" else []

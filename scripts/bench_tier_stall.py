@@ -153,8 +153,7 @@ def main() -> int:
         summary[name] = {key: round(statistics.median(r[key] for r in rounds), 4) for key in rounds[0]}
         summary[name]["rounds"] = [{k: round(v, 4) for k, v in r.items()} for r in rounds]
     print(json.dumps({"model": Path(model).name, "blas": blas, "prompt_tokens_approx": args.prompt_tokens,
-                      "trees": trees,
-                      "results": summary}, indent=2))
+                      "trees": trees, "results": summary}, indent=2))
     return 0
 
 
